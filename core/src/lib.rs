@@ -1,0 +1,20 @@
+//! kvgate-core: everything kvgate decides, with no I/O.
+//!
+//! The same code runs natively in the sidecar (which builds snapshots and
+//! serves the selection API) and as wasm32-wasip1 inside Envoy (where the
+//! filter decodes snapshots and picks a worker per request). Keeping it free of
+//! Envoy, tokio and ZMQ is what lets both hosts give the same answer for the
+//! same inputs.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+pub mod busy;
+pub mod hash;
+pub mod select;
+pub mod snapshot;
+
+pub use busy::Thresholds;
+pub use select::{Decision, Policy, RequestShape};
+pub use snapshot::{ModelState, RankLoad, Snapshot, SnapshotError, WorkerState};

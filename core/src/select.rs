@@ -1,0 +1,396 @@
+//! Worker selection: which (worker, data-parallel rank) serves a request.
+//!
+//! The cost is Dynamo's current overlap-credit form (see `docs/selection.md`):
+//!
+//! ```text
+//! raw_prefill   = (isl_tokens + active_prefill_tokens) / block_size
+//! credit        = overlap_credit * device + host_weight * host + disk_weight * disk
+//! prefill       = max(0, raw_prefill - credit)
+//! logit         = prefill_load_scale * prefill
+//!               + active_decode_blocks + request_blocks
+//!               + decode_active_request_weight * running
+//! ```
+//!
+//! The lowest logit wins. With no KV overlap known (every overlap zero) this
+//! reduces to "least loaded", which is the foundation policy; overlap from KV
+//! events plugs in through [`Overlap`] without changing callers.
+//!
+//! Busy ranks are never candidates. Ties at temperature 0 are broken by the
+//! caller's `tie_break` value rather than by worker order, so an idle fleet
+//! spreads a burst of identical requests instead of piling them onto the
+//! first worker, while the result stays a pure function of the inputs.
+
+use crate::snapshot::{ModelState, RankLoad, WorkerState};
+
+/// Cost weights, with Dynamo's defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Policy {
+    pub overlap_credit: f64,
+    pub host_weight: f64,
+    pub disk_weight: f64,
+    pub prefill_load_scale: f64,
+    pub decode_active_request_weight: f64,
+    /// 0 picks the minimum; above 0 samples from a softmax over the
+    /// range-normalised, negated logits.
+    pub temperature: f64,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            overlap_credit: 1.0,
+            host_weight: 0.75,
+            disk_weight: 0.25,
+            prefill_load_scale: 1.0,
+            decode_active_request_weight: 0.0,
+            temperature: 0.0,
+        }
+    }
+}
+
+/// What the selector needs to know about the request itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RequestShape {
+    /// Input sequence length in tokens (estimated for text prompts).
+    pub isl_tokens: u64,
+    /// Spreads ties; any per-request value (a counter, a hash) works.
+    pub tie_break: u64,
+    /// A uniform sample in [0, 1) used only when temperature > 0, so core
+    /// needs no random source of its own.
+    pub sample: f64,
+}
+
+/// Leading blocks of the request a rank already holds, per storage tier.
+/// Tiers are cumulative as in Mooncake: `host` counts blocks present on the
+/// device *or* host, and so on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overlap {
+    pub device: u32,
+    pub host: u32,
+    pub disk: u32,
+}
+
+/// The outcome of selection for one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Decision<'a> {
+    Route(Choice<'a>),
+    /// Workers exist and every one of them is busy: shed with 503.
+    AllBusy,
+    /// The model is known but no worker is up.
+    NoWorkers,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Choice<'a> {
+    pub worker: &'a WorkerState,
+    pub rank: &'a RankLoad,
+    pub logit: f64,
+    pub overlap: Overlap,
+}
+
+impl Policy {
+    /// The logit of placing `req` on `rank` given its overlap.
+    pub fn logit(
+        &self,
+        req: &RequestShape,
+        block_size: u32,
+        rank: &RankLoad,
+        overlap: Overlap,
+    ) -> f64 {
+        let bs = f64::from(block_size.max(1));
+        let raw_prefill = (req.isl_tokens as f64 + rank.active_prefill_tokens as f64) / bs;
+        // Host and disk are cumulative tiers; credit each block once, at the
+        // fastest tier that holds it.
+        let device = f64::from(overlap.device);
+        let host_only = f64::from(overlap.host.saturating_sub(overlap.device));
+        let disk_only = f64::from(
+            overlap
+                .disk
+                .saturating_sub(overlap.host.max(overlap.device)),
+        );
+        let credit = self.overlap_credit * device
+            + self.host_weight * host_only
+            + self.disk_weight * disk_only;
+        let prefill = (raw_prefill - credit).max(0.0);
+        let request_blocks = (req.isl_tokens as f64 / bs).ceil();
+        self.prefill_load_scale * prefill
+            + rank.active_decode_blocks as f64
+            + request_blocks
+            + self.decode_active_request_weight * f64::from(rank.running)
+    }
+}
+
+/// Selects a rank for `req` among the model's non-busy ranks.
+///
+/// `overlap` reports each candidate's cached prefix; pass `|_, _| Overlap::default()`
+/// when nothing is known.
+pub fn select<'a>(
+    model: &'a ModelState,
+    req: &RequestShape,
+    policy: &Policy,
+    mut overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
+) -> Decision<'a> {
+    let mut any_rank = false;
+    let mut best: Option<Choice<'a>> = None;
+    let mut ties: u64 = 0;
+    // Candidates are kept only for sampling; temperature 0 never allocates.
+    let mut pool: Vec<Choice<'a>> = Vec::new();
+    let sampling = policy.temperature > 0.0;
+    for worker in &model.workers {
+        for rank in &worker.ranks {
+            any_rank = true;
+            if rank.busy {
+                continue;
+            }
+            let ov = overlap(worker, rank);
+            let logit = policy.logit(req, worker.block_size, rank, ov);
+            let choice = Choice {
+                worker,
+                rank,
+                logit,
+                overlap: ov,
+            };
+            if sampling {
+                pool.push(choice);
+                continue;
+            }
+            match best {
+                Some(b) if logit > b.logit => {}
+                Some(b) if logit == b.logit => {
+                    // Reservoir-style: the k-th tie replaces the current pick
+                    // when the tie-break lands on it, which spreads ties
+                    // uniformly over tie_break values.
+                    ties += 1;
+                    if mix(req.tie_break, ties) % (ties + 1) == 0 {
+                        best = Some(choice);
+                    }
+                }
+                _ => {
+                    best = Some(choice);
+                    ties = 0;
+                }
+            }
+        }
+    }
+    if sampling {
+        best = sample(&pool, policy.temperature, req.sample);
+    }
+    match best {
+        Some(c) => Decision::Route(c),
+        None if any_rank => Decision::AllBusy,
+        None => Decision::NoWorkers,
+    }
+}
+
+/// splitmix64 of the tie-break and the tie index: a cheap, well-spread,
+/// deterministic choice among equals.
+fn mix(seed: u64, k: u64) -> u64 {
+    let mut z = seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn sample<'a>(pool: &[Choice<'a>], temperature: f64, u: f64) -> Option<Choice<'a>> {
+    let first = pool.first()?;
+    let (mut lo, mut hi) = (first.logit, first.logit);
+    for c in pool {
+        lo = lo.min(c.logit);
+        hi = hi.max(c.logit);
+    }
+    let range = if hi > lo { hi - lo } else { 1.0 };
+    // Shift by the best score so exp() never overflows.
+    let weights: Vec<f64> = pool
+        .iter()
+        .map(|c| (-(c.logit - lo) / range / temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut target = u.clamp(0.0, 1.0) * total;
+    for (c, w) in pool.iter().zip(&weights) {
+        if target < *w {
+            return Some(*c);
+        }
+        target -= w;
+    }
+    pool.last().copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rank(rank: u32, prefill: u64, decode: u64, busy: bool) -> RankLoad {
+        RankLoad {
+            rank,
+            active_prefill_tokens: prefill,
+            active_decode_blocks: decode,
+            busy,
+            ..Default::default()
+        }
+    }
+
+    fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
+        WorkerState {
+            id,
+            endpoint: format!("127.0.0.1:{}", 8000 + id),
+            block_size: 16,
+            ranks,
+        }
+    }
+
+    fn model(workers: Vec<WorkerState>) -> ModelState {
+        ModelState {
+            name: "m".into(),
+            workers,
+            ..Default::default()
+        }
+    }
+
+    fn pick(m: &ModelState, tie: u64) -> Option<(u64, u32)> {
+        let req = RequestShape {
+            isl_tokens: 100,
+            tie_break: tie,
+            sample: 0.0,
+        };
+        match select(m, &req, &Policy::default(), |_, _| Overlap::default()) {
+            Decision::Route(c) => Some((c.worker.id, c.rank.rank)),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn least_loaded_wins() {
+        let m = model(vec![
+            worker(1, vec![rank(0, 500, 10, false)]),
+            worker(2, vec![rank(0, 0, 2, false)]),
+            worker(3, vec![rank(0, 160, 0, false)]),
+        ]);
+        assert_eq!(pick(&m, 0), Some((2, 0)));
+    }
+
+    #[test]
+    fn busy_ranks_are_skipped_and_all_busy_sheds() {
+        let m = model(vec![
+            worker(1, vec![rank(0, 0, 0, true), rank(1, 900, 90, false)]),
+            worker(2, vec![rank(0, 0, 0, true)]),
+        ]);
+        assert_eq!(pick(&m, 0), Some((1, 1)));
+        let m = model(vec![worker(1, vec![rank(0, 0, 0, true)])]);
+        assert_eq!(
+            select(&m, &RequestShape::default(), &Policy::default(), |_, _| {
+                Overlap::default()
+            }),
+            Decision::AllBusy
+        );
+        let m = model(vec![]);
+        assert_eq!(
+            select(&m, &RequestShape::default(), &Policy::default(), |_, _| {
+                Overlap::default()
+            }),
+            Decision::NoWorkers
+        );
+    }
+
+    #[test]
+    fn ties_spread_over_tie_break_values_deterministically() {
+        let m = model(
+            (1..=4)
+                .map(|id| worker(id, vec![rank(0, 0, 0, false)]))
+                .collect(),
+        );
+        let mut counts = [0u32; 5];
+        for t in 0..4000 {
+            let (id, _) = pick(&m, t).unwrap();
+            counts[id as usize] += 1;
+            assert_eq!(pick(&m, t), Some((id, 0)), "same input, same answer");
+        }
+        for &c in &counts[1..] {
+            assert!((700..1300).contains(&c), "uneven spread {counts:?}");
+        }
+    }
+
+    #[test]
+    fn device_overlap_outweighs_small_load() {
+        let m = model(vec![
+            worker(1, vec![rank(0, 0, 0, false)]),
+            worker(2, vec![rank(0, 32, 0, false)]),
+        ]);
+        let req = RequestShape {
+            isl_tokens: 160,
+            ..Default::default()
+        };
+        let d = select(&m, &req, &Policy::default(), |w, _| Overlap {
+            device: if w.id == 2 { 8 } else { 0 },
+            host: if w.id == 2 { 8 } else { 0 },
+            disk: if w.id == 2 { 8 } else { 0 },
+        });
+        match d {
+            Decision::Route(c) => {
+                assert_eq!(c.worker.id, 2);
+                // (160 + 32) / 16 = 12 raw, minus 8 credit, plus 10 request blocks.
+                assert_eq!(c.logit, 4.0 + 10.0);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn host_and_disk_tiers_get_partial_credit() {
+        let p = Policy::default();
+        let r = rank(0, 0, 0, false);
+        let req = RequestShape {
+            isl_tokens: 16 * 10,
+            ..Default::default()
+        };
+        let none = p.logit(&req, 16, &r, Overlap::default());
+        let host = p.logit(
+            &req,
+            16,
+            &r,
+            Overlap {
+                device: 0,
+                host: 4,
+                disk: 4,
+            },
+        );
+        let disk = p.logit(
+            &req,
+            16,
+            &r,
+            Overlap {
+                device: 0,
+                host: 0,
+                disk: 4,
+            },
+        );
+        assert_eq!(none - host, 3.0);
+        assert_eq!(none - disk, 1.0);
+    }
+
+    #[test]
+    fn temperature_samples_and_prefers_low_cost() {
+        let m = model(vec![
+            worker(1, vec![rank(0, 0, 0, false)]),
+            worker(2, vec![rank(0, 1600, 100, false)]),
+        ]);
+        let policy = Policy {
+            temperature: 0.5,
+            ..Default::default()
+        };
+        let mut low = 0;
+        for i in 0..1000 {
+            let req = RequestShape {
+                isl_tokens: 16,
+                tie_break: 0,
+                sample: i as f64 / 1000.0,
+            };
+            if let Decision::Route(c) = select(&m, &req, &policy, |_, _| Overlap::default()) {
+                if c.worker.id == 1 {
+                    low += 1;
+                }
+            }
+        }
+        // softmax(0, -2) puts ~88 % on the cheaper worker.
+        assert!((850..920).contains(&low), "got {low}");
+    }
+}

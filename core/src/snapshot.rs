@@ -1,0 +1,659 @@
+//! The snapshot: everything the filter needs to decide, in one versioned,
+//! little-endian, length-checked byte string.
+//!
+//! The sidecar encodes a [`Snapshot`]; Envoy's singleton service stores the
+//! bytes in shared data; each filter VM decodes them once per version. The
+//! format is built for that path:
+//!
+//! * a fixed header (magic, major/minor, payload length, version, build time)
+//!   so a reader can reject foreign or truncated input before parsing;
+//! * every model, worker and rank record is prefixed with its own length, so
+//!   a newer minor version can append fields and an older reader skips them;
+//! * an unknown *major* version is refused outright with
+//!   [`SnapshotError::UnsupportedMajor`].
+//!
+//! Decoding never panics and never trusts a count: each count is checked
+//! against the bytes that remain before anything is allocated.
+
+use crate::busy::Thresholds;
+use thiserror::Error;
+
+/// Leading bytes of every snapshot.
+pub const MAGIC: [u8; 4] = *b"KVGS";
+/// Major version this build reads and writes.
+pub const MAJOR: u16 = 1;
+/// Minor version this build writes. Readers accept any minor of [`MAJOR`].
+pub const MINOR: u16 = 0;
+/// Header: magic, major, minor, payload length, version, build time.
+pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
+
+/// A decoded snapshot of the fleet.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// Monotonic per sidecar process; a change means "re-read me".
+    pub version: u64,
+    /// When the sidecar built it, Unix milliseconds.
+    pub built_at_ms: u64,
+    pub models: Vec<ModelState>,
+}
+
+/// One served model: its shedding thresholds and its schedulable workers.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ModelState {
+    pub name: String,
+    pub thresholds: Thresholds,
+    /// Only workers the sidecar considers up; a configured model with none is
+    /// still listed so the filter can tell "no workers" from "unknown model".
+    pub workers: Vec<WorkerState>,
+}
+
+/// One worker (an engine process group behind one HTTP endpoint).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WorkerState {
+    pub id: u64,
+    /// `ip:port`, exactly what the ORIGINAL_DST cluster connects to.
+    pub endpoint: String,
+    pub block_size: u32,
+    /// One entry per data-parallel rank, in rank order.
+    pub ranks: Vec<RankLoad>,
+}
+
+/// Load of one data-parallel rank, merged from engine metrics and gateway
+/// bookings by the sidecar.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RankLoad {
+    pub rank: u32,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub kv_used_blocks: u64,
+    pub kv_total_blocks: u64,
+    pub max_num_batched_tokens: u64,
+    pub running: u32,
+    pub waiting: u32,
+    pub busy: bool,
+}
+
+impl Snapshot {
+    pub fn model(&self, name: &str) -> Option<&ModelState> {
+        self.models.iter().find(|m| m.name == name)
+    }
+}
+
+/// Why a byte string is not a snapshot this build can use.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SnapshotError {
+    #[error("snapshot truncated: needed {needed} bytes at offset {offset}, {available} available")]
+    Truncated {
+        offset: usize,
+        needed: usize,
+        available: usize,
+    },
+    #[error("not a kvgate snapshot (bad magic)")]
+    BadMagic,
+    #[error("snapshot major version {found} is not supported (this build reads {supported})")]
+    UnsupportedMajor { found: u16, supported: u16 },
+    #[error("snapshot payload length {declared} does not match the {actual} bytes present")]
+    LengthMismatch { declared: usize, actual: usize },
+    #[error("snapshot record at offset {offset} declares length {len}, shorter than its fields")]
+    RecordTooShort { offset: usize, len: usize },
+    #[error("snapshot string at offset {offset} is not UTF-8")]
+    BadUtf8 { offset: usize },
+    #[error("snapshot has {count} {what}, more than its bytes can hold")]
+    ImplausibleCount { what: &'static str, count: u32 },
+    #[error("snapshot field {field} is too large to encode")]
+    TooLarge { field: &'static str },
+}
+
+// Fixed part of each record, after its own length prefix. A record's length
+// must cover at least this much; extra bytes are fields from a newer minor.
+const MODEL_FIXED: usize = 2 + 1 + 8 + 8 + 8 + 4; // name len, threshold flags, 3 thresholds, worker count
+const WORKER_FIXED: usize = 8 + 2 + 4 + 4; // id, endpoint len, block size, rank count
+const RANK_FIXED: usize = 4 + 8 * 5 + 4 + 4 + 1;
+
+const FLAG_BUSY: u8 = 1;
+const TH_DECODE: u8 = 1;
+const TH_PREFILL: u8 = 2;
+const TH_FRAC: u8 = 4;
+
+impl Snapshot {
+    /// Encodes into a fresh buffer.
+    pub fn encode(&self) -> Result<Vec<u8>, SnapshotError> {
+        let mut out = Vec::with_capacity(self.encoded_len_hint());
+        self.encode_into(&mut out)?;
+        Ok(out)
+    }
+
+    fn encoded_len_hint(&self) -> usize {
+        HEADER_LEN
+            + 4
+            + self
+                .models
+                .iter()
+                .map(|m| {
+                    4 + MODEL_FIXED
+                        + m.name.len()
+                        + m.workers
+                            .iter()
+                            .map(|w| {
+                                4 + WORKER_FIXED
+                                    + w.endpoint.len()
+                                    + w.ranks.len() * (2 + RANK_FIXED)
+                            })
+                            .sum::<usize>()
+                })
+                .sum::<usize>()
+    }
+
+    /// Appends the encoding to `out` (which may already hold other bytes).
+    pub fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), SnapshotError> {
+        let start = out.len();
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&MAJOR.to_le_bytes());
+        out.extend_from_slice(&MINOR.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes()); // payload length, patched below
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&self.built_at_ms.to_le_bytes());
+        put_count(out, self.models.len(), "models")?;
+        for m in &self.models {
+            let rec = begin_record(out);
+            put_str(out, &m.name, "model name")?;
+            let t = &m.thresholds;
+            let mut flags = 0u8;
+            if t.active_decode_blocks.is_some() {
+                flags |= TH_DECODE;
+            }
+            if t.active_prefill_tokens.is_some() {
+                flags |= TH_PREFILL;
+            }
+            if t.active_prefill_tokens_frac.is_some() {
+                flags |= TH_FRAC;
+            }
+            out.push(flags);
+            out.extend_from_slice(&t.active_decode_blocks.unwrap_or(0.0).to_le_bytes());
+            out.extend_from_slice(&t.active_prefill_tokens.unwrap_or(0).to_le_bytes());
+            out.extend_from_slice(&t.active_prefill_tokens_frac.unwrap_or(0.0).to_le_bytes());
+            put_count(out, m.workers.len(), "workers")?;
+            for w in &m.workers {
+                let wrec = begin_record(out);
+                out.extend_from_slice(&w.id.to_le_bytes());
+                put_str(out, &w.endpoint, "worker endpoint")?;
+                out.extend_from_slice(&w.block_size.to_le_bytes());
+                put_count(out, w.ranks.len(), "ranks")?;
+                for r in &w.ranks {
+                    // Rank records are small and numerous: a u16 length suffices.
+                    let at = out.len();
+                    out.extend_from_slice(&0u16.to_le_bytes());
+                    out.extend_from_slice(&r.rank.to_le_bytes());
+                    for v in [
+                        r.active_prefill_tokens,
+                        r.active_decode_blocks,
+                        r.kv_used_blocks,
+                        r.kv_total_blocks,
+                        r.max_num_batched_tokens,
+                    ] {
+                        out.extend_from_slice(&v.to_le_bytes());
+                    }
+                    out.extend_from_slice(&r.running.to_le_bytes());
+                    out.extend_from_slice(&r.waiting.to_le_bytes());
+                    out.push(if r.busy { FLAG_BUSY } else { 0 });
+                    let len = (out.len() - at - 2) as u16;
+                    out[at..at + 2].copy_from_slice(&len.to_le_bytes());
+                }
+                end_record(out, wrec, "worker record")?;
+            }
+            end_record(out, rec, "model record")?;
+        }
+        let payload = out.len() - start - HEADER_LEN;
+        let payload =
+            u32::try_from(payload).map_err(|_| SnapshotError::TooLarge { field: "payload" })?;
+        out[start + 8..start + 12].copy_from_slice(&payload.to_le_bytes());
+        Ok(())
+    }
+
+    /// Decodes a snapshot, validating every length against the input.
+    pub fn decode(bytes: &[u8]) -> Result<Snapshot, SnapshotError> {
+        let header = Header::parse(bytes)?;
+        let mut r = Reader::new(bytes, HEADER_LEN);
+        let model_count = r.u32()?;
+        r.plausible(model_count, 4 + MODEL_FIXED, "models")?;
+        let mut models = Vec::with_capacity(model_count as usize);
+        for _ in 0..model_count {
+            let mut m = r.record32(MODEL_FIXED)?;
+            let name = m.string()?;
+            let flags = m.u8()?;
+            let decode_th = m.f64()?;
+            let prefill_th = m.u64()?;
+            let frac_th = m.f64()?;
+            let thresholds = Thresholds {
+                active_decode_blocks: (flags & TH_DECODE != 0).then_some(decode_th),
+                active_prefill_tokens: (flags & TH_PREFILL != 0).then_some(prefill_th),
+                active_prefill_tokens_frac: (flags & TH_FRAC != 0).then_some(frac_th),
+            };
+            let worker_count = m.u32()?;
+            m.plausible(worker_count, 4 + WORKER_FIXED, "workers")?;
+            let mut workers = Vec::with_capacity(worker_count as usize);
+            for _ in 0..worker_count {
+                let mut w = m.record32(WORKER_FIXED)?;
+                let id = w.u64()?;
+                let endpoint = w.string()?;
+                let block_size = w.u32()?;
+                let rank_count = w.u32()?;
+                w.plausible(rank_count, 2 + RANK_FIXED, "ranks")?;
+                let mut ranks = Vec::with_capacity(rank_count as usize);
+                for _ in 0..rank_count {
+                    let mut k = w.record16(RANK_FIXED)?;
+                    ranks.push(RankLoad {
+                        rank: k.u32()?,
+                        active_prefill_tokens: k.u64()?,
+                        active_decode_blocks: k.u64()?,
+                        kv_used_blocks: k.u64()?,
+                        kv_total_blocks: k.u64()?,
+                        max_num_batched_tokens: k.u64()?,
+                        running: k.u32()?,
+                        waiting: k.u32()?,
+                        busy: k.u8()? & FLAG_BUSY != 0,
+                    });
+                }
+                workers.push(WorkerState {
+                    id,
+                    endpoint,
+                    block_size,
+                    ranks,
+                });
+            }
+            models.push(ModelState {
+                name,
+                thresholds,
+                workers,
+            });
+        }
+        Ok(Snapshot {
+            version: header.version,
+            built_at_ms: header.built_at_ms,
+            models,
+        })
+    }
+}
+
+/// The fixed header, readable on its own: the filter peeks at it to learn a
+/// snapshot's version without decoding the body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub major: u16,
+    pub minor: u16,
+    pub payload_len: usize,
+    pub version: u64,
+    pub built_at_ms: u64,
+}
+
+impl Header {
+    pub fn parse(bytes: &[u8]) -> Result<Header, SnapshotError> {
+        if bytes.len() < 8 {
+            return Err(SnapshotError::Truncated {
+                offset: 0,
+                needed: HEADER_LEN,
+                available: bytes.len(),
+            });
+        }
+        if bytes[..4] != MAGIC {
+            return Err(SnapshotError::BadMagic);
+        }
+        let mut r = Reader::new(bytes, 4);
+        let major = r.u16()?;
+        if major != MAJOR {
+            return Err(SnapshotError::UnsupportedMajor {
+                found: major,
+                supported: MAJOR,
+            });
+        }
+        let minor = r.u16()?;
+        let payload_len = r.u32()? as usize;
+        let version = r.u64()?;
+        let built_at_ms = r.u64()?;
+        let actual = bytes.len() - HEADER_LEN;
+        if payload_len != actual {
+            return Err(SnapshotError::LengthMismatch {
+                declared: payload_len,
+                actual,
+            });
+        }
+        Ok(Header {
+            major,
+            minor,
+            payload_len,
+            version,
+            built_at_ms,
+        })
+    }
+}
+
+fn put_count(out: &mut Vec<u8>, n: usize, what: &'static str) -> Result<(), SnapshotError> {
+    let n = u32::try_from(n).map_err(|_| SnapshotError::TooLarge { field: what })?;
+    out.extend_from_slice(&n.to_le_bytes());
+    Ok(())
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str, field: &'static str) -> Result<(), SnapshotError> {
+    let n = u16::try_from(s.len()).map_err(|_| SnapshotError::TooLarge { field })?;
+    out.extend_from_slice(&n.to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+    Ok(())
+}
+
+fn begin_record(out: &mut Vec<u8>) -> usize {
+    let at = out.len();
+    out.extend_from_slice(&0u32.to_le_bytes());
+    at
+}
+
+fn end_record(out: &mut [u8], at: usize, field: &'static str) -> Result<(), SnapshotError> {
+    let len = u32::try_from(out.len() - at - 4).map_err(|_| SnapshotError::TooLarge { field })?;
+    out[at..at + 4].copy_from_slice(&len.to_le_bytes());
+    Ok(())
+}
+
+/// A bounds-checked cursor over a byte window.
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn new(buf: &'a [u8], pos: usize) -> Self {
+        Reader { buf, pos }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], SnapshotError> {
+        let available = self.buf.len().saturating_sub(self.pos);
+        if n > available {
+            return Err(SnapshotError::Truncated {
+                offset: self.pos,
+                needed: n,
+                available,
+            });
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], SnapshotError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u8(&mut self) -> Result<u8, SnapshotError> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, SnapshotError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32, SnapshotError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, SnapshotError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn f64(&mut self) -> Result<f64, SnapshotError> {
+        Ok(f64::from_le_bytes(self.array()?))
+    }
+
+    fn string(&mut self) -> Result<String, SnapshotError> {
+        let len = self.u16()? as usize;
+        let offset = self.pos;
+        let bytes = self.take(len)?;
+        std::str::from_utf8(bytes)
+            .map(str::to_owned)
+            .map_err(|_| SnapshotError::BadUtf8 { offset })
+    }
+
+    /// Refuses a count that could not fit in the remaining bytes, so a
+    /// corrupted count cannot make us allocate gigabytes.
+    fn plausible(
+        &self,
+        count: u32,
+        min_each: usize,
+        what: &'static str,
+    ) -> Result<(), SnapshotError> {
+        let remaining = self.buf.len().saturating_sub(self.pos);
+        if (count as usize).saturating_mul(min_each) > remaining {
+            return Err(SnapshotError::ImplausibleCount { what, count });
+        }
+        Ok(())
+    }
+
+    fn sub(
+        &mut self,
+        len: usize,
+        fixed: usize,
+        offset: usize,
+    ) -> Result<Reader<'a>, SnapshotError> {
+        if len < fixed {
+            return Err(SnapshotError::RecordTooShort { offset, len });
+        }
+        let body = self.take(len)?;
+        Ok(Reader::new(body, 0))
+    }
+
+    fn record32(&mut self, fixed: usize) -> Result<Reader<'a>, SnapshotError> {
+        let offset = self.pos;
+        let len = self.u32()? as usize;
+        self.sub(len, fixed, offset)
+    }
+
+    fn record16(&mut self, fixed: usize) -> Result<Reader<'a>, SnapshotError> {
+        let offset = self.pos;
+        let len = self.u16()? as usize;
+        self.sub(len, fixed, offset)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample() -> Snapshot {
+        Snapshot {
+            version: 42,
+            built_at_ms: 1_700_000_000_123,
+            models: vec![
+                ModelState {
+                    name: "llama".into(),
+                    thresholds: Thresholds {
+                        active_decode_blocks: Some(0.85),
+                        active_prefill_tokens: None,
+                        active_prefill_tokens_frac: Some(1.5),
+                    },
+                    workers: vec![WorkerState {
+                        id: 7,
+                        endpoint: "127.0.0.1:8001".into(),
+                        block_size: 16,
+                        ranks: vec![
+                            RankLoad {
+                                rank: 0,
+                                active_prefill_tokens: 100,
+                                active_decode_blocks: 3,
+                                kv_used_blocks: 10,
+                                kv_total_blocks: 1000,
+                                max_num_batched_tokens: 8192,
+                                running: 2,
+                                waiting: 1,
+                                busy: false,
+                            },
+                            RankLoad {
+                                rank: 1,
+                                busy: true,
+                                ..Default::default()
+                            },
+                        ],
+                    }],
+                },
+                ModelState {
+                    name: "empty".into(),
+                    ..Default::default()
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let s = sample();
+        let bytes = s.encode().unwrap();
+        assert_eq!(Snapshot::decode(&bytes).unwrap(), s);
+        let h = Header::parse(&bytes).unwrap();
+        assert_eq!(
+            (h.version, h.built_at_ms, h.major),
+            (42, 1_700_000_000_123, MAJOR)
+        );
+    }
+
+    #[test]
+    fn rejects_unknown_major() {
+        let mut bytes = sample().encode().unwrap();
+        bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
+        assert_eq!(
+            Snapshot::decode(&bytes),
+            Err(SnapshotError::UnsupportedMajor {
+                found: 2,
+                supported: 1
+            })
+        );
+    }
+
+    #[test]
+    fn rejects_bad_magic_and_length() {
+        let mut bytes = sample().encode().unwrap();
+        bytes.push(0);
+        assert!(matches!(
+            Snapshot::decode(&bytes),
+            Err(SnapshotError::LengthMismatch { .. })
+        ));
+        bytes[0] = b'X';
+        assert_eq!(Snapshot::decode(&bytes), Err(SnapshotError::BadMagic));
+    }
+
+    #[test]
+    fn newer_minor_fields_are_skipped() {
+        // A minor-1 writer may append fields to any record; an old reader
+        // must skip them and still decode what it knows.
+        let s = sample();
+        let mut patched = s.encode().unwrap();
+        let model_rec_at = HEADER_LEN + 4;
+        let len = u32::from_le_bytes(patched[model_rec_at..model_rec_at + 4].try_into().unwrap());
+        let end = model_rec_at + 4 + len as usize;
+        patched.splice(end..end, [9u8, 9, 9, 9]);
+        patched[model_rec_at..model_rec_at + 4].copy_from_slice(&(len + 4).to_le_bytes());
+        let payload = (patched.len() - HEADER_LEN) as u32;
+        patched[8..12].copy_from_slice(&payload.to_le_bytes());
+        assert_eq!(Snapshot::decode(&patched).unwrap(), s);
+    }
+
+    #[test]
+    fn huge_counts_are_refused_without_allocating() {
+        let mut bytes = Snapshot::default().encode().unwrap();
+        bytes[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            Snapshot::decode(&bytes),
+            Err(SnapshotError::ImplausibleCount { what: "models", .. })
+        ));
+    }
+
+    fn arb_rank() -> impl Strategy<Value = RankLoad> {
+        (
+            any::<u32>(),
+            any::<[u64; 5]>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<bool>(),
+        )
+            .prop_map(|(rank, v, running, waiting, busy)| RankLoad {
+                rank,
+                active_prefill_tokens: v[0],
+                active_decode_blocks: v[1],
+                kv_used_blocks: v[2],
+                kv_total_blocks: v[3],
+                max_num_batched_tokens: v[4],
+                running,
+                waiting,
+                busy,
+            })
+    }
+
+    fn arb_snapshot() -> impl Strategy<Value = Snapshot> {
+        let worker = (
+            any::<u64>(),
+            "[a-z0-9.:]{0,24}",
+            any::<u32>(),
+            prop::collection::vec(arb_rank(), 0..4),
+        )
+            .prop_map(|(id, endpoint, block_size, ranks)| WorkerState {
+                id,
+                endpoint,
+                block_size,
+                ranks,
+            });
+        let thresholds = (
+            prop::option::of(0.0f64..1.0),
+            prop::option::of(any::<u64>()),
+            prop::option::of(0.0f64..100.0),
+        )
+            .prop_map(|(a, b, c)| Thresholds {
+                active_decode_blocks: a,
+                active_prefill_tokens: b,
+                active_prefill_tokens_frac: c,
+            });
+        let model = (
+            "\\PC{0,16}",
+            thresholds,
+            prop::collection::vec(worker, 0..5),
+        )
+            .prop_map(|(name, thresholds, workers)| ModelState {
+                name,
+                thresholds,
+                workers,
+            });
+        (
+            any::<u64>(),
+            any::<u64>(),
+            prop::collection::vec(model, 0..4),
+        )
+            .prop_map(|(version, built_at_ms, models)| Snapshot {
+                version,
+                built_at_ms,
+                models,
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn prop_round_trip(s in arb_snapshot()) {
+            let bytes = s.encode().unwrap();
+            prop_assert_eq!(Snapshot::decode(&bytes).unwrap(), s);
+        }
+
+        #[test]
+        fn prop_truncation_is_an_error_not_a_panic(s in arb_snapshot(), cut in 0usize..4096) {
+            let bytes = s.encode().unwrap();
+            let cut = cut.min(bytes.len().saturating_sub(1));
+            prop_assert!(Snapshot::decode(&bytes[..cut]).is_err());
+        }
+
+        #[test]
+        fn prop_random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+            let _ = Snapshot::decode(&bytes);
+        }
+
+        #[test]
+        fn prop_corrupted_snapshots_never_panic(s in arb_snapshot(), at in any::<usize>(), val in any::<u8>()) {
+            let mut bytes = s.encode().unwrap();
+            if !bytes.is_empty() {
+                let i = at % bytes.len();
+                bytes[i] = val;
+            }
+            let _ = Snapshot::decode(&bytes);
+        }
+    }
+}

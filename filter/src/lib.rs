@@ -1,0 +1,1 @@
+//! kvgate-filter (being built)
