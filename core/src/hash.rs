@@ -24,29 +24,26 @@ pub fn lora_seed(lora_name: Option<&str>) -> u64 {
 
 /// Hash of one block's tokens with the given seed.
 pub fn block_hash_with_seed(tokens: &[u32], seed: u64) -> u64 {
-    // Blocks are small (16–512 tokens), so a stack buffer covers nearly every
-    // real block size without touching the allocator on the hot path.
-    let mut stack = [0u8; 512 * 4];
-    let len = tokens.len() * 4;
-    if len <= stack.len() {
-        write_le(tokens, &mut stack[..len]);
-        xxh3_64_with_seed(&stack[..len], seed)
-    } else {
-        let mut heap = vec![0u8; len];
-        write_le(tokens, &mut heap);
-        xxh3_64_with_seed(&heap, seed)
+    // On little-endian targets (x86_64, aarch64, wasm32) a token slice already
+    // is its little-endian byte string: hash it in place. This is the hottest
+    // line of event ingest and of per-request hashing.
+    #[cfg(target_endian = "little")]
+    {
+        xxh3_64_with_seed(bytemuck::cast_slice(tokens), seed)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        let mut bytes = Vec::with_capacity(tokens.len() * 4);
+        for t in tokens {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        xxh3_64_with_seed(&bytes, seed)
     }
 }
 
 /// Hash of one block's tokens with Dynamo's default seed.
 pub fn block_hash(tokens: &[u32]) -> u64 {
     block_hash_with_seed(tokens, XXH3_SEED)
-}
-
-fn write_le(tokens: &[u32], out: &mut [u8]) {
-    for (chunk, t) in out.chunks_exact_mut(4).zip(tokens) {
-        chunk.copy_from_slice(&t.to_le_bytes());
-    }
 }
 
 /// Local block hashes of every full block of `tokens`.
@@ -125,7 +122,7 @@ mod tests {
     }
 
     #[test]
-    fn large_blocks_use_the_heap_path_with_the_same_result() {
+    fn hashing_in_place_equals_hashing_le_bytes() {
         let tokens: Vec<u32> = (0..1024).collect();
         let mut bytes = Vec::new();
         for t in &tokens {

@@ -13,6 +13,7 @@
 pub mod busy;
 pub mod hash;
 pub mod select;
+pub mod shard;
 pub mod snapshot;
 
 pub use busy::Thresholds;

@@ -1,0 +1,456 @@
+//! The simulator's HTTP surface: OpenAI-compatible completions (streaming
+//! and not), vLLM's `/metrics`, and a few admin endpoints for tests.
+
+use crate::engine::{AdmitError, Admitted, Rank, TimeModel, admit};
+use crate::tokenizer::{render_chat, tokenize};
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+pub struct Sim {
+    pub worker_id: u64,
+    pub model: String,
+    pub default_max_tokens: usize,
+    pub time: TimeModel,
+    pub ranks: Vec<Arc<Rank>>,
+    pub requests: AtomicU64,
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub max_num_batched_tokens: usize,
+}
+
+pub fn router(sim: Arc<Sim>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/sim/state", get(state))
+        .route("/sim/restart", post(restart))
+        .with_state(sim)
+}
+
+fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}});
+    (
+        status,
+        [("content-type", "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn bad(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+}
+
+/// A parsed request, whichever endpoint it came from.
+struct Job {
+    chat: bool,
+    tokens: Vec<u32>,
+    max_tokens: usize,
+    stream: bool,
+}
+
+fn parse_prompt(v: &Value) -> Result<Vec<u32>, String> {
+    match v {
+        Value::String(s) => Ok(tokenize(s)),
+        Value::Array(items) if items.is_empty() => Err("prompt is empty".into()),
+        Value::Array(items) => match &items[0] {
+            // A list of strings or of token lists is a batch; the simulator
+            // serves its first element, which is what routing looks at.
+            Value::String(_) | Value::Array(_) => parse_prompt(&items[0]),
+            _ => items
+                .iter()
+                .map(|t| {
+                    t.as_u64()
+                        .and_then(|t| u32::try_from(t).ok())
+                        .ok_or("token ids must be u32".to_string())
+                })
+                .collect(),
+        },
+        _ => Err("prompt must be a string, a list of strings or a list of token ids".into()),
+    }
+}
+
+fn parse_messages(v: &Value) -> Result<Vec<(String, String)>, String> {
+    let items = v.as_array().ok_or("messages must be a list")?;
+    items
+        .iter()
+        .map(|m| {
+            let role = m["role"]
+                .as_str()
+                .ok_or("each message needs a role")?
+                .to_string();
+            let content = match &m["content"] {
+                Value::String(s) => s.clone(),
+                Value::Array(parts) => parts
+                    .iter()
+                    .filter_map(|p| p["text"].as_str())
+                    .collect::<Vec<_>>()
+                    .join(""),
+                Value::Null => String::new(),
+                _ => return Err("message content must be a string or a list of parts".to_string()),
+            };
+            Ok((role, content))
+        })
+        .collect()
+}
+
+fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Response> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+    let model = v["model"]
+        .as_str()
+        .ok_or_else(|| bad("model is required"))?;
+    if model != sim.model {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            format!("The model `{model}` does not exist."),
+        ));
+    }
+    let tokens = if chat {
+        tokenize(&render_chat(&parse_messages(&v["messages"]).map_err(bad)?))
+    } else {
+        parse_prompt(&v["prompt"]).map_err(bad)?
+    };
+    let max_tokens = v["max_tokens"]
+        .as_u64()
+        .or_else(|| v["max_completion_tokens"].as_u64())
+        .map_or(sim.default_max_tokens, |m| m as usize)
+        .max(1);
+    Ok(Job {
+        chat,
+        tokens,
+        max_tokens,
+        stream: v["stream"].as_bool().unwrap_or(false),
+    })
+}
+
+fn pick_rank(sim: &Sim, headers: &HeaderMap) -> Result<Arc<Rank>, Response> {
+    if let Some(v) = headers.get("x-data-parallel-rank") {
+        let r: usize = v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| bad("X-Data-Parallel-Rank must be an integer"))?;
+        return sim.ranks.get(r).cloned().ok_or_else(|| {
+            bad(format!(
+                "X-Data-Parallel-Rank {r} is out of range (data parallel size {})",
+                sim.ranks.len()
+            ))
+        });
+    }
+    sim.ranks
+        .iter()
+        .min_by_key(|r| r.load())
+        .cloned()
+        .ok_or_else(|| bad("no ranks"))
+}
+
+async fn completions(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(sim, headers, body, false).await
+}
+
+async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(sim, headers, body, true).await
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The i-th output word: deterministic filler text.
+fn word(i: usize) -> &'static str {
+    const WORDS: [&str; 8] = [
+        "the ", "cache ", "is ", "warm ", "and ", "tokens ", "flow ", "fast ",
+    ];
+    WORDS[i % WORDS.len()]
+}
+
+async fn serve(sim: Arc<Sim>, headers: HeaderMap, body: Bytes, chat: bool) -> Response {
+    let job = match parse(&sim, &body, chat) {
+        Ok(j) => j,
+        Err(r) => return r,
+    };
+    let rank = match pick_rank(&sim, &headers) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let admitted = match admit(rank, &job.tokens, job.max_tokens).await {
+        Ok(a) => a,
+        Err(e @ AdmitError::TooLong { .. }) => return bad(e.to_string()),
+    };
+    let id = sim.requests.fetch_add(1, Ordering::Relaxed);
+    if job.stream {
+        stream(sim.clone(), job, admitted, id)
+    } else {
+        whole(sim.clone(), job, admitted, id).await
+    }
+}
+
+fn sim_headers(resp: &mut Response, sim: &Sim, rank: u32, cached: usize) {
+    let h = resp.headers_mut();
+    let mut put = |k: &'static str, v: String| {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            h.insert(k, v);
+        }
+    };
+    put("x-kvgate-sim-worker", sim.worker_id.to_string());
+    put("x-kvgate-sim-rank", rank.to_string());
+    put("x-kvgate-sim-cached-tokens", cached.to_string());
+}
+
+fn usage(job: &Job, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": job.tokens.len(),
+        "completion_tokens": job.max_tokens,
+        "total_tokens": job.tokens.len() + job.max_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+async fn whole(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response {
+    let cached = admitted.cached_tokens;
+    let rank = admitted.rank().index;
+    tokio::time::sleep(sim.time.prefill(job.tokens.len() - cached)).await;
+    let mut text = String::new();
+    for i in 0..job.max_tokens {
+        let running = admitted.rank().running.load(Ordering::Relaxed);
+        let step = sim.time.decode_step(running);
+        if !step.is_zero() {
+            tokio::time::sleep(step).await;
+        }
+        text.push_str(word(i));
+    }
+    drop(admitted);
+    let body = if job.chat {
+        json!({"id": format!("chatcmpl-{id}"), "object": "chat.completion", "created": now_s(), "model": sim.model,
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+               "usage": usage(&job, cached)})
+    } else {
+        json!({"id": format!("cmpl-{id}"), "object": "text_completion", "created": now_s(), "model": sim.model,
+               "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
+               "usage": usage(&job, cached)})
+    };
+    let mut resp = ([("content-type", "application/json")], body.to_string()).into_response();
+    sim_headers(&mut resp, &sim, rank, cached);
+    resp
+}
+
+fn stream(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response {
+    let cached = admitted.cached_tokens;
+    let rank = admitted.rank().index;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let s2 = sim.clone();
+    tokio::spawn(async move {
+        // `admitted` lives in this task: when the client goes away the send
+        // fails, the task ends and the request's blocks are released.
+        let sim = s2;
+        tokio::time::sleep(sim.time.prefill(job.tokens.len() - cached)).await;
+        let (object, idp) = if job.chat {
+            ("chat.completion.chunk", "chatcmpl")
+        } else {
+            ("text_completion", "cmpl")
+        };
+        for i in 0..job.max_tokens {
+            if i > 0 {
+                let step = sim
+                    .time
+                    .decode_step(admitted.rank().running.load(Ordering::Relaxed));
+                if !step.is_zero() {
+                    tokio::time::sleep(step).await;
+                }
+            }
+            let last = i + 1 == job.max_tokens;
+            let finish = if last { json!("length") } else { Value::Null };
+            let choice = if job.chat {
+                let delta = if i == 0 {
+                    json!({"role": "assistant", "content": word(i)})
+                } else {
+                    json!({"content": word(i)})
+                };
+                json!({"index": 0, "delta": delta, "finish_reason": finish})
+            } else {
+                json!({"index": 0, "text": word(i), "logprobs": null, "finish_reason": finish})
+            };
+            let mut chunk = json!({"id": format!("{idp}-{id}"), "object": object, "created": now_s(), "model": sim.model, "choices": [choice]});
+            if last {
+                chunk["usage"] = usage(&job, cached);
+            }
+            if tx
+                .send(Ok(Bytes::from(format!("data: {chunk}\n\n"))))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+        drop(admitted);
+    });
+    let body = Body::from_stream(tokio_stream_from(rx));
+    let mut resp = Response::new(body);
+    resp.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
+    resp.headers_mut()
+        .insert("cache-control", HeaderValue::from_static("no-cache"));
+    sim_headers(&mut resp, &sim, rank, cached);
+    resp
+}
+
+/// Adapts an mpsc receiver into a stream without pulling in tokio-stream.
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures::Stream<Item = T> + Send + 'static {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+async fn models(State(sim): State<Arc<Sim>>) -> Response {
+    let body = json!({"object": "list", "data": [{"id": sim.model, "object": "model", "created": now_s(), "owned_by": "kvgate-sim"}]});
+    ([("content-type", "application/json")], body.to_string()).into_response()
+}
+
+async fn reset_prefix_cache(State(sim): State<Arc<Sim>>) -> Response {
+    let all = sim.ranks.iter().all(|r| r.reset_prefix_cache());
+    if all {
+        StatusCode::OK.into_response()
+    } else {
+        error(
+            StatusCode::CONFLICT,
+            "conflict",
+            "requests are running; prefix cache not reset on every rank",
+        )
+    }
+}
+
+async fn restart(State(sim): State<Arc<Sim>>) -> Response {
+    for r in &sim.ranks {
+        r.restart();
+    }
+    StatusCode::OK.into_response()
+}
+
+async fn state(State(sim): State<Arc<Sim>>) -> Response {
+    let ranks: Vec<Value> = sim
+        .ranks
+        .iter()
+        .map(|r| {
+            let c = r.cache();
+            json!({
+                "rank": r.index,
+                "cached_blocks": c.cached_blocks(),
+                "used_blocks": c.used_blocks(),
+                "running": r.running.load(Ordering::Relaxed),
+                "waiting": r.waiting.load(Ordering::Relaxed),
+                "prefix_cache_queries": r.prefix_queries.load(Ordering::Relaxed),
+                "prefix_cache_hits": r.prefix_hits.load(Ordering::Relaxed),
+                "finished": r.finished.load(Ordering::Relaxed),
+            })
+        })
+        .collect();
+    let body = json!({"worker_id": sim.worker_id, "model": sim.model, "requests_total": sim.requests.load(Ordering::Relaxed), "ranks": ranks});
+    ([("content-type", "application/json")], body.to_string()).into_response()
+}
+
+async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
+    let mut out = String::new();
+    let m = &sim.model;
+    let family =
+        |out: &mut String, name: &str, kind: &str, help: &str, value: &dyn Fn(&Rank) -> String| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            for r in &sim.ranks {
+                let _ = writeln!(
+                    out,
+                    "{name}{{engine=\"{}\",model_name=\"{m}\"}} {}",
+                    r.index,
+                    value(r)
+                );
+            }
+        };
+    family(
+        &mut out,
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        &|r| format!("{:.1}", r.running.load(Ordering::Relaxed) as f64),
+    );
+    family(
+        &mut out,
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        &|r| format!("{:.1}", r.waiting.load(Ordering::Relaxed) as f64),
+    );
+    family(
+        &mut out,
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        &|r| format!("{}", r.cache().usage()),
+    );
+    family(
+        &mut out,
+        "vllm:gpu_cache_usage_perc",
+        "gauge",
+        "GPU KV-cache usage (deprecated name).",
+        &|r| format!("{}", r.cache().usage()),
+    );
+    family(
+        &mut out,
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in tokens.",
+        &|r| format!("{:.1}", r.prefix_queries.load(Ordering::Relaxed) as f64),
+    );
+    family(
+        &mut out,
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in tokens.",
+        &|r| format!("{:.1}", r.prefix_hits.load(Ordering::Relaxed) as f64),
+    );
+    family(
+        &mut out,
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemptions.",
+        &|_| "0.0".into(),
+    );
+    family(
+        &mut out,
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+        &|r| format!("{:.1}", r.finished.load(Ordering::Relaxed) as f64),
+    );
+    let _ = writeln!(
+        out,
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig"
+    );
+    let _ = writeln!(out, "# TYPE vllm:cache_config_info gauge");
+    for r in &sim.ranks {
+        let _ = writeln!(
+            out,
+            "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",engine=\"{}\",max_num_batched_tokens=\"{}\",model_name=\"{m}\",num_gpu_blocks=\"{}\"}} 1.0",
+            sim.block_size, r.index, sim.max_num_batched_tokens, sim.num_gpu_blocks
+        );
+    }
+    ([("content-type", "text/plain; version=0.0.4")], out).into_response()
+}

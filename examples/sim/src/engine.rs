@@ -1,0 +1,264 @@
+//! The simulated engine: per DP rank, a prefix cache, a running batch of at
+//! most `max_running` requests with a FIFO queue in front of it, and a time
+//! model.
+//!
+//! Time model (all durations divided by `speedup`, all skipped in instant
+//! mode): prefill takes `prefill_us_per_token` per *uncached* prompt token;
+//! each output token takes `decode_ms_per_token + decode_ms_per_running ×
+//! running`. Prefills of different requests overlap rather than being
+//! chunked into shared steps — a simplification that keeps cache-hit
+//! benefits and batch slow-down, which is what routing is judged on.
+
+use crate::cache::{Allocation, PrefixCache};
+use crate::events::Publisher;
+use crate::wire::SimEvent;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
+#[derive(Debug, Clone)]
+pub struct TimeModel {
+    pub prefill_us_per_token: f64,
+    pub decode_ms_per_token: f64,
+    pub decode_ms_per_running: f64,
+    pub speedup: f64,
+    pub instant: bool,
+}
+
+impl TimeModel {
+    pub fn prefill(&self, uncached_tokens: usize) -> Duration {
+        if self.instant {
+            return Duration::ZERO;
+        }
+        Duration::from_secs_f64(
+            uncached_tokens as f64 * self.prefill_us_per_token * 1e-6 / self.speedup.max(1e-9),
+        )
+    }
+
+    pub fn decode_step(&self, running: u32) -> Duration {
+        if self.instant {
+            return Duration::ZERO;
+        }
+        let ms = self.decode_ms_per_token + self.decode_ms_per_running * running as f64;
+        Duration::from_secs_f64(ms * 1e-3 / self.speedup.max(1e-9))
+    }
+}
+
+pub struct Rank {
+    pub index: u32,
+    cache: Mutex<PrefixCache>,
+    slots: Arc<Semaphore>,
+    space: Notify,
+    pub running: AtomicU32,
+    pub waiting: AtomicU32,
+    pub prefix_queries: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    pub finished: AtomicU64,
+    publisher: Option<Publisher>,
+}
+
+impl Rank {
+    pub fn new(
+        index: u32,
+        block_size: usize,
+        blocks: usize,
+        max_running: usize,
+        publisher: Option<Publisher>,
+    ) -> Rank {
+        Rank {
+            index,
+            cache: Mutex::new(PrefixCache::new(block_size, blocks)),
+            slots: Arc::new(Semaphore::new(max_running.max(1))),
+            space: Notify::new(),
+            running: AtomicU32::new(0),
+            waiting: AtomicU32::new(0),
+            prefix_queries: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
+            finished: AtomicU64::new(0),
+            publisher,
+        }
+    }
+
+    pub fn cache(&self) -> MutexGuard<'_, PrefixCache> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn load(&self) -> u32 {
+        self.running.load(Ordering::Relaxed) + self.waiting.load(Ordering::Relaxed)
+    }
+
+    fn publish(&self, ev: SimEvent) {
+        if let Some(p) = &self.publisher {
+            p.send(ev);
+        }
+    }
+
+    /// vLLM's reset_prefix_cache: refuses while requests hold blocks.
+    pub fn reset_prefix_cache(&self) -> bool {
+        let ok = self.cache().reset();
+        if ok {
+            self.publish(SimEvent::AllCleared);
+        }
+        ok
+    }
+
+    /// An engine restart: the cache is gone and the event sequence starts
+    /// over, with no AllBlocksCleared (a crashed process says nothing).
+    pub fn restart(&self) {
+        self.cache().wipe();
+        if let Some(p) = &self.publisher {
+            p.restart();
+        }
+        self.space.notify_waiters();
+    }
+}
+
+/// Why a request cannot be served at all.
+#[derive(Debug, thiserror::Error)]
+pub enum AdmitError {
+    #[error("prompt needs {need} KV blocks but the cache holds {capacity}")]
+    TooLong { need: usize, capacity: usize },
+}
+
+/// A running request's hold on its rank; dropping it releases everything,
+/// so a client that disconnects mid-stream frees its blocks.
+pub struct Admitted {
+    rank: Arc<Rank>,
+    alloc: Allocation,
+    _permit: OwnedSemaphorePermit,
+    pub cached_tokens: usize,
+}
+
+impl Admitted {
+    pub fn rank(&self) -> &Rank {
+        &self.rank
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.rank.cache().release(&self.alloc);
+        self.rank.running.fetch_sub(1, Ordering::Relaxed);
+        self.rank.finished.fetch_add(1, Ordering::Relaxed);
+        self.rank.space.notify_waiters();
+    }
+}
+
+/// Waits for a running slot and KV space, then pins the request's blocks.
+pub async fn admit(
+    rank: Arc<Rank>,
+    tokens: &[u32],
+    max_tokens: usize,
+) -> Result<Admitted, AdmitError> {
+    let (chain, decode_blocks, capacity) = {
+        let c = rank.cache();
+        let bs = c.block_size();
+        (c.chain(tokens), max_tokens.div_ceil(bs), c.capacity())
+    };
+    if chain.len() + decode_blocks > capacity {
+        return Err(AdmitError::TooLong {
+            need: chain.len() + decode_blocks,
+            capacity,
+        });
+    }
+    rank.waiting.fetch_add(1, Ordering::Relaxed);
+    // The semaphore is FIFO, so the queue is too.
+    let permit = match rank.slots.clone().acquire_owned().await {
+        Ok(p) => p,
+        Err(_) => unreachable!("the semaphore is never closed"),
+    };
+    let alloc = loop {
+        let notified = rank.space.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let mut events = Vec::new();
+        let got = rank
+            .cache()
+            .allocate(tokens, &chain, decode_blocks, &mut events);
+        for e in events {
+            rank.publish(SimEvent::Cache(e));
+        }
+        if let Some(a) = got {
+            break a;
+        }
+        notified.await;
+    };
+    rank.waiting.fetch_sub(1, Ordering::Relaxed);
+    rank.running.fetch_add(1, Ordering::Relaxed);
+    let bs = rank.cache().block_size();
+    let cached_tokens = alloc.cached_blocks * bs;
+    rank.prefix_queries
+        .fetch_add(tokens.len() as u64, Ordering::Relaxed);
+    rank.prefix_hits
+        .fetch_add(cached_tokens as u64, Ordering::Relaxed);
+    Ok(Admitted {
+        rank,
+        alloc,
+        _permit: permit,
+        cached_tokens,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_model_arithmetic() {
+        let t = TimeModel {
+            prefill_us_per_token: 20.0,
+            decode_ms_per_token: 2.0,
+            decode_ms_per_running: 0.5,
+            speedup: 2.0,
+            instant: false,
+        };
+        assert_eq!(t.prefill(1000), Duration::from_millis(10));
+        assert_eq!(t.decode_step(4), Duration::from_millis(2));
+        let instant = TimeModel { instant: true, ..t };
+        assert_eq!(instant.prefill(1000), Duration::ZERO);
+        assert_eq!(instant.decode_step(100), Duration::ZERO);
+    }
+
+    #[tokio::test]
+    async fn admission_waits_for_space_and_release_wakes_it() {
+        let rank = Arc::new(Rank::new(0, 4, 4, 8, None));
+        let a: Vec<u32> = (0..12).collect();
+        let first = admit(rank.clone(), &a, 4).await.unwrap();
+        assert_eq!(rank.cache().used_blocks(), 4);
+        let b: Vec<u32> = (100..108).collect();
+        let r2 = rank.clone();
+        let waiter = tokio::spawn(async move { admit(r2, &b, 0).await.map(|a| a.cached_tokens) });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(rank.waiting.load(Ordering::Relaxed), 1);
+        drop(first);
+        assert_eq!(waiter.await.unwrap().unwrap(), 0);
+        assert!(matches!(
+            admit(rank.clone(), &(0..40).collect::<Vec<_>>(), 0).await,
+            Err(AdmitError::TooLong { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn max_running_queues_requests() {
+        let rank = Arc::new(Rank::new(0, 4, 100, 1, None));
+        let first = admit(rank.clone(), &[1, 2, 3, 4], 1).await.unwrap();
+        let r2 = rank.clone();
+        let waiter =
+            tokio::spawn(async move { admit(r2, &[1, 2, 3, 4], 1).await.map(|a| a.cached_tokens) });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(
+            (
+                rank.running.load(Ordering::Relaxed),
+                rank.waiting.load(Ordering::Relaxed)
+            ),
+            (1, 1)
+        );
+        drop(first);
+        assert_eq!(
+            waiter.await.unwrap().unwrap(),
+            4,
+            "the second request hits the first's blocks"
+        );
+    }
+}

@@ -1,0 +1,62 @@
+//! Renders `envoy/envoy.yaml` for one stack.
+
+use anyhow::{Context, Result, bail};
+use std::path::Path;
+
+pub struct Vars {
+    pub admin_port: u16,
+    pub listen_port: u16,
+    pub plain_port: u16,
+    pub sidecar_port: u16,
+    pub wasm_path: String,
+    pub plugin_config: String,
+    pub fallback: Vec<String>,
+}
+
+/// The plugin configuration for the stack: quick polling so tests see
+/// changes fast, with the caller's keys on top.
+pub fn plugin_config(overrides: &serde_json::Value) -> String {
+    let mut cfg = serde_json::json!({
+        "poll_wait_ms": 1000,
+        "stale_after_ms": 3000,
+        "on_stale": "fail_open",
+    });
+    if let (Some(base), Some(extra)) = (cfg.as_object_mut(), overrides.as_object()) {
+        for (k, v) in extra {
+            base.insert(k.clone(), v.clone());
+        }
+    }
+    cfg.to_string()
+}
+
+pub fn render(template: &Path, v: &Vars) -> Result<String> {
+    let text = std::fs::read_to_string(template)
+        .with_context(|| format!("reading {}", template.display()))?;
+    let endpoints: String = v
+        .fallback
+        .iter()
+        .map(|ep| {
+            let (host, port) = ep.rsplit_once(':').unwrap_or((ep, "80"));
+            format!(
+                "        - endpoint:\n            address:\n              socket_address: {{ address: {host}, port_value: {port} }}\n"
+            )
+        })
+        .collect();
+    // The plugin JSON sits inside a single-quoted YAML scalar.
+    let plugin = v.plugin_config.replace('\'', "''");
+    let out = text
+        .replace("${ADMIN_PORT}", &v.admin_port.to_string())
+        .replace("${LISTEN_PORT}", &v.listen_port.to_string())
+        .replace("${PLAIN_PORT}", &v.plain_port.to_string())
+        .replace("${SIDECAR_PORT}", &v.sidecar_port.to_string())
+        .replace("${WASM_PATH}", &v.wasm_path)
+        .replace("${PLUGIN_CONFIG}", &plugin)
+        .replace("${FALLBACK_ENDPOINTS}\n", &endpoints);
+    if let Some(at) = out.find("${") {
+        bail!(
+            "unfilled placeholder in envoy.yaml near {:?}",
+            &out[at..(at + 30).min(out.len())]
+        );
+    }
+    Ok(out)
+}

@@ -1,0 +1,420 @@
+//! Starts and stops a local kvgate stack: real Envoy with the kvgate filter,
+//! the sidecar, and `kvgate-sim` workers, all on loopback.
+//!
+//! One implementation serves `cargo xtask demo`, the end-to-end tests and the
+//! benchmarks, so what the tests check is exactly what the demo shows. Every
+//! process is killed when the [`Stack`] is dropped, and each one writes its
+//! output to a log file whose tail is printed when start-up fails.
+
+mod envoy;
+pub mod http;
+mod paths;
+mod ports;
+mod process;
+
+use anyhow::{Context, Result, bail};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+pub use paths::Paths;
+pub use process::Proc;
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct StackConfig {
+    pub model: String,
+    pub workers: usize,
+    pub dp_size: u32,
+    pub block_size: u32,
+    /// Extra `kvgate-sim` flags for every worker (time model, cache size...).
+    pub sim_args: Vec<String>,
+    /// Whether workers publish KV events over ZMQ (ports are allocated).
+    pub kv_events: bool,
+    /// Plugin configuration merged over the stack's defaults.
+    pub plugin: serde_json::Value,
+    /// Extra TOML appended to the `[[models]]` entry (thresholds).
+    pub model_toml: String,
+    /// Sidecar scrape interval.
+    pub scrape_interval_ms: u64,
+    pub down_after_ms: u64,
+    pub envoy_concurrency: u32,
+}
+
+impl Default for StackConfig {
+    fn default() -> Self {
+        StackConfig {
+            model: "demo-model".into(),
+            workers: 4,
+            dp_size: 1,
+            block_size: 16,
+            sim_args: vec!["--speedup".into(), "20".into()],
+            kv_events: false,
+            plugin: serde_json::json!({}),
+            model_toml: String::new(),
+            scrape_interval_ms: 100,
+            down_after_ms: 600,
+            envoy_concurrency: 2,
+        }
+    }
+}
+
+/// One simulated worker and the ports it serves.
+#[derive(Debug)]
+pub struct Worker {
+    pub id: u64,
+    pub port: u16,
+    pub events_port: Option<u16>,
+    pub replay_port: Option<u16>,
+    args: Vec<String>,
+    proc: Option<Proc>,
+}
+
+impl Worker {
+    pub fn endpoint(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+/// A running stack. Dropping it stops every process.
+pub struct Stack {
+    pub paths: Paths,
+    pub config: StackConfig,
+    pub envoy_port: u16,
+    pub plain_port: u16,
+    pub admin_port: u16,
+    pub sidecar_port: u16,
+    pub workers: Vec<Worker>,
+    pub run_dir: PathBuf,
+    envoy: Option<Proc>,
+    sidecar: Option<Proc>,
+}
+
+impl Stack {
+    /// Starts everything and waits until Envoy routes with fresh state.
+    pub fn start(config: StackConfig) -> Result<Stack> {
+        Stack::start_with(Paths::discover()?, config)
+    }
+
+    /// Like [`Stack::start`] with explicit locations of the parts.
+    pub fn start_with(paths: Paths, config: StackConfig) -> Result<Stack> {
+        paths.check()?;
+        let run_dir = paths.new_run_dir()?;
+        let mut ports = ports::free_ports(4 + config.workers)?.into_iter();
+        let mut next = || ports.next().context("ran out of allocated ports");
+        let (envoy_port, plain_port, admin_port, sidecar_port) =
+            (next()?, next()?, next()?, next()?);
+
+        // Engines put DP rank r on base + r, so event ports come from one
+        // contiguous run: [events(dp), replay(dp)] per worker.
+        let dp = config.dp_size as u16;
+        let event_base = if config.kv_events {
+            Some(ports::free_block(2 * dp * config.workers as u16)?)
+        } else {
+            None
+        };
+        let mut workers = Vec::with_capacity(config.workers);
+        for i in 0..config.workers {
+            let id = i as u64 + 1;
+            let port = next()?;
+            let (events_port, replay_port) = match event_base {
+                Some(base) => {
+                    let at = base + 2 * dp * i as u16;
+                    (Some(at), Some(at + dp))
+                }
+                None => (None, None),
+            };
+            let mut args = vec![
+                "--listen".to_string(),
+                format!("127.0.0.1:{port}"),
+                "--worker-id".into(),
+                id.to_string(),
+                "--model".into(),
+                config.model.clone(),
+                "--block-size".into(),
+                config.block_size.to_string(),
+                "--dp-size".into(),
+                config.dp_size.to_string(),
+            ];
+            if let (Some(e), Some(r)) = (events_port, replay_port) {
+                args.extend([
+                    "--kv-events-endpoint".into(),
+                    format!("tcp://127.0.0.1:{e}"),
+                    "--kv-replay-endpoint".into(),
+                    format!("tcp://127.0.0.1:{r}"),
+                ]);
+            }
+            args.extend(config.sim_args.iter().cloned());
+            workers.push(Worker {
+                id,
+                port,
+                events_port,
+                replay_port,
+                args,
+                proc: None,
+            });
+        }
+
+        let mut stack = Stack {
+            paths,
+            config,
+            envoy_port,
+            plain_port,
+            admin_port,
+            sidecar_port,
+            workers,
+            run_dir,
+            envoy: None,
+            sidecar: None,
+        };
+        for i in 0..stack.workers.len() {
+            stack.start_worker(i)?;
+        }
+        for w in &stack.workers {
+            http::wait_for_status(&w.endpoint(), "/health", 200, Duration::from_secs(20))
+                .with_context(|| format!("worker {} did not become healthy", w.id))?;
+        }
+        stack.start_sidecar()?;
+        stack.start_envoy()?;
+        stack.wait_routing_ready(Duration::from_secs(60))?;
+        Ok(stack)
+    }
+
+    pub fn envoy_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.envoy_port)
+    }
+    pub fn envoy_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.envoy_port)
+    }
+    pub fn plain_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.plain_port)
+    }
+    pub fn sidecar_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.sidecar_port)
+    }
+    pub fn admin_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.admin_port)
+    }
+
+    /// Starts (or restarts) worker `i` with the arguments it was created with.
+    pub fn start_worker(&mut self, i: usize) -> Result<()> {
+        let w = &mut self.workers[i];
+        let name = format!("worker-{}", w.id);
+        let proc = Proc::spawn(&name, &self.paths.bin("kvgate-sim"), &w.args, &self.run_dir)?;
+        w.proc = Some(proc);
+        Ok(())
+    }
+
+    /// Kills worker `i` abruptly, as a crash would.
+    pub fn kill_worker(&mut self, i: usize) {
+        if let Some(mut p) = self.workers[i].proc.take() {
+            p.kill();
+        }
+    }
+
+    /// Kills the sidecar abruptly; Envoy keeps its last snapshot until it
+    /// goes stale.
+    pub fn kill_sidecar(&mut self) {
+        if let Some(mut p) = self.sidecar.take() {
+            p.kill();
+        }
+    }
+
+    /// Restarts a killed sidecar with the same configuration.
+    pub fn restart_sidecar(&mut self) -> Result<()> {
+        self.kill_sidecar();
+        self.start_sidecar()
+    }
+
+    fn start_sidecar(&mut self) -> Result<()> {
+        let c = &self.config;
+        let mut toml = format!(
+            "[server]\nlisten = \"127.0.0.1:{}\"\npublish_interval_ms = 20\n\n[scrape]\ninterval_ms = {}\ntimeout_ms = {}\ndown_after_ms = {}\n\n[[models]]\nname = \"{}\"\n{}\n",
+            self.sidecar_port,
+            c.scrape_interval_ms,
+            c.scrape_interval_ms.max(200),
+            c.down_after_ms,
+            c.model,
+            c.model_toml
+        );
+        for w in &self.workers {
+            toml.push_str(&format!(
+                "\n[[workers]]\nworker_id = {}\nmodel_name = \"{}\"\nendpoint = \"{}\"\nblock_size = {}\ndata_parallel_size = {}\n",
+                w.id,
+                c.model,
+                w.endpoint(),
+                c.block_size,
+                c.dp_size
+            ));
+            if let (Some(e), Some(r)) = (w.events_port, w.replay_port) {
+                toml.push_str(&format!(
+                    "replay_endpoint = \"tcp://127.0.0.1:{r}\"\n[workers.kv_events_endpoints]\n"
+                ));
+                for rank in 0..c.dp_size {
+                    toml.push_str(&format!(
+                        "\"{rank}\" = \"tcp://127.0.0.1:{}\"\n",
+                        e as u32 + rank
+                    ));
+                }
+            }
+        }
+        let path = self.run_dir.join("sidecar.toml");
+        if !path.exists() {
+            std::fs::write(&path, toml).context("writing sidecar.toml")?;
+        }
+        let args = vec!["--config".to_string(), path.display().to_string()];
+        self.sidecar = Some(Proc::spawn(
+            "sidecar",
+            &self.paths.bin("kvgate-sidecar"),
+            &args,
+            &self.run_dir,
+        )?);
+        http::wait_for_status(
+            &self.sidecar_addr(),
+            "/health",
+            200,
+            Duration::from_secs(20),
+        )
+        .context("sidecar did not come up")
+        .map_err(|e| self.explain(e))?;
+        Ok(())
+    }
+
+    fn start_envoy(&mut self) -> Result<()> {
+        let plugin = envoy::plugin_config(&self.config.plugin);
+        let endpoints: Vec<String> = self.workers.iter().map(Worker::endpoint).collect();
+        let yaml = envoy::render(
+            &self.paths.repo.join("envoy/envoy.yaml"),
+            &envoy::Vars {
+                admin_port: self.admin_port,
+                listen_port: self.envoy_port,
+                plain_port: self.plain_port,
+                sidecar_port: self.sidecar_port,
+                wasm_path: self.paths.wasm.display().to_string(),
+                plugin_config: plugin,
+                fallback: endpoints,
+            },
+        )?;
+        let path = self.run_dir.join("envoy.yaml");
+        std::fs::write(&path, yaml).context("writing envoy.yaml")?;
+        let args = vec![
+            "-c".to_string(),
+            path.display().to_string(),
+            "--concurrency".into(),
+            self.config.envoy_concurrency.to_string(),
+            "--log-level".into(),
+            "warn".into(),
+            "--component-log-level".into(),
+            "wasm:info".into(),
+            "--base-id".into(),
+            // Distinct per stack so parallel stacks never share Envoy's hot
+            // restart shared memory.
+            (u32::from(self.admin_port)).to_string(),
+        ];
+        self.envoy = Some(Proc::spawn(
+            "envoy",
+            &self.paths.envoy,
+            &args,
+            &self.run_dir,
+        )?);
+        http::wait_for_status(&self.admin_addr(), "/ready", 200, Duration::from_secs(60))
+            .context("envoy did not become ready")
+            .map_err(|e| self.explain(e))?;
+        Ok(())
+    }
+
+    /// Waits until the filter has a snapshot in which every worker is up.
+    pub fn wait_routing_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let want = self.workers.iter().filter(|w| w.proc.is_some()).count();
+        loop {
+            let up = self.sidecar_workers_up().unwrap_or(0);
+            let version = self.envoy_stat("kvgate_snapshot_version").unwrap_or(0);
+            let sidecar_version = self
+                .sidecar_state()
+                .ok()
+                .and_then(|s| s["version"].as_u64())
+                .unwrap_or(0);
+            if up >= want && version > 0 && version >= sidecar_version {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let e = anyhow::anyhow!(
+                    "routing not ready: sidecar reports {up}/{want} workers up, envoy snapshot version {version}, sidecar version {sidecar_version}"
+                );
+                return Err(self.explain(e));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The sidecar's JSON view of the current snapshot.
+    pub fn sidecar_state(&self) -> Result<serde_json::Value> {
+        let (status, body) = http::get(&self.sidecar_addr(), "/v1/state")?;
+        if status != 200 {
+            bail!("sidecar /v1/state answered {status}");
+        }
+        Ok(serde_json::from_slice(&body)?)
+    }
+
+    /// Number of workers the current snapshot lists (all models).
+    pub fn sidecar_workers_up(&self) -> Result<usize> {
+        let s = self.sidecar_state()?;
+        Ok(s["models"]
+            .as_array()
+            .map(|ms| {
+                ms.iter()
+                    .map(|m| m["workers"].as_array().map_or(0, Vec::len))
+                    .sum()
+            })
+            .unwrap_or(0))
+    }
+
+    /// Reads one of the filter's metrics from Envoy's admin `/stats`.
+    pub fn envoy_stat(&self, name: &str) -> Result<u64> {
+        let (status, body) = http::get(
+            &self.admin_addr(),
+            &format!("/stats?filter=wasmcustom\\.{name}$"),
+        )?;
+        if status != 200 {
+            bail!("envoy /stats answered {status}");
+        }
+        let text = String::from_utf8_lossy(&body);
+        for line in text.lines() {
+            if let Some((k, v)) = line.split_once(": ")
+                && k.trim() == format!("wasmcustom.{name}")
+            {
+                return Ok(v.trim().parse().unwrap_or(0));
+            }
+        }
+        Ok(0)
+    }
+
+    /// The tail of every process log, for failure messages.
+    pub fn log_tails(&self) -> String {
+        process::tails(&self.run_dir, 40)
+    }
+
+    fn explain(&self, e: anyhow::Error) -> anyhow::Error {
+        e.context(format!(
+            "process logs in {}:\n{}",
+            self.run_dir.display(),
+            self.log_tails()
+        ))
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if let Some(mut p) = self.envoy.take() {
+            p.kill();
+        }
+        if let Some(mut p) = self.sidecar.take() {
+            p.kill();
+        }
+        for w in &mut self.workers {
+            if let Some(mut p) = w.proc.take() {
+                p.kill();
+            }
+        }
+    }
+}

@@ -1,0 +1,411 @@
+//! End to end on real Envoy: the kvgate filter (the real `.wasm`), the
+//! sidecar, and `kvgate-sim` workers, all on loopback.
+//!
+//! Each test starts its own stack. Stacks are serialized: a stack is four
+//! workers, a sidecar and Envoy, and two of them at once on a 2-core machine
+//! would make timing-dependent steps (scrape bounds) flaky.
+
+use kvgate_stack::{Stack, StackConfig, http};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct Reply {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+fn post(stack: &Stack, path: &str, body: &[u8], headers: &[(&str, &str)]) -> Reply {
+    let mut h = vec![("content-type", "application/json")];
+    h.extend_from_slice(headers);
+    let (status, headers, body) =
+        http::request_full(&stack.envoy_addr(), "POST", path, &h, Some(body))
+            .unwrap_or_else(|e| panic!("request failed: {e:#}\n{}", stack.log_tails()));
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn chat(stack: &Stack, model: &str, text: &str, max_tokens: u32) -> Reply {
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+    });
+    post(
+        stack,
+        "/v1/chat/completions",
+        body.to_string().as_bytes(),
+        &[],
+    )
+}
+
+fn start(config: StackConfig) -> Stack {
+    Stack::start(config).unwrap_or_else(|e| panic!("stack failed to start: {e:#}"))
+}
+
+#[test]
+fn routes_to_workers_the_snapshot_allows_and_spreads_load() {
+    let _g = serial();
+    let stack = start(StackConfig::default());
+    let allowed: Vec<String> = stack.workers.iter().map(|w| w.id.to_string()).collect();
+    let mut per_worker: BTreeMap<String, u32> = BTreeMap::new();
+    for i in 0..24 {
+        // A client-supplied destination must never be honoured.
+        let body = json!({"model": "demo-model", "prompt": format!("request {i} about routing"), "max_tokens": 4});
+        let r = post(
+            &stack,
+            "/v1/completions",
+            body.to_string().as_bytes(),
+            &[("x-gateway-destination-endpoint", "127.0.0.1:1")],
+        );
+        assert_eq!(r.status, 200, "body: {}\n{}", r.text(), stack.log_tails());
+        let worker = r
+            .header("x-kvgate-sim-worker")
+            .expect("sim worker header")
+            .to_string();
+        assert!(
+            allowed.contains(&worker),
+            "routed to unknown worker {worker}"
+        );
+        let j = r.json();
+        assert_eq!(j["object"], "text_completion");
+        *per_worker.entry(worker).or_default() += 1;
+    }
+    // Idle workers tie; ties are spread, so more than one worker serves.
+    assert!(
+        per_worker.len() >= 2,
+        "all requests went to one worker: {per_worker:?}"
+    );
+    assert_eq!(stack.envoy_stat("kvgate_routed_total").unwrap(), 24);
+
+    // Paths kvgate does not route pass through to Envoy's own balancing.
+    let (status, body) = http::get(&stack.envoy_addr(), "/v1/models").unwrap();
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(models["data"][0]["id"], "demo-model");
+}
+
+#[test]
+fn streaming_works_through_envoy() {
+    let _g = serial();
+    let stack = start(StackConfig::default());
+    let body = json!({
+        "model": "demo-model",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "stream please"}],
+        "stream": true,
+        "max_tokens": 6,
+    });
+    let r = post(
+        &stack,
+        "/v1/chat/completions",
+        body.to_string().as_bytes(),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        r.header("content-type")
+            .unwrap_or_default()
+            .starts_with("text/event-stream")
+    );
+    let text = r.text();
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "stream: {text}");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert!(
+        chunks.len() >= 6,
+        "expected a chunk per token, got {}",
+        chunks.len()
+    );
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
+}
+
+#[test]
+fn error_replies_come_from_envoy_without_touching_workers() {
+    let _g = serial();
+    let stack = start(StackConfig {
+        plugin: json!({"max_body_bytes": 4096}),
+        ..StackConfig::default()
+    });
+    let served_before = served_total(&stack);
+
+    let r = chat(&stack, "no-such-model", "hi", 4);
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-reason"), Some("unknown_model"));
+    assert_eq!(r.json()["error"]["code"], 404);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no-such-model")
+    );
+
+    let r = post(
+        &stack,
+        "/v1/chat/completions",
+        b"{\"model\": \"demo-model\", \"messages\": [",
+        &[],
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-reason"), Some("bad_request"));
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+
+    let r = post(
+        &stack,
+        "/v1/completions",
+        br#"{"model": "demo-model"}"#,
+        &[],
+    );
+    assert_eq!(r.status, 400, "a completion needs a prompt: {}", r.text());
+
+    let big = json!({"model": "demo-model", "prompt": "x".repeat(10_000)});
+    let r = post(&stack, "/v1/completions", big.to_string().as_bytes(), &[]);
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-reason"), Some("body_too_large"));
+
+    assert_eq!(
+        served_total(&stack),
+        served_before,
+        "a local reply reached a worker"
+    );
+}
+
+#[test]
+fn sheds_with_503_when_every_worker_is_busy() {
+    let _g = serial();
+    // Tiny KV caches and slow decoding: one long request makes a worker busy
+    // by the decode-blocks rule (threshold 10 % of 64 blocks).
+    let stack = start(StackConfig {
+        workers: 2,
+        sim_args: [
+            "--num-gpu-blocks",
+            "64",
+            "--decode-ms-per-token",
+            "40",
+            "--speedup",
+            "1",
+            "--default-max-tokens",
+            "4",
+        ]
+        .map(String::from)
+        .to_vec(),
+        model_toml: "active_decode_blocks_threshold = 0.1".into(),
+        ..StackConfig::default()
+    });
+    let long_prompt: Vec<u32> = (0..160).collect();
+    let hogs: Vec<_> = (0..2)
+        .map(|i| {
+            let addr = stack.envoy_addr();
+            let mut prompt = long_prompt.clone();
+            prompt[0] = 10_000 + i;
+            std::thread::spawn(move || {
+                let body = json!({"model": "demo-model", "prompt": prompt, "max_tokens": 150});
+                http::request_full(
+                    &addr,
+                    "POST",
+                    "/v1/completions",
+                    &[("content-type", "application/json")],
+                    Some(body.to_string().as_bytes()),
+                )
+                .map(|(s, h, _)| (s, h))
+            })
+        })
+        .collect();
+
+    // Wait until the sidecar sees both workers busy and Envoy has that state.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut shed = None;
+    while Instant::now() < deadline {
+        let r = chat(&stack, "demo-model", "may I?", 2);
+        if r.status == 503 {
+            shed = Some(r);
+            break;
+        }
+        assert_eq!(r.status, 200, "{}", r.text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = shed.unwrap_or_else(|| {
+        panic!(
+            "never shed; sidecar state {}",
+            stack.sidecar_state().unwrap()
+        )
+    });
+    assert_eq!(
+        r.json(),
+        json!({"message": "Service temporarily unavailable: All workers are busy, please retry later", "type": "service_unavailable", "code": 503})
+    );
+    assert_eq!(r.header("x-kvgate-reason"), Some("all_workers_busy"));
+    assert!(r.header("retry-after").is_some());
+    assert!(
+        r.header("x-kvgate-sim-worker").is_none(),
+        "a worker answered the 503"
+    );
+
+    // The hogs finish, load drains, and admission resumes.
+    let distinct: std::collections::BTreeSet<String> = hogs
+        .into_iter()
+        .map(|h| {
+            let (status, headers) = h.join().unwrap().unwrap();
+            assert_eq!(status, 200);
+            headers
+                .into_iter()
+                .find(|(k, _)| k == "x-kvgate-sim-worker")
+                .unwrap()
+                .1
+        })
+        .collect();
+    assert_eq!(
+        distinct.len(),
+        2,
+        "the two hogs should have landed on different workers"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = chat(&stack, "demo-model", "again?", 2);
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still shedding after load drained: {}",
+            r.text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        stack
+            .envoy_stat("kvgate_rejected_all_workers_busy_total")
+            .unwrap()
+            >= 1
+    );
+}
+
+#[test]
+fn a_dead_worker_is_routed_around_and_no_workers_gives_503() {
+    let _g = serial();
+    let mut stack = start(StackConfig {
+        workers: 3,
+        ..StackConfig::default()
+    });
+    stack.kill_worker(0);
+    // Past the sidecar's down bound (600 ms) and a snapshot round trip.
+    std::thread::sleep(Duration::from_millis(1500));
+    for i in 0..12 {
+        let r = chat(&stack, "demo-model", &format!("after the crash {i}"), 2);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_ne!(
+            r.header("x-kvgate-sim-worker"),
+            Some("1"),
+            "routed to the dead worker"
+        );
+    }
+    stack.kill_worker(1);
+    stack.kill_worker(2);
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = chat(&stack, "demo-model", "anyone?", 2);
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-reason"), Some("no_workers"));
+    assert_eq!(r.json()["error"]["code"], 503);
+
+    // A worker that comes back is used again.
+    stack.start_worker(0).unwrap();
+    stack.wait_routing_ready(Duration::from_secs(20)).unwrap();
+    let r = chat(&stack, "demo-model", "welcome back", 2);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-sim-worker"), Some("1"));
+}
+
+#[test]
+fn stale_state_fails_open_to_envoys_own_balancing() {
+    let _g = serial();
+    let mut stack = start(StackConfig {
+        plugin: json!({"stale_after_ms": 800, "on_stale": "fail_open"}),
+        ..StackConfig::default()
+    });
+    stack.kill_sidecar();
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = chat(&stack, "demo-model", "sidecar is gone", 2);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(stack.envoy_stat("kvgate_failed_open_total").unwrap() >= 1);
+    assert!(
+        stack
+            .envoy_stat("kvgate_snapshot_poll_errors_total")
+            .unwrap()
+            >= 1
+    );
+
+    // The sidecar returns and kvgate routes again.
+    stack.restart_sidecar().unwrap();
+    stack.wait_routing_ready(Duration::from_secs(20)).unwrap();
+    let routed = stack.envoy_stat("kvgate_routed_total").unwrap();
+    let r = chat(&stack, "demo-model", "sidecar is back", 2);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(stack.envoy_stat("kvgate_routed_total").unwrap(), routed + 1);
+}
+
+#[test]
+fn stale_state_fails_closed_when_configured() {
+    let _g = serial();
+    let mut stack = start(StackConfig {
+        workers: 2,
+        plugin: json!({"stale_after_ms": 800, "on_stale": "fail_closed"}),
+        ..StackConfig::default()
+    });
+    stack.kill_sidecar();
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = chat(&stack, "demo-model", "sidecar is gone", 2);
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-reason"), Some("stale_state"));
+}
+
+/// Completions served by all workers, from their own metrics.
+fn served_total(stack: &Stack) -> u64 {
+    let mut total = 0;
+    for w in &stack.workers {
+        if let Ok((200, body)) = http::get(&w.endpoint(), "/sim/state") {
+            let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            total += v["requests_total"].as_u64().unwrap_or(0);
+        }
+    }
+    total
+}

@@ -1,0 +1,58 @@
+//! Builds the filter module and the native binaries.
+
+use crate::{cargo, repo, sh};
+use anyhow::Result;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Profile {
+    Debug,
+    Release,
+}
+
+impl Profile {
+    pub fn dir(self) -> PathBuf {
+        repo().join(match self {
+            Profile::Debug => "target/debug",
+            Profile::Release => "target/release",
+        })
+    }
+}
+
+pub fn wasm_path() -> PathBuf {
+    repo().join("target/wasm32-wasip1/release-wasm/kvgate_filter.wasm")
+}
+
+/// The filter is always built optimized: Envoy runs it, and a debug build
+/// would make every filter test measure the wrong thing.
+pub fn wasm() -> Result<()> {
+    sh(
+        &cargo(),
+        &[
+            "build",
+            "-p",
+            "kvgate-filter",
+            "--target",
+            "wasm32-wasip1",
+            "--profile",
+            "release-wasm",
+        ],
+        &[],
+    )
+}
+
+pub fn bins(profile: Profile) -> Result<()> {
+    let mut args = vec![
+        "build",
+        "-p",
+        "kvgate-sidecar",
+        "-p",
+        "kvgate-sim",
+        "-p",
+        "kvgate-load",
+    ];
+    if profile == Profile::Release {
+        args.push("--release");
+    }
+    sh(&cargo(), &args, &[])
+}
