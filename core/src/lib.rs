@@ -15,6 +15,7 @@ pub mod hash;
 pub mod select;
 pub mod shard;
 pub mod snapshot;
+pub mod update;
 
 pub use busy::Thresholds;
 pub use select::{Decision, Policy, RequestShape};

@@ -42,6 +42,9 @@ pub struct Snapshot {
 pub struct ModelState {
     pub name: String,
     pub thresholds: Thresholds,
+    /// Number of KV index shards published for this model; 0 when no worker
+    /// of the model publishes KV events (no prefix index).
+    pub shard_count: u32,
     /// Only workers the sidecar considers up; a configured model with none is
     /// still listed so the filter can tell "no workers" from "unknown model".
     pub workers: Vec<WorkerState>,
@@ -63,6 +66,8 @@ pub struct WorkerState {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RankLoad {
     pub rank: u32,
+    /// The rank's number in the KV index shards of its model.
+    pub slot: u16,
     pub active_prefill_tokens: u64,
     pub active_decode_blocks: u64,
     pub kv_used_blocks: u64,
@@ -106,9 +111,9 @@ pub enum SnapshotError {
 
 // Fixed part of each record, after its own length prefix. A record's length
 // must cover at least this much; extra bytes are fields from a newer minor.
-const MODEL_FIXED: usize = 2 + 1 + 8 + 8 + 8 + 4; // name len, threshold flags, 3 thresholds, worker count
+const MODEL_FIXED: usize = 2 + 1 + 8 + 8 + 8 + 4 + 4; // name len, threshold flags, 3 thresholds, shard count, worker count
 const WORKER_FIXED: usize = 8 + 2 + 4 + 4; // id, endpoint len, block size, rank count
-const RANK_FIXED: usize = 4 + 8 * 5 + 4 + 4 + 1;
+const RANK_FIXED: usize = 4 + 2 + 8 * 5 + 4 + 4 + 1;
 
 const FLAG_BUSY: u8 = 1;
 const TH_DECODE: u8 = 1;
@@ -172,6 +177,7 @@ impl Snapshot {
             out.extend_from_slice(&t.active_decode_blocks.unwrap_or(0.0).to_le_bytes());
             out.extend_from_slice(&t.active_prefill_tokens.unwrap_or(0).to_le_bytes());
             out.extend_from_slice(&t.active_prefill_tokens_frac.unwrap_or(0.0).to_le_bytes());
+            out.extend_from_slice(&m.shard_count.to_le_bytes());
             put_count(out, m.workers.len(), "workers")?;
             for w in &m.workers {
                 let wrec = begin_record(out);
@@ -184,6 +190,7 @@ impl Snapshot {
                     let at = out.len();
                     out.extend_from_slice(&0u16.to_le_bytes());
                     out.extend_from_slice(&r.rank.to_le_bytes());
+                    out.extend_from_slice(&r.slot.to_le_bytes());
                     for v in [
                         r.active_prefill_tokens,
                         r.active_decode_blocks,
@@ -224,6 +231,7 @@ impl Snapshot {
             let decode_th = m.f64()?;
             let prefill_th = m.u64()?;
             let frac_th = m.f64()?;
+            let shard_count = m.u32()?;
             let thresholds = Thresholds {
                 active_decode_blocks: (flags & TH_DECODE != 0).then_some(decode_th),
                 active_prefill_tokens: (flags & TH_PREFILL != 0).then_some(prefill_th),
@@ -244,6 +252,7 @@ impl Snapshot {
                     let mut k = w.record16(RANK_FIXED)?;
                     ranks.push(RankLoad {
                         rank: k.u32()?,
+                        slot: k.u16()?,
                         active_prefill_tokens: k.u64()?,
                         active_decode_blocks: k.u64()?,
                         kv_used_blocks: k.u64()?,
@@ -264,6 +273,7 @@ impl Snapshot {
             models.push(ModelState {
                 name,
                 thresholds,
+                shard_count,
                 workers,
             });
         }
@@ -466,6 +476,7 @@ mod tests {
                         active_prefill_tokens: None,
                         active_prefill_tokens_frac: Some(1.5),
                     },
+                    shard_count: 64,
                     workers: vec![WorkerState {
                         id: 7,
                         endpoint: "127.0.0.1:8001".into(),
@@ -473,6 +484,7 @@ mod tests {
                         ranks: vec![
                             RankLoad {
                                 rank: 0,
+                                slot: 3,
                                 active_prefill_tokens: 100,
                                 active_decode_blocks: 3,
                                 kv_used_blocks: 10,
@@ -563,14 +575,13 @@ mod tests {
 
     fn arb_rank() -> impl Strategy<Value = RankLoad> {
         (
-            any::<u32>(),
+            (any::<u32>(), any::<u16>()),
             any::<[u64; 5]>(),
-            any::<u32>(),
-            any::<u32>(),
-            any::<bool>(),
+            (any::<u32>(), any::<u32>(), any::<bool>()),
         )
-            .prop_map(|(rank, v, running, waiting, busy)| RankLoad {
+            .prop_map(|((rank, slot), v, (running, waiting, busy))| RankLoad {
                 rank,
+                slot,
                 active_prefill_tokens: v[0],
                 active_decode_blocks: v[1],
                 kv_used_blocks: v[2],
@@ -608,11 +619,13 @@ mod tests {
         let model = (
             "\\PC{0,16}",
             thresholds,
+            any::<u32>(),
             prop::collection::vec(worker, 0..5),
         )
-            .prop_map(|(name, thresholds, workers)| ModelState {
+            .prop_map(|(name, thresholds, shard_count, workers)| ModelState {
                 name,
                 thresholds,
+                shard_count,
                 workers,
             });
         (

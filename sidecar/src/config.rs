@@ -1,0 +1,425 @@
+//! The sidecar's configuration file (TOML) and the worker shape shared with
+//! the `/workers` API.
+//!
+//! Every key is checked: unknown keys are errors (a typo must not silently
+//! turn shedding off), and each error names the entry it is about.
+
+use kvgate_core::Thresholds;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::Path;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {source}")]
+    Parse {
+        path: String,
+        source: Box<toml::de::Error>,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: Server,
+    #[serde(default)]
+    pub scrape: Scrape,
+    #[serde(default)]
+    pub kv: Kv,
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
+    #[serde(default)]
+    pub workers: Vec<WorkerSpec>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Server {
+    /// APIs, `/metrics` and `/v1/snapshot`.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Snapshots are rebuilt at most this often after a change.
+    #[serde(default = "default_publish_ms")]
+    pub publish_interval_ms: u64,
+}
+
+impl Default for Server {
+    fn default() -> Self {
+        Server {
+            listen: default_listen(),
+            publish_interval_ms: default_publish_ms(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scrape {
+    #[serde(default = "default_interval")]
+    pub interval_ms: u64,
+    #[serde(default = "default_timeout")]
+    pub timeout_ms: u64,
+    /// A worker with no successful scrape for this long is down.
+    #[serde(default = "default_down_after")]
+    pub down_after_ms: u64,
+}
+
+impl Default for Scrape {
+    fn default() -> Self {
+        Scrape {
+            interval_ms: default_interval(),
+            timeout_ms: default_timeout(),
+            down_after_ms: default_down_after(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Kv {
+    /// Index shards per model, as the filter reads them.
+    #[serde(default = "default_shards")]
+    pub shards: u32,
+    /// A rank indexing more blocks than this has missed removals and is
+    /// resynchronised; bounds the sidecar's memory.
+    #[serde(default = "default_max_blocks")]
+    pub max_blocks_per_rank: usize,
+    /// Changed shards are published at most this often.
+    #[serde(default = "default_kv_publish")]
+    pub publish_interval_ms: u64,
+    #[serde(default = "default_replay_timeout")]
+    pub replay_timeout_ms: u64,
+}
+
+impl Default for Kv {
+    fn default() -> Self {
+        Kv {
+            shards: default_shards(),
+            max_blocks_per_rank: default_max_blocks(),
+            publish_interval_ms: default_kv_publish(),
+            replay_timeout_ms: default_replay_timeout(),
+        }
+    }
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9190))
+}
+fn default_publish_ms() -> u64 {
+    50
+}
+fn default_interval() -> u64 {
+    500
+}
+fn default_timeout() -> u64 {
+    400
+}
+fn default_down_after() -> u64 {
+    2000
+}
+fn default_shards() -> u32 {
+    4096
+}
+fn default_max_blocks() -> usize {
+    4 << 20
+}
+fn default_kv_publish() -> u64 {
+    5
+}
+fn default_replay_timeout() -> u64 {
+    2000
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub name: String,
+    pub active_decode_blocks_threshold: Option<f64>,
+    pub active_prefill_tokens_threshold: Option<u64>,
+    pub active_prefill_tokens_threshold_frac: Option<f64>,
+}
+
+impl ModelConfig {
+    pub fn thresholds(&self) -> Thresholds {
+        Thresholds {
+            active_decode_blocks: self.active_decode_blocks_threshold,
+            active_prefill_tokens: self.active_prefill_tokens_threshold,
+            active_prefill_tokens_frac: self.active_prefill_tokens_threshold_frac,
+        }
+    }
+}
+
+/// Checks threshold ranges: decode in [0, 1], fraction above 0.
+pub fn check_thresholds(t: &Thresholds) -> Result<(), String> {
+    if let Some(d) = t.active_decode_blocks
+        && !(0.0..=1.0).contains(&d)
+    {
+        return Err(format!(
+            "active_decode_blocks_threshold must be within [0, 1], got {d}"
+        ));
+    }
+    if let Some(f) = t.active_prefill_tokens_frac
+        && !(f > 0.0 && f.is_finite())
+    {
+        return Err(format!(
+            "active_prefill_tokens_threshold_frac must be above 0, got {f}"
+        ));
+    }
+    Ok(())
+}
+
+/// A worker: one engine endpoint serving one model with one or more DP
+/// ranks. The same shape comes from the config file and from `POST /workers`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    pub worker_id: u64,
+    pub model_name: String,
+    #[serde(default = "default_tenant", alias = "routing_group")]
+    pub tenant_id: String,
+    /// `ip:port` (an `http://` prefix is accepted and dropped): what Envoy's
+    /// ORIGINAL_DST cluster connects to.
+    pub endpoint: String,
+    /// Defaults to `http://{endpoint}/metrics`.
+    #[serde(default)]
+    pub metrics_url: Option<String>,
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    #[serde(default)]
+    pub data_parallel_start_rank: u32,
+    #[serde(default = "default_dp")]
+    pub data_parallel_size: u32,
+    /// The engine's `max_num_batched_tokens`, for the fractional prefill
+    /// threshold (0 = unknown; then read from metrics when published).
+    #[serde(default)]
+    pub max_num_batched_tokens: u64,
+    /// DP rank → ZMQ PUB endpoint of its KV events.
+    #[serde(default)]
+    pub kv_events_endpoints: BTreeMap<String, String>,
+    /// Replay ROUTER endpoint of rank 0 (rank r: port + r).
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+}
+
+fn default_tenant() -> String {
+    "default".into()
+}
+fn default_block_size() -> u32 {
+    16
+}
+fn default_dp() -> u32 {
+    1
+}
+
+impl WorkerSpec {
+    /// Normalises and validates in place.
+    pub fn normalize(&mut self) -> Result<(), String> {
+        let id = self.worker_id;
+        let ep = self
+            .endpoint
+            .trim()
+            .trim_start_matches("http://")
+            .trim_end_matches('/');
+        let addr: SocketAddr = ep.parse().map_err(|_| {
+            format!(
+                "worker {id}: endpoint {:?} must be ip:port (Envoy connects to it directly)",
+                self.endpoint
+            )
+        })?;
+        self.endpoint = addr.to_string();
+        if self.block_size == 0 {
+            return Err(format!("worker {id}: block_size must be above 0"));
+        }
+        if self.data_parallel_size == 0 {
+            return Err(format!("worker {id}: data_parallel_size must be above 0"));
+        }
+        if self.model_name.is_empty() {
+            return Err(format!("worker {id}: model_name is empty"));
+        }
+        for (rank, ep) in &self.kv_events_endpoints {
+            let r: u32 = rank.parse().map_err(|_| {
+                format!("worker {id}: kv_events_endpoints key {rank:?} is not a rank number")
+            })?;
+            if r >= self.data_parallel_size {
+                return Err(format!(
+                    "worker {id}: kv_events_endpoints has rank {r} but data_parallel_size is {}",
+                    self.data_parallel_size
+                ));
+            }
+            if !ep.contains("://") {
+                return Err(format!(
+                    "worker {id}: kv event endpoint {ep:?} needs a scheme, e.g. tcp://host:5557"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn metrics_url(&self) -> String {
+        self.metrics_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{}/metrics", self.endpoint))
+    }
+
+    /// The KV event endpoint of DP rank `r` (0-based within this worker):
+    /// listed explicitly, or derived from rank 0's by the engines' port
+    /// offset.
+    pub fn events_endpoint(&self, r: u32) -> Option<String> {
+        if let Some(ep) = self.kv_events_endpoints.get(&r.to_string()) {
+            return Some(ep.clone());
+        }
+        let base = self.kv_events_endpoints.get("0")?;
+        crate::kv::subscriber::offset_port(base, r)
+    }
+
+    pub fn replay_endpoint_of(&self, r: u32) -> Option<String> {
+        crate::kv::subscriber::offset_port(self.replay_endpoint.as_deref()?, r)
+    }
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { source, .. } => ConfigError::Parse {
+                path: path.display().to_string(),
+                source,
+            },
+            other => other,
+        })
+    }
+
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let mut c: Config = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: "<config>".into(),
+            source: Box::new(source),
+        })?;
+        c.validate().map_err(ConfigError::Invalid)?;
+        Ok(c)
+    }
+
+    fn validate(&mut self) -> Result<(), String> {
+        let mut names = BTreeSet::new();
+        for m in &self.models {
+            if !names.insert(m.name.clone()) {
+                return Err(format!("model {:?} is listed twice", m.name));
+            }
+            check_thresholds(&m.thresholds()).map_err(|e| format!("model {:?}: {e}", m.name))?;
+        }
+        let mut ids = BTreeSet::new();
+        for w in &mut self.workers {
+            if !ids.insert(w.worker_id) {
+                return Err(format!("worker {} is listed twice", w.worker_id));
+            }
+            if !names.contains(&w.model_name) {
+                return Err(format!(
+                    "worker {} serves model {:?}, which is not in [[models]]",
+                    w.worker_id, w.model_name
+                ));
+            }
+            w.normalize()?;
+        }
+        if self.scrape.interval_ms == 0 || self.scrape.timeout_ms == 0 {
+            return Err("scrape.interval_ms and scrape.timeout_ms must be above 0".into());
+        }
+        if self.kv.shards == 0 {
+            return Err("kv.shards must be above 0".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[server]
+listen = "127.0.0.1:9999"
+
+[[models]]
+name = "m"
+active_decode_blocks_threshold = 0.85
+
+[[workers]]
+worker_id = 1
+model_name = "m"
+endpoint = "http://127.0.0.1:8001/"
+data_parallel_size = 2
+kv_events_endpoints = { "0" = "tcp://127.0.0.1:5557" }
+replay_endpoint = "tcp://127.0.0.1:5567"
+"#;
+
+    #[test]
+    fn parses_with_defaults_and_normalises() {
+        let c = Config::parse(GOOD).unwrap();
+        assert_eq!(c.server.listen.port(), 9999);
+        assert_eq!(c.scrape.down_after_ms, 2000);
+        let w = &c.workers[0];
+        assert_eq!(w.endpoint, "127.0.0.1:8001");
+        assert_eq!(w.metrics_url(), "http://127.0.0.1:8001/metrics");
+        assert_eq!(w.tenant_id, "default");
+        assert_eq!(w.block_size, 16);
+        assert_eq!(
+            w.events_endpoint(1).as_deref(),
+            Some("tcp://127.0.0.1:5558")
+        );
+        assert_eq!(
+            w.replay_endpoint_of(1).as_deref(),
+            Some("tcp://127.0.0.1:5568")
+        );
+        assert_eq!(c.models[0].thresholds().active_decode_blocks, Some(0.85));
+    }
+
+    fn err(text: &str) -> String {
+        Config::parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn each_mistake_is_named() {
+        assert!(err("[server]\nlisten = 5").contains("listen"));
+        assert!(err("bogus = 1").contains("bogus"));
+        let worker = |extra: &str| {
+            format!(
+                "[[models]]\nname = \"m\"\n[[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"127.0.0.1:1\"\n{extra}"
+            )
+        };
+        assert!(err(&worker("block_size = 0")).contains("block_size"));
+        assert!(err(&worker("data_parallel_size = 0")).contains("data_parallel_size"));
+        assert!(err(&worker("kv_events_endpoints = { \"3\" = \"tcp://x:1\" }")).contains("rank 3"));
+        assert!(
+            err(&format!(
+                "{}\n[[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"127.0.0.1:2\"",
+                worker("")
+            ))
+            .contains("listed twice")
+        );
+        assert!(
+            err("[[workers]]\nworker_id = 1\nmodel_name = \"x\"\nendpoint = \"127.0.0.1:1\"")
+                .contains("not in [[models]]")
+        );
+        assert!(err(&worker("").replace("127.0.0.1:1", "worker-a:8000")).contains("ip:port"));
+        assert!(
+            err("[[models]]\nname = \"m\"\nactive_decode_blocks_threshold = 1.5")
+                .contains("[0, 1]")
+        );
+        assert!(
+            err("[[models]]\nname = \"m\"\nactive_prefill_tokens_threshold_frac = 0")
+                .contains("above 0")
+        );
+        assert!(err("[[models]]\nname = \"m\"\n[[models]]\nname = \"m\"").contains("twice"));
+    }
+}

@@ -1,0 +1,496 @@
+//! The fleet as the sidecar knows it: models, workers, their health and
+//! load, and the snapshot built from all of it.
+//!
+//! Workers come from the config file and from `POST /workers`; API
+//! registrations live in memory only and are gone after a restart unless
+//! they are also written to the config file. Each DP rank of a worker gets a
+//! *slot*, the small number that names it in the KV index shards.
+
+use crate::config::{Config, ModelConfig, WorkerSpec, check_thresholds};
+use crate::promtext::RankMetrics;
+use kvgate_core::busy::rank_busy;
+use kvgate_core::{ModelState, RankLoad, Snapshot, Thresholds, WorkerState};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum FleetError {
+    #[error("worker {0} already exists")]
+    Duplicate(u64),
+    #[error("worker {0} does not exist")]
+    UnknownWorker(u64),
+    #[error("model {0:?} is not configured")]
+    UnknownModel(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("no slot numbers left for more data-parallel ranks")]
+    SlotsExhausted,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Health {
+    pub up: bool,
+    #[serde(skip)]
+    pub last_ok: Option<Instant>,
+    #[serde(skip)]
+    pub added: Instant,
+    pub last_error: Option<String>,
+    pub scrapes: u64,
+    pub scrape_errors: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkerEntry {
+    pub spec: WorkerSpec,
+    pub slots: Vec<u16>,
+    pub health: Health,
+    pub ranks: Vec<RankMetrics>,
+    latches: Vec<bool>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelEntry {
+    pub thresholds: Thresholds,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    next: u32,
+    free: Vec<u16>,
+}
+
+impl Slots {
+    fn take(&mut self) -> Option<u16> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        let s = u16::try_from(self.next).ok()?;
+        self.next += 1;
+        Some(s)
+    }
+}
+
+#[derive(Debug)]
+pub struct Fleet {
+    pub models: BTreeMap<String, ModelEntry>,
+    pub workers: BTreeMap<u64, WorkerEntry>,
+    slots: Slots,
+    kv_shards: u32,
+}
+
+impl Fleet {
+    pub fn new(config: &Config) -> Result<Fleet, FleetError> {
+        let mut f = Fleet {
+            models: config
+                .models
+                .iter()
+                .map(|m| {
+                    (
+                        m.name.clone(),
+                        ModelEntry {
+                            thresholds: m.thresholds(),
+                        },
+                    )
+                })
+                .collect(),
+            workers: BTreeMap::new(),
+            slots: Slots::default(),
+            kv_shards: config.kv.shards,
+        };
+        for w in &config.workers {
+            f.add_worker(w.clone(), Instant::now())?;
+        }
+        Ok(f)
+    }
+
+    /// Registers a worker. It is not schedulable until its first scrape.
+    pub fn add_worker(
+        &mut self,
+        mut spec: WorkerSpec,
+        now: Instant,
+    ) -> Result<&WorkerEntry, FleetError> {
+        spec.normalize().map_err(FleetError::Invalid)?;
+        if self.workers.contains_key(&spec.worker_id) {
+            return Err(FleetError::Duplicate(spec.worker_id));
+        }
+        if !self.models.contains_key(&spec.model_name) {
+            return Err(FleetError::UnknownModel(spec.model_name.clone()));
+        }
+        let mut slots = Vec::new();
+        for _ in 0..spec.data_parallel_size {
+            match self.slots.take() {
+                Some(s) => slots.push(s),
+                None => {
+                    self.slots.free.extend(slots);
+                    return Err(FleetError::SlotsExhausted);
+                }
+            }
+        }
+        let n = spec.data_parallel_size as usize;
+        let id = spec.worker_id;
+        self.workers.insert(
+            id,
+            WorkerEntry {
+                spec,
+                slots,
+                health: Health {
+                    up: false,
+                    last_ok: None,
+                    added: now,
+                    last_error: None,
+                    scrapes: 0,
+                    scrape_errors: 0,
+                },
+                ranks: vec![RankMetrics::default(); n],
+                latches: vec![false; n],
+            },
+        );
+        Ok(&self.workers[&id])
+    }
+
+    pub fn remove_worker(&mut self, id: u64) -> Result<WorkerEntry, FleetError> {
+        let w = self
+            .workers
+            .remove(&id)
+            .ok_or(FleetError::UnknownWorker(id))?;
+        self.slots.free.extend(w.slots.iter().copied());
+        Ok(w)
+    }
+
+    /// Applies a partial update (a JSON object of `WorkerSpec` fields). The
+    /// worker is re-registered, so a changed DP size gets new slots and a
+    /// changed endpoint waits for a fresh scrape.
+    pub fn patch_worker(
+        &mut self,
+        id: u64,
+        patch: &serde_json::Value,
+        now: Instant,
+    ) -> Result<&WorkerEntry, FleetError> {
+        let current = self.workers.get(&id).ok_or(FleetError::UnknownWorker(id))?;
+        let mut merged =
+            serde_json::to_value(&current.spec).map_err(|e| FleetError::Invalid(e.to_string()))?;
+        let (Some(m), Some(p)) = (merged.as_object_mut(), patch.as_object()) else {
+            return Err(FleetError::Invalid(
+                "a PATCH body must be a JSON object".into(),
+            ));
+        };
+        for (k, v) in p {
+            if k == "worker_id" && v.as_u64() != Some(id) {
+                return Err(FleetError::Invalid("worker_id cannot be changed".into()));
+            }
+            m.insert(k.clone(), v.clone());
+        }
+        let spec: WorkerSpec =
+            serde_json::from_value(merged).map_err(|e| FleetError::Invalid(e.to_string()))?;
+        let old = self.remove_worker(id)?;
+        match self.add_worker(spec, now) {
+            Ok(_) => {}
+            Err(e) => {
+                // Put the old registration back untouched.
+                self.add_worker(old.spec, now)?;
+                return Err(e);
+            }
+        }
+        let w = self
+            .workers
+            .get_mut(&id)
+            .ok_or(FleetError::UnknownWorker(id))?;
+        if w.spec.endpoint == old.spec.endpoint
+            && w.spec.data_parallel_size == old.spec.data_parallel_size
+        {
+            w.health = old.health;
+            w.ranks = old.ranks;
+        }
+        Ok(w)
+    }
+
+    /// Sets a model's thresholds (live tuning); validates ranges.
+    pub fn set_thresholds(&mut self, model: &str, t: Thresholds) -> Result<(), FleetError> {
+        check_thresholds(&t).map_err(FleetError::Invalid)?;
+        let m = self
+            .models
+            .get_mut(model)
+            .ok_or_else(|| FleetError::UnknownModel(model.into()))?;
+        m.thresholds = t;
+        Ok(())
+    }
+
+    pub fn model_configs(&self) -> Vec<ModelConfig> {
+        self.models
+            .iter()
+            .map(|(name, m)| ModelConfig {
+                name: name.clone(),
+                active_decode_blocks_threshold: m.thresholds.active_decode_blocks,
+                active_prefill_tokens_threshold: m.thresholds.active_prefill_tokens,
+                active_prefill_tokens_threshold_frac: m.thresholds.active_prefill_tokens_frac,
+            })
+            .collect()
+    }
+
+    /// Records a scrape. Returns whether the worker's up state changed.
+    pub fn record_scrape(
+        &mut self,
+        id: u64,
+        result: Result<Vec<RankMetrics>, String>,
+        now: Instant,
+    ) -> bool {
+        let Some(w) = self.workers.get_mut(&id) else {
+            return false;
+        };
+        let was_up = w.health.up;
+        w.health.scrapes += 1;
+        match result {
+            Ok(ranks) => {
+                w.ranks = ranks;
+                w.health.up = true;
+                w.health.last_ok = Some(now);
+                w.health.last_error = None;
+            }
+            Err(e) => {
+                w.health.scrape_errors += 1;
+                w.health.last_error = Some(e);
+            }
+        }
+        was_up != w.health.up
+    }
+
+    /// Marks down every worker without a good scrape for `down_after`.
+    pub fn expire(&mut self, now: Instant, down_after: Duration) -> Vec<u64> {
+        let mut downed = Vec::new();
+        for (id, w) in &mut self.workers {
+            let since = w.health.last_ok.unwrap_or(w.health.added);
+            if w.health.up && now.saturating_duration_since(since) > down_after {
+                w.health.up = false;
+                downed.push(*id);
+            }
+        }
+        downed
+    }
+
+    pub fn up_count(&self) -> usize {
+        self.workers.values().filter(|w| w.health.up).count()
+    }
+
+    /// Builds the snapshot (version and time left 0 for the publisher).
+    /// Updates each rank's decode latch, so call it once per publish tick.
+    pub fn build_snapshot(&mut self) -> Snapshot {
+        let mut models: BTreeMap<&str, ModelState> = self
+            .models
+            .iter()
+            .map(|(name, m)| {
+                (
+                    name.as_str(),
+                    ModelState {
+                        name: name.clone(),
+                        thresholds: m.thresholds,
+                        shard_count: 0,
+                        workers: Vec::new(),
+                    },
+                )
+            })
+            .collect();
+        for w in self.workers.values_mut() {
+            let Some(model) = models.get_mut(w.spec.model_name.as_str()) else {
+                continue;
+            };
+            if !w.spec.kv_events_endpoints.is_empty() {
+                model.shard_count = self.kv_shards;
+            }
+            if !w.health.up {
+                continue;
+            }
+            let th = model.thresholds;
+            let ranks = w
+                .ranks
+                .iter()
+                .zip(&w.slots)
+                .zip(w.latches.iter_mut())
+                .enumerate()
+                .map(|(r, ((m, slot), latch))| {
+                    let mut load = RankLoad {
+                        rank: w.spec.data_parallel_start_rank + r as u32,
+                        slot: *slot,
+                        active_prefill_tokens: 0,
+                        // Engine-side proxy until gateway bookings exist: the
+                        // blocks the engine reports in use.
+                        active_decode_blocks: m.kv_used_blocks(),
+                        kv_used_blocks: m.kv_used_blocks(),
+                        kv_total_blocks: m.kv_total_blocks,
+                        max_num_batched_tokens: if w.spec.max_num_batched_tokens > 0 {
+                            w.spec.max_num_batched_tokens
+                        } else {
+                            m.max_num_batched_tokens
+                        },
+                        running: m.running,
+                        waiting: m.waiting,
+                        busy: false,
+                    };
+                    load.busy = rank_busy(&load, &th, latch).is_some();
+                    load
+                })
+                .collect();
+            model.workers.push(WorkerState {
+                id: w.spec.worker_id,
+                endpoint: w.spec.endpoint.clone(),
+                block_size: w.spec.block_size,
+                ranks,
+            });
+        }
+        Snapshot {
+            version: 0,
+            built_at_ms: 0,
+            models: models.into_values().collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> Config {
+        Config::parse(
+            r#"
+[[models]]
+name = "m"
+active_decode_blocks_threshold = 0.5
+[[models]]
+name = "idle"
+[[workers]]
+worker_id = 1
+model_name = "m"
+endpoint = "127.0.0.1:8001"
+data_parallel_size = 2
+[[workers]]
+worker_id = 2
+model_name = "m"
+endpoint = "127.0.0.1:8002"
+"#,
+        )
+        .unwrap()
+    }
+
+    fn metrics(usage: f64) -> RankMetrics {
+        RankMetrics {
+            kv_usage: usage,
+            kv_total_blocks: 100,
+            running: 1,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn only_scraped_workers_are_listed_and_every_model_is() {
+        let mut f = Fleet::new(&config()).unwrap();
+        let s = f.build_snapshot();
+        assert_eq!(s.models.len(), 2);
+        assert!(s.models.iter().all(|m| m.workers.is_empty()));
+        let now = Instant::now();
+        f.record_scrape(1, Ok(vec![metrics(0.1), metrics(0.9)]), now);
+        let s = f.build_snapshot();
+        let m = s.model("m").unwrap();
+        assert_eq!(m.workers.len(), 1);
+        let w = &m.workers[0];
+        assert_eq!(w.ranks.len(), 2);
+        assert_eq!((w.ranks[0].kv_used_blocks, w.ranks[0].busy), (10, false));
+        assert_eq!((w.ranks[1].kv_used_blocks, w.ranks[1].busy), (90, true));
+        assert_ne!(w.ranks[0].slot, w.ranks[1].slot);
+    }
+
+    #[test]
+    fn down_after_bound_and_back() {
+        let mut f = Fleet::new(&config()).unwrap();
+        let t0 = Instant::now();
+        assert!(f.record_scrape(2, Ok(vec![metrics(0.0)]), t0));
+        assert!(
+            f.expire(t0 + Duration::from_millis(500), Duration::from_secs(1))
+                .is_empty()
+        );
+        assert!(
+            f.record_scrape(
+                2,
+                Err("connection refused".into()),
+                t0 + Duration::from_millis(600)
+            ) == false
+        );
+        assert_eq!(
+            f.expire(t0 + Duration::from_millis(1500), Duration::from_secs(1)),
+            vec![2]
+        );
+        assert_eq!(f.up_count(), 0);
+        assert!(f.record_scrape(2, Ok(vec![metrics(0.0)]), t0 + Duration::from_secs(2)));
+        assert_eq!(f.up_count(), 1);
+    }
+
+    #[test]
+    fn catalog_changes_and_slot_reuse() {
+        let mut f = Fleet::new(&config()).unwrap();
+        let now = Instant::now();
+        let spec = |id: u64, model: &str| -> WorkerSpec {
+            serde_json::from_value(serde_json::json!({"worker_id": id, "model_name": model, "endpoint": "127.0.0.1:9000"})).unwrap()
+        };
+        assert_eq!(
+            f.add_worker(spec(1, "m"), now).unwrap_err(),
+            FleetError::Duplicate(1)
+        );
+        assert_eq!(
+            f.add_worker(spec(9, "x"), now).unwrap_err(),
+            FleetError::UnknownModel("x".into())
+        );
+        let slot_of_2 = f.workers[&2].slots[0];
+        f.remove_worker(2).unwrap();
+        assert_eq!(
+            f.remove_worker(2).unwrap_err(),
+            FleetError::UnknownWorker(2)
+        );
+        assert_eq!(
+            f.add_worker(spec(3, "idle"), now).unwrap().slots,
+            vec![slot_of_2],
+            "freed slots are reused"
+        );
+        let w = f
+            .patch_worker(3, &serde_json::json!({"data_parallel_size": 2}), now)
+            .unwrap();
+        assert_eq!(w.slots.len(), 2);
+        assert!(
+            f.patch_worker(3, &serde_json::json!({"block_size": 0}), now)
+                .is_err()
+        );
+        assert_eq!(
+            f.workers[&3].spec.block_size, 16,
+            "a rejected patch changes nothing"
+        );
+        assert!(
+            f.patch_worker(3, &serde_json::json!({"worker_id": 4}), now)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn thresholds_are_validated() {
+        let mut f = Fleet::new(&config()).unwrap();
+        let bad = Thresholds {
+            active_decode_blocks: Some(2.0),
+            ..Default::default()
+        };
+        assert!(matches!(
+            f.set_thresholds("m", bad),
+            Err(FleetError::Invalid(_))
+        ));
+        assert_eq!(
+            f.set_thresholds("zz", Thresholds::default()),
+            Err(FleetError::UnknownModel("zz".into()))
+        );
+        f.set_thresholds(
+            "idle",
+            Thresholds {
+                active_prefill_tokens: Some(5),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(f.models["idle"].thresholds.active_prefill_tokens, Some(5));
+    }
+}

@@ -1,0 +1,506 @@
+//! The KV event plane: subscribers feed one index thread, which applies
+//! batches to each model's index and publishes the shards they changed.
+//!
+//! One thread owns every index, so applying a batch takes no lock; the
+//! subscribers only decode frames off the socket. Changed shards are encoded
+//! at most once per `publish_interval` and put in the [`ShardLog`] with a
+//! version, which is what the snapshot long poll serves: "every shard changed
+//! after version N".
+
+use crate::kv::index::{Index, IngestStats};
+use crate::kv::stage::Staged;
+use crate::kv::subscriber::{Ingest, ResyncReason};
+use crate::versions::Versions;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, sync_channel};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// One model's shards as last published.
+#[derive(Debug, Default)]
+struct ModelShards {
+    /// (version at which it last changed, bytes)
+    shards: Vec<(u64, Arc<Vec<u8>>)>,
+}
+
+#[derive(Debug, Default)]
+struct LogInner {
+    models: HashMap<String, ModelShards>,
+}
+
+/// A changed shard, ready to send.
+#[derive(Debug, Clone)]
+pub struct ShardUpdate {
+    pub model: String,
+    pub shard: u32,
+    pub bytes: Arc<Vec<u8>>,
+}
+
+/// Published shards with versions. Cheap to read from the HTTP side.
+pub struct ShardLog {
+    inner: Mutex<LogInner>,
+    versions: Arc<Versions>,
+}
+
+impl ShardLog {
+    fn lock(&self) -> MutexGuard<'_, LogInner> {
+        // A panic while holding the lock cannot leave the log half-written
+        // (every update is a single assignment), so poisoning is ignored.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn new(versions: Arc<Versions>) -> ShardLog {
+        ShardLog {
+            inner: Mutex::default(),
+            versions,
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.versions.current()
+    }
+
+    /// Shards changed after `since`; `since = 0` returns every non-empty
+    /// shard (what a fresh reader needs).
+    pub fn changed_since(&self, since: u64) -> Vec<ShardUpdate> {
+        let inner = self.lock();
+        let mut out = Vec::new();
+        for (model, m) in &inner.models {
+            for (i, (v, bytes)) in m.shards.iter().enumerate() {
+                if *v > since && (since > 0 || !bytes.is_empty()) {
+                    out.push(ShardUpdate {
+                        model: model.clone(),
+                        shard: i as u32,
+                        bytes: bytes.clone(),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Number of shards per model (models with an index).
+    pub fn shard_counts(&self) -> Vec<(String, u32)> {
+        self.lock()
+            .models
+            .iter()
+            .map(|(k, m)| (k.clone(), m.shards.len() as u32))
+            .collect()
+    }
+
+    fn publish(&self, updates: Vec<(String, u32, usize, Vec<u8>)>) {
+        if updates.is_empty() {
+            return;
+        }
+        self.versions.publish(|v| {
+            let mut inner = self.lock();
+            for (model, shard, count, bytes) in updates {
+                let m = inner.models.entry(model).or_default();
+                if m.shards.len() < count {
+                    m.shards.resize_with(count, || (0, Arc::new(Vec::new())));
+                }
+                if let Some(slot) = m.shards.get_mut(shard as usize) {
+                    *slot = (v, Arc::new(bytes));
+                }
+            }
+        });
+    }
+}
+
+/// Commands from the catalog to the index thread.
+#[derive(Debug)]
+enum Control {
+    AddSlot {
+        slot: u16,
+        model: String,
+        block_size: u32,
+        expected_blocks: usize,
+    },
+    RemoveSlot {
+        slot: u16,
+    },
+    Stats(Sender<PlaneStats>),
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct PlaneStats {
+    pub per_model: Vec<(String, IngestStats, usize)>,
+    pub malformed_batches: u64,
+    pub resyncs: Vec<(u16, ResyncReason)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct PlaneConfig {
+    pub shard_count: u32,
+    pub max_blocks_per_slot: usize,
+    pub publish_interval: Duration,
+    /// Batches buffered between subscribers and the index thread.
+    pub queue: usize,
+}
+
+impl Default for PlaneConfig {
+    fn default() -> Self {
+        PlaneConfig {
+            shard_count: 4096,
+            max_blocks_per_slot: 4 << 20,
+            publish_interval: Duration::from_millis(5),
+            queue: 4096,
+        }
+    }
+}
+
+/// Handle to the index thread.
+pub struct Plane {
+    pub log: Arc<ShardLog>,
+    ingest: SyncSender<Ingest>,
+    control: Sender<Control>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Plane {
+    pub fn start(config: PlaneConfig, versions: Arc<Versions>) -> std::io::Result<Plane> {
+        let log = Arc::new(ShardLog::new(versions));
+        let (ingest, rx) = sync_channel(config.queue);
+        let (control, crx) = channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (l2, s2) = (log.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("kv-index".into())
+            .spawn(move || run(config, rx, crx, &l2, &s2))?;
+        Ok(Plane {
+            log,
+            ingest,
+            control,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Where subscribers send batches.
+    pub fn sender(&self) -> SyncSender<Ingest> {
+        self.ingest.clone()
+    }
+
+    pub fn add_slot(&self, slot: u16, model: &str, block_size: u32, expected_blocks: usize) {
+        let _ = self.control.send(Control::AddSlot {
+            slot,
+            model: model.to_string(),
+            block_size,
+            expected_blocks,
+        });
+    }
+
+    pub fn remove_slot(&self, slot: u16) {
+        let _ = self.control.send(Control::RemoveSlot { slot });
+    }
+
+    pub fn stats(&self) -> Option<PlaneStats> {
+        let (tx, rx) = channel();
+        self.control.send(Control::Stats(tx)).ok()?;
+        rx.recv_timeout(Duration::from_secs(2)).ok()
+    }
+}
+
+impl Drop for Plane {
+    fn drop(&mut self) {
+        // Subscribers may still hold senders, so the thread is told to stop
+        // rather than waiting for its channel to close.
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct State {
+    config: PlaneConfig,
+    models: HashMap<String, Index>,
+    slot_model: HashMap<u16, String>,
+    staged: Staged,
+    stats: PlaneStats,
+}
+
+impl State {
+    fn index_of(&mut self, slot: u16) -> Option<&mut Index> {
+        let model = self.slot_model.get(&slot)?;
+        self.models.get_mut(model)
+    }
+
+    fn control(&mut self, c: Control) {
+        match c {
+            Control::AddSlot {
+                slot,
+                model,
+                block_size,
+                expected_blocks,
+            } => {
+                let (shards, max) = (self.config.shard_count, self.config.max_blocks_per_slot);
+                let idx = self
+                    .models
+                    .entry(model.clone())
+                    .or_insert_with(|| Index::new(shards, max));
+                idx.add_slot(slot, block_size);
+                if expected_blocks > 0 {
+                    idx.reserve(slot, expected_blocks);
+                }
+                self.slot_model.insert(slot, model);
+            }
+            Control::RemoveSlot { slot } => {
+                if let Some(idx) = self.index_of(slot) {
+                    idx.remove_slot(slot);
+                }
+                self.slot_model.remove(&slot);
+            }
+            Control::Stats(tx) => {
+                let mut s = self.stats.clone();
+                s.per_model = self
+                    .models
+                    .iter()
+                    .map(|(k, i)| (k.clone(), i.stats, i.len()))
+                    .collect();
+                let _ = tx.send(s);
+            }
+        }
+    }
+
+    fn ingest(&mut self, msg: Ingest) {
+        match msg {
+            Ingest::Batch { slot, payload, .. } => {
+                let Some(model) = self.slot_model.get(&slot) else {
+                    return;
+                };
+                let Some(idx) = self.models.get_mut(model) else {
+                    return;
+                };
+                match self.staged.stage(&payload, idx.block_size(slot)) {
+                    Ok(()) => idx.apply(slot, &self.staged),
+                    Err(e) => {
+                        self.stats.malformed_batches += 1;
+                        tracing::warn!(slot, error = %e, "skipping malformed KV event batch");
+                    }
+                }
+            }
+            Ingest::Resync { slot, reason } => {
+                self.stats.resyncs.push((slot, reason));
+                if self.stats.resyncs.len() > 256 {
+                    self.stats.resyncs.remove(0);
+                }
+                if let Some(idx) = self.index_of(slot) {
+                    idx.clear_slot(slot);
+                }
+            }
+        }
+    }
+
+    fn publish(&mut self, log: &ShardLog) {
+        let mut updates = Vec::new();
+        for (model, idx) in &mut self.models {
+            let count = idx.shard_count() as usize;
+            for shard in idx.take_dirty() {
+                updates.push((model.clone(), shard, count, idx.encode_shard(shard)));
+            }
+        }
+        log.publish(updates);
+    }
+}
+
+fn run(
+    config: PlaneConfig,
+    rx: Receiver<Ingest>,
+    crx: Receiver<Control>,
+    log: &ShardLog,
+    stop: &AtomicBool,
+) {
+    let mut st = State {
+        config,
+        models: HashMap::new(),
+        slot_model: HashMap::new(),
+        staged: Staged::default(),
+        stats: PlaneStats::default(),
+    };
+    let mut last_publish = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        while let Ok(c) = crx.try_recv() {
+            st.control(c);
+        }
+        let wait = config
+            .publish_interval
+            .saturating_sub(last_publish.elapsed());
+        match rx.recv_timeout(wait.max(Duration::from_micros(100))) {
+            Ok(msg) => {
+                // A slot is announced before its subscriber starts, but the
+                // announcement may still be queued behind this batch.
+                if let Ingest::Batch { slot, .. } = &msg
+                    && !st.slot_model.contains_key(slot)
+                {
+                    while let Ok(c) = crx.try_recv() {
+                        st.control(c);
+                    }
+                }
+                st.ingest(msg)
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                st.publish(log);
+                return;
+            }
+        }
+        if last_publish.elapsed() >= config.publish_interval {
+            // Control messages (new slots) must land before their batches'
+            // effects are published.
+            while let Ok(c) = crx.try_recv() {
+                st.control(c);
+            }
+            st.publish(log);
+            last_publish = Instant::now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+    use kvgate_core::shard::{ShardView, shard_of};
+    use rmpv::Value;
+
+    fn batch(hashes: &[u64], tokens: &[u32]) -> Vec<u8> {
+        let ev = Value::Map(vec![
+            ("type".into(), "BlockStored".into()),
+            (
+                "block_hashes".into(),
+                Value::Array(hashes.iter().map(|h| Value::from(*h)).collect()),
+            ),
+            ("parent_block_hash".into(), Value::Nil),
+            (
+                "token_ids".into(),
+                Value::Array(tokens.iter().map(|t| Value::from(*t)).collect()),
+            ),
+            ("block_size".into(), 4.into()),
+            ("lora_id".into(), Value::Nil),
+            ("medium".into(), "GPU".into()),
+            ("lora_name".into(), Value::Nil),
+        ]);
+        let mut buf = Vec::new();
+        rmpv::encode::write_value(
+            &mut buf,
+            &Value::Array(vec![1.0f64.into(), Value::Array(vec![ev]), 0.into()]),
+        )
+        .unwrap();
+        buf
+    }
+
+    fn wait_version(log: &ShardLog, above: u64) -> u64 {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while log.version() <= above {
+            assert!(Instant::now() < deadline, "nothing published");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        log.version()
+    }
+
+    fn holders_of(log: &ShardLog, model: &str, since: u64, tokens: &[u32]) -> Vec<u16> {
+        let seq = sequence_hashes(&block_hashes(tokens, 4, XXH3_SEED));
+        let last = *seq.last().unwrap();
+        let updates = log.changed_since(since);
+        let count = log
+            .shard_counts()
+            .into_iter()
+            .find(|(m, _)| m == model)
+            .unwrap()
+            .1;
+        let want = shard_of(last, count);
+        updates
+            .iter()
+            .filter(|u| u.model == model && u.shard == want)
+            .flat_map(|u| {
+                ShardView::parse(&u.bytes)
+                    .unwrap()
+                    .holders(last)
+                    .map(|h| h.slot)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn batches_become_published_shards_and_removal_republishes() {
+        let plane = Plane::start(
+            PlaneConfig {
+                shard_count: 64,
+                ..Default::default()
+            },
+            Arc::new(Versions::new()),
+        )
+        .unwrap();
+        plane.add_slot(1, "m", 4, 0);
+        plane.add_slot(2, "m", 4, 0);
+        let tx = plane.sender();
+        let toks = [1, 2, 3, 4, 5, 6, 7, 8];
+        tx.send(Ingest::Batch {
+            slot: 1,
+            seq: 0,
+            payload: batch(&[10, 11], &toks),
+        })
+        .unwrap();
+        tx.send(Ingest::Batch {
+            slot: 2,
+            seq: 0,
+            payload: batch(&[20, 21], &toks),
+        })
+        .unwrap();
+        let v1 = wait_version(&plane.log, 0);
+        // Both batches may land in one publish or two.
+        let v1 = if holders_of(&plane.log, "m", 0, &toks).len() < 2 {
+            wait_version(&plane.log, v1)
+        } else {
+            v1
+        };
+        assert_eq!(holders_of(&plane.log, "m", 0, &toks), vec![1, 2]);
+
+        plane.remove_slot(1);
+        // Give the index thread a batch to notice the control message.
+        tx.send(Ingest::Batch {
+            slot: 2,
+            seq: 1,
+            payload: batch(&[22], &[9, 9, 9, 9]),
+        })
+        .unwrap();
+        let v2 = wait_version(&plane.log, v1);
+        assert_eq!(
+            holders_of(&plane.log, "m", v1, &toks),
+            vec![2],
+            "slot 1's blocks are gone from the republished shard"
+        );
+        assert!(v2 > v1);
+        let none = plane.log.changed_since(plane.log.version());
+        assert!(none.is_empty());
+    }
+
+    #[test]
+    fn malformed_batches_are_counted_and_the_index_kept() {
+        let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+        plane.add_slot(0, "m", 4, 0);
+        let tx = plane.sender();
+        tx.send(Ingest::Batch {
+            slot: 0,
+            seq: 0,
+            payload: batch(&[1], &[1, 2, 3, 4]),
+        })
+        .unwrap();
+        tx.send(Ingest::Batch {
+            slot: 0,
+            seq: 1,
+            payload: vec![0x93, 0xc1],
+        })
+        .unwrap();
+        wait_version(&plane.log, 0);
+        std::thread::sleep(Duration::from_millis(20));
+        let stats = plane.stats().unwrap();
+        assert_eq!(stats.malformed_batches, 1);
+        assert_eq!(stats.per_model[0].2, 1, "the good block is still indexed");
+    }
+}

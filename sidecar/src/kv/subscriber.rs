@@ -1,0 +1,615 @@
+//! One subscriber per worker rank: a ZMQ SUB socket on the engine's KV-event
+//! endpoint, sequence checking, and replay to fill gaps.
+//!
+//! Each subscriber runs on its own OS thread (ZMQ sockets are not `Sync`)
+//! and hands raw batches to the index thread over a bounded channel. When the
+//! index falls behind, the channel fills, the SUB socket's high-water mark
+//! drops batches, and the resulting gap is repaired by replay — so a slow
+//! index costs freshness, never memory.
+//!
+//! What the index is told:
+//! * `Batch` for every batch in sequence order, replayed or live;
+//! * `Resync` when the subscriber can no longer vouch for the slot's state:
+//!   the engine restarted (its cache is empty), or batches were lost and
+//!   replay could not cover them. The index drops the slot's entries, and
+//!   the batches that follow rebuild it.
+
+use crate::kv::replay::replay;
+use crate::kv::seq::{SeqCheck, SeqTracker};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::SyncSender;
+use std::thread::JoinHandle;
+use std::time::Duration;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Why a slot's index entries were dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResyncReason {
+    /// The publisher's sequence went backwards: a new engine process.
+    Restart,
+    /// Batches were lost and the replay buffer no longer held them.
+    GapNotReplayable,
+    /// Batches were lost and the worker has no replay endpoint.
+    GapNoReplay,
+}
+
+impl ResyncReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResyncReason::Restart => "restart",
+            ResyncReason::GapNotReplayable => "gap_not_replayable",
+            ResyncReason::GapNoReplay => "gap_no_replay",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub enum Ingest {
+    Batch {
+        slot: u16,
+        seq: u64,
+        payload: Vec<u8>,
+    },
+    Resync {
+        slot: u16,
+        reason: ResyncReason,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct SubscriberSpec {
+    pub slot: u16,
+    /// The rank's PUB endpoint, e.g. `tcp://10.0.0.5:5557`.
+    pub endpoint: String,
+    /// The rank's replay ROUTER endpoint, if the engine has one.
+    pub replay_endpoint: Option<String>,
+    pub topic: Vec<u8>,
+    pub replay_timeout: Duration,
+}
+
+/// Counters shared with the metrics endpoint.
+#[derive(Debug, Default)]
+pub struct SubscriberStats {
+    pub batches: AtomicU64,
+    pub malformed_frames: AtomicU64,
+    pub gaps: AtomicU64,
+    pub replayed_batches: AtomicU64,
+    pub replay_failures: AtomicU64,
+    pub restarts: AtomicU64,
+    pub resyncs: AtomicU64,
+}
+
+/// A running subscriber; dropping the handle does not stop it, `stop` does.
+pub struct Subscriber {
+    pub spec: SubscriberSpec,
+    pub stats: Arc<SubscriberStats>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Subscriber {
+    pub fn spawn(
+        ctx: zmq::Context,
+        spec: SubscriberSpec,
+        tx: SyncSender<Ingest>,
+    ) -> std::io::Result<Subscriber> {
+        let stats = Arc::new(SubscriberStats::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s2, st2, stop2) = (spec.clone(), stats.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("kv-sub-{}", spec.slot))
+            .spawn(move || {
+                if let Err(e) = run(&ctx, &s2, &tx, &st2, &stop2) {
+                    tracing::error!(slot = s2.slot, endpoint = %s2.endpoint, error = %e, "kv event subscriber stopped");
+                }
+            })?;
+        Ok(Subscriber {
+            spec,
+            stats,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread and waits for it (at most one receive timeout).
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// How long a receive waits before checking for shutdown.
+const POLL: Duration = Duration::from_millis(100);
+
+struct Ctx<'a> {
+    zmq: &'a zmq::Context,
+    spec: &'a SubscriberSpec,
+    tx: &'a SyncSender<Ingest>,
+    stats: &'a SubscriberStats,
+    tracker: SeqTracker,
+    /// seq → payload hash of the batches the last replay delivered.
+    recent: HashMap<u64, u64>,
+}
+
+impl Ctx<'_> {
+    fn send(&self, msg: Ingest) -> bool {
+        self.tx.send(msg).is_ok()
+    }
+
+    fn resync(&mut self, reason: ResyncReason) -> bool {
+        self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            slot = self.spec.slot,
+            endpoint = %self.spec.endpoint,
+            reason = reason.as_str(),
+            "dropping this rank's KV index entries"
+        );
+        self.send(Ingest::Resync {
+            slot: self.spec.slot,
+            reason,
+        })
+    }
+
+    /// Fetches `[from, until)` (`until = None`: everything buffered) from
+    /// the replay socket. Returns whether the publisher still had `from`
+    /// (nothing in the range is missing) and the batches; `None` when the
+    /// worker has no replay endpoint or the replay failed.
+    fn fetch_replay(
+        &mut self,
+        from: u64,
+        until: Option<u64>,
+    ) -> Option<(bool, Vec<(u64, Vec<u8>)>)> {
+        let endpoint = self.spec.replay_endpoint.as_deref()?;
+        let mut batches = Vec::new();
+        let result = replay(
+            self.zmq,
+            endpoint,
+            from,
+            self.spec.replay_timeout,
+            |seq, payload| {
+                if seq >= from && until.is_none_or(|u| seq < u) {
+                    batches.push((seq, payload.to_vec()));
+                }
+            },
+        );
+        match result {
+            Ok(summary) => Some((summary.first_seq.is_some_and(|f| f <= from), batches)),
+            Err(e) => {
+                self.stats.replay_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(slot = self.spec.slot, endpoint, error = %e, "kv event replay failed");
+                None
+            }
+        }
+    }
+
+    /// Hands replayed batches to the index in order, remembering them so
+    /// that their live copies, still queued on the SUB socket, are skipped.
+    fn deliver(&mut self, batches: Vec<(u64, Vec<u8>)>) {
+        self.stats
+            .replayed_batches
+            .fetch_add(batches.len() as u64, Ordering::Relaxed);
+        self.recent.clear();
+        for (seq, payload) in batches {
+            if self.tracker.last().is_some_and(|l| seq <= l) {
+                continue;
+            }
+            self.recent.insert(seq, xxh3_64(&payload));
+            self.send(Ingest::Batch {
+                slot: self.spec.slot,
+                seq,
+                payload,
+            });
+            self.tracker.applied(seq);
+        }
+    }
+
+    /// Whether a live batch is one the last replay already delivered: live
+    /// batches queue on the SUB socket while a replay runs. Equal sequence
+    /// numbers alone could also be a restarted engine, so the payload must
+    /// match too.
+    fn is_replayed_duplicate(&mut self, seq: u64, payload: &[u8]) -> bool {
+        if self.recent.is_empty() {
+            return false;
+        }
+        if self.tracker.last().is_some_and(|l| seq > l) {
+            self.recent.clear();
+            return false;
+        }
+        self.recent.get(&seq) == Some(&xxh3_64(payload))
+    }
+}
+
+fn run(
+    zmq: &zmq::Context,
+    spec: &SubscriberSpec,
+    tx: &SyncSender<Ingest>,
+    stats: &SubscriberStats,
+    stop: &AtomicBool,
+) -> Result<(), zmq::Error> {
+    let sub = zmq.socket(zmq::SUB)?;
+    sub.set_linger(0)?;
+    sub.set_rcvhwm(100_000)?;
+    sub.set_rcvtimeo(POLL.as_millis() as i32)?;
+    sub.connect(&spec.endpoint)?;
+    sub.set_subscribe(&spec.topic)?;
+    let mut cx = Ctx {
+        zmq,
+        spec,
+        tx,
+        stats,
+        tracker: SeqTracker::default(),
+        recent: HashMap::new(),
+    };
+    // Learn what the engine cached before we connected.
+    if let Some((_, batches)) = cx.fetch_replay(0, None) {
+        cx.deliver(batches);
+    }
+    while !stop.load(Ordering::Relaxed) {
+        let frames = match sub.recv_multipart(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => continue,
+            Err(e) => return Err(e),
+        };
+        let [_topic, seq, payload] = frames.as_slice() else {
+            stats.malformed_frames.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()) else {
+            stats.malformed_frames.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let seq = u64::from_be_bytes(seq);
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        if cx.is_replayed_duplicate(seq, payload) {
+            continue;
+        }
+        match cx.tracker.check(seq) {
+            SeqCheck::InOrder => {}
+            SeqCheck::Gap { from, to } => {
+                stats.gaps.fetch_add(1, Ordering::Relaxed);
+                let reason = if spec.replay_endpoint.is_some() {
+                    ResyncReason::GapNotReplayable
+                } else {
+                    ResyncReason::GapNoReplay
+                };
+                match cx.fetch_replay(from, Some(to)) {
+                    Some((true, batches)) => cx.deliver(batches),
+                    // What the buffer still has comes after what was lost:
+                    // drop the slot first, then rebuild from those batches.
+                    Some((false, batches)) => {
+                        if !cx.resync(reason) {
+                            return Ok(());
+                        }
+                        cx.deliver(batches);
+                    }
+                    None => {
+                        if !cx.resync(reason) {
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+            SeqCheck::Restart => {
+                stats.restarts.fetch_add(1, Ordering::Relaxed);
+                if !cx.resync(ResyncReason::Restart) {
+                    return Ok(());
+                }
+                cx.tracker.reset();
+                // The new process may have published before this batch; what
+                // its buffer still holds rebuilds the slot.
+                if seq > 0
+                    && let Some((_, batches)) = cx.fetch_replay(0, Some(seq))
+                {
+                    cx.deliver(batches);
+                }
+            }
+        }
+        if !cx.send(Ingest::Batch {
+            slot: spec.slot,
+            seq,
+            payload: payload.clone(),
+        }) {
+            return Ok(()); // the index is gone: shutting down
+        }
+        cx.tracker.applied(seq);
+    }
+    Ok(())
+}
+
+/// The endpoint of DP rank `rank`, as engines derive it: the port after the
+/// last colon plus the rank for TCP, a `_dp{rank}` suffix for inproc.
+pub fn offset_port(endpoint: &str, rank: u32) -> Option<String> {
+    if rank == 0 {
+        return Some(endpoint.to_string());
+    }
+    if let Some(name) = endpoint.strip_prefix("inproc://") {
+        return Some(format!("inproc://{name}_dp{rank}"));
+    }
+    if !endpoint.starts_with("tcp://") {
+        return None;
+    }
+    let (host, port) = endpoint.rsplit_once(':')?;
+    let port: u32 = port.parse().ok()?;
+    Some(format!("{host}:{}", port + rank))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::{Receiver, Sender, channel, sync_channel};
+    use std::time::Instant;
+
+    enum Cmd {
+        /// Publish the next batch (live too unless `drop`).
+        Publish { payload: Vec<u8>, drop: bool },
+        /// A new process: sequence and buffer start over.
+        Restart,
+        /// Send a raw multipart message on the PUB socket.
+        Raw(Vec<Vec<u8>>),
+    }
+
+    /// A stand-in engine publisher speaking the engines' protocol: PUB with
+    /// 3-frame messages and a ROUTER replay buffer.
+    struct FakeEngine {
+        tx: Sender<Cmd>,
+        thread: Option<JoinHandle<()>>,
+    }
+
+    impl FakeEngine {
+        fn start(ctx: &zmq::Context, name: &str, buffer: usize, topic_shape: bool) -> FakeEngine {
+            let pub_sock = ctx.socket(zmq::PUB).unwrap();
+            pub_sock.bind(&format!("inproc://{name}")).unwrap();
+            let router = ctx.socket(zmq::ROUTER).unwrap();
+            router.bind(&format!("inproc://{name}-replay")).unwrap();
+            router.set_rcvtimeo(5).unwrap();
+            let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel();
+            let thread = std::thread::spawn(move || {
+                let mut seq = 0u64;
+                let mut buf: Vec<(u64, Vec<u8>)> = Vec::new();
+                loop {
+                    match rx.try_recv() {
+                        Ok(Cmd::Publish { payload, drop }) => {
+                            if !drop {
+                                pub_sock
+                                    .send_multipart([&b"kv"[..], &seq.to_be_bytes(), &payload], 0)
+                                    .unwrap();
+                            }
+                            buf.push((seq, payload));
+                            if buf.len() > buffer {
+                                buf.remove(0);
+                            }
+                            seq += 1;
+                        }
+                        Ok(Cmd::Restart) => {
+                            seq = 0;
+                            buf.clear();
+                        }
+                        Ok(Cmd::Raw(frames)) => pub_sock.send_multipart(frames, 0).unwrap(),
+                        Err(std::sync::mpsc::TryRecvError::Empty) => {}
+                        Err(_) => return,
+                    }
+                    if let Ok(req) = router.recv_multipart(0) {
+                        let [id, empty, start] = req.as_slice() else {
+                            continue;
+                        };
+                        assert!(empty.is_empty());
+                        let start = u64::from_be_bytes(start.as_slice().try_into().unwrap());
+                        for (s, p) in buf.iter().filter(|(s, _)| *s >= start) {
+                            let sb = s.to_be_bytes();
+                            if topic_shape {
+                                router
+                                    .send_multipart([&id[..], b"", b"kv", &sb, p], 0)
+                                    .unwrap();
+                            } else {
+                                router.send_multipart([&id[..], b"", &sb, p], 0).unwrap();
+                            }
+                        }
+                        let end = [0xFFu8; 8];
+                        if topic_shape {
+                            router
+                                .send_multipart([&id[..], b"", b"", &end, b""], 0)
+                                .unwrap();
+                        } else {
+                            router.send_multipart([&id[..], b"", &end, b""], 0).unwrap();
+                        }
+                    }
+                }
+            });
+            FakeEngine {
+                tx,
+                thread: Some(thread),
+            }
+        }
+
+        fn publish(&self, tag: u8, drop: bool) {
+            self.tx
+                .send(Cmd::Publish {
+                    payload: vec![tag],
+                    drop,
+                })
+                .unwrap();
+        }
+    }
+
+    impl Drop for FakeEngine {
+        fn drop(&mut self) {
+            let (tx, _) = channel();
+            self.tx = tx; // closes the command channel
+            if let Some(t) = self.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    fn spec(name: &str, replay: bool) -> SubscriberSpec {
+        SubscriberSpec {
+            slot: 3,
+            endpoint: format!("inproc://{name}"),
+            replay_endpoint: replay.then(|| format!("inproc://{name}-replay")),
+            topic: Vec::new(),
+            replay_timeout: Duration::from_secs(2),
+        }
+    }
+
+    /// Collects ingest messages until `n` batches arrived, as
+    /// (seq, payload tag) or ("resync", reason).
+    fn collect(rx: &Receiver<Ingest>, n: usize) -> Vec<String> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut out = Vec::new();
+        let mut batches = 0;
+        while batches < n && Instant::now() < deadline {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(Ingest::Batch { slot, seq, payload }) => {
+                    assert_eq!(slot, 3);
+                    out.push(format!("{seq}:{}", payload[0]));
+                    batches += 1;
+                }
+                Ok(Ingest::Resync { reason, .. }) => {
+                    out.push(format!("resync:{}", reason.as_str()))
+                }
+                Err(_) => {}
+            }
+        }
+        out
+    }
+
+    fn settle() {
+        // Lets the SUB connection and subscription reach the PUB socket.
+        std::thread::sleep(Duration::from_millis(150));
+    }
+
+    #[test]
+    fn initial_replay_then_live_in_order() {
+        let ctx = zmq::Context::new();
+        let eng = FakeEngine::start(&ctx, "e1", 100, false);
+        eng.publish(10, false);
+        eng.publish(11, false);
+        let (tx, rx) = sync_channel(64);
+        let sub = Subscriber::spawn(ctx.clone(), spec("e1", true), tx).unwrap();
+        settle();
+        eng.publish(12, false);
+        eng.publish(13, false);
+        assert_eq!(collect(&rx, 4), ["0:10", "1:11", "2:12", "3:13"]);
+        assert_eq!(sub.stats.resyncs.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_gap_is_filled_by_replay_in_both_reply_shapes() {
+        for (name, topic_shape) in [("e2", false), ("e3", true)] {
+            let ctx = zmq::Context::new();
+            let eng = FakeEngine::start(&ctx, name, 100, topic_shape);
+            let (tx, rx) = sync_channel(64);
+            let sub = Subscriber::spawn(ctx.clone(), spec(name, true), tx).unwrap();
+            settle();
+            eng.publish(1, false);
+            eng.publish(2, true); // lost on the live socket, kept for replay
+            eng.publish(3, true);
+            eng.publish(4, false);
+            assert_eq!(
+                collect(&rx, 4),
+                ["0:1", "1:2", "2:3", "3:4"],
+                "topic shape {topic_shape}"
+            );
+            assert_eq!(sub.stats.gaps.load(Ordering::Relaxed), 1);
+            assert_eq!(sub.stats.resyncs.load(Ordering::Relaxed), 0);
+        }
+    }
+
+    #[test]
+    fn a_gap_beyond_the_replay_buffer_resyncs() {
+        let ctx = zmq::Context::new();
+        let eng = FakeEngine::start(&ctx, "e4", 2, false);
+        let (tx, rx) = sync_channel(64);
+        let _sub = Subscriber::spawn(ctx.clone(), spec("e4", true), tx).unwrap();
+        settle();
+        eng.publish(1, false);
+        for t in 2..6 {
+            eng.publish(t, true);
+        }
+        eng.publish(6, false);
+        let got = collect(&rx, 3);
+        assert_eq!(got[..2], ["0:1", "resync:gap_not_replayable"]);
+        assert_eq!(got.last().map(String::as_str), Some("5:6"));
+    }
+
+    #[test]
+    fn a_gap_without_replay_resyncs() {
+        let ctx = zmq::Context::new();
+        let eng = FakeEngine::start(&ctx, "e5", 10, false);
+        let (tx, rx) = sync_channel(64);
+        let _sub = Subscriber::spawn(ctx.clone(), spec("e5", false), tx).unwrap();
+        settle();
+        eng.publish(1, false);
+        eng.publish(2, true);
+        eng.publish(3, false);
+        assert_eq!(collect(&rx, 2), ["0:1", "resync:gap_no_replay", "2:3"]);
+    }
+
+    #[test]
+    fn a_restart_resyncs_and_recovers_from_zero() {
+        let ctx = zmq::Context::new();
+        let eng = FakeEngine::start(&ctx, "e6", 10, true);
+        let (tx, rx) = sync_channel(64);
+        let sub = Subscriber::spawn(ctx.clone(), spec("e6", true), tx).unwrap();
+        settle();
+        eng.publish(1, false);
+        eng.publish(2, false);
+        eng.tx.send(Cmd::Restart).unwrap();
+        eng.publish(7, true); // the new process's first batch, missed live
+        eng.publish(8, false);
+        assert_eq!(
+            collect(&rx, 4),
+            ["0:1", "1:2", "resync:restart", "0:7", "1:8"]
+        );
+        assert_eq!(sub.stats.restarts.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn malformed_messages_are_counted_and_skipped() {
+        let ctx = zmq::Context::new();
+        let eng = FakeEngine::start(&ctx, "e7", 10, false);
+        let (tx, rx) = sync_channel(64);
+        let sub = Subscriber::spawn(ctx.clone(), spec("e7", true), tx).unwrap();
+        settle();
+        eng.tx
+            .send(Cmd::Raw(vec![b"kv".to_vec(), vec![1, 2, 3]]))
+            .unwrap();
+        eng.tx
+            .send(Cmd::Raw(vec![b"kv".to_vec(), vec![0; 4], vec![1]]))
+            .unwrap();
+        eng.publish(1, false);
+        assert_eq!(collect(&rx, 1), ["0:1"]);
+        assert_eq!(sub.stats.malformed_frames.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn rank_endpoints_follow_the_engines_port_offsets() {
+        assert_eq!(
+            offset_port("tcp://10.0.0.1:5557", 0).as_deref(),
+            Some("tcp://10.0.0.1:5557")
+        );
+        assert_eq!(
+            offset_port("tcp://10.0.0.1:5557", 3).as_deref(),
+            Some("tcp://10.0.0.1:5560")
+        );
+        assert_eq!(
+            offset_port("tcp://*:5557", 1).as_deref(),
+            Some("tcp://*:5558")
+        );
+        assert_eq!(
+            offset_port("inproc://kv", 2).as_deref(),
+            Some("inproc://kv_dp2")
+        );
+        assert_eq!(offset_port("ipc:///tmp/kv", 1), None);
+    }
+}

@@ -1,0 +1,744 @@
+//! vLLM and SGLang KV-event batches, every shape that engines in the field
+//! publish (see the wire-format reference in `docs/kv-events.md`):
+//!
+//! * the batch as `[ts, events]`, `[ts, events, dp_rank]`, or a map
+//!   `{ts, events, data_parallel_rank}`;
+//! * each event either positional (`["BlockStored", hashes, parent, ...]`,
+//!   vLLM ≤ 0.23 and older SGLang) or a tagged map (`{"type": ...}`, newer
+//!   engines); a fleet may mix both, so the shape is decided per event;
+//! * block hashes as uint64, negative int64 (SGLang) or bytes (vLLM bytes
+//!   mode); unknown fields and unknown event tags are skipped.
+//!
+//! Decoding is a visitor over one frame with caller-owned scratch buffers,
+//! so a steady stream of batches allocates nothing.
+
+use crate::kv::msgpack::{MsgpackError, Reader};
+use thiserror::Error;
+use xxhash_rust::xxh3::xxh3_64;
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum WireError {
+    #[error("malformed msgpack: {0}")]
+    Msgpack(#[from] MsgpackError),
+    #[error("batch is not an array or map")]
+    BatchShape,
+    #[error("batch array has {0} elements, expected 2 or 3")]
+    BatchLen(usize),
+    #[error("batch has no events")]
+    NoEvents,
+    #[error("event {index} is malformed: {why}")]
+    Event { index: usize, why: String },
+}
+
+/// Storage tier of a block, normalised across engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// GPU memory (`GPU`, or unset on older engines).
+    Device,
+    /// Host memory (`CPU`, `CPU_PINNED`, `CPU_TIER1`).
+    Host,
+    /// Disk or remote storage (`DISK`, `STORAGE`, `CPU_TIER2`, `EXTERNAL`, unknown).
+    Disk,
+}
+
+impl Medium {
+    fn parse(s: Option<&str>) -> Medium {
+        match s {
+            None | Some("GPU") => Medium::Device,
+            Some("CPU" | "CPU_PINNED" | "CPU_TIER1") => Medium::Host,
+            Some(_) => Medium::Disk,
+        }
+    }
+}
+
+/// An engine's block hash reduced to a u64 key. Only used to find the block
+/// again when the engine removes it, so any injective-enough mapping works:
+/// integers keep their bits, byte digests are hashed.
+pub type EngineHash = u64;
+
+fn bytes_hash(b: &[u8]) -> EngineHash {
+    xxh3_64(b)
+}
+
+/// One decoded event. Slices borrow the caller's scratch and the frame.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Event<'e> {
+    Stored(Stored<'e>),
+    Removed {
+        hashes: &'e [EngineHash],
+        medium: Medium,
+        group_idx: i64,
+    },
+    Cleared,
+    /// A tag this build does not know; counted and skipped by the consumer.
+    Unknown {
+        tag: &'e str,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Stored<'e> {
+    pub hashes: &'e [EngineHash],
+    pub parent: Option<EngineHash>,
+    pub tokens: &'e [u32],
+    pub block_size: u32,
+    pub medium: Medium,
+    pub lora_name: Option<&'e str>,
+    pub cache_salt: Option<&'e str>,
+    /// KV-cache group; only group 0 describes the full-attention cache.
+    pub group_idx: i64,
+    pub spec_kind: Option<&'e str>,
+    /// `false` for blocks the publisher reports as held elsewhere.
+    pub local: bool,
+}
+
+impl Stored<'_> {
+    /// Whether a prefix index should use this event: full-attention-like
+    /// groups only (sliding-window or Mamba caches do not give prefix reuse
+    /// in the same way), group 0, and local blocks.
+    pub fn indexable(&self) -> bool {
+        self.group_idx == 0
+            && self.local
+            && match self.spec_kind {
+                None => true,
+                Some(k) => k.starts_with("full") || k.starts_with("mla") || k.starts_with("sink"),
+            }
+    }
+}
+
+/// Reusable buffers for decoding; keep one per subscriber.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    hashes: Vec<EngineHash>,
+    tokens: Vec<u32>,
+}
+
+/// What the batch says besides its events.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchMeta {
+    pub ts: f64,
+    pub dp_rank: Option<i64>,
+    pub events: usize,
+}
+
+/// Decodes one batch payload, calling `visit` for every event in order.
+///
+/// A malformed event stops decoding with an error naming its index; the
+/// events before it have been visited. Callers that must be all-or-nothing
+/// decode into a staging area first.
+pub fn decode_batch(
+    payload: &[u8],
+    scratch: &mut Scratch,
+    mut visit: impl FnMut(Event<'_>),
+) -> Result<BatchMeta, WireError> {
+    let mut r = Reader::new(payload);
+    if r.is_array()? {
+        let n = r.array_len()?;
+        if !(2..=3).contains(&n) {
+            return Err(WireError::BatchLen(n));
+        }
+        let ts = r.f64()?;
+        let events = decode_events(&mut r, scratch, &mut visit)?;
+        let dp_rank = if n == 3 { opt_int(&mut r)? } else { None };
+        Ok(BatchMeta {
+            ts,
+            dp_rank,
+            events,
+        })
+    } else if r.is_map()? {
+        let n = r.map_len()?;
+        let (mut ts, mut dp_rank, mut events) = (0.0, None, None);
+        for _ in 0..n {
+            match r.str()? {
+                "ts" => ts = r.f64()?,
+                "events" => events = Some(decode_events(&mut r, scratch, &mut visit)?),
+                "data_parallel_rank" | "attn_dp_rank" => dp_rank = opt_int(&mut r)?,
+                _ => r.skip()?,
+            }
+        }
+        let events = events.ok_or(WireError::NoEvents)?;
+        Ok(BatchMeta {
+            ts,
+            dp_rank,
+            events,
+        })
+    } else {
+        Err(WireError::BatchShape)
+    }
+}
+
+fn malformed(why: &str) -> WireError {
+    WireError::Event {
+        index: 0,
+        why: why.to_string(),
+    }
+}
+
+fn opt_int(r: &mut Reader<'_>) -> Result<Option<i64>, MsgpackError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    Ok(Some(r.int()?.as_u64_bits() as i64))
+}
+
+fn decode_events(
+    r: &mut Reader<'_>,
+    scratch: &mut Scratch,
+    visit: &mut impl FnMut(Event<'_>),
+) -> Result<usize, WireError> {
+    let n = r.array_len()?;
+    for index in 0..n {
+        let result = if r.is_array()? {
+            positional(r, scratch, visit)
+        } else if r.is_map()? {
+            tagged(r, scratch, visit)
+        } else {
+            Err(malformed("event is neither an array nor a map"))
+        };
+        // Give every failure the index of the event it happened in.
+        result.map_err(|e| WireError::Event {
+            index,
+            why: match e {
+                WireError::Event { why, .. } => why,
+                other => other.to_string(),
+            },
+        })?;
+    }
+    Ok(n)
+}
+
+/// Reads a list of block hashes into `out`.
+fn hashes(r: &mut Reader<'_>, out: &mut Vec<EngineHash>) -> Result<(), MsgpackError> {
+    out.clear();
+    let n = r.array_len()?;
+    out.reserve(n);
+    for _ in 0..n {
+        out.push(hash(r)?);
+    }
+    Ok(())
+}
+
+fn hash(r: &mut Reader<'_>) -> Result<EngineHash, MsgpackError> {
+    match r.peek()? {
+        0xc4..=0xc6 => Ok(bytes_hash(r.bin()?)),
+        _ => Ok(r.int()?.as_u64_bits()),
+    }
+}
+
+fn opt_hash(r: &mut Reader<'_>) -> Result<Option<EngineHash>, MsgpackError> {
+    if r.nil()? {
+        Ok(None)
+    } else {
+        Ok(Some(hash(r)?))
+    }
+}
+
+fn tokens(r: &mut Reader<'_>, out: &mut Vec<u32>) -> Result<(), MsgpackError> {
+    out.clear();
+    let n = r.array_len()?;
+    out.reserve(n);
+    for _ in 0..n {
+        out.push(r.u32()?);
+    }
+    Ok(())
+}
+
+fn opt_str<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, MsgpackError> {
+    if r.nil()? {
+        Ok(None)
+    } else {
+        Ok(Some(r.str()?))
+    }
+}
+
+fn opt_i64(r: &mut Reader<'_>, default: i64) -> Result<i64, MsgpackError> {
+    if r.nil()? {
+        Ok(default)
+    } else {
+        Ok(r.int()?.as_u64_bits() as i64)
+    }
+}
+
+/// SGLang's salted store puts `{"cache_salt": ...}` where vLLM has
+/// `lora_name`; tell them apart by type.
+fn lora_or_salt<'a>(r: &mut Reader<'a>, st: &mut StoredFields<'a>) -> Result<(), MsgpackError> {
+    if r.is_map()? {
+        let n = r.map_len()?;
+        for _ in 0..n {
+            if r.is_str()? && r.str()? == "cache_salt" {
+                st.cache_salt = opt_str(r)?;
+            } else {
+                r.skip()?;
+            }
+        }
+        Ok(())
+    } else {
+        st.lora_name = opt_str(r)?;
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct StoredFields<'a> {
+    parent: Option<EngineHash>,
+    block_size: u32,
+    medium: Option<&'a str>,
+    lora_name: Option<&'a str>,
+    cache_salt: Option<&'a str>,
+    group_idx: i64,
+    spec_kind: Option<&'a str>,
+    local: bool,
+    have_hashes: bool,
+    have_tokens: bool,
+}
+
+fn positional(
+    r: &mut Reader<'_>,
+    s: &mut Scratch,
+    visit: &mut impl FnMut(Event<'_>),
+) -> Result<(), WireError> {
+    let n = r.array_len()?;
+    if n == 0 {
+        return Err(malformed("empty positional event"));
+    }
+    let tag = r.str()?;
+    match tag {
+        "BlockStored" => {
+            let mut f = StoredFields {
+                local: true,
+                ..Default::default()
+            };
+            for i in 1..n {
+                match i {
+                    1 => {
+                        hashes(r, &mut s.hashes)?;
+                        f.have_hashes = true;
+                    }
+                    2 => f.parent = opt_hash(r)?,
+                    3 => {
+                        tokens(r, &mut s.tokens)?;
+                        f.have_tokens = true;
+                    }
+                    4 => f.block_size = r.u32()?,
+                    6 => f.medium = opt_str(r)?,
+                    7 => lora_or_salt(r, &mut f)?,
+                    9 => f.group_idx = opt_i64(r, 0)?,
+                    10 => f.spec_kind = opt_str(r)?,
+                    _ => r.skip()?, // lora_id, extra_keys, sliding window, newer fields
+                }
+            }
+            emit_stored(f, s, visit)
+        }
+        "BlockRemoved" => {
+            let (mut medium, mut group_idx, mut have) = (None, 0, false);
+            for i in 1..n {
+                match i {
+                    1 => {
+                        hashes(r, &mut s.hashes)?;
+                        have = true;
+                    }
+                    2 => medium = opt_str(r)?,
+                    3 => group_idx = opt_i64(r, 0)?,
+                    _ => r.skip()?,
+                }
+            }
+            if !have {
+                return Err(malformed("BlockRemoved without block_hashes"));
+            }
+            visit(Event::Removed {
+                hashes: &s.hashes,
+                medium: Medium::parse(medium),
+                group_idx,
+            });
+            Ok(())
+        }
+        "AllBlocksCleared" => {
+            for _ in 1..n {
+                r.skip()?;
+            }
+            visit(Event::Cleared);
+            Ok(())
+        }
+        other => {
+            for _ in 1..n {
+                r.skip()?;
+            }
+            visit(Event::Unknown { tag: other });
+            Ok(())
+        }
+    }
+}
+
+fn tagged(
+    r: &mut Reader<'_>,
+    s: &mut Scratch,
+    visit: &mut impl FnMut(Event<'_>),
+) -> Result<(), WireError> {
+    let n = r.map_len()?;
+    let mut tag = None;
+    let mut f = StoredFields {
+        local: true,
+        ..Default::default()
+    };
+    for _ in 0..n {
+        if !r.is_str()? {
+            r.skip()?;
+            r.skip()?;
+            continue;
+        }
+        match r.str()? {
+            "type" => tag = Some(r.str()?),
+            "block_hashes" => {
+                hashes(r, &mut s.hashes)?;
+                f.have_hashes = true;
+            }
+            "parent_block_hash" => f.parent = opt_hash(r)?,
+            "token_ids" => {
+                tokens(r, &mut s.tokens)?;
+                f.have_tokens = true;
+            }
+            "block_size" => f.block_size = r.u32()?,
+            "medium" => f.medium = opt_str(r)?,
+            "lora_name" => f.lora_name = opt_str(r)?,
+            "cache_salt" => f.cache_salt = opt_str(r)?,
+            "group_idx" => f.group_idx = opt_i64(r, 0)?,
+            "kv_cache_spec_kind" => f.spec_kind = opt_str(r)?,
+            "locality" => f.local = !matches!(opt_str(r)?, Some("REMOTE")),
+            _ => r.skip()?,
+        }
+    }
+    match tag {
+        Some("BlockStored") => emit_stored(f, s, visit),
+        Some("BlockRemoved") => {
+            if !f.have_hashes {
+                return Err(malformed("BlockRemoved without block_hashes"));
+            }
+            visit(Event::Removed {
+                hashes: &s.hashes,
+                medium: Medium::parse(f.medium),
+                group_idx: f.group_idx,
+            });
+            Ok(())
+        }
+        Some("AllBlocksCleared") => {
+            visit(Event::Cleared);
+            Ok(())
+        }
+        Some(other) => {
+            visit(Event::Unknown { tag: other });
+            Ok(())
+        }
+        None => Err(malformed("tagged event without \"type\"")),
+    }
+}
+
+fn emit_stored(
+    f: StoredFields<'_>,
+    s: &Scratch,
+    visit: &mut impl FnMut(Event<'_>),
+) -> Result<(), WireError> {
+    if !f.have_hashes || !f.have_tokens {
+        return Err(malformed("BlockStored without block_hashes or token_ids"));
+    }
+    visit(Event::Stored(Stored {
+        hashes: &s.hashes,
+        parent: f.parent,
+        tokens: &s.tokens,
+        block_size: f.block_size,
+        medium: Medium::parse(f.medium),
+        lora_name: f.lora_name,
+        cache_salt: f.cache_salt,
+        group_idx: f.group_idx,
+        spec_kind: f.spec_kind,
+        local: f.local,
+    }));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    macro_rules! fixture {
+        ($name:literal) => {
+            include_bytes!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/fixtures/kv_events/",
+                $name,
+                ".msgpack"
+            ))
+        };
+    }
+
+    /// An owned copy of an event, for assertions.
+    #[derive(Debug, Clone, PartialEq)]
+    enum Owned {
+        Stored {
+            hashes: Vec<u64>,
+            parent: Option<u64>,
+            tokens: Vec<u32>,
+            block_size: u32,
+            medium: Medium,
+            lora: Option<String>,
+            salt: Option<String>,
+            indexable: bool,
+        },
+        Removed(Vec<u64>, Medium),
+        Cleared,
+        Unknown(String),
+    }
+
+    fn decode(payload: &[u8]) -> Result<(BatchMeta, Vec<Owned>), WireError> {
+        let mut out = Vec::new();
+        let meta = decode_batch(payload, &mut Scratch::default(), |e| {
+            out.push(match e {
+                Event::Stored(s) => Owned::Stored {
+                    hashes: s.hashes.to_vec(),
+                    parent: s.parent,
+                    tokens: s.tokens.to_vec(),
+                    block_size: s.block_size,
+                    medium: s.medium,
+                    lora: s.lora_name.map(str::to_owned),
+                    salt: s.cache_salt.map(str::to_owned),
+                    indexable: s.indexable(),
+                },
+                Event::Removed { hashes, medium, .. } => Owned::Removed(hashes.to_vec(), medium),
+                Event::Cleared => Owned::Cleared,
+                Event::Unknown { tag } => Owned::Unknown(tag.to_owned()),
+            })
+        })?;
+        Ok((meta, out))
+    }
+
+    const BIG: u64 = 18446744073709551000;
+
+    fn stored(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        bs: u32,
+        medium: Medium,
+    ) -> Owned {
+        Owned::Stored {
+            hashes: hashes.to_vec(),
+            parent,
+            tokens: tokens.to_vec(),
+            block_size: bs,
+            medium,
+            lora: None,
+            salt: None,
+            indexable: true,
+        }
+    }
+
+    #[test]
+    fn vllm_positional_era() {
+        let (meta, ev) = decode(fixture!("vllm_v023_positional")).unwrap();
+        assert_eq!(
+            meta,
+            BatchMeta {
+                ts: 1700000000.5,
+                dp_rank: Some(0),
+                events: 5
+            }
+        );
+        assert_eq!(
+            ev[0],
+            stored(
+                &[BIG, 2],
+                None,
+                &[1, 2, 3, 4, 5, 6, 7, 8],
+                4,
+                Medium::Device
+            )
+        );
+        match &ev[1] {
+            Owned::Stored {
+                parent,
+                medium,
+                lora,
+                indexable,
+                ..
+            } => {
+                assert_eq!(
+                    (*parent, *medium, lora.as_deref(), *indexable),
+                    (Some(2), Medium::Host, Some("adapter-a"), true)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(ev[2], Owned::Removed(vec![BIG], Medium::Device));
+        assert!(
+            matches!(
+                ev[3],
+                Owned::Stored {
+                    indexable: false,
+                    ..
+                }
+            ),
+            "group 1 is not indexed"
+        );
+        assert_eq!(ev[4], Owned::Cleared);
+    }
+
+    #[test]
+    fn vllm_two_element_batch_has_no_rank() {
+        let (meta, ev) = decode(fixture!("vllm_v023_two_element_batch")).unwrap();
+        assert_eq!(meta.dp_rank, None);
+        assert_eq!(ev, vec![Owned::Removed(vec![7], Medium::Device)]);
+    }
+
+    #[test]
+    fn vllm_tagged_maps_ignore_unknown_fields() {
+        let (meta, ev) = decode(fixture!("vllm_v033_tagged")).unwrap();
+        assert_eq!((meta.dp_rank, meta.events), (Some(1), 5));
+        let first: Vec<u32> = (300..316).collect();
+        assert_eq!(ev[0], stored(&[BIG], None, &first, 16, Medium::Device));
+        let second: Vec<u32> = (316..332).collect();
+        assert_eq!(ev[1], stored(&[5], Some(BIG), &second, 16, Medium::Disk));
+        assert!(
+            matches!(
+                ev[2],
+                Owned::Stored {
+                    indexable: false,
+                    ..
+                }
+            ),
+            "sliding window is not indexed"
+        );
+        assert_eq!(ev[3], Owned::Removed(vec![5], Medium::Disk));
+        assert_eq!(ev[4], Owned::Cleared);
+    }
+
+    #[test]
+    fn byte_hashes_become_stable_keys() {
+        let (_, ev) = decode(fixture!("vllm_bytes_hashes")).unwrap();
+        let (a, b) = (bytes_hash(&[1; 32]), bytes_hash(&[2; 32]));
+        assert_ne!(a, b);
+        assert_eq!(
+            ev[0],
+            stored(&[a, b], None, &[1, 2, 3, 4, 5, 6, 7, 8], 4, Medium::Device)
+        );
+        assert_eq!(ev[1], Owned::Removed(vec![b], Medium::Device));
+    }
+
+    #[test]
+    fn sglang_positional_with_salt_and_negative_hashes() {
+        let (meta, ev) = decode(fixture!("sglang_positional")).unwrap();
+        assert_eq!(meta.dp_rank, None);
+        assert_eq!(
+            ev[0],
+            stored(
+                &[-5i64 as u64, 2],
+                None,
+                &[1, 2, 3, 4, 5, 6, 7, 8],
+                4,
+                Medium::Device
+            )
+        );
+        match &ev[1] {
+            Owned::Stored {
+                parent,
+                medium,
+                lora,
+                salt,
+                ..
+            } => {
+                assert_eq!(*parent, Some(-5i64 as u64));
+                assert_eq!(*medium, Medium::Host);
+                assert_eq!(
+                    lora.as_deref(),
+                    None,
+                    "the salt map must not be read as lora_name"
+                );
+                assert_eq!(salt.as_deref(), Some("tenant-x"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(ev[2], Owned::Removed(vec![-5i64 as u64], Medium::Disk));
+    }
+
+    #[test]
+    fn sglang_tagged() {
+        let (_, ev) = decode(fixture!("sglang_0523_tagged")).unwrap();
+        assert_eq!(
+            ev[0],
+            stored(
+                &[BIG, 2],
+                None,
+                &[1, 2, 3, 4, 5, 6, 7, 8],
+                4,
+                Medium::Device
+            )
+        );
+        match &ev[1] {
+            Owned::Stored {
+                lora, salt, medium, ..
+            } => {
+                assert_eq!(
+                    (lora.as_deref(), salt.as_deref(), *medium),
+                    (Some("lora-b"), Some("salt"), Medium::Host)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(ev[2], Owned::Removed(vec![8], Medium::Device));
+    }
+
+    #[test]
+    fn map_form_batch() {
+        let (meta, ev) = decode(fixture!("vllm_map_batch")).unwrap();
+        assert_eq!((meta.ts, meta.dp_rank, meta.events), (2.0, Some(3), 1));
+        assert_eq!(ev.len(), 1);
+    }
+
+    #[test]
+    fn unknown_tags_are_reported_and_skipped() {
+        let (_, ev) = decode(fixture!("vllm_unknown_tag")).unwrap();
+        assert_eq!(
+            ev,
+            vec![
+                Owned::Unknown("BlockPromoted".into()),
+                Owned::Removed(vec![9], Medium::Device)
+            ]
+        );
+    }
+
+    #[test]
+    fn malformed_batches_are_errors_with_the_event_index() {
+        assert_eq!(decode(&[0xc0]).unwrap_err(), WireError::BatchShape);
+        assert_eq!(
+            decode(&[0x94, 0, 0x90, 0, 0]).unwrap_err(),
+            WireError::BatchLen(4)
+        );
+        // [1.0, [["BlockStored"]]]: no hashes or tokens.
+        let bad = [
+            0x92, 0x01, 0x91, 0x91, 0xab, b'B', b'l', b'o', b'c', b'k', b'S', b't', b'o', b'r',
+            b'e', b'd',
+        ];
+        assert!(matches!(
+            decode(&bad),
+            Err(WireError::Event { index: 0, .. })
+        ));
+        // Every truncation of a real batch is an error, never a panic.
+        let full = fixture!("vllm_v033_tagged");
+        for cut in 0..full.len() {
+            assert!(decode(&full[..cut]).is_err(), "cut at {cut} decoded");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256)) {
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn corrupted_fixtures_never_panic(at in 0usize..711, val in proptest::prelude::any::<u8>()) {
+            let mut b = fixture!("vllm_v033_tagged").to_vec();
+            let i = at % b.len();
+            b[i] = val;
+            let _ = decode(&b);
+        }
+    }
+}

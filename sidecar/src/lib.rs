@@ -1,0 +1,367 @@
+//! kvgate-sidecar: keeps Envoy's routing state fresh.
+//!
+//! It runs next to Envoy in each gateway pod and does everything that must
+//! stay off the request path:
+//!
+//! * keeps the worker catalog ([`fleet`]), from the config file and the
+//!   `/workers` API;
+//! * scrapes every worker's Prometheus page ([`scrape`]) for load, and marks
+//!   workers down when they stop answering;
+//! * subscribes to every rank's ZMQ KV events and maintains the prefix index
+//!   ([`kv`]);
+//! * publishes versioned snapshots and index shards ([`publish`]), which the
+//!   snapshot service inside Envoy long-polls and writes into shared data;
+//! * serves its APIs and metrics ([`api`]).
+
+pub mod api;
+pub mod config;
+pub mod fleet;
+pub mod kv;
+pub mod metrics;
+pub mod promtext;
+pub mod publish;
+pub mod scrape;
+pub mod versions;
+
+use crate::config::{Config, WorkerSpec};
+use crate::fleet::{Fleet, FleetError};
+use crate::kv::plane::{Plane, PlaneConfig};
+use crate::kv::subscriber::{Subscriber, SubscriberSpec};
+use crate::metrics::Metrics;
+use crate::publish::SnapshotStore;
+use crate::versions::Versions;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::task::JoinHandle;
+
+pub struct Sidecar {
+    pub config: Config,
+    fleet: Mutex<Fleet>,
+    pub versions: Arc<Versions>,
+    pub store: SnapshotStore,
+    pub plane: Plane,
+    pub metrics: Metrics,
+    zmq: zmq::Context,
+    client: scrape::HttpClient,
+    scrapers: Mutex<HashMap<u64, JoinHandle<()>>>,
+    subscribers: Mutex<HashMap<u16, (u64, u32, Subscriber)>>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Sidecar {
+    /// Builds the sidecar and starts its background work on the current
+    /// tokio runtime. Call [`api::router`] to serve it.
+    pub fn start(config: Config) -> anyhow::Result<Arc<Sidecar>> {
+        let versions = Arc::new(Versions::new());
+        let plane = Plane::start(
+            PlaneConfig {
+                shard_count: config.kv.shards,
+                max_blocks_per_slot: config.kv.max_blocks_per_rank,
+                publish_interval: Duration::from_millis(config.kv.publish_interval_ms.max(1)),
+                ..Default::default()
+            },
+            versions.clone(),
+        )?;
+        let fleet = Fleet::new(&config)?;
+        let sc = Arc::new(Sidecar {
+            fleet: Mutex::new(fleet),
+            versions,
+            store: SnapshotStore::default(),
+            plane,
+            metrics: Metrics::new(),
+            zmq: zmq::Context::new(),
+            client: scrape::client(),
+            scrapers: Mutex::new(HashMap::new()),
+            subscribers: Mutex::new(HashMap::new()),
+            config,
+        });
+        let ids: Vec<u64> = sc.fleet().workers.keys().copied().collect();
+        for id in ids {
+            sc.worker_started(id);
+        }
+        sc.publish_now();
+        tokio::spawn(publish_loop(sc.clone()));
+        Ok(sc)
+    }
+
+    pub fn fleet(&self) -> MutexGuard<'_, Fleet> {
+        self.fleet.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn add_worker(self: &Arc<Self>, spec: WorkerSpec) -> Result<serde_json::Value, FleetError> {
+        let id = spec.worker_id;
+        let view = {
+            let mut f = self.fleet();
+            let w = f.add_worker(spec, Instant::now())?;
+            api::worker_json(w)
+        };
+        self.worker_started(id);
+        Ok(view)
+    }
+
+    pub fn patch_worker(
+        self: &Arc<Self>,
+        id: u64,
+        patch: &serde_json::Value,
+    ) -> Result<serde_json::Value, FleetError> {
+        let view = {
+            let mut f = self.fleet();
+            api::worker_json(f.patch_worker(id, patch, Instant::now())?)
+        };
+        self.worker_stopped(id);
+        self.worker_started(id);
+        self.publish_now();
+        Ok(view)
+    }
+
+    pub fn remove_worker(&self, id: u64) -> Result<(), FleetError> {
+        self.fleet().remove_worker(id)?;
+        self.worker_stopped(id);
+        self.publish_now();
+        Ok(())
+    }
+
+    /// Starts scraping a worker and subscribing to its KV events.
+    fn worker_started(self: &Arc<Self>, id: u64) {
+        let Some(spec) = self
+            .fleet()
+            .workers
+            .get(&id)
+            .map(|w| (w.spec.clone(), w.slots.clone()))
+        else {
+            return;
+        };
+        let (spec, slots) = spec;
+        let task = tokio::spawn(scrape_loop(self.clone(), id));
+        if let Some(old) = self
+            .scrapers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, task)
+        {
+            old.abort();
+        }
+        if spec.kv_events_endpoints.is_empty() {
+            return;
+        }
+        let mut subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        for (r, slot) in slots.iter().enumerate() {
+            let r = r as u32;
+            let Some(endpoint) = spec.events_endpoint(r) else {
+                tracing::warn!(worker = id, rank = r, "no KV event endpoint for this rank");
+                continue;
+            };
+            self.plane
+                .add_slot(*slot, &spec.model_name, spec.block_size, 0);
+            let sub = Subscriber::spawn(
+                self.zmq.clone(),
+                SubscriberSpec {
+                    slot: *slot,
+                    endpoint: endpoint.clone(),
+                    replay_endpoint: spec.replay_endpoint_of(r),
+                    topic: Vec::new(),
+                    replay_timeout: Duration::from_millis(self.config.kv.replay_timeout_ms),
+                },
+                self.plane.sender(),
+            );
+            match sub {
+                Ok(s) => {
+                    tracing::info!(worker = id, rank = r, slot, %endpoint, "subscribed to KV events");
+                    subs.insert(*slot, (id, r, s));
+                }
+                Err(e) => {
+                    tracing::error!(worker = id, rank = r, error = %e, "could not start KV event subscriber")
+                }
+            }
+        }
+    }
+
+    /// Stops a removed worker's scraper and subscribers and drops its index
+    /// entries.
+    fn worker_stopped(&self, id: u64) {
+        if let Some(t) = self
+            .scrapers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id)
+        {
+            t.abort();
+        }
+        let mut subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        let slots: Vec<u16> = subs
+            .iter()
+            .filter(|(_, (w, _, _))| *w == id)
+            .map(|(s, _)| *s)
+            .collect();
+        for slot in slots {
+            if let Some((_, _, mut sub)) = subs.remove(&slot) {
+                // Stopping joins the thread (up to one receive timeout);
+                // keep that off the async runtime.
+                std::thread::spawn(move || sub.stop());
+            }
+            self.plane.remove_slot(slot);
+        }
+    }
+
+    /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
+    pub fn publish_now(&self) {
+        let snap = {
+            let mut f = self.fleet();
+            f.expire(
+                Instant::now(),
+                Duration::from_millis(self.config.scrape.down_after_ms),
+            );
+            self.refresh_gauges(&f);
+            f.build_snapshot()
+        };
+        if let Some(v) = self.store.publish(&self.versions, snap, now_ms()) {
+            tracing::debug!(version = v, "published snapshot");
+            self.metrics
+                .snapshot_bytes
+                .set(self.store.bytes().len() as i64);
+        }
+        self.metrics
+            .snapshot_version
+            .set(self.versions.current() as i64);
+    }
+
+    fn refresh_gauges(&self, f: &Fleet) {
+        let m = &self.metrics;
+        let mut per_model: HashMap<&str, i64> = f.models.keys().map(|k| (k.as_str(), 0)).collect();
+        for (id, w) in &f.workers {
+            let ids = id.to_string();
+            m.worker_up
+                .with_label_values(&[w.spec.model_name.as_str(), &ids])
+                .set(i64::from(w.health.up));
+            if w.health.up {
+                *per_model.entry(w.spec.model_name.as_str()).or_default() += 1;
+            }
+            for (r, rm) in w.ranks.iter().enumerate() {
+                let rs = (w.spec.data_parallel_start_rank + r as u32).to_string();
+                let l = [ids.as_str(), rs.as_str()];
+                m.rank_running
+                    .with_label_values(&l)
+                    .set(i64::from(rm.running));
+                m.rank_waiting
+                    .with_label_values(&l)
+                    .set(i64::from(rm.waiting));
+                m.rank_kv_used
+                    .with_label_values(&l)
+                    .set(rm.kv_used_blocks() as i64);
+                m.rank_kv_total
+                    .with_label_values(&l)
+                    .set(rm.kv_total_blocks as i64);
+            }
+        }
+        for (model, n) in per_model {
+            m.workers_up.with_label_values(&[model]).set(n);
+        }
+        // Subscriber counters are atomics owned by their threads; mirror them.
+        let subs = self.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+        for (worker, rank, s) in subs.values() {
+            let (ws, rs) = (worker.to_string(), rank.to_string());
+            let l = [ws.as_str(), rs.as_str()];
+            let st = &s.stats;
+            set_counter(&m.kv_batches, &l, st.batches.load(Ordering::Relaxed));
+            set_counter(
+                &m.kv_malformed_frames,
+                &l,
+                st.malformed_frames.load(Ordering::Relaxed),
+            );
+            set_counter(&m.kv_gaps, &l, st.gaps.load(Ordering::Relaxed));
+            set_counter(&m.kv_resyncs, &l, st.resyncs.load(Ordering::Relaxed));
+            set_counter(
+                &m.kv_replayed,
+                &l,
+                st.replayed_batches.load(Ordering::Relaxed),
+            );
+        }
+    }
+
+    /// Marks the state changed after a scrape that moved a worker up or down,
+    /// so the change goes out without waiting for the next tick.
+    fn scraped(&self, id: u64, result: Result<Vec<promtext::RankMetrics>, String>) {
+        let ids = id.to_string();
+        self.metrics.scrapes.with_label_values(&[&ids]).inc();
+        if let Err(e) = &result {
+            self.metrics.scrape_errors.with_label_values(&[&ids]).inc();
+            tracing::debug!(worker = id, error = %e, "scrape failed");
+        }
+        let changed = self.fleet().record_scrape(id, result, Instant::now());
+        if changed {
+            self.publish_now();
+        }
+    }
+}
+
+/// Mirrors a monotonically increasing atomic into a Prometheus counter.
+fn set_counter(c: &prometheus::IntCounterVec, labels: &[&str], value: u64) {
+    let ctr = c.with_label_values(labels);
+    let cur = ctr.get();
+    if value > cur {
+        ctr.inc_by(value - cur);
+    }
+}
+
+async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
+    let interval = Duration::from_millis(sc.config.scrape.interval_ms);
+    let timeout = Duration::from_millis(sc.config.scrape.timeout_ms);
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some((url, dp, start)) = sc.fleet().workers.get(&id).map(|w| {
+            (
+                w.spec.metrics_url(),
+                w.spec.data_parallel_size,
+                w.spec.data_parallel_start_rank,
+            )
+        }) else {
+            return;
+        };
+        let result = scrape::scrape_once(&sc.client, &url, timeout, dp, start).await;
+        sc.scraped(id, result.map(|(ranks, _)| ranks));
+    }
+}
+
+async fn publish_loop(sc: Arc<Sidecar>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(
+        sc.config.server.publish_interval_ms.max(1),
+    ));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut n = 0u64;
+    loop {
+        tick.tick().await;
+        sc.publish_now();
+        n += 1;
+        // Index statistics need a round trip to the index thread; once a
+        // second is plenty for gauges.
+        if n % (1000 / sc.config.server.publish_interval_ms.clamp(1, 1000)) == 0
+            && let Some(stats) = {
+                let sc = sc.clone();
+                tokio::task::spawn_blocking(move || sc.plane.stats())
+                    .await
+                    .ok()
+                    .flatten()
+            }
+        {
+            for (model, _, blocks) in &stats.per_model {
+                sc.metrics
+                    .kv_indexed_blocks
+                    .with_label_values(&[model])
+                    .set(*blocks as i64);
+            }
+            sc.metrics
+                .kv_malformed_batches
+                .set(stats.malformed_batches as i64);
+        }
+    }
+}

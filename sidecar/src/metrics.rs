@@ -1,0 +1,198 @@
+//! The sidecar's own Prometheus metrics.
+
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub scrapes: IntCounterVec,
+    pub scrape_errors: IntCounterVec,
+    pub worker_up: IntGaugeVec,
+    pub workers_up: IntGaugeVec,
+    pub snapshot_version: IntGauge,
+    pub snapshot_bytes: IntGauge,
+    pub snapshot_polls: IntCounterVec,
+    pub rank_running: IntGaugeVec,
+    pub rank_waiting: IntGaugeVec,
+    pub rank_kv_used: IntGaugeVec,
+    pub rank_kv_total: IntGaugeVec,
+    pub rank_busy: IntGaugeVec,
+    pub kv_batches: IntCounterVec,
+    pub kv_malformed_frames: IntCounterVec,
+    pub kv_gaps: IntCounterVec,
+    pub kv_resyncs: IntCounterVec,
+    pub kv_replayed: IntCounterVec,
+    pub kv_indexed_blocks: IntGaugeVec,
+    pub kv_malformed_batches: IntGauge,
+}
+
+fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels)
+        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(c.clone()))
+        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    c
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels)
+        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(g.clone()))
+        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    g
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(g.clone()))
+        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    g
+}
+
+impl Metrics {
+    /// Registration only fails for duplicate or malformed names, which are
+    /// constants here: a failure is a programming error caught by tests.
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        let w = &["worker_id"];
+        let wr = &["worker_id", "dp_rank"];
+        Metrics {
+            scrapes: counter(
+                &r,
+                "kvgate_sidecar_scrapes_total",
+                "Metrics scrapes attempted, per worker.",
+                w,
+            ),
+            scrape_errors: counter(
+                &r,
+                "kvgate_sidecar_scrape_errors_total",
+                "Metrics scrapes that failed, per worker.",
+                w,
+            ),
+            worker_up: gauge_vec(
+                &r,
+                "kvgate_sidecar_worker_up",
+                "1 when the worker is schedulable.",
+                &["model", "worker_id"],
+            ),
+            workers_up: gauge_vec(
+                &r,
+                "kvgate_sidecar_workers_up",
+                "Schedulable workers per model.",
+                &["model"],
+            ),
+            snapshot_version: gauge(
+                &r,
+                "kvgate_sidecar_snapshot_version",
+                "Version of the latest published state.",
+            ),
+            snapshot_bytes: gauge(
+                &r,
+                "kvgate_sidecar_snapshot_bytes",
+                "Size of the latest load snapshot.",
+            ),
+            snapshot_polls: counter(
+                &r,
+                "kvgate_sidecar_snapshot_polls_total",
+                "Long polls answered, by result (changed, timeout).",
+                &["result"],
+            ),
+            rank_running: gauge_vec(
+                &r,
+                "kvgate_sidecar_rank_running",
+                "Requests running on the rank, from the engine.",
+                wr,
+            ),
+            rank_waiting: gauge_vec(
+                &r,
+                "kvgate_sidecar_rank_waiting",
+                "Requests queued on the rank, from the engine.",
+                wr,
+            ),
+            rank_kv_used: gauge_vec(
+                &r,
+                "kvgate_sidecar_rank_kv_used_blocks",
+                "KV blocks in use on the rank.",
+                wr,
+            ),
+            rank_kv_total: gauge_vec(
+                &r,
+                "kvgate_sidecar_rank_kv_total_blocks",
+                "KV blocks on the rank.",
+                wr,
+            ),
+            rank_busy: gauge_vec(
+                &r,
+                "kvgate_sidecar_rank_busy",
+                "1 when the rank is over a busy threshold.",
+                wr,
+            ),
+            kv_batches: counter(
+                &r,
+                "kvgate_sidecar_kv_batches_total",
+                "KV event batches received, per rank.",
+                wr,
+            ),
+            kv_malformed_frames: counter(
+                &r,
+                "kvgate_sidecar_kv_malformed_frames_total",
+                "ZMQ messages that were not a 3-frame KV event batch.",
+                wr,
+            ),
+            kv_gaps: counter(
+                &r,
+                "kvgate_sidecar_kv_gaps_total",
+                "Sequence gaps detected, per rank.",
+                wr,
+            ),
+            kv_resyncs: counter(
+                &r,
+                "kvgate_sidecar_kv_resyncs_total",
+                "Times a rank's index entries were dropped (restart, unreplayable gap).",
+                wr,
+            ),
+            kv_replayed: counter(
+                &r,
+                "kvgate_sidecar_kv_replayed_batches_total",
+                "Batches recovered by replay.",
+                wr,
+            ),
+            kv_indexed_blocks: gauge_vec(
+                &r,
+                "kvgate_sidecar_kv_indexed_blocks",
+                "Distinct blocks in the prefix index.",
+                &["model"],
+            ),
+            kv_malformed_batches: gauge(
+                &r,
+                "kvgate_sidecar_kv_malformed_batches",
+                "KV event batches that failed to decode (skipped whole).",
+            ),
+            registry: r,
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let enc = prometheus::TextEncoder::new();
+        enc.encode_to_string(&self.registry.gather())
+            .unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn all_metrics_register_with_help() {
+        let m = super::Metrics::new();
+        m.scrapes.with_label_values(&["1"]).inc();
+        m.snapshot_polls.with_label_values(&["changed"]).inc();
+        let text = m.render();
+        assert!(text.contains("# HELP kvgate_sidecar_scrapes_total"));
+        assert!(text.contains("kvgate_sidecar_snapshot_polls_total{result=\"changed\"} 1"));
+    }
+}

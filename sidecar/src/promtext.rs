@@ -1,0 +1,280 @@
+//! A small parser for the Prometheus text exposition format, and the
+//! extraction of the engine load signals kvgate routes on.
+//!
+//! Only what a scrape of vLLM or SGLang needs: samples with labels, values
+//! including `NaN` and `±Inf`, optional timestamps. Comments are skipped. A
+//! malformed line is counted and skipped, never fatal: one odd metric from
+//! an engine upgrade must not take a worker out of rotation.
+
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+impl Sample {
+    pub fn label(&self, key: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Parsed {
+    pub samples: Vec<Sample>,
+    pub malformed_lines: usize,
+}
+
+pub fn parse(text: &str) -> Parsed {
+    let mut out = Parsed::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        match parse_line(line) {
+            Some(s) => out.samples.push(s),
+            None => out.malformed_lines += 1,
+        }
+    }
+    out
+}
+
+fn parse_line(line: &str) -> Option<Sample> {
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    let name = &line[..name_end];
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+    {
+        return None;
+    }
+    let mut rest = &line[name_end..];
+    let mut labels = Vec::new();
+    if let Some(r) = rest.strip_prefix('{') {
+        let (ls, after) = parse_labels(r)?;
+        labels = ls;
+        rest = after;
+    }
+    let mut parts = rest.split_whitespace();
+    let value = parse_value(parts.next()?)?;
+    if let Some(ts) = parts.next() {
+        ts.parse::<i64>().ok()?;
+    }
+    if parts.next().is_some() {
+        return None;
+    }
+    Some(Sample {
+        name: name.to_string(),
+        labels,
+        value,
+    })
+}
+
+/// Parses `k="v",...}` and returns the rest after the closing brace.
+fn parse_labels(mut s: &str) -> Option<(Vec<(String, String)>, &str)> {
+    let mut out = Vec::new();
+    loop {
+        s = s.trim_start();
+        if let Some(r) = s.strip_prefix('}') {
+            return Some((out, r));
+        }
+        let eq = s.find('=')?;
+        let key = s[..eq].trim().to_string();
+        if key.is_empty() {
+            return None;
+        }
+        s = s[eq + 1..].trim_start().strip_prefix('"')?;
+        let mut value = String::new();
+        let mut chars = s.char_indices();
+        let end = loop {
+            let (i, c) = chars.next()?;
+            match c {
+                '\\' => match chars.next()?.1 {
+                    'n' => value.push('\n'),
+                    other => value.push(other),
+                },
+                '"' => break i,
+                c => value.push(c),
+            }
+        };
+        out.push((key, value));
+        s = s[end + 1..].trim_start();
+        if let Some(r) = s.strip_prefix(',') {
+            s = r;
+        }
+    }
+}
+
+fn parse_value(v: &str) -> Option<f64> {
+    match v {
+        "NaN" => Some(f64::NAN),
+        "+Inf" | "Inf" => Some(f64::INFINITY),
+        "-Inf" => Some(f64::NEG_INFINITY),
+        _ => v.parse().ok(),
+    }
+}
+
+/// Engine load of one DP rank as scraped.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RankMetrics {
+    pub running: u32,
+    pub waiting: u32,
+    /// Fraction 0–1 of KV blocks in use.
+    pub kv_usage: f64,
+    pub kv_total_blocks: u64,
+    pub block_size: u32,
+    pub max_num_batched_tokens: u64,
+}
+
+impl RankMetrics {
+    pub fn kv_used_blocks(&self) -> u64 {
+        (self.kv_usage.clamp(0.0, 1.0) * self.kv_total_blocks as f64).round() as u64
+    }
+}
+
+fn finite_u32(v: f64) -> u32 {
+    if v.is_finite() && v > 0.0 {
+        v.round().min(u32::MAX as f64) as u32
+    } else {
+        0
+    }
+}
+
+/// Per-rank load from a scrape of vLLM (current and deprecated names) or
+/// SGLang. The rank is the `engine` label (vLLM's DP engine index), or the
+/// `dp_rank` label, relative to `start_rank` when the engine numbers ranks
+/// globally; samples without one belong to rank 0.
+pub fn extract(parsed: &Parsed, dp_size: u32, start_rank: u32) -> Vec<RankMetrics> {
+    let mut ranks: BTreeMap<u32, RankMetrics> = BTreeMap::new();
+    for s in &parsed.samples {
+        let label = s.label("engine").or_else(|| s.label("dp_rank"));
+        let rank = match label.and_then(|l| l.parse::<u32>().ok()) {
+            None => 0,
+            Some(r) if r < dp_size => r,
+            Some(r) if (start_rank..start_rank.saturating_add(dp_size)).contains(&r) => {
+                r - start_rank
+            }
+            Some(_) => continue,
+        };
+        let m = ranks.entry(rank).or_default();
+        match s.name.as_str() {
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => {
+                m.running = finite_u32(s.value)
+            }
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => {
+                m.waiting = finite_u32(s.value)
+            }
+            "vllm:kv_cache_usage_perc" | "sglang:token_usage" if s.value.is_finite() => {
+                m.kv_usage = s.value
+            }
+            // The deprecated name only counts when the current one is absent.
+            "vllm:gpu_cache_usage_perc" if s.value.is_finite() && m.kv_usage == 0.0 => {
+                m.kv_usage = s.value
+            }
+            "vllm:cache_config_info" => {
+                if let Some(n) = s.label("num_gpu_blocks").and_then(|v| v.parse().ok()) {
+                    m.kv_total_blocks = n;
+                }
+                if let Some(b) = s.label("block_size").and_then(|v| v.parse().ok()) {
+                    m.block_size = b;
+                }
+                if let Some(b) = s
+                    .label("max_num_batched_tokens")
+                    .and_then(|v| v.parse().ok())
+                {
+                    m.max_num_batched_tokens = b;
+                }
+            }
+            _ => {}
+        }
+    }
+    (0..dp_size)
+        .map(|r| ranks.get(&r).copied().unwrap_or_default())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_samples_labels_escapes_and_specials() {
+        let p = parse(
+            "# HELP x help\n# TYPE x gauge\nx 1\ny{a=\"1\",b=\"q\\\"uote\\\\n\"} 2.5 1700000000\nz{} NaN\nw +Inf\nv -Inf\n",
+        );
+        assert_eq!(p.malformed_lines, 0);
+        assert_eq!(p.samples.len(), 5);
+        assert_eq!(
+            p.samples[1].labels,
+            vec![("a".into(), "1".into()), ("b".into(), "q\"uote\\n".into())]
+        );
+        assert_eq!(p.samples[1].value, 2.5);
+        assert!(p.samples[2].value.is_nan());
+        assert_eq!(p.samples[3].value, f64::INFINITY);
+        assert_eq!(p.samples[4].value, f64::NEG_INFINITY);
+    }
+
+    #[test]
+    fn garbage_lines_are_counted_not_fatal() {
+        let p = parse("ok 1\nno value\nbad{a=\"1\" 2\n{x} 3\nnum 1 2 3\nfine 2\n");
+        assert_eq!(p.samples.len(), 2);
+        assert_eq!(p.malformed_lines, 4);
+    }
+
+    const VLLM_DP2: &str = r#"
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
+"#;
+
+    #[test]
+    fn vllm_ranks_by_engine_label() {
+        let r = extract(&parse(VLLM_DP2), 2, 0);
+        assert_eq!(
+            (
+                r[0].running,
+                r[0].waiting,
+                r[0].kv_used_blocks(),
+                r[0].kv_total_blocks
+            ),
+            (3, 2, 500, 1000)
+        );
+        assert_eq!((r[1].running, r[1].kv_used_blocks()), (1, 250));
+    }
+
+    #[test]
+    fn deprecated_name_and_global_rank_numbers() {
+        let text = "vllm:gpu_cache_usage_perc{engine=\"4\"} 0.75\nvllm:cache_config_info{engine=\"4\",num_gpu_blocks=\"100\"} 1\nvllm:num_requests_running{engine=\"5\"} 2\n";
+        let r = extract(&parse(text), 2, 4);
+        assert_eq!(r[0].kv_used_blocks(), 75);
+        assert_eq!(r[1].running, 2);
+        // Current name wins over the deprecated one.
+        let r = extract(
+            &parse("vllm:kv_cache_usage_perc 0.1\nvllm:gpu_cache_usage_perc 0.9\n"),
+            1,
+            0,
+        );
+        assert_eq!(r[0].kv_usage, 0.1);
+    }
+
+    #[test]
+    fn sglang_names() {
+        let r = extract(
+            &parse("sglang:num_running_reqs 4\nsglang:num_queue_reqs 7\nsglang:token_usage 0.3\n"),
+            1,
+            0,
+        );
+        assert_eq!((r[0].running, r[0].waiting, r[0].kv_usage), (4, 7, 0.3));
+    }
+}
