@@ -1,1 +1,126 @@
-//! kvgate-filter (being built)
+//! kvgate-filter: the proxy-wasm module Envoy runs.
+//!
+//! One module, two roots (see `docs/architecture.md`):
+//!
+//! * `kvgate_snapshot_service` ([`service`]): a singleton on the main thread
+//!   that long-polls the sidecar and writes snapshots and index shards into
+//!   shared data;
+//! * `kvgate_router` ([`router`]): the HTTP filter on every worker thread
+//!   that, per request, routes to a worker or answers locally.
+//!
+//! Everything that decides is host-agnostic and tested natively
+//! ([`config`], [`request`], [`decide`], [`poller`], [`manifest`],
+//! [`reply`]); the rest is thin glue over host calls ([`host`]).
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+pub mod config;
+pub mod decide;
+pub mod host;
+pub mod manifest;
+pub mod metrics;
+pub mod poller;
+pub mod reply;
+pub mod request;
+pub mod router;
+pub mod service;
+
+use config::Config;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{ContextType, LogLevel};
+use router::{Request, RouterState};
+use service::Service;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+pub const SERVICE_ROOT_ID: &str = "kvgate_snapshot_service";
+
+/// A root is unconfigured until Envoy tells it which role it plays.
+enum Root {
+    Unconfigured,
+    Service(Service),
+    Router(Rc<RefCell<RouterState>>),
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        _token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        if let Root::Service(s) = self {
+            s.on_response(body_size);
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let config = match Config::parse(host::plugin_configuration().as_deref()) {
+            Ok(c) => c,
+            Err(e) => {
+                host::log(LogLevel::Error, &format!("kvgate: {e}"));
+                return false;
+            }
+        };
+        let root_id = host::property(&["plugin_root_id"])
+            .and_then(|b| String::from_utf8(b).ok())
+            .unwrap_or_default();
+        if root_id == SERVICE_ROOT_ID {
+            if let Err(s) = host::set_tick_period(config.tick_ms) {
+                host::log(
+                    LogLevel::Error,
+                    &format!("kvgate: cannot set tick period: {s:?}"),
+                );
+                return false;
+            }
+            let mut svc = Service::new(config);
+            svc.poll();
+            *self = Root::Service(svc);
+        } else {
+            if root_id != "kvgate_router" {
+                host::log(
+                    LogLevel::Info,
+                    &format!(
+                        "kvgate: root id {root_id:?} is not {SERVICE_ROOT_ID:?}; acting as the router"
+                    ),
+                );
+            }
+            *self = Root::Router(Rc::new(RefCell::new(RouterState::new(config))));
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        if let Root::Service(s) = self {
+            s.poll();
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // The SDK traps on `None`, so a root that is not a router (never
+        // expected to see streams) still hands out a context that does
+        // nothing.
+        match self {
+            Root::Router(state) => Some(Box::new(Request::new(state.clone()))),
+            _ => Some(Box::new(PassThrough)),
+        }
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct PassThrough;
+impl Context for PassThrough {}
+impl HttpContext for PassThrough {}
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::Unconfigured) });
+}}

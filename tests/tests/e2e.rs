@@ -232,25 +232,27 @@ fn sheds_with_503_when_every_worker_is_busy() {
         model_toml: "active_decode_blocks_threshold = 0.1".into(),
         ..StackConfig::default()
     });
+    // Each hog makes one worker busy; the second goes out only once the
+    // first worker shows busy, so it cannot land on the same one.
     let long_prompt: Vec<u32> = (0..160).collect();
-    let hogs: Vec<_> = (0..2)
-        .map(|i| {
-            let addr = stack.envoy_addr();
-            let mut prompt = long_prompt.clone();
-            prompt[0] = 10_000 + i;
-            std::thread::spawn(move || {
-                let body = json!({"model": "demo-model", "prompt": prompt, "max_tokens": 150});
-                http::request_full(
-                    &addr,
-                    "POST",
-                    "/v1/completions",
-                    &[("content-type", "application/json")],
-                    Some(body.to_string().as_bytes()),
-                )
-                .map(|(s, h, _)| (s, h))
-            })
-        })
-        .collect();
+    let mut hogs = Vec::new();
+    for i in 0..2u32 {
+        let addr = stack.envoy_addr();
+        let mut prompt = long_prompt.clone();
+        prompt[0] = 10_000 + i;
+        hogs.push(std::thread::spawn(move || {
+            let body = json!({"model": "demo-model", "prompt": prompt, "max_tokens": 150});
+            http::request_full(
+                &addr,
+                "POST",
+                "/v1/completions",
+                &[("content-type", "application/json")],
+                Some(body.to_string().as_bytes()),
+            )
+            .map(|(s, h, _)| (s, h))
+        }));
+        wait_busy(&stack, i as usize + 1);
+    }
 
     // Wait until the sidecar sees both workers busy and Envoy has that state.
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -359,7 +361,7 @@ fn a_dead_worker_is_routed_around_and_no_workers_gives_503() {
 fn stale_state_fails_open_to_envoys_own_balancing() {
     let _g = serial();
     let mut stack = start(StackConfig {
-        plugin: json!({"stale_after_ms": 800, "on_stale": "fail_open"}),
+        plugin: json!({"stale_after_ms": 800, "poll_wait_ms": 300, "on_stale": "fail_open"}),
         ..StackConfig::default()
     });
     stack.kill_sidecar();
@@ -388,7 +390,7 @@ fn stale_state_fails_closed_when_configured() {
     let _g = serial();
     let mut stack = start(StackConfig {
         workers: 2,
-        plugin: json!({"stale_after_ms": 800, "on_stale": "fail_closed"}),
+        plugin: json!({"stale_after_ms": 800, "poll_wait_ms": 300, "on_stale": "fail_closed"}),
         ..StackConfig::default()
     });
     stack.kill_sidecar();
@@ -396,6 +398,26 @@ fn stale_state_fails_closed_when_configured() {
     let r = chat(&stack, "demo-model", "sidecar is gone", 2);
     assert_eq!(r.status, 503, "{}", r.text());
     assert_eq!(r.header("x-kvgate-reason"), Some("stale_state"));
+}
+
+/// Waits until the sidecar's snapshot shows `n` busy workers.
+fn wait_busy(stack: &Stack, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let state = stack.sidecar_state().unwrap();
+        let busy = state["models"][0]["workers"]
+            .as_array()
+            .map(|ws| ws.iter().filter(|w| w["ranks"][0]["busy"] == true).count())
+            .unwrap_or(0);
+        if busy >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{n} workers never became busy: {state}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Completions served by all workers, from their own metrics.

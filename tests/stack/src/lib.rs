@@ -322,7 +322,8 @@ impl Stack {
         Ok(())
     }
 
-    /// Waits until the filter has a snapshot in which every worker is up.
+    /// Waits until the filter has a snapshot in which every worker is up,
+    /// served by the sidecar now running (versions restart with it).
     pub fn wait_routing_ready(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let want = self.workers.iter().filter(|w| w.proc.is_some()).count();
@@ -334,17 +335,33 @@ impl Stack {
                 .ok()
                 .and_then(|s| s["version"].as_u64())
                 .unwrap_or(0);
-            if up >= want && version > 0 && version >= sidecar_version {
+            let served = self
+                .sidecar_metric("kvgate_sidecar_snapshot_polls_total{result=\"changed\"}")
+                .unwrap_or(0.0);
+            if up >= want && version > 0 && version == sidecar_version && served >= 1.0 {
                 return Ok(());
             }
             if Instant::now() > deadline {
                 let e = anyhow::anyhow!(
-                    "routing not ready: sidecar reports {up}/{want} workers up, envoy snapshot version {version}, sidecar version {sidecar_version}"
+                    "routing not ready: sidecar reports {up}/{want} workers up, envoy snapshot version {version}, sidecar version {sidecar_version}, full polls served {served}"
                 );
                 return Err(self.explain(e));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// One sample from the sidecar's `/metrics`, by its exact series name.
+    pub fn sidecar_metric(&self, series: &str) -> Result<f64> {
+        let (status, body) = http::get(&self.sidecar_addr(), "/metrics")?;
+        if status != 200 {
+            bail!("sidecar /metrics answered {status}");
+        }
+        let text = String::from_utf8_lossy(&body);
+        Ok(text
+            .lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(0.0))
     }
 
     /// The sidecar's JSON view of the current snapshot.

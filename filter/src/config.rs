@@ -1,0 +1,154 @@
+//! Plugin configuration: the JSON Envoy hands both roots.
+//!
+//! Every key is optional and unknown keys are refused, so a typo fails the
+//! plugin load with a log line instead of silently changing behaviour.
+
+use serde::Deserialize;
+use thiserror::Error;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStale {
+    /// Let Envoy's own load balancing route the request.
+    FailOpen,
+    /// Answer 503 without contacting a worker.
+    FailClosed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub sidecar_cluster: String,
+    pub sidecar_authority: String,
+    pub poll_wait_ms: u64,
+    pub poll_backoff_ms: u64,
+    pub tick_ms: u64,
+    pub destination_header: String,
+    pub rank_header: String,
+    pub fallback_header: String,
+    pub max_body_bytes: usize,
+    pub stale_after_ms: u64,
+    pub on_stale: OnStale,
+    pub retry_after_s: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            sidecar_cluster: "kvgate_sidecar".into(),
+            sidecar_authority: "kvgate-sidecar".into(),
+            poll_wait_ms: 1000,
+            poll_backoff_ms: 100,
+            tick_ms: 100,
+            destination_header: "x-gateway-destination-endpoint".into(),
+            rank_header: "x-data-parallel-rank".into(),
+            fallback_header: "x-kvgate-fallback".into(),
+            max_body_bytes: 1 << 20,
+            stale_after_ms: 5000,
+            on_stale: OnStale::FailOpen,
+            retry_after_s: 1,
+        }
+    }
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("plugin configuration is not valid JSON for kvgate: {0}")]
+    Json(String),
+    #[error("plugin configuration: {0}")]
+    Invalid(String),
+}
+
+/// The cap on `poll_wait_ms`: the sidecar holds a poll at most 10 s.
+pub const MAX_POLL_WAIT_MS: u64 = 10_000;
+
+impl Config {
+    /// Parses the plugin configuration; absent or empty means defaults.
+    pub fn parse(bytes: Option<&[u8]>) -> Result<Config, ConfigError> {
+        let bytes = bytes.unwrap_or_default();
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Config::default());
+        }
+        let mut c: Config =
+            serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn validate(&mut self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        for (name, h) in [
+            ("destination_header", &mut self.destination_header),
+            ("rank_header", &mut self.rank_header),
+            ("fallback_header", &mut self.fallback_header),
+        ] {
+            // Envoy keeps header names lower-case.
+            *h = h.to_ascii_lowercase();
+            if h.is_empty() || h.starts_with(':') || !h.bytes().all(|b| b.is_ascii_graphic()) {
+                return invalid(format!("{name} {h:?} is not a usable header name"));
+            }
+        }
+        if self.sidecar_cluster.is_empty() {
+            return invalid("sidecar_cluster must not be empty".into());
+        }
+        if self.max_body_bytes == 0 {
+            return invalid("max_body_bytes must be above 0".into());
+        }
+        if self.poll_wait_ms > MAX_POLL_WAIT_MS {
+            return invalid(format!("poll_wait_ms must be at most {MAX_POLL_WAIT_MS}"));
+        }
+        if self.tick_ms == 0 || self.poll_backoff_ms == 0 {
+            return invalid("tick_ms and poll_backoff_ms must be above 0".into());
+        }
+        if self.stale_after_ms <= self.poll_wait_ms {
+            return invalid(format!(
+                "stale_after_ms ({}) must exceed poll_wait_ms ({}), or every quiet poll would look stale",
+                self.stale_after_ms, self.poll_wait_ms
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_when_empty() {
+        assert_eq!(Config::parse(None).unwrap(), Config::default());
+        assert_eq!(Config::parse(Some(b"  ")).unwrap(), Config::default());
+        assert_eq!(Config::parse(Some(b"{}")).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn overrides_and_normalises() {
+        let c = Config::parse(Some(
+            br#"{"on_stale":"fail_closed","destination_header":"X-Dest","max_body_bytes":10}"#,
+        ))
+        .unwrap();
+        assert_eq!(c.on_stale, OnStale::FailClosed);
+        assert_eq!(c.destination_header, "x-dest");
+        assert_eq!(c.max_body_bytes, 10);
+    }
+
+    #[test]
+    fn mistakes_are_refused() {
+        for bad in [
+            &br#"{"bogus": 1}"#[..],
+            br#"{"on_stale": "maybe"}"#,
+            br#"not json"#,
+            br#"{"max_body_bytes": 0}"#,
+            br#"{"rank_header": ""}"#,
+            br#"{"destination_header": ":authority"}"#,
+            br#"{"poll_wait_ms": 60000}"#,
+            br#"{"stale_after_ms": 500}"#,
+        ] {
+            assert!(
+                Config::parse(Some(bad)).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! The per-request decision, free of any host call: given the fleet
+//! snapshot and a parsed request, route it or answer it.
+
+use crate::config::Config;
+use crate::reply::Reply;
+use crate::request::Parsed;
+use kvgate_core::select::{Choice, Decision, Overlap, Policy, RequestShape, select};
+use kvgate_core::{RankLoad, Snapshot, WorkerState};
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome<'a> {
+    Route {
+        worker: &'a WorkerState,
+        rank: &'a RankLoad,
+        /// Whether the engine must be told the rank (more than one rank).
+        set_rank: bool,
+    },
+    Reply(Reply),
+}
+
+pub fn decide<'a>(
+    cfg: &Config,
+    policy: &Policy,
+    snap: &'a Snapshot,
+    req: &Parsed,
+    tie_break: u64,
+    overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
+) -> Outcome<'a> {
+    let Some(model) = snap.model(&req.model) else {
+        return Outcome::Reply(Reply::unknown_model(&req.model));
+    };
+    let shape = RequestShape {
+        isl_tokens: req.isl_tokens,
+        tie_break,
+        sample: (tie_break % 1_000_003) as f64 / 1_000_003.0,
+    };
+    match select(model, &shape, policy, overlap) {
+        Decision::Route(Choice { worker, rank, .. }) => Outcome::Route {
+            worker,
+            rank,
+            set_rank: worker.ranks.len() > 1,
+        },
+        Decision::AllBusy => Outcome::Reply(Reply::busy(cfg.retry_after_s)),
+        Decision::NoWorkers => Outcome::Reply(Reply::no_workers(&req.model)),
+    }
+}
+
+/// A VM's cached copy of the snapshot, re-decoded only when its version
+/// changes.
+#[derive(Debug, Default)]
+pub struct View {
+    pub snapshot: Option<Snapshot>,
+    pub version: u64,
+}
+
+impl View {
+    /// Brings the view to `version`, reading the bytes only if needed.
+    /// Returns an error (keeping the old view) when they do not decode.
+    pub fn refresh(
+        &mut self,
+        version: u64,
+        read: impl FnOnce() -> Option<Vec<u8>>,
+    ) -> Result<(), kvgate_core::SnapshotError> {
+        if version == self.version && self.snapshot.is_some() {
+            return Ok(());
+        }
+        let Some(bytes) = read() else {
+            return Ok(());
+        };
+        let snap = Snapshot::decode(&bytes)?;
+        self.version = snap.version;
+        self.snapshot = Some(snap);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reply::Reason;
+    use crate::request::{Endpoint, parse};
+    use kvgate_core::{ModelState, Thresholds};
+
+    fn rank(rank: u32, decode: u64, busy: bool) -> RankLoad {
+        RankLoad {
+            rank,
+            active_decode_blocks: decode,
+            busy,
+            ..Default::default()
+        }
+    }
+
+    fn snapshot() -> Snapshot {
+        Snapshot {
+            version: 5,
+            built_at_ms: 1,
+            models: vec![
+                ModelState {
+                    name: "m".into(),
+                    thresholds: Thresholds::default(),
+                    shard_count: 0,
+                    workers: vec![
+                        WorkerState {
+                            id: 1,
+                            endpoint: "10.0.0.1:8000".into(),
+                            block_size: 16,
+                            ranks: vec![rank(0, 50, false)],
+                        },
+                        WorkerState {
+                            id: 2,
+                            endpoint: "10.0.0.2:8000".into(),
+                            block_size: 16,
+                            ranks: vec![rank(0, 10, true), rank(1, 20, false)],
+                        },
+                    ],
+                },
+                ModelState {
+                    name: "empty".into(),
+                    ..Default::default()
+                },
+                ModelState {
+                    name: "busy".into(),
+                    workers: vec![WorkerState {
+                        id: 3,
+                        endpoint: "10.0.0.3:8000".into(),
+                        block_size: 16,
+                        ranks: vec![rank(0, 0, true)],
+                    }],
+                    ..Default::default()
+                },
+            ],
+        }
+    }
+
+    fn run<'a>(snap: &'a Snapshot, model: &str) -> Outcome<'a> {
+        let body = format!(r#"{{"model":"{model}","prompt":"hello"}}"#);
+        let req = parse(Endpoint::Completions, body.as_bytes()).unwrap();
+        decide(
+            &Config::default(),
+            &Policy::default(),
+            snap,
+            &req,
+            0,
+            |_, _| Overlap::default(),
+        )
+    }
+
+    #[test]
+    fn routes_to_the_least_loaded_free_rank() {
+        let s = snapshot();
+        match run(&s, "m") {
+            Outcome::Route {
+                worker,
+                rank,
+                set_rank,
+            } => {
+                assert_eq!((worker.id, rank.rank, set_rank), (2, 1, true));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn replies() {
+        let s = snapshot();
+        let reason = |o: Outcome<'_>| match o {
+            Outcome::Reply(r) => (r.status, r.reason),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(reason(run(&s, "nope")), (404, Reason::UnknownModel));
+        assert_eq!(reason(run(&s, "empty")), (503, Reason::NoWorkers));
+        assert_eq!(reason(run(&s, "busy")), (503, Reason::AllWorkersBusy));
+    }
+
+    #[test]
+    fn single_rank_workers_get_no_rank_header() {
+        let mut s = snapshot();
+        s.models[0].workers.remove(1);
+        assert!(matches!(
+            run(&s, "m"),
+            Outcome::Route {
+                set_rank: false,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn view_decodes_once_per_version() {
+        let s = snapshot();
+        let bytes = s.encode().unwrap();
+        let mut v = View::default();
+        let mut reads = 0;
+        v.refresh(5, || {
+            reads += 1;
+            Some(bytes.clone())
+        })
+        .unwrap();
+        v.refresh(5, || {
+            reads += 1;
+            Some(bytes.clone())
+        })
+        .unwrap();
+        assert_eq!(reads, 1);
+        assert_eq!(v.version, 5);
+        assert!(v.refresh(6, || Some(vec![1, 2, 3])).is_err());
+        assert_eq!(v.version, 5, "a bad snapshot keeps the old view");
+        assert!(v.snapshot.is_some());
+    }
+}

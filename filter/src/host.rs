@@ -1,0 +1,120 @@
+//! Host calls, wrapped so that every failure is a value.
+//!
+//! The SDK's trait methods unwrap host-call results and would trap the VM
+//! on an unexpected status; these wrappers call `proxy_wasm::hostcalls`
+//! directly and hand back `Option`/`Result`, and the callers decide what a
+//! failure means (usually: log, count, take the safe path).
+
+use crate::reply::Reply;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
+use std::time::{Duration, UNIX_EPOCH};
+
+pub fn log(level: LogLevel, msg: &str) {
+    let _ = hostcalls::log(level, msg);
+}
+
+fn now() -> Duration {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .unwrap_or_default()
+}
+
+pub fn now_ms() -> u64 {
+    now().as_millis() as u64
+}
+
+pub fn now_us() -> u64 {
+    now().as_micros() as u64
+}
+
+pub fn get_shared(key: &str) -> Option<Vec<u8>> {
+    hostcalls::get_shared_data(key).ok().and_then(|(v, _)| v)
+}
+
+pub fn set_shared(key: &str, value: &[u8]) -> Result<(), Status> {
+    hostcalls::set_shared_data(key, Some(value), None)
+}
+
+pub fn request_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+}
+
+pub fn set_request_header(name: &str, value: &str) -> Result<(), Status> {
+    hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value))
+}
+
+pub fn remove_request_header(name: &str) -> Result<(), Status> {
+    hostcalls::remove_map_value(MapType::HttpRequestHeaders, name)
+}
+
+pub fn request_body(size: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+        .ok()
+        .flatten()
+}
+
+pub fn plugin_configuration() -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+        .ok()
+        .flatten()
+}
+
+pub fn property(path: &[&str]) -> Option<Vec<u8>> {
+    hostcalls::get_property(path.to_vec()).ok().flatten()
+}
+
+pub fn send_reply(r: &Reply) -> Result<(), Status> {
+    let retry = r.retry_after_s.map(|s| s.to_string());
+    let mut headers = vec![
+        ("content-type", "application/json"),
+        ("x-kvgate-reason", r.reason.as_str()),
+    ];
+    if let Some(s) = retry.as_deref() {
+        headers.push(("retry-after", s));
+    }
+    hostcalls::send_http_response(r.status, headers, Some(r.body.as_bytes()))
+}
+
+/// Makes Envoy match the route again after routing headers changed.
+pub fn clear_route_cache() -> Result<(), Status> {
+    hostcalls::call_foreign_function("clear_route_cache", None).map(|_| ())
+}
+
+pub fn dispatch_get(
+    cluster: &str,
+    authority: &str,
+    path: &str,
+    timeout: Duration,
+) -> Result<u32, Status> {
+    hostcalls::dispatch_http_call(
+        cluster,
+        vec![
+            (":method", "GET"),
+            (":path", path),
+            (":authority", authority),
+        ],
+        None,
+        vec![],
+        timeout,
+    )
+}
+
+pub fn call_response_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name)
+        .ok()
+        .flatten()
+}
+
+pub fn call_response_body(size: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
+        .ok()
+        .flatten()
+}
+
+pub fn set_tick_period(ms: u64) -> Result<(), Status> {
+    hostcalls::set_tick_period(Duration::from_millis(ms))
+}

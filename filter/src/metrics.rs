@@ -1,0 +1,79 @@
+//! The filter's metrics. Proxy-wasm metrics carry no labels, so the reason
+//! of a local reply is part of the name; Envoy's `/stats/prometheus` drops
+//! the `wasmcustom.` prefix, so these appear exactly as named here.
+
+use crate::reply::Reason;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+fn define(kind: MetricType, name: &str) -> Option<u32> {
+    hostcalls::define_metric(kind, name).ok()
+}
+
+pub fn inc(id: Option<u32>) {
+    if let Some(id) = id {
+        let _ = hostcalls::increment_metric(id, 1);
+    }
+}
+
+pub fn record(id: Option<u32>, value: u64) {
+    if let Some(id) = id {
+        let _ = hostcalls::record_metric(id, value);
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct RouterMetrics {
+    pub requests: Option<u32>,
+    pub routed: Option<u32>,
+    pub rejected: [Option<u32>; 6],
+    pub failed_open: Option<u32>,
+    pub decision_us: Option<u32>,
+    pub snapshot_decode_errors: Option<u32>,
+}
+
+impl RouterMetrics {
+    pub fn define() -> RouterMetrics {
+        let mut rejected = [None; 6];
+        for r in Reason::ALL {
+            rejected[r.index()] = define(
+                MetricType::Counter,
+                &format!("kvgate_rejected_{}_total", r.as_str()),
+            );
+        }
+        RouterMetrics {
+            requests: define(MetricType::Counter, "kvgate_requests_total"),
+            routed: define(MetricType::Counter, "kvgate_routed_total"),
+            rejected,
+            failed_open: define(MetricType::Counter, "kvgate_failed_open_total"),
+            decision_us: define(MetricType::Histogram, "kvgate_decision_us"),
+            snapshot_decode_errors: define(
+                MetricType::Counter,
+                "kvgate_snapshot_decode_errors_total",
+            ),
+        }
+    }
+
+    pub fn rejected(&self, r: Reason) {
+        inc(self.rejected.get(r.index()).copied().flatten());
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct ServiceMetrics {
+    pub polls: Option<u32>,
+    pub poll_errors: Option<u32>,
+    pub decode_errors: Option<u32>,
+    pub snapshot_version: Option<u32>,
+}
+
+impl ServiceMetrics {
+    pub fn define() -> ServiceMetrics {
+        ServiceMetrics {
+            polls: define(MetricType::Counter, "kvgate_snapshot_polls_total"),
+            poll_errors: define(MetricType::Counter, "kvgate_snapshot_poll_errors_total"),
+            decode_errors: define(MetricType::Counter, "kvgate_snapshot_decode_errors_total"),
+            snapshot_version: define(MetricType::Gauge, "kvgate_snapshot_version"),
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! OpenAI request bodies, as far as routing needs them.
+
+use serde_json::Value;
+
+/// The two inference endpoints kvgate routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    /// Matches a `:path`, ignoring the query string.
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        match path.split('?').next().unwrap_or_default() {
+            "/v1/completions" => Some(Endpoint::Completions),
+            "/v1/chat/completions" => Some(Endpoint::Chat),
+            _ => None,
+        }
+    }
+}
+
+/// What routing needs from a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parsed {
+    pub model: String,
+    /// The (first) prompt's token ids when the client sent tokens.
+    pub tokens: Option<Vec<u32>>,
+    /// The prompt text (chat messages concatenated) when it sent text.
+    pub text: Option<String>,
+    /// Prompt length in tokens: exact for tokens, estimated for text.
+    pub isl_tokens: u64,
+    pub stream: bool,
+    pub max_tokens: Option<u64>,
+}
+
+/// Why a body is refused with 400; the message names the field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadRequest(pub String);
+
+fn bad<T>(m: impl Into<String>) -> Result<T, BadRequest> {
+    Err(BadRequest(m.into()))
+}
+
+/// Text length in tokens, estimated: about four bytes per token for
+/// English under common BPE vocabularies. Only load accounting uses it.
+pub fn estimate_tokens(text: &str) -> u64 {
+    (text.len() as u64).div_ceil(4).max(1)
+}
+
+fn token_list(v: &[Value], field: &str) -> Result<Vec<u32>, BadRequest> {
+    v.iter()
+        .map(|t| match t.as_u64().and_then(|t| u32::try_from(t).ok()) {
+            Some(t) => Ok(t),
+            None => bad(format!(
+                "{field} must contain token ids (integers from 0 to 4294967295)"
+            )),
+        })
+        .collect()
+}
+
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
+    let v: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => return bad(format!("request body is not valid JSON: {e}")),
+    };
+    let Some(obj) = v.as_object() else {
+        return bad("request body must be a JSON object");
+    };
+    let model = match obj.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        Some(_) => return bad("'model' must be a non-empty string"),
+        None => return bad("'model' is required"),
+    };
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return bad("'stream' must be a boolean"),
+    };
+    let mut max_tokens = None;
+    for key in ["max_tokens", "max_completion_tokens"] {
+        match obj.get(key) {
+            None | Some(Value::Null) => {}
+            Some(v) => match v.as_u64() {
+                Some(n) => max_tokens = Some(n),
+                None => return bad(format!("'{key}' must be a non-negative integer")),
+            },
+        }
+    }
+    let (tokens, text, isl_tokens) = match endpoint {
+        Endpoint::Completions => prompt(obj.get("prompt"))?,
+        Endpoint::Chat => messages(obj.get("messages"))?,
+    };
+    Ok(Parsed {
+        model,
+        tokens,
+        text,
+        isl_tokens,
+        stream,
+        max_tokens,
+    })
+}
+
+type PromptParts = (Option<Vec<u32>>, Option<String>, u64);
+
+fn prompt(p: Option<&Value>) -> Result<PromptParts, BadRequest> {
+    match p {
+        None | Some(Value::Null) => bad("'prompt' is required for /v1/completions"),
+        Some(Value::String(s)) => Ok((None, Some(s.clone()), estimate_tokens(s))),
+        Some(Value::Array(items)) => match items.first() {
+            None => bad("'prompt' must not be empty"),
+            Some(Value::String(_)) => {
+                // A batch of prompts: route on the first, account for all.
+                let mut total = 0;
+                for it in items {
+                    match it.as_str() {
+                        Some(s) => total += estimate_tokens(s),
+                        None => return bad("'prompt' must not mix strings and other values"),
+                    }
+                }
+                Ok((None, items[0].as_str().map(str::to_owned), total))
+            }
+            Some(Value::Array(_)) => {
+                let mut first = None;
+                let mut total = 0;
+                for it in items {
+                    let Some(list) = it.as_array() else {
+                        return bad("'prompt' must not mix token lists and other values");
+                    };
+                    let toks = token_list(list, "'prompt'")?;
+                    total += toks.len() as u64;
+                    first.get_or_insert(toks);
+                }
+                Ok((first, None, total.max(1)))
+            }
+            Some(_) => {
+                let toks = token_list(items, "'prompt'")?;
+                let n = toks.len() as u64;
+                Ok((Some(toks), None, n.max(1)))
+            }
+        },
+        Some(_) => bad("'prompt' must be a string, a list of strings, or token ids"),
+    }
+}
+
+fn messages(m: Option<&Value>) -> Result<PromptParts, BadRequest> {
+    let Some(Value::Array(items)) = m else {
+        return bad("'messages' is required for /v1/chat/completions and must be a list");
+    };
+    if items.is_empty() {
+        return bad("'messages' must not be empty");
+    }
+    let mut text = String::new();
+    for (i, msg) in items.iter().enumerate() {
+        let Some(obj) = msg.as_object() else {
+            return bad(format!("messages[{i}] must be an object"));
+        };
+        let Some(role) = obj.get("role").and_then(Value::as_str) else {
+            return bad(format!("messages[{i}].role is required"));
+        };
+        text.push_str(role);
+        text.push('\n');
+        match obj.get("content") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) => text.push_str(s),
+            Some(Value::Array(parts)) => {
+                for p in parts {
+                    if let Some(t) = p.get("text").and_then(Value::as_str) {
+                        text.push_str(t);
+                    }
+                }
+            }
+            Some(_) => {
+                return bad(format!(
+                    "messages[{i}].content must be a string or a list of parts"
+                ));
+            }
+        }
+        text.push('\n');
+    }
+    let n = estimate_tokens(&text);
+    Ok((None, Some(text), n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(e: Endpoint, body: &str) -> Parsed {
+        parse(e, body.as_bytes()).unwrap()
+    }
+
+    fn err(e: Endpoint, body: &str) -> String {
+        parse(e, body.as_bytes()).unwrap_err().0
+    }
+
+    #[test]
+    fn paths() {
+        assert_eq!(
+            Endpoint::from_path("/v1/completions?x=1"),
+            Some(Endpoint::Completions)
+        );
+        assert_eq!(
+            Endpoint::from_path("/v1/chat/completions"),
+            Some(Endpoint::Chat)
+        );
+        assert_eq!(Endpoint::from_path("/v1/models"), None);
+        assert_eq!(Endpoint::from_path("/v1/completions/x"), None);
+    }
+
+    #[test]
+    fn every_prompt_shape() {
+        let p = ok(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"hello world!","stream":true,"max_tokens":5}"#,
+        );
+        assert_eq!(
+            (p.text.as_deref(), p.isl_tokens, p.stream, p.max_tokens),
+            (Some("hello world!"), 3, true, Some(5))
+        );
+        let p = ok(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":["abcd","efgh"]}"#,
+        );
+        assert_eq!((p.text.as_deref(), p.isl_tokens), (Some("abcd"), 2));
+        let p = ok(Endpoint::Completions, r#"{"model":"m","prompt":[1,2,3]}"#);
+        assert_eq!((p.tokens, p.isl_tokens), (Some(vec![1, 2, 3]), 3));
+        let p = ok(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":[[1,2],[3,4,5]]}"#,
+        );
+        assert_eq!((p.tokens, p.isl_tokens), (Some(vec![1, 2]), 5));
+        let p = ok(
+            Endpoint::Chat,
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_completion_tokens":7}"#,
+        );
+        assert_eq!(p.text.as_deref(), Some("system\nbe brief\nuser\nhi\n"));
+        assert_eq!(p.max_tokens, Some(7));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert!(err(Endpoint::Chat, "{").contains("not valid JSON"));
+        assert!(err(Endpoint::Chat, "[]").contains("JSON object"));
+        assert!(err(Endpoint::Chat, r#"{"messages":[]}"#).contains("'model'"));
+        assert!(err(Endpoint::Chat, r#"{"model":3}"#).contains("'model'"));
+        assert!(err(Endpoint::Chat, r#"{"model":"m"}"#).contains("'messages'"));
+        assert!(
+            err(
+                Endpoint::Chat,
+                r#"{"model":"m","messages":[{"content":"x"}]}"#
+            )
+            .contains("role")
+        );
+        assert!(err(Endpoint::Completions, r#"{"model":"m"}"#).contains("'prompt'"));
+        assert!(
+            err(Endpoint::Completions, r#"{"model":"m","prompt":[1,-2]}"#).contains("token ids")
+        );
+        assert!(
+            err(
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":[4294967296]}"#
+            )
+            .contains("token ids")
+        );
+        assert!(
+            err(
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"x","stream":"yes"}"#
+            )
+            .contains("'stream'")
+        );
+        assert!(
+            err(
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"x","max_tokens":-1}"#
+            )
+            .contains("'max_tokens'")
+        );
+        assert!(err(Endpoint::Completions, r#"{"model":"m","prompt":["a",1]}"#).contains("mix"));
+    }
+}

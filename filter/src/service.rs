@@ -1,0 +1,105 @@
+//! The snapshot service root: a singleton VM on Envoy's main thread that
+//! long-polls the sidecar and writes what it gets into shared data.
+
+use crate::config::Config;
+use crate::host;
+use crate::metrics::{ServiceMetrics, inc, record};
+use crate::poller::Poller;
+use proxy_wasm::types::LogLevel;
+use std::time::Duration;
+
+pub struct Service {
+    pub config: Config,
+    poller: Poller,
+    metrics: ServiceMetrics,
+}
+
+impl Service {
+    pub fn new(config: Config) -> Service {
+        Service {
+            config,
+            poller: Poller::default(),
+            metrics: ServiceMetrics::define(),
+        }
+    }
+
+    /// Starts a poll if none is in flight and no backoff is pending.
+    pub fn poll(&mut self) {
+        let now = host::now_ms();
+        if !self.poller.due(now) {
+            return;
+        }
+        let c = &self.config;
+        let path = self.poller.path(c.poll_wait_ms);
+        // The call's own timeout leaves the sidecar time to answer a full wait.
+        let timeout = Duration::from_millis(c.poll_wait_ms + 2000);
+        match host::dispatch_get(&c.sidecar_cluster, &c.sidecar_authority, &path, timeout) {
+            Ok(_) => {
+                self.poller.sent();
+                inc(self.metrics.polls);
+            }
+            Err(status) => {
+                host::log(
+                    LogLevel::Warn,
+                    &format!(
+                        "kvgate: cannot poll cluster {:?}: {status:?}",
+                        c.sidecar_cluster
+                    ),
+                );
+                inc(self.metrics.poll_errors);
+                self.poller.failed(now, c.poll_backoff_ms);
+            }
+        }
+    }
+
+    pub fn on_response(&mut self, body_size: usize) {
+        let now = host::now_ms();
+        let status = host::call_response_header(":status");
+        match status.as_deref() {
+            Some("200") => {
+                let body = host::call_response_body(body_size).unwrap_or_default();
+                match self.poller.changed(now, &body) {
+                    Ok(writes) => self.write(writes),
+                    Err(e) => {
+                        host::log(
+                            LogLevel::Error,
+                            &format!("kvgate: rejecting sidecar update: {e:?}"),
+                        );
+                        inc(self.metrics.decode_errors);
+                        self.poller.failed(now, self.config.poll_backoff_ms);
+                    }
+                }
+            }
+            Some("204") => {
+                let epoch =
+                    host::call_response_header("x-kvgate-epoch").and_then(|e| e.parse().ok());
+                let writes = self.poller.no_change(now, epoch);
+                self.write(writes);
+            }
+            other => {
+                host::log(
+                    LogLevel::Warn,
+                    &format!("kvgate: sidecar poll failed (status {other:?}); backing off"),
+                );
+                inc(self.metrics.poll_errors);
+                self.poller.failed(now, self.config.poll_backoff_ms);
+            }
+        }
+        self.poll();
+    }
+
+    fn write(&mut self, writes: Vec<(String, Vec<u8>)>) {
+        for (key, value) in writes {
+            if let Err(status) = host::set_shared(&key, &value) {
+                host::log(
+                    LogLevel::Error,
+                    &format!("kvgate: writing shared data {key:?} failed: {status:?}"),
+                );
+            }
+        }
+        record(
+            self.metrics.snapshot_version,
+            self.poller.manifest().snapshot_version,
+        );
+    }
+}
