@@ -73,9 +73,8 @@ fn test(rest: &[String]) -> Result<()> {
     setup::all()?;
     build::wasm()?;
     build::bins(build::Profile::Debug)?;
-    let repo = repo();
     let wasm = build::wasm_path();
-    let bins = repo.join("target/debug");
+    let bins = build::Profile::Debug.dir();
     let envoy = setup::envoy_path();
     let mut args = vec!["test", "--workspace", "--all-targets"];
     args.extend(rest.iter().map(String::as_str));
