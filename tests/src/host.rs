@@ -1,0 +1,1062 @@
+//! A proxy-wasm (ABI 0.2.1) host on wasmtime, purpose-built to run kvgate's
+//! real filter module in tests.
+//!
+//! It emulates what Envoy does for the calls the filter makes: one
+//! process-wide shared-data store with CAS, shared by every VM; metrics by
+//! name; request headers and bodies with Envoy's buffering; local replies;
+//! HTTP callouts the test answers; foreign functions; a clock the test
+//! moves. A guest trap (a panic) is reported as a value and marks the VM
+//! dead, as Envoy's fail-closed policy would.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use wasmtime::error::Context;
+use wasmtime::{Caller, Engine, Extern, Instance, Linker, Memory, Module, Store, TypedFunc};
+use wasmtime::{Result, bail, format_err as anyhow};
+
+// ABI enumerations.
+const OK: i32 = 0;
+const NOT_FOUND: i32 = 1;
+const BAD_ARGUMENT: i32 = 2;
+const CAS_MISMATCH: i32 = 8;
+const UNIMPLEMENTED: i32 = 12;
+const MAP_REQUEST_HEADERS: i32 = 0;
+const MAP_CALL_RESPONSE_HEADERS: i32 = 6;
+const BUF_REQUEST_BODY: i32 = 0;
+const BUF_CALL_RESPONSE_BODY: i32 = 4;
+const BUF_VM_CONFIGURATION: i32 = 6;
+const BUF_PLUGIN_CONFIGURATION: i32 = 7;
+pub const ACTION_CONTINUE: i32 = 0;
+pub const ACTION_PAUSE: i32 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+#[derive(Debug, Clone)]
+pub struct Metric {
+    pub kind: MetricKind,
+    pub value: i64,
+    pub samples: Vec<u64>,
+}
+
+/// State shared by every VM of one emulated Envoy process.
+#[derive(Debug, Default)]
+pub struct Shared {
+    data: HashMap<String, (Vec<u8>, u32)>,
+    cas: u32,
+    pub metrics: HashMap<String, Metric>,
+    /// Wall clock in nanoseconds, moved by the test.
+    pub clock_ns: u64,
+    /// `proxy_get_shared_data` calls per key.
+    pub reads: HashMap<String, u64>,
+}
+
+impl Shared {
+    pub fn new() -> SharedRef {
+        Arc::new(Mutex::new(Shared {
+            clock_ns: 1_700_000_000_000_000_000,
+            ..Default::default()
+        }))
+    }
+
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.data.get(key).map(|(v, _)| v.as_slice())
+    }
+
+    pub fn set(&mut self, key: &str, value: &[u8]) {
+        self.cas = self.cas.wrapping_add(1).max(1);
+        self.data
+            .insert(key.to_string(), (value.to_vec(), self.cas));
+    }
+
+    pub fn metric(&self, name: &str) -> Option<&Metric> {
+        self.metrics.get(name)
+    }
+
+    pub fn counter(&self, name: &str) -> i64 {
+        self.metrics.get(name).map_or(0, |m| m.value)
+    }
+
+    pub fn advance_ms(&mut self, ms: u64) {
+        self.clock_ns += ms * 1_000_000;
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.clock_ns / 1_000_000
+    }
+}
+
+pub type SharedRef = Arc<Mutex<Shared>>;
+
+fn lock(s: &SharedRef) -> MutexGuard<'_, Shared> {
+    s.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    pub status: u32,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl LocalReply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Callout {
+    pub token: u32,
+    pub cluster: String,
+    pub headers: Vec<(String, String)>,
+    pub timeout_ms: u32,
+}
+
+impl Callout {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Per-VM host state.
+pub struct HostState {
+    shared: SharedRef,
+    vm_id: String,
+    root_id: String,
+    plugin_config: Vec<u8>,
+    request_headers: Vec<(String, String)>,
+    request_body: Vec<u8>,
+    call_headers: Vec<(String, String)>,
+    call_body: Vec<u8>,
+    local_reply: Option<LocalReply>,
+    pub callouts: Vec<Callout>,
+    next_token: u32,
+    foreign_calls: Vec<String>,
+    pub tick_ms: u32,
+    pub logs: Vec<(i32, String)>,
+    pub stdout: Vec<u8>,
+    metric_names: Vec<String>,
+    /// Clusters that exist; a callout elsewhere gets BadArgument.
+    pub clusters: Vec<String>,
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Default)]
+pub struct Exchange {
+    /// Request headers as the upstream would see them.
+    pub headers: Vec<(String, String)>,
+    /// Whether the request went on to the router (upstream).
+    pub continued: bool,
+    pub reply: Option<LocalReply>,
+    pub foreign_calls: Vec<String>,
+    pub trapped: Option<String>,
+}
+
+impl Exchange {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+fn memory(caller: &mut Caller<'_, HostState>) -> Result<Memory> {
+    match caller.get_export("memory") {
+        Some(Extern::Memory(m)) => Ok(m),
+        _ => bail!("guest exports no memory"),
+    }
+}
+
+fn read(caller: &mut Caller<'_, HostState>, ptr: i32, len: i32) -> Result<Vec<u8>> {
+    let m = memory(caller)?;
+    let (ptr, len) = (ptr as u32 as usize, len as u32 as usize);
+    m.data(&*caller)
+        .get(ptr..ptr + len)
+        .map(<[u8]>::to_vec)
+        .ok_or_else(|| anyhow!("guest pointer out of bounds"))
+}
+
+fn read_str(caller: &mut Caller<'_, HostState>, ptr: i32, len: i32) -> Result<String> {
+    Ok(String::from_utf8_lossy(&read(caller, ptr, len)?).into_owned())
+}
+
+fn write(caller: &mut Caller<'_, HostState>, ptr: i32, bytes: &[u8]) -> Result<()> {
+    let m = memory(caller)?;
+    m.write(&mut *caller, ptr as u32 as usize, bytes)?;
+    Ok(())
+}
+
+fn write_u32(caller: &mut Caller<'_, HostState>, ptr: i32, v: u32) -> Result<()> {
+    write(caller, ptr, &v.to_le_bytes())
+}
+
+/// Copies `bytes` into guest memory allocated by the guest itself, and
+/// writes its address and length to the two out-pointers.
+fn give(
+    caller: &mut Caller<'_, HostState>,
+    bytes: &[u8],
+    ptr_out: i32,
+    len_out: i32,
+) -> Result<()> {
+    let alloc = match caller.get_export("proxy_on_memory_allocate") {
+        Some(Extern::Func(f)) => f.typed::<i32, i32>(&*caller)?,
+        _ => bail!("guest exports no proxy_on_memory_allocate"),
+    };
+    let addr = alloc.call(&mut *caller, bytes.len().max(1) as i32)?;
+    write(caller, addr, bytes)?;
+    write_u32(caller, ptr_out, addr as u32)?;
+    write_u32(caller, len_out, bytes.len() as u32)
+}
+
+/// Proxy-wasm header-map serialisation.
+pub fn serialize_map(pairs: &[(String, String)]) -> Vec<u8> {
+    let mut out = (pairs.len() as u32).to_le_bytes().to_vec();
+    for (k, v) in pairs {
+        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (k, v) in pairs {
+        out.extend_from_slice(k.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+fn deserialize_map(b: &[u8]) -> Vec<(String, String)> {
+    let word = |i: usize| {
+        b.get(i..i + 4)
+            .map_or(0, |s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]) as usize)
+    };
+    let n = word(0);
+    let mut sizes = Vec::with_capacity(n);
+    for i in 0..n {
+        sizes.push((word(4 + i * 8), word(8 + i * 8)));
+    }
+    let mut pos = 4 + n * 8;
+    let mut out = Vec::with_capacity(n);
+    for (kl, vl) in sizes {
+        let k = b
+            .get(pos..pos + kl)
+            .map(|s| String::from_utf8_lossy(s).into_owned())
+            .unwrap_or_default();
+        pos += kl + 1;
+        let v = b
+            .get(pos..pos + vl)
+            .map(|s| String::from_utf8_lossy(s).into_owned())
+            .unwrap_or_default();
+        pos += vl + 1;
+        out.push((k, v));
+    }
+    out
+}
+
+fn map_mut(st: &mut HostState, map: i32) -> Option<&mut Vec<(String, String)>> {
+    match map {
+        MAP_REQUEST_HEADERS => Some(&mut st.request_headers),
+        MAP_CALL_RESPONSE_HEADERS => Some(&mut st.call_headers),
+        _ => None,
+    }
+}
+
+/// A compiled filter module, ready to start VMs from.
+pub struct Filter {
+    engine: Engine,
+    module: Module,
+}
+
+impl Filter {
+    pub fn load(path: &Path) -> Result<Filter> {
+        let engine = Engine::default();
+        let module = Module::from_file(&engine, path)
+            .with_context(|| format!("loading {}", path.display()))?;
+        Ok(Filter { engine, module })
+    }
+
+    /// Names of imports this host does not implement (they would trap).
+    pub fn unimplemented_imports(&self) -> Vec<String> {
+        self.module
+            .imports()
+            .filter(|i| !IMPLEMENTED.contains(&i.name()))
+            .map(|i| format!("{}.{}", i.module(), i.name()))
+            .collect()
+    }
+}
+
+const IMPLEMENTED: &[&str] = &[
+    "proxy_log",
+    "proxy_get_log_level",
+    "proxy_get_current_time_nanoseconds",
+    "proxy_set_tick_period_milliseconds",
+    "proxy_get_buffer_bytes",
+    "proxy_set_buffer_bytes",
+    "proxy_get_header_map_value",
+    "proxy_replace_header_map_value",
+    "proxy_add_header_map_value",
+    "proxy_remove_header_map_value",
+    "proxy_get_header_map_pairs",
+    "proxy_set_header_map_pairs",
+    "proxy_get_property",
+    "proxy_set_property",
+    "proxy_get_shared_data",
+    "proxy_set_shared_data",
+    "proxy_register_shared_queue",
+    "proxy_resolve_shared_queue",
+    "proxy_enqueue_shared_queue",
+    "proxy_dequeue_shared_queue",
+    "proxy_send_local_response",
+    "proxy_http_call",
+    "proxy_call_foreign_function",
+    "proxy_define_metric",
+    "proxy_increment_metric",
+    "proxy_record_metric",
+    "proxy_get_metric",
+    "proxy_set_effective_context",
+    "proxy_continue_stream",
+    "proxy_close_stream",
+    "proxy_get_status",
+    "proxy_done",
+    "proxy_grpc_call",
+    "proxy_grpc_stream",
+    "proxy_grpc_send",
+    "proxy_grpc_cancel",
+    "proxy_grpc_close",
+    "environ_get",
+    "environ_sizes_get",
+    "fd_write",
+    "proc_exit",
+];
+
+fn link(linker: &mut Linker<HostState>) -> Result<()> {
+    linker.func_wrap(
+        "env",
+        "proxy_log",
+        |mut c: Caller<'_, HostState>, level: i32, p: i32, l: i32| -> Result<i32> {
+            let msg = read_str(&mut c, p, l)?;
+            c.data_mut().logs.push((level, msg));
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_log_level",
+        |mut c: Caller<'_, HostState>, out: i32| -> Result<i32> {
+            write_u32(&mut c, out, 2)?;
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_current_time_nanoseconds",
+        |mut c: Caller<'_, HostState>, out: i32| -> Result<i32> {
+            let now = lock(&c.data().shared).clock_ns;
+            write(&mut c, out, &now.to_le_bytes())?;
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_set_tick_period_milliseconds",
+        |mut c: Caller<'_, HostState>, ms: i32| -> i32 {
+            c.data_mut().tick_ms = ms as u32;
+            OK
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_buffer_bytes",
+        |mut c: Caller<'_, HostState>,
+         kind: i32,
+         start: i32,
+         max: i32,
+         po: i32,
+         lo: i32|
+         -> Result<i32> {
+            let st = c.data();
+            let buf = match kind {
+                BUF_REQUEST_BODY => st.request_body.clone(),
+                BUF_CALL_RESPONSE_BODY => st.call_body.clone(),
+                BUF_PLUGIN_CONFIGURATION => st.plugin_config.clone(),
+                BUF_VM_CONFIGURATION => Vec::new(),
+                _ => return Ok(NOT_FOUND),
+            };
+            let start = (start as u32 as usize).min(buf.len());
+            let end = start.saturating_add(max as u32 as usize).min(buf.len());
+            if buf.is_empty() {
+                return Ok(NOT_FOUND);
+            }
+            give(&mut c, &buf[start..end], po, lo)?;
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_set_buffer_bytes",
+        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_header_map_value",
+        |mut c: Caller<'_, HostState>,
+         map: i32,
+         kp: i32,
+         kl: i32,
+         po: i32,
+         lo: i32|
+         -> Result<i32> {
+            let key = read_str(&mut c, kp, kl)?;
+            let v = match map_mut(c.data_mut(), map) {
+                Some(m) => m.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone()),
+                None => return Ok(BAD_ARGUMENT),
+            };
+            match v {
+                Some(v) => {
+                    give(&mut c, v.as_bytes(), po, lo)?;
+                    Ok(OK)
+                }
+                None => Ok(NOT_FOUND),
+            }
+        },
+    )?;
+    for (name, replace) in [
+        ("proxy_replace_header_map_value", true),
+        ("proxy_add_header_map_value", false),
+    ] {
+        linker.func_wrap(
+            "env",
+            name,
+            move |mut c: Caller<'_, HostState>,
+                  map: i32,
+                  kp: i32,
+                  kl: i32,
+                  vp: i32,
+                  vl: i32|
+                  -> Result<i32> {
+                let (k, v) = (read_str(&mut c, kp, kl)?, read_str(&mut c, vp, vl)?);
+                let Some(m) = map_mut(c.data_mut(), map) else {
+                    return Ok(BAD_ARGUMENT);
+                };
+                if replace {
+                    m.retain(|(mk, _)| *mk != k);
+                }
+                m.push((k, v));
+                Ok(OK)
+            },
+        )?;
+    }
+    linker.func_wrap(
+        "env",
+        "proxy_remove_header_map_value",
+        |mut c: Caller<'_, HostState>, map: i32, kp: i32, kl: i32| -> Result<i32> {
+            let k = read_str(&mut c, kp, kl)?;
+            match map_mut(c.data_mut(), map) {
+                Some(m) => {
+                    m.retain(|(mk, _)| *mk != k);
+                    Ok(OK)
+                }
+                None => Ok(BAD_ARGUMENT),
+            }
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_header_map_pairs",
+        |mut c: Caller<'_, HostState>, map: i32, po: i32, lo: i32| -> Result<i32> {
+            let pairs = match map_mut(c.data_mut(), map) {
+                Some(m) => m.clone(),
+                None => return Ok(BAD_ARGUMENT),
+            };
+            give(&mut c, &serialize_map(&pairs), po, lo)?;
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_set_header_map_pairs",
+        |mut c: Caller<'_, HostState>, map: i32, p: i32, l: i32| -> Result<i32> {
+            let pairs = deserialize_map(&read(&mut c, p, l)?);
+            match map_mut(c.data_mut(), map) {
+                Some(m) => {
+                    *m = pairs;
+                    Ok(OK)
+                }
+                None => Ok(BAD_ARGUMENT),
+            }
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_property",
+        |mut c: Caller<'_, HostState>, pp: i32, pl: i32, po: i32, lo: i32| -> Result<i32> {
+            let path = read_str(&mut c, pp, pl)?;
+            let v = match path.trim_end_matches('\0') {
+                "plugin_root_id" => c.data().root_id.clone(),
+                "plugin_vm_id" => c.data().vm_id.clone(),
+                "plugin_name" => c.data().root_id.clone(),
+                _ => return Ok(NOT_FOUND),
+            };
+            give(&mut c, v.as_bytes(), po, lo)?;
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_set_property",
+        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32| -> i32 { OK },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_shared_data",
+        |mut c: Caller<'_, HostState>,
+         kp: i32,
+         kl: i32,
+         po: i32,
+         lo: i32,
+         cas_out: i32|
+         -> Result<i32> {
+            let key = read_str(&mut c, kp, kl)?;
+            let found = {
+                let mut s = lock(&c.data().shared);
+                *s.reads.entry(key.clone()).or_default() += 1;
+                s.data.get(&key).cloned()
+            };
+            match found {
+                Some((v, cas)) => {
+                    give(&mut c, &v, po, lo)?;
+                    write_u32(&mut c, cas_out, cas)?;
+                    Ok(OK)
+                }
+                None => Ok(NOT_FOUND),
+            }
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_set_shared_data",
+        |mut c: Caller<'_, HostState>,
+         kp: i32,
+         kl: i32,
+         vp: i32,
+         vl: i32,
+         cas: i32|
+         -> Result<i32> {
+            let (key, value) = (read_str(&mut c, kp, kl)?, read(&mut c, vp, vl)?);
+            let mut s = lock(&c.data().shared);
+            if cas != 0 && s.data.get(&key).map(|(_, c)| *c) != Some(cas as u32) {
+                return Ok(CAS_MISMATCH);
+            }
+            s.set(&key, &value);
+            Ok(OK)
+        },
+    )?;
+    for name in [
+        "proxy_register_shared_queue",
+        "proxy_dequeue_shared_queue",
+        "proxy_enqueue_shared_queue",
+    ] {
+        linker.func_wrap(
+            "env",
+            name,
+            |_: Caller<'_, HostState>, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
+        )?;
+    }
+    linker.func_wrap(
+        "env",
+        "proxy_resolve_shared_queue",
+        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_send_local_response",
+        |mut c: Caller<'_, HostState>,
+         status: i32,
+         _dp: i32,
+         _dl: i32,
+         bp: i32,
+         bl: i32,
+         hp: i32,
+         hl: i32,
+         _grpc: i32|
+         -> Result<i32> {
+            let body = read(&mut c, bp, bl)?;
+            let headers = deserialize_map(&read(&mut c, hp, hl)?);
+            c.data_mut().local_reply = Some(LocalReply {
+                status: status as u32,
+                headers,
+                body,
+            });
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_http_call",
+        |mut c: Caller<'_, HostState>,
+         up: i32,
+         ul: i32,
+         hp: i32,
+         hl: i32,
+         _bp: i32,
+         _bl: i32,
+         _tp: i32,
+         _tl: i32,
+         timeout: i32,
+         token_out: i32|
+         -> Result<i32> {
+            let cluster = read_str(&mut c, up, ul)?;
+            let headers = deserialize_map(&read(&mut c, hp, hl)?);
+            if !c.data().clusters.contains(&cluster) {
+                return Ok(BAD_ARGUMENT);
+            }
+            let required = [":method", ":path", ":authority"];
+            if !required.iter().all(|r| headers.iter().any(|(k, _)| k == r)) {
+                return Ok(BAD_ARGUMENT);
+            }
+            let st = c.data_mut();
+            st.next_token += 1;
+            let token = st.next_token;
+            st.callouts.push(Callout {
+                token,
+                cluster,
+                headers,
+                timeout_ms: timeout as u32,
+            });
+            write_u32(&mut c, token_out, token)?;
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_call_foreign_function",
+        |mut c: Caller<'_, HostState>,
+         np: i32,
+         nl: i32,
+         _ap: i32,
+         _al: i32,
+         _ro: i32,
+         _rl: i32|
+         -> Result<i32> {
+            let name = read_str(&mut c, np, nl)?;
+            let known = name == "clear_route_cache";
+            c.data_mut().foreign_calls.push(name);
+            Ok(if known { OK } else { NOT_FOUND })
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_define_metric",
+        |mut c: Caller<'_, HostState>, kind: i32, np: i32, nl: i32, id_out: i32| -> Result<i32> {
+            let name = read_str(&mut c, np, nl)?;
+            let kind = match kind {
+                0 => MetricKind::Counter,
+                1 => MetricKind::Gauge,
+                2 => MetricKind::Histogram,
+                _ => return Ok(BAD_ARGUMENT),
+            };
+            lock(&c.data().shared)
+                .metrics
+                .entry(name.clone())
+                .or_insert(Metric {
+                    kind,
+                    value: 0,
+                    samples: Vec::new(),
+                });
+            let st = c.data_mut();
+            st.metric_names.push(name);
+            let id = st.metric_names.len() as u32 - 1;
+            write_u32(&mut c, id_out, id)?;
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_increment_metric",
+        |c: Caller<'_, HostState>, id: i32, offset: i64| -> i32 {
+            let Some(name) = c.data().metric_names.get(id as usize).cloned() else {
+                return NOT_FOUND;
+            };
+            let mut s = lock(&c.data().shared);
+            let Some(m) = s.metrics.get_mut(&name) else {
+                return NOT_FOUND;
+            };
+            match m.kind {
+                MetricKind::Counter if offset <= 0 => BAD_ARGUMENT,
+                MetricKind::Histogram => BAD_ARGUMENT,
+                _ => {
+                    m.value += offset;
+                    OK
+                }
+            }
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_record_metric",
+        |c: Caller<'_, HostState>, id: i32, value: i64| -> i32 {
+            let Some(name) = c.data().metric_names.get(id as usize).cloned() else {
+                return NOT_FOUND;
+            };
+            let mut s = lock(&c.data().shared);
+            let Some(m) = s.metrics.get_mut(&name) else {
+                return NOT_FOUND;
+            };
+            match m.kind {
+                MetricKind::Histogram => m.samples.push(value as u64),
+                _ => m.value = value,
+            }
+            OK
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_metric",
+        |mut c: Caller<'_, HostState>, id: i32, out: i32| -> Result<i32> {
+            let Some(name) = c.data().metric_names.get(id as usize).cloned() else {
+                return Ok(NOT_FOUND);
+            };
+            let v = lock(&c.data().shared)
+                .metrics
+                .get(&name)
+                .map_or(0, |m| m.value);
+            write(&mut c, out, &(v as u64).to_le_bytes())?;
+            Ok(OK)
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_set_effective_context",
+        |_: Caller<'_, HostState>, _: i32| -> i32 { OK },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_continue_stream",
+        |_: Caller<'_, HostState>, _: i32| -> i32 { OK },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_close_stream",
+        |_: Caller<'_, HostState>, _: i32| -> i32 { OK },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_get_status",
+        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
+    )?;
+    linker.func_wrap("env", "proxy_done", |_: Caller<'_, HostState>| -> i32 {
+        OK
+    })?;
+    // gRPC is not used by the filter; answer "unimplemented" rather than trap.
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_call",
+        |_: Caller<'_, HostState>,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32|
+         -> i32 { UNIMPLEMENTED },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_stream",
+        |_: Caller<'_, HostState>,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32|
+         -> i32 { UNIMPLEMENTED },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_send",
+        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_cancel",
+        |_: Caller<'_, HostState>, _: i32| -> i32 { UNIMPLEMENTED },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_grpc_close",
+        |_: Caller<'_, HostState>, _: i32| -> i32 { UNIMPLEMENTED },
+    )?;
+
+    // WASI preview1, the four calls a wasm32-wasip1 Rust module makes.
+    let w = "wasi_snapshot_preview1";
+    linker.func_wrap(
+        w,
+        "environ_sizes_get",
+        |mut c: Caller<'_, HostState>, count: i32, size: i32| -> Result<i32> {
+            write_u32(&mut c, count, 0)?;
+            write_u32(&mut c, size, 0)?;
+            Ok(0)
+        },
+    )?;
+    linker.func_wrap(
+        w,
+        "environ_get",
+        |_: Caller<'_, HostState>, _: i32, _: i32| -> i32 { 0 },
+    )?;
+    linker.func_wrap(
+        w,
+        "fd_write",
+        |mut c: Caller<'_, HostState>, _fd: i32, iovs: i32, n: i32, written: i32| -> Result<i32> {
+            let mut total = 0u32;
+            for i in 0..n {
+                let iov = read(&mut c, iovs + i * 8, 8)?;
+                let (p, l) = (
+                    u32::from_le_bytes([iov[0], iov[1], iov[2], iov[3]]),
+                    u32::from_le_bytes([iov[4], iov[5], iov[6], iov[7]]),
+                );
+                let bytes = read(&mut c, p as i32, l as i32)?;
+                c.data_mut().stdout.extend_from_slice(&bytes);
+                total += l;
+            }
+            write_u32(&mut c, written, total)?;
+            Ok(0)
+        },
+    )?;
+    linker.func_wrap(
+        w,
+        "proc_exit",
+        |_: Caller<'_, HostState>, code: i32| -> Result<()> {
+            bail!("guest called proc_exit({code})")
+        },
+    )?;
+    Ok(())
+}
+
+/// One VM: an instance of the module with its root context.
+pub struct Vm {
+    store: Store<HostState>,
+    instance: Instance,
+    root: i32,
+    next_ctx: i32,
+    pub configured: bool,
+    pub trapped: Option<String>,
+}
+
+impl Vm {
+    /// Instantiates and configures a VM, as Envoy does when it loads a
+    /// plugin: `_initialize`, root context, `on_vm_start`, `on_configure`.
+    pub fn start(
+        filter: &Filter,
+        shared: &SharedRef,
+        vm_id: &str,
+        root_id: &str,
+        config: &str,
+    ) -> Result<Vm> {
+        let mut linker = Linker::new(&filter.engine);
+        link(&mut linker)?;
+        linker.define_unknown_imports_as_traps(&filter.module)?;
+        let state = HostState {
+            shared: shared.clone(),
+            vm_id: vm_id.into(),
+            root_id: root_id.into(),
+            plugin_config: config.as_bytes().to_vec(),
+            request_headers: Vec::new(),
+            request_body: Vec::new(),
+            call_headers: Vec::new(),
+            call_body: Vec::new(),
+            local_reply: None,
+            callouts: Vec::new(),
+            next_token: 0,
+            foreign_calls: Vec::new(),
+            tick_ms: 0,
+            logs: Vec::new(),
+            stdout: Vec::new(),
+            metric_names: Vec::new(),
+            clusters: vec!["kvgate_sidecar".into()],
+        };
+        let mut store = Store::new(&filter.engine, state);
+        let instance = linker.instantiate(&mut store, &filter.module)?;
+        let mut vm = Vm {
+            store,
+            instance,
+            root: 1,
+            next_ctx: 2,
+            configured: false,
+            trapped: None,
+        };
+        vm.call::<(), ()>("_initialize", ())?;
+        vm.call::<(i32, i32), ()>("proxy_on_context_create", (1, 0))?;
+        vm.call::<(i32, i32), i32>("proxy_on_vm_start", (1, 0))?;
+        let len = config.len() as i32;
+        vm.configured = vm.call::<(i32, i32), i32>("proxy_on_configure", (1, len))? != 0;
+        Ok(vm)
+    }
+
+    fn func<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+        &mut self,
+        name: &str,
+    ) -> Result<TypedFunc<P, R>> {
+        self.instance
+            .get_typed_func::<P, R>(&mut self.store, name)
+            .with_context(|| format!("export {name}"))
+    }
+
+    /// Calls an export; a trap is recorded and returned as an error.
+    fn call<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+        &mut self,
+        name: &str,
+        params: P,
+    ) -> Result<R> {
+        if let Some(t) = &self.trapped {
+            bail!("VM is dead after a trap: {t}");
+        }
+        let f = self.func::<P, R>(name)?;
+        f.call(&mut self.store, params).map_err(|e| {
+            let msg = format!("{name}: {e:?}");
+            self.trapped = Some(msg.clone());
+            anyhow!(msg)
+        })
+    }
+
+    pub fn state(&self) -> &HostState {
+        self.store.data()
+    }
+
+    pub fn state_mut(&mut self) -> &mut HostState {
+        self.store.data_mut()
+    }
+
+    pub fn logs(&self) -> String {
+        self.state()
+            .logs
+            .iter()
+            .map(|(l, m)| format!("[{l}] {m}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    pub fn tick(&mut self) -> Result<()> {
+        let root = self.root;
+        self.call::<i32, ()>("proxy_on_tick", root)
+    }
+
+    /// Callouts not yet answered.
+    pub fn pending(&self) -> Vec<Callout> {
+        self.state().callouts.clone()
+    }
+
+    /// Answers a callout as the upstream would.
+    pub fn respond(
+        &mut self,
+        token: u32,
+        status: u16,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<()> {
+        let st = self.state_mut();
+        st.callouts.retain(|c| c.token != token);
+        st.call_headers = std::iter::once((":status".to_string(), status.to_string()))
+            .chain(headers.iter().map(|(k, v)| (k.to_string(), v.to_string())))
+            .collect();
+        st.call_body = body.to_vec();
+        let n = st.call_headers.len() as i32;
+        let root = self.root;
+        self.call::<(i32, i32, i32, i32, i32), ()>(
+            "proxy_on_http_call_response",
+            (root, token as i32, n, body.len() as i32, 0),
+        )
+    }
+
+    /// Fails a callout the way Envoy reports a reset: no headers, no body.
+    pub fn fail(&mut self, token: u32) -> Result<()> {
+        let st = self.state_mut();
+        st.callouts.retain(|c| c.token != token);
+        st.call_headers.clear();
+        st.call_body.clear();
+        let root = self.root;
+        self.call::<(i32, i32, i32, i32, i32), ()>(
+            "proxy_on_http_call_response",
+            (root, token as i32, 0, 0, 0),
+        )
+    }
+
+    /// Runs one request through the filter's request path, delivering the
+    /// body in `chunks` (cumulative sizes, as Envoy reports them).
+    pub fn request(&mut self, headers: &[(&str, &str)], chunks: &[&[u8]]) -> Exchange {
+        let ctx = self.next_ctx;
+        self.next_ctx += 1;
+        let st = self.state_mut();
+        st.request_headers = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        st.request_body.clear();
+        st.local_reply = None;
+        st.foreign_calls.clear();
+        let mut ex = Exchange::default();
+        let root = self.root;
+        let result = (|| -> Result<bool> {
+            self.call::<(i32, i32), ()>("proxy_on_context_create", (ctx, root))?;
+            let n = headers.len() as i32;
+            let eos = chunks.is_empty();
+            let mut action = self.call::<(i32, i32, i32), i32>(
+                "proxy_on_request_headers",
+                (ctx, n, i32::from(eos)),
+            )?;
+            let mut replied = self.state().local_reply.is_some();
+            for (i, chunk) in chunks.iter().enumerate() {
+                if replied {
+                    break;
+                }
+                self.state_mut().request_body.extend_from_slice(chunk);
+                let total = self.state().request_body.len() as i32;
+                let last = i + 1 == chunks.len();
+                action = self.call::<(i32, i32, i32), i32>(
+                    "proxy_on_request_body",
+                    (ctx, total, i32::from(last)),
+                )?;
+                replied = self.state().local_reply.is_some();
+            }
+            Ok(!replied && action == ACTION_CONTINUE)
+        })();
+        match result {
+            Ok(continued) => ex.continued = continued,
+            Err(e) => ex.trapped = Some(e.to_string()),
+        }
+        if self.trapped.is_none() {
+            let _ = self.call::<i32, i32>("proxy_on_done", ctx);
+            let _ = self.call::<i32, ()>("proxy_on_log", ctx);
+            let _ = self.call::<i32, ()>("proxy_on_delete", ctx);
+        }
+        let st = self.state();
+        ex.headers = st.request_headers.clone();
+        ex.reply = st.local_reply.clone();
+        ex.foreign_calls = st.foreign_calls.clone();
+        if ex.trapped.is_none() {
+            ex.trapped = self.trapped.clone();
+        }
+        ex
+    }
+}

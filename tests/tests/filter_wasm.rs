@@ -1,0 +1,577 @@
+//! The real filter module, driven through the wasmtime proxy-wasm host the
+//! way Envoy drives it with `--concurrency 2`: one snapshot-service VM and
+//! two router VMs sharing one shared-data store under vm_id `kvgate`.
+
+use kvgate_core::shard::{Holder, encode as encode_shard};
+use kvgate_core::update;
+use kvgate_core::{ModelState, RankLoad, Snapshot, Thresholds, WorkerState};
+use kvgate_tests::filter_wasm;
+use kvgate_tests::host::{Filter, Shared, SharedRef, Vm};
+use serde_json::{Value, json};
+use std::sync::OnceLock;
+
+fn filter() -> &'static Filter {
+    static F: OnceLock<Filter> = OnceLock::new();
+    F.get_or_init(|| {
+        let path = filter_wasm();
+        assert!(
+            path.exists(),
+            "{} is missing: build the filter first: cargo xtask test builds it (or cargo build -p kvgate-filter --target wasm32-wasip1 --profile release-wasm)",
+            path.display()
+        );
+        Filter::load(&path).unwrap()
+    })
+}
+
+fn rank(rank: u32, decode: u64, busy: bool) -> RankLoad {
+    RankLoad {
+        rank,
+        slot: rank as u16,
+        active_decode_blocks: decode,
+        kv_total_blocks: 1000,
+        busy,
+        ..Default::default()
+    }
+}
+
+fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
+    WorkerState {
+        id,
+        endpoint: format!("10.0.0.{id}:8000"),
+        block_size: 16,
+        ranks,
+    }
+}
+
+fn fleet(version: u64) -> Snapshot {
+    Snapshot {
+        version,
+        built_at_ms: 1,
+        models: vec![
+            ModelState {
+                name: "m".into(),
+                thresholds: Thresholds::default(),
+                shard_count: 0,
+                workers: vec![
+                    worker(1, vec![rank(0, 40, false)]),
+                    worker(2, vec![rank(0, 10, false)]),
+                    worker(3, vec![rank(0, 30, false)]),
+                ],
+            },
+            ModelState {
+                name: "dp".into(),
+                workers: vec![worker(4, vec![rank(0, 5, true), rank(1, 50, false)])],
+                ..Default::default()
+            },
+            ModelState {
+                name: "busy".into(),
+                workers: vec![worker(5, vec![rank(0, 0, true)])],
+                ..Default::default()
+            },
+            ModelState {
+                name: "empty".into(),
+                ..Default::default()
+            },
+        ],
+    }
+}
+
+/// An emulated Envoy: the service VM and two router VMs.
+struct Envoy {
+    shared: SharedRef,
+    service: Vm,
+    routers: [Vm; 2],
+}
+
+const EPOCH: u64 = 4242;
+
+impl Envoy {
+    fn start(config: &str) -> Envoy {
+        let shared = Shared::new();
+        let service = Vm::start(
+            filter(),
+            &shared,
+            "kvgate",
+            "kvgate_snapshot_service",
+            config,
+        )
+        .unwrap();
+        assert!(
+            service.configured,
+            "service failed to configure:\n{}",
+            service.logs()
+        );
+        let routers = [0, 1].map(|_| {
+            let vm = Vm::start(filter(), &shared, "kvgate", "kvgate_router", config).unwrap();
+            assert!(vm.configured, "router failed to configure:\n{}", vm.logs());
+            vm
+        });
+        Envoy {
+            shared,
+            service,
+            routers,
+        }
+    }
+
+    /// Answers the service's pending poll with a frame holding `snap`.
+    fn publish(&mut self, snap: &Snapshot, reset: bool) {
+        let bytes = snap.encode().unwrap();
+        let frame = update::encode(snap.version, EPOCH, reset, Some(&bytes), []);
+        let c = self.service.pending().pop().expect("a poll in flight");
+        self.service.respond(c.token, 200, &[], &frame).unwrap();
+    }
+
+    fn ready(config: &str) -> Envoy {
+        let mut e = Envoy::start(config);
+        e.publish(&fleet(1), true);
+        e
+    }
+
+    fn counter(&self, name: &str) -> i64 {
+        self.shared.lock().unwrap().counter(name)
+    }
+}
+
+fn chat(model: &str) -> Vec<u8> {
+    json!({"model": model, "messages": [{"role": "user", "content": "hello"}]})
+        .to_string()
+        .into_bytes()
+}
+
+const CHAT: [(&str, &str); 3] = [
+    (":method", "POST"),
+    (":path", "/v1/chat/completions"),
+    (":authority", "gw"),
+];
+
+fn body(e: &kvgate_tests::host::LocalReply) -> Value {
+    serde_json::from_slice(&e.body).unwrap()
+}
+
+#[test]
+fn the_module_imports_only_what_the_host_implements() {
+    assert_eq!(filter().unimplemented_imports(), Vec::<String>::new());
+}
+
+#[test]
+fn the_service_long_polls_and_writes_shared_data() {
+    let mut e = Envoy::start("");
+    let polls = e.service.pending();
+    assert_eq!(polls.len(), 1, "exactly one poll in flight");
+    let p = &polls[0];
+    assert_eq!(p.cluster, "kvgate_sidecar");
+    assert_eq!(p.header(":method"), Some("GET"));
+    assert_eq!(p.header(":authority"), Some("kvgate-sidecar"));
+    assert_eq!(
+        p.header(":path"),
+        Some("/v1/snapshot?after=0&epoch=0&wait_ms=1000")
+    );
+    assert_eq!(p.timeout_ms, 3000);
+    e.service.tick().unwrap();
+    assert_eq!(
+        e.service.pending().len(),
+        1,
+        "a tick does not add a second poll"
+    );
+
+    e.publish(&fleet(7), true);
+    let now = e.shared.lock().unwrap().now_ms();
+    {
+        let s = e.shared.lock().unwrap();
+        assert_eq!(
+            Snapshot::decode(s.get("kvgate.snapshot").unwrap())
+                .unwrap()
+                .version,
+            7
+        );
+        let m = s.get("kvgate.manifest").unwrap();
+        assert_eq!(m.len(), 32);
+        assert_eq!(
+            u64::from_le_bytes(m[0..8].try_into().unwrap()),
+            7,
+            "snapshot version"
+        );
+        assert_eq!(u64::from_le_bytes(m[16..24].try_into().unwrap()), EPOCH);
+        assert_eq!(
+            u64::from_le_bytes(m[24..32].try_into().unwrap()),
+            now,
+            "fresh at, Envoy's clock"
+        );
+    }
+    let next = e.service.pending();
+    assert_eq!(
+        next[0].header(":path"),
+        Some(format!("/v1/snapshot?after=7&epoch={EPOCH}&wait_ms=1000").as_str())
+    );
+    assert_eq!(e.counter("kvgate_snapshot_version"), 7);
+
+    // A 204 keeps the state and refreshes freshness.
+    e.shared.lock().unwrap().advance_ms(900);
+    e.service
+        .respond(
+            next[0].token,
+            204,
+            &[("x-kvgate-epoch", &EPOCH.to_string())],
+            b"",
+        )
+        .unwrap();
+    let m = e
+        .shared
+        .lock()
+        .unwrap()
+        .get("kvgate.manifest")
+        .unwrap()
+        .to_vec();
+    assert_eq!(u64::from_le_bytes(m[24..32].try_into().unwrap()), now + 900);
+}
+
+#[test]
+fn failed_polls_back_off_and_garbage_is_rejected() {
+    let mut e = Envoy::ready("");
+    let c = e.service.pending().pop().unwrap();
+    e.service.fail(c.token).unwrap();
+    assert!(
+        e.service.pending().is_empty(),
+        "no immediate retry after a failure"
+    );
+    e.service.tick().unwrap();
+    assert!(e.service.pending().is_empty(), "still backing off");
+    e.shared.lock().unwrap().advance_ms(150);
+    e.service.tick().unwrap();
+    assert_eq!(e.service.pending().len(), 1, "retried after the backoff");
+    assert_eq!(e.counter("kvgate_snapshot_poll_errors_total"), 1);
+
+    let c = e.service.pending().pop().unwrap();
+    e.service
+        .respond(c.token, 200, &[], b"definitely not a frame")
+        .unwrap();
+    assert_eq!(e.counter("kvgate_snapshot_decode_errors_total"), 1);
+    let s = e.shared.lock().unwrap();
+    assert_eq!(
+        Snapshot::decode(s.get("kvgate.snapshot").unwrap())
+            .unwrap()
+            .version,
+        1,
+        "old snapshot kept"
+    );
+}
+
+#[test]
+fn routes_to_the_least_loaded_worker_and_overwrites_client_headers() {
+    let mut e = Envoy::ready("");
+    let mut headers = CHAT.to_vec();
+    headers.push(("x-gateway-destination-endpoint", "6.6.6.6:1"));
+    for vm in &mut e.routers {
+        let ex = vm.request(&headers, &[&chat("m")]);
+        assert_eq!(ex.trapped, None);
+        assert!(ex.continued, "{:?}", ex.reply);
+        assert_eq!(
+            ex.header("x-gateway-destination-endpoint"),
+            Some("10.0.0.2:8000")
+        );
+        assert_eq!(
+            ex.headers
+                .iter()
+                .filter(|(k, _)| k == "x-gateway-destination-endpoint")
+                .count(),
+            1
+        );
+        assert_eq!(
+            ex.header("x-data-parallel-rank"),
+            None,
+            "single-rank worker"
+        );
+    }
+    let tokens = json!({"model": "m", "prompt": [1, 2, 3, 4]}).to_string();
+    let ex = e.routers[0].request(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/completions"),
+            ("x-data-parallel-rank", "7"),
+        ],
+        &[tokens.as_bytes()],
+    );
+    assert!(ex.continued);
+    assert_eq!(
+        ex.header("x-data-parallel-rank"),
+        None,
+        "a client's rank header is removed"
+    );
+    assert_eq!(e.counter("kvgate_routed_total"), 3);
+}
+
+#[test]
+fn other_paths_and_methods_pass_through_untouched() {
+    let mut e = Envoy::ready("");
+    for h in [
+        vec![(":method", "GET"), (":path", "/v1/models")],
+        vec![(":method", "GET"), (":path", "/v1/chat/completions")],
+        vec![(":method", "POST"), (":path", "/health")],
+    ] {
+        let ex = e.routers[0].request(&h, &[b"whatever"]);
+        assert!(ex.continued);
+        assert_eq!(ex.header("x-gateway-destination-endpoint"), None);
+    }
+    assert_eq!(e.counter("kvgate_requests_total"), 0);
+}
+
+#[test]
+fn data_parallel_ranks_are_chosen() {
+    let mut e = Envoy::ready("");
+    let mut h = CHAT.to_vec();
+    h.push(("x-data-parallel-rank", "0"));
+    let ex = e.routers[1].request(&h, &[&chat("dp")]);
+    assert!(ex.continued);
+    assert_eq!(
+        ex.header("x-gateway-destination-endpoint"),
+        Some("10.0.0.4:8000")
+    );
+    assert_eq!(
+        ex.header("x-data-parallel-rank"),
+        Some("1"),
+        "rank 0 is busy; the client's value is replaced"
+    );
+}
+
+#[test]
+fn local_replies() {
+    let mut e = Envoy::ready(r#"{"max_body_bytes": 200, "retry_after_s": 3}"#);
+    let r = &mut e.routers[0];
+
+    let ex = r.request(&CHAT, &[&chat("busy")]);
+    let reply = ex.reply.unwrap();
+    assert_eq!(reply.status, 503);
+    assert_eq!(
+        body(&reply),
+        json!({"message": "Service temporarily unavailable: All workers are busy, please retry later", "type": "service_unavailable", "code": 503})
+    );
+    assert_eq!(reply.header("retry-after"), Some("3"));
+    assert_eq!(reply.header("x-kvgate-reason"), Some("all_workers_busy"));
+    assert!(!ex.continued);
+
+    let reply = r.request(&CHAT, &[&chat("empty")]).reply.unwrap();
+    assert_eq!(
+        (reply.status, reply.header("x-kvgate-reason")),
+        (503, Some("no_workers"))
+    );
+
+    let reply = r.request(&CHAT, &[&chat("nope")]).reply.unwrap();
+    assert_eq!(
+        (reply.status, reply.header("x-kvgate-reason")),
+        (404, Some("unknown_model"))
+    );
+    assert_eq!(body(&reply)["error"]["type"], "not_found_error");
+
+    let reply = r.request(&CHAT, &[b"{\"model\": "]).reply.unwrap();
+    assert_eq!(
+        (reply.status, reply.header("x-kvgate-reason")),
+        (400, Some("bad_request"))
+    );
+
+    let reply = r.request(&CHAT, &[]).reply.unwrap();
+    assert_eq!(reply.status, 400, "headers-only request");
+
+    let big = vec![b'x'; 150];
+    let ex = r.request(&CHAT, &[&big, &big]);
+    assert_eq!(ex.reply.unwrap().status, 413, "limit crossed across chunks");
+    assert!(!ex.continued);
+
+    assert_eq!(e.counter("kvgate_rejected_all_workers_busy_total"), 1);
+    assert_eq!(e.counter("kvgate_rejected_no_workers_total"), 1);
+    assert_eq!(e.counter("kvgate_rejected_unknown_model_total"), 1);
+    assert_eq!(e.counter("kvgate_rejected_bad_request_total"), 2);
+    assert_eq!(e.counter("kvgate_rejected_body_too_large_total"), 1);
+}
+
+#[test]
+fn stale_state_fails_open_or_closed() {
+    let mut e = Envoy::ready(r#"{"stale_after_ms": 2000}"#);
+    e.shared.lock().unwrap().advance_ms(2500);
+    let ex = e.routers[0].request(&CHAT, &[&chat("m")]);
+    assert!(ex.continued);
+    assert_eq!(ex.header("x-kvgate-fallback"), Some("stale"));
+    assert_eq!(ex.header("x-gateway-destination-endpoint"), None);
+    assert_eq!(ex.foreign_calls, vec!["clear_route_cache".to_string()]);
+    assert_eq!(e.counter("kvgate_failed_open_total"), 1);
+
+    let mut e = Envoy::ready(r#"{"stale_after_ms": 2000, "on_stale": "fail_closed"}"#);
+    e.shared.lock().unwrap().advance_ms(2500);
+    let reply = e.routers[1].request(&CHAT, &[&chat("m")]).reply.unwrap();
+    assert_eq!(
+        (reply.status, reply.header("x-kvgate-reason")),
+        (503, Some("stale_state"))
+    );
+
+    // Before any snapshot at all, the state is stale too.
+    let mut e = Envoy::start(r#"{"on_stale": "fail_closed"}"#);
+    assert_eq!(
+        e.routers[0]
+            .request(&CHAT, &[&chat("m")])
+            .reply
+            .unwrap()
+            .status,
+        503
+    );
+}
+
+#[test]
+fn a_client_fallback_header_is_removed_and_the_route_recomputed() {
+    let mut e = Envoy::ready("");
+    let mut h = CHAT.to_vec();
+    h.push(("x-kvgate-fallback", "stale"));
+    let ex = e.routers[0].request(&h, &[&chat("m")]);
+    assert!(ex.continued);
+    assert_eq!(ex.header("x-kvgate-fallback"), None);
+    assert_eq!(ex.foreign_calls, vec!["clear_route_cache".to_string()]);
+    assert!(ex.header("x-gateway-destination-endpoint").is_some());
+}
+
+#[test]
+fn new_versions_are_picked_up_and_the_snapshot_read_once_per_version() {
+    let mut e = Envoy::ready("");
+    for _ in 0..5 {
+        assert_eq!(
+            e.routers[0]
+                .request(&CHAT, &[&chat("m")])
+                .header("x-gateway-destination-endpoint"),
+            Some("10.0.0.2:8000")
+        );
+    }
+    assert_eq!(
+        e.shared.lock().unwrap().reads["kvgate.snapshot"],
+        1,
+        "decoded once for five requests"
+    );
+    assert_eq!(
+        e.shared.lock().unwrap().reads["kvgate.manifest"],
+        5,
+        "the manifest is read per request"
+    );
+    let mut next = fleet(2);
+    next.models[0].workers[1].ranks[0].busy = true;
+    e.publish(&next, false);
+    let ex = e.routers[0].request(&CHAT, &[&chat("m")]);
+    assert_eq!(
+        ex.header("x-gateway-destination-endpoint"),
+        Some("10.0.0.3:8000"),
+        "worker 2 went busy"
+    );
+    assert_eq!(e.shared.lock().unwrap().reads["kvgate.snapshot"], 2);
+}
+
+#[test]
+fn shards_are_written_and_cleared_on_reset() {
+    let mut e = Envoy::ready("");
+    let shard = encode_shard(&mut vec![(9, vec![Holder { slot: 1, tiers: 1 }])]);
+    let c = e.service.pending().pop().unwrap();
+    e.service
+        .respond(
+            c.token,
+            200,
+            &[],
+            &update::encode(2, EPOCH, false, None, [("m", 3, &shard[..])]),
+        )
+        .unwrap();
+    assert_eq!(
+        e.shared.lock().unwrap().get("kvgate.idx.m.3"),
+        Some(&shard[..])
+    );
+    let c = e.service.pending().pop().unwrap();
+    let snap = fleet(3).encode().unwrap();
+    e.service
+        .respond(
+            c.token,
+            200,
+            &[],
+            &update::encode(3, EPOCH + 1, true, Some(&snap), []),
+        )
+        .unwrap();
+    assert_eq!(
+        e.shared.lock().unwrap().get("kvgate.idx.m.3"),
+        Some(&[][..]),
+        "a reset empties shards it does not list"
+    );
+}
+
+#[test]
+fn bad_configuration_fails_the_load() {
+    let shared = Shared::new();
+    for bad in [
+        r#"{"on_stale": "maybe"}"#,
+        r#"{"bogus": true}"#,
+        "not json",
+        r#"{"max_body_bytes": 0}"#,
+    ] {
+        let vm = Vm::start(filter(), &shared, "kvgate", "kvgate_router", bad).unwrap();
+        assert!(!vm.configured, "{bad} was accepted");
+        assert!(vm.logs().contains("kvgate"), "no log line for {bad}");
+        let vm = Vm::start(filter(), &shared, "kvgate", "kvgate_snapshot_service", bad).unwrap();
+        assert!(!vm.configured);
+    }
+}
+
+#[test]
+fn garbage_never_traps_and_bursts_spread() {
+    let mut e = Envoy::ready("");
+    let mut seed = 0x1234_5678u64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let valid = chat("m");
+    for i in 0..500 {
+        let body: Vec<u8> = match i % 3 {
+            0 => (0..(next() % 300)).map(|_| next() as u8).collect(),
+            1 => valid[..(next() as usize % valid.len())].to_vec(),
+            _ => {
+                let mut b = valid.clone();
+                let at = next() as usize % b.len();
+                b[at] = next() as u8;
+                b
+            }
+        };
+        let ex = e.routers[i % 2].request(&CHAT, &[&body]);
+        assert_eq!(ex.trapped, None, "body {body:?}");
+        assert!(
+            ex.continued
+                || ex
+                    .reply
+                    .as_ref()
+                    .is_some_and(|r| r.status == 400 || r.status == 404)
+        );
+    }
+    // An idle fleet: identical requests spread over the tied workers.
+    let idle = Snapshot {
+        version: 9,
+        built_at_ms: 1,
+        models: vec![ModelState {
+            name: "m".into(),
+            workers: (1..=4)
+                .map(|id| worker(id, vec![rank(0, 0, false)]))
+                .collect(),
+            ..Default::default()
+        }],
+    };
+    e.publish(&idle, false);
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..40 {
+        let ex = e.routers[i % 2].request(&CHAT, &[&chat("m")]);
+        seen.insert(
+            ex.header("x-gateway-destination-endpoint")
+                .unwrap()
+                .to_string(),
+        );
+    }
+    assert_eq!(seen.len(), 4, "a burst spread over {seen:?}");
+    let h = e
+        .shared
+        .lock()
+        .unwrap()
+        .metric("kvgate_decision_us")
+        .unwrap()
+        .samples
+        .len();
+    assert!(h >= 40, "decision latency recorded per routed request");
+}
