@@ -1,0 +1,307 @@
+//! The sidecar over HTTP, with stand-in workers whose Prometheus page each
+//! test controls.
+
+use axum::Router;
+use axum::routing::get;
+use kvgate_core::Snapshot;
+use kvgate_core::update;
+use kvgate_sidecar::config::Config;
+use kvgate_sidecar::{Sidecar, api};
+use serde_json::{Value, json};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A worker's metrics endpoint; `None` makes it answer 500.
+#[derive(Clone)]
+struct Page(Arc<Mutex<Option<String>>>);
+
+impl Page {
+    fn set(&self, running: u32, usage: f64) {
+        *self.0.lock().unwrap() = Some(format!(
+            "vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {running}\n\
+             vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} 0\n\
+             vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {usage}\n\
+             vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"1000\"}} 1.0\n"
+        ));
+    }
+    fn break_it(&self) {
+        *self.0.lock().unwrap() = None;
+    }
+}
+
+async fn fake_worker() -> (String, Page) {
+    let page = Page(Arc::new(Mutex::new(None)));
+    page.set(0, 0.0);
+    let p = page.clone();
+    let app = Router::new().route(
+        "/metrics",
+        get(move || {
+            let p = p.clone();
+            async move {
+                match p.0.lock().unwrap().clone() {
+                    Some(text) => (axum::http::StatusCode::OK, text),
+                    None => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, String::new()),
+                }
+            }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    (addr, page)
+}
+
+async fn sidecar(workers: &[&str]) -> (String, Arc<Sidecar>) {
+    let mut toml = String::from(
+        "[scrape]\ninterval_ms = 50\ntimeout_ms = 200\ndown_after_ms = 300\n[server]\npublish_interval_ms = 10\n[[models]]\nname = \"m\"\nactive_decode_blocks_threshold = 0.5\n",
+    );
+    for (i, w) in workers.iter().enumerate() {
+        toml.push_str(&format!(
+            "[[workers]]\nworker_id = {}\nmodel_name = \"m\"\nendpoint = \"{w}\"\n",
+            i + 1
+        ));
+    }
+    let sc = Sidecar::start(Config::parse(&toml).unwrap()).unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let app = api::router(sc.clone());
+    tokio::spawn(async move { axum::serve(l, app).await });
+    (format!("http://{addr}"), sc)
+}
+
+async fn call(
+    method: &str,
+    url: &str,
+    body: Option<Value>,
+) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    use http_body_util::{BodyExt, Full};
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<bytes::Bytes>>();
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(url)
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(
+            body.map(|b| b.to_string()).unwrap_or_default(),
+        )))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    (status, headers, body)
+}
+
+async fn json_of(method: &str, url: &str, body: Option<Value>) -> (u16, Value) {
+    let (s, _, b) = call(method, url, body).await;
+    (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn workers_up(base: &str) -> usize {
+    let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
+    s["models"][0]["workers"].as_array().map_or(0, Vec::len)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn snapshot_long_poll() {
+    let (w, page) = fake_worker().await;
+    let (base, sc) = sidecar(&[&w]).await;
+    wait_until("worker up", async || workers_up(&base).await == 1).await;
+
+    // A new reader gets a reset frame at once.
+    let (status, headers, body) = call(
+        "GET",
+        &format!("{base}/v1/snapshot?after=0&wait_ms=5000"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let u = update::decode(&body).unwrap();
+    assert!(u.reset);
+    assert_eq!(u.epoch, sc.versions.epoch);
+    let snap = Snapshot::decode(u.snapshot.unwrap()).unwrap();
+    assert_eq!(snap.model("m").unwrap().workers[0].endpoint, w);
+    assert!(
+        headers
+            .iter()
+            .any(|(k, v)| k == "x-kvgate-version" && v == &u.version.to_string())
+    );
+
+    // Up to date: held, then 204.
+    let t = Instant::now();
+    let url = format!(
+        "{base}/v1/snapshot?after={}&epoch={}&wait_ms=300",
+        u.version, u.epoch
+    );
+    let (status, _, _) = call("GET", &url, None).await;
+    assert_eq!(status, 204);
+    assert!(
+        t.elapsed() >= Duration::from_millis(250),
+        "answered after {:?}",
+        t.elapsed()
+    );
+
+    // A change wakes a waiting poll early, with only the snapshot.
+    let url = format!(
+        "{base}/v1/snapshot?after={}&epoch={}&wait_ms=5000",
+        u.version, u.epoch
+    );
+    let poll = tokio::spawn(async move { call("GET", &url, None).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    page.set(3, 0.9);
+    let t = Instant::now();
+    let (status, _, body) = poll.await.unwrap();
+    assert_eq!(status, 200);
+    assert!(t.elapsed() < Duration::from_secs(2));
+    let u2 = update::decode(&body).unwrap();
+    assert!(!u2.reset);
+    let snap = Snapshot::decode(u2.snapshot.unwrap()).unwrap();
+    let r = &snap.model("m").unwrap().workers[0].ranks[0];
+    assert_eq!(
+        (r.running, r.kv_used_blocks, r.busy),
+        (3, 900, true),
+        "0.9 usage is over the 0.5 threshold"
+    );
+
+    // Another epoch (a restarted sidecar's reader) gets a reset.
+    let (_, _, body) = call(
+        "GET",
+        &format!("{base}/v1/snapshot?after={}&epoch=1&wait_ms=0", u2.version),
+        None,
+    )
+    .await;
+    assert!(update::decode(&body).unwrap().reset);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn workers_go_down_and_come_back() {
+    let (w, page) = fake_worker().await;
+    let (base, _sc) = sidecar(&[&w]).await;
+    wait_until("ready", async || {
+        call("GET", &format!("{base}/ready"), None).await.0 == 200
+    })
+    .await;
+    page.break_it();
+    wait_until("down", async || workers_up(&base).await == 0).await;
+    let (status, body) = json_of("GET", &format!("{base}/ready"), None).await;
+    assert_eq!(status, 503);
+    assert!(
+        body["workers"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("500"),
+        "{body}"
+    );
+    page.set(1, 0.1);
+    wait_until("back up", async || workers_up(&base).await == 1).await;
+    let (_, _, metrics) = call("GET", &format!("{base}/metrics"), None).await;
+    let text = String::from_utf8(metrics).unwrap();
+    for name in [
+        "kvgate_sidecar_scrapes_total{worker_id=\"1\"}",
+        "kvgate_sidecar_scrape_errors_total{worker_id=\"1\"}",
+        "kvgate_sidecar_worker_up{model=\"m\",worker_id=\"1\"} 1",
+        "kvgate_sidecar_workers_up{model=\"m\"} 1",
+        "kvgate_sidecar_snapshot_version",
+        "kvgate_sidecar_rank_running{dp_rank=\"0\",worker_id=\"1\"} 1",
+    ] {
+        assert!(text.contains(name), "missing {name} in\n{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn worker_catalog_api() {
+    let (w, _page) = fake_worker().await;
+    let (base, _sc) = sidecar(&[]).await;
+    assert_eq!(call("GET", &format!("{base}/ready"), None).await.0, 503);
+    let worker = json!({"worker_id": 7, "model_name": "m", "endpoint": format!("http://{w}"), "data_parallel_size": 1});
+    let (status, body) = json_of("POST", &format!("{base}/workers"), Some(worker.clone())).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["endpoint"], w);
+    assert_eq!(body["tenant_id"], "default");
+    assert_eq!(
+        json_of("POST", &format!("{base}/workers"), Some(worker))
+            .await
+            .0,
+        409
+    );
+    let unknown = json!({"worker_id": 8, "model_name": "zz", "endpoint": "127.0.0.1:1"});
+    assert_eq!(
+        json_of("POST", &format!("{base}/workers"), Some(unknown))
+            .await
+            .0,
+        404
+    );
+    let bad = json!({"worker_id": 9, "model_name": "m", "endpoint": "not-an-address"});
+    assert_eq!(
+        json_of("POST", &format!("{base}/workers"), Some(bad))
+            .await
+            .0,
+        400
+    );
+    let typo =
+        json!({"worker_id": 9, "model_name": "m", "endpoint": "127.0.0.1:1", "blok_size": 3});
+    assert_eq!(
+        json_of("POST", &format!("{base}/workers"), Some(typo))
+            .await
+            .0,
+        400
+    );
+    wait_until("registered worker up", async || {
+        workers_up(&base).await == 1
+    })
+    .await;
+    assert_eq!(call("GET", &format!("{base}/ready"), None).await.0, 200);
+
+    let (status, body) = json_of(
+        "PATCH",
+        &format!("{base}/workers/7"),
+        Some(json!({"block_size": 32})),
+    )
+    .await;
+    assert_eq!((status, body["block_size"].as_u64()), (200, Some(32)));
+    assert_eq!(
+        json_of(
+            "PATCH",
+            &format!("{base}/workers/7"),
+            Some(json!({"block_size": 0}))
+        )
+        .await
+        .0,
+        400
+    );
+    assert_eq!(
+        json_of("PATCH", &format!("{base}/workers/99"), Some(json!({})))
+            .await
+            .0,
+        404
+    );
+    let (_, list) = json_of("GET", &format!("{base}/workers"), None).await;
+    assert_eq!(list["workers"][0]["block_size"], 32);
+    assert_eq!(
+        call("DELETE", &format!("{base}/workers/7"), None).await.0,
+        204
+    );
+    assert_eq!(
+        call("DELETE", &format!("{base}/workers/7"), None).await.0,
+        404
+    );
+    wait_until("removed", async || workers_up(&base).await == 0).await;
+}
