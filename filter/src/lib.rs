@@ -21,6 +21,7 @@ pub mod decide;
 pub mod host;
 pub mod manifest;
 pub mod metrics;
+pub mod overlap;
 pub mod poller;
 pub mod reply;
 pub mod request;

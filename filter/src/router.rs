@@ -9,9 +9,10 @@ use crate::decide::{Outcome, View, decide};
 use crate::host;
 use crate::manifest::{self, Manifest};
 use crate::metrics::{RouterMetrics, inc, record};
+use crate::overlap;
 use crate::reply::Reply;
 use crate::request::{Endpoint, parse};
-use kvgate_core::select::{Overlap, Policy};
+use kvgate_core::select::Policy;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
@@ -98,8 +99,13 @@ impl Request {
             return self.reply(&Reply::stale());
         };
         st.tie_break = st.tie_break.wrapping_add(1);
-        let outcome = decide(&st.config, &st.policy, snap, &req, st.tie_break, |_, _| {
-            Overlap::default()
+        // Exact prefix overlap for token prompts on models with an index.
+        let table = match (req.tokens.as_deref(), snap.model(&req.model)) {
+            (Some(tokens), Some(model)) => overlap::compute(model, tokens, host::get_shared).0,
+            _ => Vec::new(),
+        };
+        let outcome = decide(&st.config, &st.policy, snap, &req, st.tie_break, |_, r| {
+            overlap::of(&table, r.slot)
         });
         let action = match outcome {
             Outcome::Route {

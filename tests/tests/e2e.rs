@@ -431,3 +431,167 @@ fn served_total(stack: &Stack) -> u64 {
     }
     total
 }
+
+/// A token prompt: `prefix_blocks` blocks of 16 tokens shared by `group`,
+/// then a few tokens unique to `i`.
+fn grouped(group: u32, i: u32, prefix_blocks: u32) -> Vec<u32> {
+    let mut t: Vec<u32> = (0..prefix_blocks * 16)
+        .map(|k| 1000 + group * 100_000 + k)
+        .collect();
+    t.extend((0..8).map(|k| 900_000 + i * 10 + k));
+    t
+}
+
+/// Waits until the snapshot shows no KV blocks in use anywhere, so that
+/// load is equal and prefix overlap alone decides the next request.
+fn wait_idle(stack: &Stack) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let s = stack.sidecar_state().unwrap();
+        let busy: u64 = s["models"][0]["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|w| w["ranks"].as_array().cloned().unwrap_or_default())
+            .map(|r| r["kv_used_blocks"].as_u64().unwrap_or(0) + r["running"].as_u64().unwrap_or(0))
+            .sum();
+        if busy == 0 {
+            // One more publish round so Envoy has the idle snapshot too.
+            std::thread::sleep(Duration::from_millis(60));
+            return;
+        }
+        assert!(Instant::now() < deadline, "fleet never went idle: {s}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn complete(stack: &Stack, tokens: &[u32]) -> Reply {
+    wait_idle(stack);
+    let body = json!({"model": "demo-model", "prompt": tokens, "max_tokens": 2});
+    post(stack, "/v1/completions", body.to_string().as_bytes(), &[])
+}
+
+/// (worker, rank) that served a reply.
+fn served_by(r: &Reply) -> (String, String) {
+    assert_eq!(r.status, 200, "{}", r.text());
+    (
+        r.header("x-kvgate-sim-worker").unwrap().to_string(),
+        r.header("x-kvgate-sim-rank").unwrap().to_string(),
+    )
+}
+
+fn indexed_blocks(stack: &Stack) -> f64 {
+    stack
+        .sidecar_metric("kvgate_sidecar_kv_indexed_blocks{model=\"demo-model\"}")
+        .unwrap_or(0.0)
+}
+
+/// Waits for the index to hold at least `n` blocks (events are published,
+/// indexed and pushed to Envoy within milliseconds; the gauge lags by up
+/// to a second).
+fn wait_indexed(stack: &Stack, n: f64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while indexed_blocks(stack) < n {
+        assert!(Instant::now() < deadline, "index never reached {n} blocks");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn requests_follow_their_cached_prefix_across_ranks_and_restarts() {
+    let _g = serial();
+    let mut stack = start(StackConfig {
+        workers: 3,
+        dp_size: 2,
+        kv_events: true,
+        sim_args: ["--speedup", "50"].map(String::from).to_vec(),
+        ..StackConfig::default()
+    });
+    // Four prefix groups; the first request of each lands anywhere, the
+    // rest must follow it to the same worker and DP rank.
+    let mut home = Vec::new();
+    for g in 0..4 {
+        home.push(served_by(&complete(&stack, &grouped(g, 0, 16))));
+    }
+    wait_indexed(&stack, 64.0);
+    std::thread::sleep(Duration::from_millis(200));
+    for round in 1..4 {
+        for g in 0..4u32 {
+            let r = complete(&stack, &grouped(g, round, 16));
+            assert_eq!(
+                served_by(&r),
+                home[g as usize],
+                "group {g} left its cached prefix"
+            );
+            assert_eq!(
+                r.header("x-kvgate-sim-cached-tokens"),
+                Some("256"),
+                "the worker had the prefix cached"
+            );
+        }
+    }
+    let ranks: std::collections::BTreeSet<&String> = home.iter().map(|(_, r)| r).collect();
+    assert!(
+        ranks.len() > 1
+            || home
+                .iter()
+                .map(|(w, _)| w)
+                .collect::<std::collections::BTreeSet<_>>()
+                .len()
+                > 1
+    );
+
+    // A sidecar restart recovers the index by replay and keeps the routing.
+    stack.restart_sidecar().unwrap();
+    stack.wait_routing_ready(Duration::from_secs(20)).unwrap();
+    wait_indexed(&stack, 64.0);
+    std::thread::sleep(Duration::from_millis(200));
+    for g in 0..4u32 {
+        assert_eq!(
+            served_by(&complete(&stack, &grouped(g, 9, 16))),
+            home[g as usize],
+            "after sidecar restart"
+        );
+    }
+
+    // An engine restart empties its cache; the sidecar notices the sequence
+    // start over at the worker's next batch and drops what it had indexed.
+    let (w0, _) = &home[0];
+    let idx: usize = w0.parse::<usize>().unwrap() - 1;
+    let addr = stack.workers[idx].endpoint();
+    let before = indexed_blocks(&stack);
+    http::request(&addr, "POST", "/sim/restart", &[], None).unwrap();
+    let fresh =
+        json!({"model": "demo-model", "prompt": grouped(99, 0, 4), "max_tokens": 1}).to_string();
+    // The rank that held group 0 publishes again, from sequence 0.
+    let rank_header = [
+        ("content-type", "application/json"),
+        ("x-data-parallel-rank", home[0].1.as_str()),
+    ];
+    http::request(
+        &addr,
+        "POST",
+        "/v1/completions",
+        &rank_header,
+        Some(fresh.as_bytes()),
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let resyncs = stack
+            .sidecar_metric(&format!(
+                "kvgate_sidecar_kv_resyncs_total{{dp_rank=\"{}\",worker_id=\"{w0}\"}}",
+                home[0].1
+            ))
+            .unwrap_or(0.0);
+        if resyncs >= 1.0 && indexed_blocks(&stack) < before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "restart never detected (resyncs {resyncs})\n{}",
+            stack.log_tails()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

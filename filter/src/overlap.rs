@@ -1,0 +1,152 @@
+//! Prefix overlap per slot, read from the index shards in shared data.
+//!
+//! The request's token ids are hashed exactly as the sidecar hashes engine
+//! events (`kvgate_core::hash`), per block size in use by the model's
+//! workers. Then [`kvgate_core::shard::overlaps`] searches the chain,
+//! reading a shard only when the search asks for a position in it; a shard
+//! read twice in one request is read from shared data once.
+
+use kvgate_core::ModelState;
+use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+use kvgate_core::select::Overlap;
+use kvgate_core::shard::{ShardView, SlotOverlap, overlaps, shard_of};
+use kvgate_core::update::shard_key;
+use std::collections::HashMap;
+
+/// Overlap of every slot of `model` with `tokens`, in blocks per tier.
+/// `read` fetches a shard's bytes by key. Returns the overlap table
+/// (indexed by slot) and the number of shards read.
+pub fn compute(
+    model: &ModelState,
+    tokens: &[u32],
+    mut read: impl FnMut(&str) -> Option<Vec<u8>>,
+) -> (Vec<SlotOverlap>, usize) {
+    let max_slot = model
+        .workers
+        .iter()
+        .flat_map(|w| w.ranks.iter().map(|r| r.slot as usize))
+        .max();
+    let (Some(max_slot), true) = (max_slot, model.shard_count > 0) else {
+        return (Vec::new(), 0);
+    };
+    let mut table = vec![SlotOverlap::default(); max_slot + 1];
+    let mut shards: HashMap<u32, Option<Vec<u8>>> = HashMap::new();
+    let mut block_sizes: Vec<u32> = model.workers.iter().map(|w| w.block_size).collect();
+    block_sizes.sort_unstable();
+    block_sizes.dedup();
+    for bs in block_sizes {
+        let seq = sequence_hashes(&block_hashes(tokens, bs as usize, XXH3_SEED));
+        let mut part = vec![SlotOverlap::default(); max_slot + 1];
+        overlaps(
+            seq.len(),
+            |i, out| {
+                let h = seq[i];
+                let shard = shard_of(h, model.shard_count);
+                let bytes = shards
+                    .entry(shard)
+                    .or_insert_with(|| read(&shard_key(&model.name, shard)));
+                if let Some(view) = bytes.as_deref().and_then(|b| ShardView::parse(b).ok()) {
+                    out.extend(view.holders(h));
+                }
+            },
+            &mut part,
+        );
+        // Slots of workers with another block size read nothing useful
+        // from this chain; keep the deepest answer per slot.
+        for (t, p) in table.iter_mut().zip(part) {
+            if p.device + p.host + p.disk > t.device + t.host + t.disk {
+                *t = p;
+            }
+        }
+    }
+    let reads = shards.len();
+    (table, reads)
+}
+
+/// The overlap of one slot, in the selector's terms.
+pub fn of(table: &[SlotOverlap], slot: u16) -> Overlap {
+    table
+        .get(slot as usize)
+        .map_or(Overlap::default(), |o| Overlap {
+            device: o.device,
+            host: o.host,
+            disk: o.disk,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_core::shard::{Holder, TIER_DEVICE, encode};
+    use kvgate_core::{RankLoad, WorkerState};
+
+    fn model(shards: u32) -> ModelState {
+        ModelState {
+            name: "m".into(),
+            shard_count: shards,
+            workers: (0..3u16)
+                .map(|s| WorkerState {
+                    id: s as u64,
+                    endpoint: String::new(),
+                    block_size: 4,
+                    ranks: vec![RankLoad {
+                        slot: s,
+                        ..Default::default()
+                    }],
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn overlap_from_shards() {
+        let m = model(8);
+        let tokens: Vec<u32> = (0..40).collect();
+        let seq = sequence_hashes(&block_hashes(&tokens, 4, XXH3_SEED));
+        // Slot 1 holds 6 blocks, slot 2 holds 2.
+        let mut per_shard: HashMap<u32, Vec<(u64, Vec<Holder>)>> = HashMap::new();
+        for (i, h) in seq.iter().enumerate() {
+            let mut holders = Vec::new();
+            if i < 6 {
+                holders.push(Holder {
+                    slot: 1,
+                    tiers: TIER_DEVICE,
+                });
+            }
+            if i < 2 {
+                holders.push(Holder {
+                    slot: 2,
+                    tiers: TIER_DEVICE,
+                });
+            }
+            if !holders.is_empty() {
+                per_shard
+                    .entry(shard_of(*h, 8))
+                    .or_default()
+                    .push((*h, holders));
+            }
+        }
+        let store: HashMap<String, Vec<u8>> = per_shard
+            .into_iter()
+            .map(|(s, mut e)| (shard_key("m", s), encode(&mut e)))
+            .collect();
+        let (table, reads) = compute(&m, &tokens, |k| store.get(k).cloned());
+        assert_eq!(
+            (table[0].device, table[1].device, table[2].device),
+            (0, 6, 2)
+        );
+        assert!(reads <= 8);
+        assert_eq!(of(&table, 1).device, 6);
+        assert_eq!(of(&table, 99), Overlap::default());
+    }
+
+    #[test]
+    fn no_index_no_reads() {
+        let (t, reads) = compute(&model(0), &[1, 2, 3, 4], |_| {
+            panic!("no shard should be read")
+        });
+        assert!(t.is_empty());
+        assert_eq!(reads, 0);
+    }
+}
