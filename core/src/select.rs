@@ -161,7 +161,7 @@ pub fn select<'a>(
                     // when the tie-break lands on it, which spreads ties
                     // uniformly over tie_break values.
                     ties += 1;
-                    if mix(req.tie_break, ties) % (ties + 1) == 0 {
+                    if mix(req.tie_break, ties).is_multiple_of(ties + 1) {
                         best = Some(choice);
                     }
                 }
@@ -384,10 +384,10 @@ mod tests {
                 tie_break: 0,
                 sample: i as f64 / 1000.0,
             };
-            if let Decision::Route(c) = select(&m, &req, &policy, |_, _| Overlap::default()) {
-                if c.worker.id == 1 {
-                    low += 1;
-                }
+            if let Decision::Route(c) = select(&m, &req, &policy, |_, _| Overlap::default())
+                && c.worker.id == 1
+            {
+                low += 1;
             }
         }
         // softmax(0, -2) puts ~88 % on the cheaper worker.

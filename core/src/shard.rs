@@ -151,7 +151,7 @@ impl<'a> ShardView<'a> {
         }
         for i in 0..self.n {
             let (a, b) = (self.offset(i), self.offset(i + 1));
-            if a > b || (b - a) as usize % HOLDER_LEN != 0 {
+            if a > b || !((b - a) as usize).is_multiple_of(HOLDER_LEN) {
                 return Err(ShardError::Offsets);
             }
         }
@@ -339,7 +339,7 @@ mod tests {
     #[test]
     fn bad_shards_are_errors() {
         assert_eq!(ShardView::parse(&[2]).unwrap_err(), ShardError::Format(2));
-        let bytes = encode(&mut vec![(1, vec![h(0, 1)]), (2, vec![h(1, 1)])]);
+        let bytes = encode(&mut [(1, vec![h(0, 1)]), (2, vec![h(1, 1)])]);
         for cut in 1..bytes.len() {
             assert!(ShardView::parse(&bytes[..cut]).is_err(), "cut {cut}");
         }

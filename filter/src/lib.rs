@@ -41,7 +41,7 @@ pub const SERVICE_ROOT_ID: &str = "kvgate_snapshot_service";
 /// A root is unconfigured until Envoy tells it which role it plays.
 enum Root {
     Unconfigured,
-    Service(Service),
+    Service(Box<Service>),
     Router(Rc<RefCell<RouterState>>),
 }
 
@@ -81,7 +81,7 @@ impl RootContext for Root {
             }
             let mut svc = Service::new(config);
             svc.poll();
-            *self = Root::Service(svc);
+            *self = Root::Service(Box::new(svc));
         } else {
             if root_id != "kvgate_router" {
                 host::log(

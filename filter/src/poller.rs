@@ -148,7 +148,7 @@ mod tests {
     }
 
     fn shard() -> Vec<u8> {
-        encode(&mut vec![(5, vec![Holder { slot: 0, tiers: 1 }])])
+        encode(&mut [(5, vec![Holder { slot: 0, tiers: 1 }])])
     }
 
     #[test]

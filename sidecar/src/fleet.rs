@@ -408,13 +408,11 @@ endpoint = "127.0.0.1:8002"
             f.expire(t0 + Duration::from_millis(500), Duration::from_secs(1))
                 .is_empty()
         );
-        assert!(
-            f.record_scrape(
-                2,
-                Err("connection refused".into()),
-                t0 + Duration::from_millis(600)
-            ) == false
-        );
+        assert!(!f.record_scrape(
+            2,
+            Err("connection refused".into()),
+            t0 + Duration::from_millis(600)
+        ));
         assert_eq!(
             f.expire(t0 + Duration::from_millis(1500), Duration::from_secs(1)),
             vec![2]

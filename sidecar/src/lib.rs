@@ -344,7 +344,7 @@ async fn publish_loop(sc: Arc<Sidecar>) {
         n += 1;
         // Index statistics need a round trip to the index thread; once a
         // second is plenty for gauges.
-        if n % (1000 / sc.config.server.publish_interval_ms.clamp(1, 1000)) == 0
+        if n.is_multiple_of(1000 / sc.config.server.publish_interval_ms.clamp(1, 1000))
             && let Some(stats) = {
                 let sc = sc.clone();
                 tokio::task::spawn_blocking(move || sc.plane.stats())

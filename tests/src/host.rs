@@ -339,6 +339,8 @@ const IMPLEMENTED: &[&str] = &[
     "environ_sizes_get",
     "fd_write",
     "proc_exit",
+    "random_get",
+    "clock_time_get",
 ];
 
 fn link(linker: &mut Linker<HostState>) -> Result<()> {

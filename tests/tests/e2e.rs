@@ -498,13 +498,40 @@ fn wait_indexed(stack: &Stack, n: f64) {
 }
 
 #[test]
-fn requests_follow_their_cached_prefix_across_ranks_and_restarts() {
+fn prefix_routing_with_tagged_events_and_topic_replay() {
+    prefix_routing(&[
+        "--event-shape",
+        "tagged",
+        "--replay-shape",
+        "topic",
+        "--engine-hash",
+        "u64",
+    ]);
+}
+
+#[test]
+fn prefix_routing_with_positional_events_and_legacy_replay() {
+    prefix_routing(&[
+        "--event-shape",
+        "positional",
+        "--replay-shape",
+        "legacy",
+        "--engine-hash",
+        "i64",
+    ]);
+}
+
+/// Requests follow their cached prefix across DP ranks, a sidecar restart
+/// (index rebuilt by replay) and an engine restart (index entries dropped).
+fn prefix_routing(event_args: &[&str]) {
     let _g = serial();
+    let mut sim_args: Vec<String> = ["--speedup", "50"].map(String::from).to_vec();
+    sim_args.extend(event_args.iter().map(|s| s.to_string()));
     let mut stack = start(StackConfig {
         workers: 3,
         dp_size: 2,
         kv_events: true,
-        sim_args: ["--speedup", "50"].map(String::from).to_vec(),
+        sim_args,
         ..StackConfig::default()
     });
     // Four prefix groups; the first request of each lands anywhere, the

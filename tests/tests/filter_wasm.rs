@@ -462,7 +462,7 @@ fn new_versions_are_picked_up_and_the_snapshot_read_once_per_version() {
 #[test]
 fn shards_are_written_and_cleared_on_reset() {
     let mut e = Envoy::ready("");
-    let shard = encode_shard(&mut vec![(9, vec![Holder { slot: 1, tiers: 1 }])]);
+    let shard = encode_shard(&mut [(9, vec![Holder { slot: 1, tiers: 1 }])]);
     let c = e.service.pending().pop().unwrap();
     e.service
         .respond(

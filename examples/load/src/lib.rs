@@ -184,10 +184,10 @@ impl SseScanner {
         for &b in bytes {
             if b == b'\n' {
                 let line = std::mem::take(&mut self.line);
-                if let Some(rest) = line.strip_prefix(b"data:") {
-                    if rest.trim_ascii() != b"[DONE]" {
-                        n += 1;
-                    }
+                if let Some(rest) = line.strip_prefix(b"data:")
+                    && rest.trim_ascii() != b"[DONE]"
+                {
+                    n += 1;
                 }
             } else {
                 self.line.push(b);

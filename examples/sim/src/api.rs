@@ -107,22 +107,24 @@ fn parse_messages(v: &Value) -> Result<Vec<(String, String)>, String> {
         .collect()
 }
 
-fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Response> {
+fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Box<Response>> {
     let v: Value = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON: {e}")))?;
     let model = v["model"]
         .as_str()
         .ok_or_else(|| bad("model is required"))?;
     if model != sim.model {
-        return Err(error(
+        return Err(Box::new(error(
             StatusCode::NOT_FOUND,
             "NotFoundError",
             format!("The model `{model}` does not exist."),
-        ));
+        )));
     }
     let tokens = if chat {
-        tokenize(&render_chat(&parse_messages(&v["messages"]).map_err(bad)?))
+        tokenize(&render_chat(
+            &parse_messages(&v["messages"]).map_err(|e| Box::new(bad(e)))?,
+        ))
     } else {
-        parse_prompt(&v["prompt"]).map_err(bad)?
+        parse_prompt(&v["prompt"]).map_err(|e| Box::new(bad(e)))?
     };
     let max_tokens = v["max_tokens"]
         .as_u64()
@@ -137,25 +139,23 @@ fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Response> {
     })
 }
 
-fn pick_rank(sim: &Sim, headers: &HeaderMap) -> Result<Arc<Rank>, Response> {
+fn pick_rank(sim: &Sim, headers: &HeaderMap) -> Result<Arc<Rank>, Box<Response>> {
     if let Some(v) = headers.get("x-data-parallel-rank") {
         let r: usize = v
             .to_str()
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .ok_or_else(|| bad("X-Data-Parallel-Rank must be an integer"))?;
-        return sim.ranks.get(r).cloned().ok_or_else(|| {
-            bad(format!(
-                "X-Data-Parallel-Rank {r} is out of range (data parallel size {})",
-                sim.ranks.len()
-            ))
+        let n = sim.ranks.len();
+        let rank = sim.ranks.get(r).cloned();
+        return rank.ok_or_else(|| {
+            Box::new(bad(format!(
+                "X-Data-Parallel-Rank {r} is out of range (data parallel size {n})"
+            )))
         });
     }
-    sim.ranks
-        .iter()
-        .min_by_key(|r| r.load())
-        .cloned()
-        .ok_or_else(|| bad("no ranks"))
+    let least = sim.ranks.iter().min_by_key(|r| r.load()).cloned();
+    least.ok_or_else(|| Box::new(bad("no ranks")))
 }
 
 async fn completions(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -184,11 +184,11 @@ fn word(i: usize) -> &'static str {
 async fn serve(sim: Arc<Sim>, headers: HeaderMap, body: Bytes, chat: bool) -> Response {
     let job = match parse(&sim, &body, chat) {
         Ok(j) => j,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let rank = match pick_rank(&sim, &headers) {
         Ok(r) => r,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let admitted = match admit(rank, &job.tokens, job.max_tokens).await {
         Ok(a) => a,

@@ -17,7 +17,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-const ENGINE_SEED: u64 = 0x5EED_0F_5151;
+const ENGINE_SEED: u64 = 0x5EED_0F51_5151;
 
 /// The engine hash of a block given its parent's.
 pub fn engine_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {

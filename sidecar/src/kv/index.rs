@@ -601,7 +601,7 @@ mod tests {
 
     #[test]
     fn a_malformed_batch_changes_nothing() {
-        let mut idx = index(1, 1000);
+        let idx = index(1, 1000);
         let good = stored(&[1], None, &[1, 2, 3, 4], "GPU");
         let bad = Value::Map(vec![(v("type"), v("BlockStored"))]);
         let batch = Value::Array(vec![v(1.0f64), Value::Array(vec![good, bad]), v(0)]);

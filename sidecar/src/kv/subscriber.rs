@@ -128,6 +128,9 @@ impl Drop for Subscriber {
     }
 }
 
+/// A replayed batch: sequence number and payload.
+type Batch = (u64, Vec<u8>);
+
 /// How long a receive waits before checking for shutdown.
 const POLL: Duration = Duration::from_millis(100);
 
@@ -164,11 +167,7 @@ impl Ctx<'_> {
     /// the replay socket. Returns whether the publisher still had `from`
     /// (nothing in the range is missing) and the batches; `None` when the
     /// worker has no replay endpoint or the replay failed.
-    fn fetch_replay(
-        &mut self,
-        from: u64,
-        until: Option<u64>,
-    ) -> Option<(bool, Vec<(u64, Vec<u8>)>)> {
+    fn fetch_replay(&mut self, from: u64, until: Option<u64>) -> Option<(bool, Vec<Batch>)> {
         let endpoint = self.spec.replay_endpoint.as_deref()?;
         let mut batches = Vec::new();
         let result = replay(
@@ -194,7 +193,7 @@ impl Ctx<'_> {
 
     /// Hands replayed batches to the index in order, remembering them so
     /// that their live copies, still queued on the SUB socket, are skipped.
-    fn deliver(&mut self, batches: Vec<(u64, Vec<u8>)>) {
+    fn deliver(&mut self, batches: Vec<Batch>) {
         self.stats
             .replayed_batches
             .fetch_add(batches.len() as u64, Ordering::Relaxed);

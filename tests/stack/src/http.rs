@@ -6,6 +6,9 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+/// Status, lower-cased header pairs, and body of a response.
+pub type Response = (u16, Vec<(String, String)>, Vec<u8>);
+
 /// `GET path` on `addr`, returning status and body.
 pub fn get(addr: &str, path: &str) -> Result<(u16, Vec<u8>)> {
     request(addr, "GET", path, &[], None)
@@ -30,7 +33,7 @@ pub fn request_full(
     path: &str,
     headers: &[(&str, &str)],
     body: Option<&[u8]>,
-) -> Result<(u16, Vec<(String, String)>, Vec<u8>)> {
+) -> Result<Response> {
     let mut s = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
@@ -50,7 +53,7 @@ pub fn request_full(
     parse_response(&raw)
 }
 
-fn parse_response(raw: &[u8]) -> Result<(u16, Vec<(String, String)>, Vec<u8>)> {
+fn parse_response(raw: &[u8]) -> Result<Response> {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
