@@ -280,8 +280,17 @@ pub fn overlaps(
             if !holds(&first) {
                 continue;
             }
-            // Invariant: position lo is held, hi is not (or is n).
+            // Invariant: position lo is held, hi is not (or is n). A full hit
+            // is the common case (multi-turn chats, shared system prompts),
+            // so the last block is probed first: one read settles it.
             let (mut lo, mut hi) = (0usize, n);
+            if n > 1 {
+                if holds(&fetch(n - 1, &mut memo)) {
+                    lo = n - 1;
+                } else {
+                    hi = n - 1;
+                }
+            }
             while hi - lo > 1 {
                 let mid = lo + (hi - lo) / 2;
                 let hs = fetch(mid, &mut memo);
@@ -419,6 +428,12 @@ mod tests {
         );
         assert_eq!(out[3], SlotOverlap::default());
         assert!(calls <= 30, "{calls} lookups");
+        // A full hit costs two lookups: block 0 and the last block.
+        let full = chain(n, &[(0, 128, 128)]);
+        assert_eq!(
+            overlaps(n, |i, v| v.extend_from_slice(&full[i]), &mut out),
+            2
+        );
     }
 
     #[test]

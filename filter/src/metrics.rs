@@ -29,6 +29,7 @@ pub struct RouterMetrics {
     pub rejected: [Option<u32>; 6],
     pub failed_open: Option<u32>,
     pub decision_us: Option<u32>,
+    pub selection_us: Option<u32>,
     pub snapshot_decode_errors: Option<u32>,
 }
 
@@ -47,6 +48,7 @@ impl RouterMetrics {
             rejected,
             failed_open: define(MetricType::Counter, "kvgate_failed_open_total"),
             decision_us: define(MetricType::Histogram, "kvgate_decision_us"),
+            selection_us: define(MetricType::Histogram, "kvgate_selection_us"),
             snapshot_decode_errors: define(
                 MetricType::Counter,
                 "kvgate_snapshot_decode_errors_total",

@@ -99,6 +99,7 @@ impl Request {
             return self.reply(&Reply::stale());
         };
         st.tie_break = st.tie_break.wrapping_add(1);
+        let selecting = host::now_us();
         // Exact prefix overlap for token prompts on models with an index.
         let table = match (req.tokens.as_deref(), snap.model(&req.model)) {
             (Some(tokens), Some(model)) => overlap::compute(model, tokens, host::get_shared).0,
@@ -107,6 +108,10 @@ impl Request {
         let outcome = decide(&st.config, &st.policy, snap, &req, st.tie_break, |_, r| {
             overlap::of(&table, r.slot)
         });
+        record(
+            st.metrics.selection_us,
+            host::now_us().saturating_sub(selecting),
+        );
         let action = match outcome {
             Outcome::Route {
                 worker,

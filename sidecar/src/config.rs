@@ -128,7 +128,7 @@ fn default_down_after() -> u64 {
     2000
 }
 fn default_shards() -> u32 {
-    4096
+    16384
 }
 fn default_max_blocks() -> usize {
     4 << 20

@@ -73,9 +73,16 @@ impl SnapshotStore {
     }
 }
 
+/// Shard bytes one frame carries at most (more when a single version is
+/// larger). Bounds what Envoy buffers and what the snapshot service copies
+/// into its VM, whose memory never shrinks.
+pub const FRAME_SHARD_BYTES: usize = 1 << 20;
+
 /// The frame for a reader at (`after`, `epoch`), or `None` when it is up to
 /// date. A reader from another epoch, or a new one (`after == 0`), gets a
-/// reset frame with the full state.
+/// reset frame. Shards are taken in version order up to
+/// [`FRAME_SHARD_BYTES`], whole versions only; the frame's version says how
+/// far the reader got, and its next poll gets the rest at once.
 pub fn frame(
     versions: &Versions,
     store: &SnapshotStore,
@@ -93,12 +100,33 @@ pub fn frame(
     let changed = shards
         .map(|log| log.changed_since(since))
         .unwrap_or_default();
+    let mut taken = 0;
+    let mut bytes = 0;
+    let mut version = current;
+    while taken < changed.len() {
+        let v = changed[taken].version;
+        let group = changed[taken..]
+            .iter()
+            .take_while(|u| u.version == v)
+            .count();
+        let group_bytes: usize = changed[taken..taken + group]
+            .iter()
+            .map(|u| u.bytes.len())
+            .sum();
+        if taken > 0 && bytes + group_bytes > FRAME_SHARD_BYTES {
+            // Everything up to the previous version is in this frame.
+            version = changed[taken - 1].version;
+            break;
+        }
+        taken += group;
+        bytes += group_bytes;
+    }
     Some(update::encode(
-        current,
+        version,
         versions.epoch,
         reset,
         snap.as_deref().map(Vec::as_slice),
-        changed
+        changed[..taken]
             .iter()
             .map(|u| (u.model.as_str(), u.shard, u.bytes.as_slice())),
     ))
@@ -117,6 +145,35 @@ mod tests {
             }],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn big_updates_come_in_bounded_frames_at_version_boundaries() {
+        let v = Arc::new(Versions::new());
+        let s = SnapshotStore::default();
+        s.publish(&v, snap("a"), 1);
+        let log = ShardLog::new(v.clone());
+        // Three versions of 0.75 MiB each: a frame takes the first alone
+        // (the second would pass the 1 MiB cap), the next poll the next.
+        for round in 0..3u32 {
+            log.publish(vec![("m".into(), round, 8, vec![1u8; 3 << 18])]);
+        }
+        let f1 = frame(&v, &s, Some(&log), 0, 0).unwrap();
+        let u1 = update::decode(&f1).unwrap();
+        assert!(u1.reset);
+        assert_eq!(u1.shards.len(), 1);
+        assert!(u1.version < v.current());
+        let f2 = frame(&v, &s, Some(&log), u1.version, v.epoch).unwrap();
+        let u2 = update::decode(&f2).unwrap();
+        assert_eq!(
+            u2.shards.len(),
+            1,
+            "still one version per frame at this size"
+        );
+        let f3 = frame(&v, &s, Some(&log), u2.version, v.epoch).unwrap();
+        let u3 = update::decode(&f3).unwrap();
+        assert_eq!((u3.shards.len(), u3.version), (1, v.current()));
+        assert!(frame(&v, &s, Some(&log), u3.version, v.epoch).is_none());
     }
 
     #[test]

@@ -846,6 +846,34 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
             Ok(0)
         },
     )?;
+    // Envoy serves randomness and clocks through WASI too (std's HashMap
+    // seeds itself from random_get).
+    linker.func_wrap(
+        w,
+        "random_get",
+        |mut c: Caller<'_, HostState>, buf: i32, len: i32| -> Result<i32> {
+            let mut x = lock(&c.data().shared).clock_ns | 1;
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            write(&mut c, buf, &bytes)?;
+            Ok(0)
+        },
+    )?;
+    linker.func_wrap(
+        w,
+        "clock_time_get",
+        |mut c: Caller<'_, HostState>, _id: i32, _precision: i64, out: i32| -> Result<i32> {
+            let now = lock(&c.data().shared).clock_ns;
+            write(&mut c, out, &now.to_le_bytes())?;
+            Ok(0)
+        },
+    )?;
     linker.func_wrap(
         w,
         "proc_exit",

@@ -494,6 +494,69 @@ fn shards_are_written_and_cleared_on_reset() {
 }
 
 #[test]
+fn token_prompts_go_where_their_prefix_is_cached() {
+    use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+    use kvgate_core::shard::{TIER_DEVICE, shard_of};
+    let mut e = Envoy::start("");
+    // Worker 1 (slot 0) carries 30 more decode blocks than worker 2 but
+    // holds the prompt's 37 blocks: credit 37 > 30, so it wins; with only a
+    // few blocks cached it would not (docs/selection.md).
+    let tokens: Vec<u32> = (0..600).map(|t| 5000 + t).collect();
+    let seq = sequence_hashes(&block_hashes(&tokens, 16, XXH3_SEED));
+    let mut per_shard: std::collections::BTreeMap<u32, Vec<(u64, Vec<Holder>)>> =
+        Default::default();
+    for h in &seq {
+        per_shard.entry(shard_of(*h, 8)).or_default().push((
+            *h,
+            vec![Holder {
+                slot: 0,
+                tiers: TIER_DEVICE,
+            }],
+        ));
+    }
+    let shards: Vec<(u32, Vec<u8>)> = per_shard
+        .into_iter()
+        .map(|(s, mut e)| (s, encode_shard(&mut e)))
+        .collect();
+    let mut snap = fleet(1);
+    snap.models[0].shard_count = 8;
+    for (i, w) in snap.models[0].workers.iter_mut().enumerate() {
+        w.ranks[0].slot = i as u16;
+    }
+    let bytes = snap.encode().unwrap();
+    let frame = update::encode(
+        1,
+        EPOCH,
+        true,
+        Some(&bytes),
+        shards.iter().map(|(s, b)| ("m", *s, b.as_slice())),
+    );
+    let c = e.service.pending().pop().unwrap();
+    e.service.respond(c.token, 200, &[], &frame).unwrap();
+    let body = json!({"model": "m", "prompt": tokens}).to_string();
+    let ex = e.routers[0].request(
+        &[(":method", "POST"), (":path", "/v1/completions")],
+        &[body.as_bytes()],
+    );
+    assert_eq!(ex.trapped, None);
+    assert_eq!(
+        ex.header("x-gateway-destination-endpoint"),
+        Some("10.0.0.1:8000"),
+        "the cached prefix outweighs 30 decode blocks"
+    );
+    // A different prompt has no overlap and goes to the least loaded worker.
+    let other = json!({"model": "m", "prompt": (0..130).collect::<Vec<u32>>()}).to_string();
+    let ex = e.routers[0].request(
+        &[(":method", "POST"), (":path", "/v1/completions")],
+        &[other.as_bytes()],
+    );
+    assert_eq!(
+        ex.header("x-gateway-destination-endpoint"),
+        Some("10.0.0.2:8000")
+    );
+}
+
+#[test]
 fn bad_configuration_fails_the_load() {
     let shared = Shared::new();
     for bad in [

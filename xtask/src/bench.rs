@@ -36,8 +36,11 @@ pub fn run(args: &[String]) -> Result<()> {
         dir.join("overhead.json"),
         serde_json::to_vec_pretty(&overhead)?,
     )?;
+    let kv = crate::kvbench::run(quick, envoy_histogram)?;
+    std::fs::write(dir.join("kv.json"), serde_json::to_vec_pretty(&kv)?)?;
 
-    let report = report(&ingest, &overhead, quick, started.elapsed());
+    let mut report = report(&ingest, &overhead, quick, started.elapsed());
+    report.push_str(&kv_report(&kv));
     std::fs::write(repo().join("bench/report.md"), &report)?;
     println!("\n{report}");
     Ok(())
@@ -122,7 +125,7 @@ fn spread(v: &[f64]) -> f64 {
 }
 
 /// Envoy's own percentiles of a filter histogram, from `/stats`.
-fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
+pub fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
     let (_, body) = http::get(
         &stack.admin_addr(),
         &format!("/stats?filter=wasmcustom\\.{name}$"),
@@ -202,6 +205,35 @@ fn overhead(quick: bool) -> Result<Value> {
         "throughput_ratio": f(&k, "rps") / f(&p, "rps").max(1e-9),
         "filter_decision_us": envoy_histogram(&stack, "kvgate_decision_us")?,
     }))
+}
+
+fn kv_report(kv: &Value) -> String {
+    let f = |k: &str| kv[k].as_f64().unwrap_or(f64::NAN);
+    let h = |k: &str, p: &str| kv[k][p].as_f64().unwrap_or(f64::NAN);
+    format!(
+        "\n## KV-aware routing through Envoy ({} workers, {:.2}M blocks indexed from ZMQ events)\n\n\
+| figure | value | baseline / target |\n| --- | --- | --- |\n\
+| selection (hash 2k-token prompt, read shards, cost), Envoy histogram P50 / P99 | {:.0} / {:.0} µs | target ≤ 20 µs P50 |\n\
+| whole decision (parse + select) P50 / P99 | {:.0} / {:.0} µs | — |\n\
+| requests routed to the prefix holder | {} of {} | — |\n\
+| event published → decision follows it, p50 / p99 | {:.1} / {:.1} ms | target ≤ 25 ms p99 |\n\
+| Envoy resident memory growth for the index | {:.1} MiB ({:.0} → {:.0} MiB) | target ≤ 64 MiB |\n\
+| time to index all blocks (publish → sidecar) | {:.1} s | — |\n",
+        f("workers"),
+        f("indexed_blocks") / 1e6,
+        h("selection_us", "P50"),
+        h("selection_us", "P99"),
+        h("decision_us", "P50"),
+        h("decision_us", "P99"),
+        f("routed_to_prefix_holder"),
+        f("requests"),
+        f("freshness_ms_p50"),
+        f("freshness_ms_p99"),
+        f("envoy_rss_growth_mib"),
+        f("envoy_rss_before_mib"),
+        f("envoy_rss_after_mib"),
+        f("index_build_s"),
+    )
 }
 
 fn machine() -> String {

@@ -11,6 +11,7 @@
 mod bench;
 mod build;
 mod demo;
+mod kvbench;
 mod setup;
 
 use anyhow::{Result, bail};

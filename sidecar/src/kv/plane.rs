@@ -33,6 +33,8 @@ struct LogInner {
 /// A changed shard, ready to send.
 #[derive(Debug, Clone)]
 pub struct ShardUpdate {
+    /// The version that published it.
+    pub version: u64,
     pub model: String,
     pub shard: u32,
     pub bytes: Arc<Vec<u8>>,
@@ -71,6 +73,7 @@ impl ShardLog {
             for (i, (v, bytes)) in m.shards.iter().enumerate() {
                 if *v > since && (since > 0 || !bytes.is_empty()) {
                     out.push(ShardUpdate {
+                        version: *v,
                         model: model.clone(),
                         shard: i as u32,
                         bytes: bytes.clone(),
@@ -78,6 +81,7 @@ impl ShardLog {
                 }
             }
         }
+        out.sort_by_key(|u| u.version);
         out
     }
 
@@ -90,7 +94,7 @@ impl ShardLog {
             .collect()
     }
 
-    fn publish(&self, updates: Vec<(String, u32, usize, Vec<u8>)>) {
+    pub(crate) fn publish(&self, updates: Vec<(String, u32, usize, Vec<u8>)>) {
         if updates.is_empty() {
             return;
         }
@@ -143,7 +147,7 @@ pub struct PlaneConfig {
 impl Default for PlaneConfig {
     fn default() -> Self {
         PlaneConfig {
-            shard_count: 4096,
+            shard_count: 16384,
             max_blocks_per_slot: 4 << 20,
             publish_interval: Duration::from_millis(5),
             queue: 4096,
@@ -295,17 +299,37 @@ impl State {
         }
     }
 
-    fn publish(&mut self, log: &ShardLog) {
+    /// Publishes changed shards, at most `MAX_SHARDS_PER_VERSION` per
+    /// version so that readers can take them in bounded frames. Returns the
+    /// bytes published.
+    fn publish(&mut self, log: &ShardLog) -> usize {
         let mut updates = Vec::new();
+        let mut bytes = 0;
         for (model, idx) in &mut self.models {
             let count = idx.shard_count() as usize;
             for shard in idx.take_dirty() {
-                updates.push((model.clone(), shard, count, idx.encode_shard(shard)));
+                let b = idx.encode_shard(shard);
+                bytes += b.len();
+                updates.push((model.clone(), shard, count, b));
             }
         }
-        log.publish(updates);
+        while !updates.is_empty() {
+            let rest = updates.split_off(updates.len().min(MAX_SHARDS_PER_VERSION));
+            log.publish(std::mem::replace(&mut updates, rest));
+        }
+        bytes
     }
 }
+
+/// Shards per published version: bounds the smallest frame a reader must
+/// take whole.
+const MAX_SHARDS_PER_VERSION: usize = 64;
+
+/// Bytes per second of shard updates the plane publishes at most. In steady
+/// state a publish is a few shards and goes out every interval; during a
+/// bulk load every round touches nearly every shard, and re-sending the
+/// whole index every 5 ms would only burn CPU and Envoy memory.
+const PUBLISH_BUDGET_BYTES_PER_S: f64 = 32.0 * 1024.0 * 1024.0;
 
 fn run(
     config: PlaneConfig,
@@ -322,13 +346,12 @@ fn run(
         stats: PlaneStats::default(),
     };
     let mut last_publish = Instant::now();
+    let mut interval = config.publish_interval;
     while !stop.load(Ordering::Relaxed) {
         while let Ok(c) = crx.try_recv() {
             st.control(c);
         }
-        let wait = config
-            .publish_interval
-            .saturating_sub(last_publish.elapsed());
+        let wait = interval.saturating_sub(last_publish.elapsed());
         match rx.recv_timeout(wait.max(Duration::from_micros(100))) {
             Ok(msg) => {
                 // A slot is announced before its subscriber starts, but the
@@ -348,14 +371,17 @@ fn run(
                 return;
             }
         }
-        if last_publish.elapsed() >= config.publish_interval {
+        if last_publish.elapsed() >= interval {
             // Control messages (new slots) must land before their batches'
             // effects are published.
             while let Ok(c) = crx.try_recv() {
                 st.control(c);
             }
-            st.publish(log);
+            let bytes = st.publish(log);
             last_publish = Instant::now();
+            interval = config.publish_interval.max(Duration::from_secs_f64(
+                bytes as f64 / PUBLISH_BUDGET_BYTES_PER_S,
+            ));
         }
     }
 }

@@ -30,6 +30,10 @@ pub struct StackConfig {
     pub sim_args: Vec<String>,
     /// Whether workers publish KV events over ZMQ (ports are allocated).
     pub kv_events: bool,
+    /// With `kv_events`: the sidecar subscribes to the allocated ports but
+    /// the workers do not publish there; the caller binds its own
+    /// publishers (benchmarks feeding synthetic events). No replay.
+    pub kv_external: bool,
     /// Plugin configuration merged over the stack's defaults.
     pub plugin: serde_json::Value,
     /// Extra TOML appended to the `[[models]]` entry (thresholds).
@@ -49,6 +53,7 @@ impl Default for StackConfig {
             block_size: 16,
             sim_args: vec!["--speedup".into(), "20".into()],
             kv_events: false,
+            kv_external: false,
             plugin: serde_json::json!({}),
             model_toml: String::new(),
             scrape_interval_ms: 100,
@@ -119,7 +124,7 @@ impl Stack {
             let (events_port, replay_port) = match event_base {
                 Some(base) => {
                     let at = base + 2 * dp * i as u16;
-                    (Some(at), Some(at + dp))
+                    (Some(at), (!config.kv_external).then_some(at + dp))
                 }
                 None => (None, None),
             };
@@ -135,7 +140,7 @@ impl Stack {
                 "--dp-size".into(),
                 config.dp_size.to_string(),
             ];
-            if let (Some(e), Some(r)) = (events_port, replay_port) {
+            if let (Some(e), Some(r), false) = (events_port, replay_port, config.kv_external) {
                 args.extend([
                     "--kv-events-endpoint".into(),
                     format!("tcp://127.0.0.1:{e}"),
@@ -195,6 +200,20 @@ impl Stack {
         format!("127.0.0.1:{}", self.admin_port)
     }
 
+    /// Envoy's resident memory in bytes, from `/proc`.
+    pub fn envoy_rss(&self) -> Option<u64> {
+        let pid = self.envoy.as_ref()?.pid();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let kb: u64 = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        Some(kb * 1024)
+    }
+
     /// Starts (or restarts) worker `i` with the arguments it was created with.
     pub fn start_worker(&mut self, i: usize) -> Result<()> {
         let w = &mut self.workers[i];
@@ -245,10 +264,11 @@ impl Stack {
                 c.block_size,
                 c.dp_size
             ));
-            if let (Some(e), Some(r)) = (w.events_port, w.replay_port) {
-                toml.push_str(&format!(
-                    "replay_endpoint = \"tcp://127.0.0.1:{r}\"\n[workers.kv_events_endpoints]\n"
-                ));
+            if let Some(e) = w.events_port {
+                if let Some(r) = w.replay_port {
+                    toml.push_str(&format!("replay_endpoint = \"tcp://127.0.0.1:{r}\"\n"));
+                }
+                toml.push_str("[workers.kv_events_endpoints]\n");
                 for rank in 0..c.dp_size {
                     toml.push_str(&format!(
                         "\"{rank}\" = \"tcp://127.0.0.1:{}\"\n",

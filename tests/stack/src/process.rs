@@ -44,6 +44,10 @@ impl Proc {
         let _ = self.child.wait();
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))

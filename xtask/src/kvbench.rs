@@ -1,0 +1,228 @@
+//! The KV-routing benchmark through real Envoy: 16 workers whose KV events
+//! this benchmark publishes itself (vLLM wire format over ZMQ, 100k blocks
+//! each, chains of 2048 tokens), then
+//!
+//! * Envoy's resident memory before and after the 1.6M-block index arrives;
+//! * the filter's selection time on 2k-token prompts (Envoy histogram
+//!   `kvgate_selection_us`), and how many requests went to the holder;
+//! * freshness: from publishing a new chain to the first of three
+//!   consecutive requests that follow it.
+
+use crate::build::{self, Profile};
+use crate::setup;
+use anyhow::{Context, Result, bail};
+use kvgate_sim::cache::CacheEvent;
+use kvgate_sim::wire::{EventShape, HashMode, SimEvent, encode_batch};
+use kvgate_stack::{Paths, Stack, StackConfig, http};
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+
+const WORKERS: usize = 16;
+const CHAIN_BLOCKS: usize = 128;
+/// The target size: 100k cached blocks per worker.
+const BLOCKS_PER_WORKER: usize = 100_000;
+
+fn chain_tokens(worker: usize, chain: usize) -> Vec<u32> {
+    let base = (worker as u32) * 1_000_003 + (chain as u32) * 4099;
+    (0..(CHAIN_BLOCKS * 16) as u32)
+        .map(|i| (base.wrapping_add(i * 7919)) % 1_000_000 + 100)
+        .collect()
+}
+
+struct Publisher {
+    sock: zmq::Socket,
+    seq: u64,
+    next_hash: u64,
+}
+
+impl Publisher {
+    /// Publishes whole chains: one event per 16 blocks, 64 events a batch.
+    fn chains(&mut self, chains: &[Vec<u32>]) -> Result<usize> {
+        let mut events = Vec::new();
+        let mut blocks = 0;
+        for tokens in chains {
+            let mut parent = None;
+            for part in tokens.chunks(16 * 16) {
+                let hashes: Vec<u64> = (0..part.len() / 16)
+                    .map(|_| {
+                        self.next_hash += 1;
+                        self.next_hash
+                    })
+                    .collect();
+                blocks += hashes.len();
+                let last = hashes.last().copied();
+                events.push(SimEvent::Cache(CacheEvent::Stored {
+                    hashes,
+                    parent,
+                    tokens: part.to_vec(),
+                }));
+                parent = last;
+                if events.len() == 64 {
+                    self.send(&events)?;
+                    events.clear();
+                }
+            }
+        }
+        if !events.is_empty() {
+            self.send(&events)?;
+        }
+        Ok(blocks)
+    }
+
+    fn send(&mut self, events: &[SimEvent]) -> Result<()> {
+        let payload = encode_batch(1.0, events, 0, 16, EventShape::Tagged, HashMode::U64);
+        self.sock
+            .send_multipart([&b""[..], &self.seq.to_be_bytes()[..], &payload[..]], 0)?;
+        self.seq += 1;
+        Ok(())
+    }
+}
+
+fn completion(stack: &Stack, tokens: &[u32]) -> Result<Option<String>> {
+    let body = json!({"model": "demo-model", "prompt": tokens, "max_tokens": 1}).to_string();
+    let (status, headers, _) = http::request_full(
+        &stack.envoy_addr(),
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        Some(body.as_bytes()),
+    )?;
+    if status != 200 {
+        bail!("request answered {status}");
+    }
+    Ok(headers
+        .into_iter()
+        .find(|(k, _)| k == "x-kvgate-sim-worker")
+        .map(|(_, v)| v))
+}
+
+fn indexed(stack: &Stack) -> f64 {
+    stack
+        .sidecar_metric("kvgate_sidecar_kv_indexed_blocks{model=\"demo-model\"}")
+        .unwrap_or(0.0)
+}
+
+pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Result<Value> {
+    let chains_per_worker = BLOCKS_PER_WORKER / CHAIN_BLOCKS;
+    eprintln!("xtask: bench kv ({WORKERS} workers × {BLOCKS_PER_WORKER} blocks)");
+    let mut paths = Paths::discover()?;
+    paths.bin_dir = Profile::Release.dir();
+    paths.wasm = build::wasm_path();
+    paths.envoy = setup::envoy_path();
+    let stack = Stack::start_with(
+        paths,
+        StackConfig {
+            workers: WORKERS,
+            kv_events: true,
+            kv_external: true,
+            sim_args: [
+                "--instant",
+                "--num-gpu-blocks",
+                "256",
+                "--default-max-tokens",
+                "1",
+            ]
+            .map(String::from)
+            .to_vec(),
+            plugin: json!({"max_body_bytes": 4194304}),
+            scrape_interval_ms: 250,
+            down_after_ms: 3000,
+            ..StackConfig::default()
+        },
+    )?;
+    let ctx = zmq::Context::new();
+    let mut pubs = Vec::new();
+    for w in &stack.workers {
+        let sock = ctx.socket(zmq::PUB)?;
+        sock.set_sndhwm(1_000_000)?;
+        let port = w.events_port.context("no event port")?;
+        sock.bind(&format!("tcp://127.0.0.1:{port}"))?;
+        pubs.push(Publisher {
+            sock,
+            seq: 0,
+            next_hash: w.id << 40,
+        });
+    }
+    // Subscribers reconnect every 100 ms; let them find the new sockets.
+    std::thread::sleep(Duration::from_millis(1500));
+    for i in 0..20 {
+        completion(&stack, &chain_tokens(i % WORKERS, 0))?;
+    }
+    let rss_before = stack.envoy_rss().unwrap_or(0);
+
+    let t = Instant::now();
+    let mut published = 0;
+    for (w, p) in pubs.iter_mut().enumerate() {
+        let chains: Vec<Vec<u32>> = (0..chains_per_worker).map(|c| chain_tokens(w, c)).collect();
+        published += p.chains(&chains)?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while indexed(&stack) < published as f64 * 0.999 {
+        if Instant::now() > deadline {
+            bail!("index reached {} of {published} blocks", indexed(&stack));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let index_s = t.elapsed().as_secs_f64();
+    // The shards reach Envoy within one long poll; give it a moment.
+    std::thread::sleep(Duration::from_secs(3));
+
+    let n = 400;
+    let mut hits = 0;
+    for i in 0..n {
+        let w = i % WORKERS;
+        let mut tokens = chain_tokens(w, (i * 37) % chains_per_worker);
+        tokens.extend([7, 7, 7]);
+        if completion(&stack, &tokens)? == Some((w + 1).to_string()) {
+            hits += 1;
+        }
+    }
+    let rss_after = stack.envoy_rss().unwrap_or(0);
+
+    // Freshness: publish a new chain on one worker, then follow it.
+    let mut fresh = Vec::new();
+    for k in 0..if quick { 20 } else { 50 } {
+        let w = k % WORKERS;
+        // Token ids above every indexed chain's range: nothing holds this
+        // prefix until the event arrives.
+        let tokens: Vec<u32> = (0..(CHAIN_BLOCKS * 16) as u32)
+            .map(|i| 2_000_000 + (k as u32) * 10_000 + i)
+            .collect();
+        let t0 = Instant::now();
+        pubs[w].chains(std::slice::from_ref(&tokens))?;
+        let (mut streak, mut first_of_streak) = (0, None);
+        while streak < 3 {
+            if t0.elapsed() > Duration::from_secs(5) {
+                bail!("chain {k} never reached routing");
+            }
+            let at = t0.elapsed();
+            if completion(&stack, &tokens)? == Some((w + 1).to_string()) {
+                streak += 1;
+                first_of_streak.get_or_insert(at);
+            } else {
+                streak = 0;
+                first_of_streak = None;
+            }
+        }
+        fresh.push(first_of_streak.unwrap_or_default().as_secs_f64() * 1e3);
+    }
+    fresh.sort_by(f64::total_cmp);
+    let pct = |p: f64| fresh[((fresh.len() as f64 * p).ceil() as usize).clamp(1, fresh.len()) - 1];
+    std::thread::sleep(Duration::from_secs(6));
+    Ok(json!({
+        "name": "kv",
+        "workers": WORKERS,
+        "indexed_blocks": published,
+        "index_build_s": index_s,
+        "envoy_rss_before_mib": rss_before as f64 / (1 << 20) as f64,
+        "envoy_rss_after_mib": rss_after as f64 / (1 << 20) as f64,
+        "envoy_rss_growth_mib": (rss_after as f64 - rss_before as f64) / (1 << 20) as f64,
+        "requests": n,
+        "routed_to_prefix_holder": hits,
+        "selection_us": histogram(&stack, "kvgate_selection_us")?,
+        "decision_us": histogram(&stack, "kvgate_decision_us")?,
+        "freshness_ms_p50": pct(0.5),
+        "freshness_ms_p99": pct(0.99),
+        "freshness_samples": fresh.len(),
+    }))
+}
