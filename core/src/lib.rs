@@ -10,6 +10,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+pub mod approx;
 pub mod busy;
 pub mod hash;
 pub mod select;

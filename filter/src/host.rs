@@ -103,6 +103,49 @@ pub fn dispatch_get(
     )
 }
 
+pub fn dispatch_post(
+    cluster: &str,
+    authority: &str,
+    path: &str,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<u32, Status> {
+    hostcalls::dispatch_http_call(
+        cluster,
+        vec![
+            (":method", "POST"),
+            (":path", path),
+            (":authority", authority),
+            ("content-type", "application/octet-stream"),
+        ],
+        Some(body),
+        vec![],
+        timeout,
+    )
+}
+
+/// The queue routing decisions travel through, from router VMs to the
+/// snapshot service.
+pub const ROUTED_QUEUE: &str = "kvgate.routed";
+
+pub fn register_routed_queue() -> Result<u32, Status> {
+    hostcalls::register_shared_queue(ROUTED_QUEUE)
+}
+
+pub fn resolve_routed_queue(vm_id: &str) -> Option<u32> {
+    hostcalls::resolve_shared_queue(vm_id, ROUTED_QUEUE)
+        .ok()
+        .flatten()
+}
+
+pub fn enqueue(queue: u32, data: &[u8]) -> Result<(), Status> {
+    hostcalls::enqueue_shared_queue(queue, Some(data))
+}
+
+pub fn dequeue(queue: u32) -> Option<Vec<u8>> {
+    hostcalls::dequeue_shared_queue(queue).ok().flatten()
+}
+
 pub fn call_response_header(name: &str) -> Option<String> {
     hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name)
         .ok()

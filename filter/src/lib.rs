@@ -48,13 +48,13 @@ enum Root {
 impl Context for Root {
     fn on_http_call_response(
         &mut self,
-        _token: u32,
+        token: u32,
         _headers: usize,
         body_size: usize,
         _trailers: usize,
     ) {
         if let Root::Service(s) = self {
-            s.on_response(body_size);
+            s.on_response(token, body_size);
         }
     }
 }
@@ -91,7 +91,10 @@ impl RootContext for Root {
                     ),
                 );
             }
-            *self = Root::Router(Rc::new(RefCell::new(RouterState::new(config))));
+            let vm_id = host::property(&["plugin_vm_id"])
+                .and_then(|b| String::from_utf8(b).ok())
+                .unwrap_or_else(|| "kvgate".into());
+            *self = Root::Router(Rc::new(RefCell::new(RouterState::new(config, vm_id))));
         }
         true
     }
@@ -99,6 +102,12 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Root::Service(s) = self {
             s.poll();
+        }
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        if let Root::Service(s) = self {
+            s.on_queue_ready(queue_id);
         }
     }
 

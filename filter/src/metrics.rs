@@ -31,6 +31,7 @@ pub struct RouterMetrics {
     pub decision_us: Option<u32>,
     pub selection_us: Option<u32>,
     pub snapshot_decode_errors: Option<u32>,
+    pub report_errors: Option<u32>,
 }
 
 impl RouterMetrics {
@@ -53,6 +54,7 @@ impl RouterMetrics {
                 MetricType::Counter,
                 "kvgate_snapshot_decode_errors_total",
             ),
+            report_errors: define(MetricType::Counter, "kvgate_routed_report_errors_total"),
         }
     }
 
@@ -67,6 +69,8 @@ pub struct ServiceMetrics {
     pub poll_errors: Option<u32>,
     pub decode_errors: Option<u32>,
     pub snapshot_version: Option<u32>,
+    pub reports: Option<u32>,
+    pub report_errors: Option<u32>,
 }
 
 impl ServiceMetrics {
@@ -76,6 +80,8 @@ impl ServiceMetrics {
             poll_errors: define(MetricType::Counter, "kvgate_snapshot_poll_errors_total"),
             decode_errors: define(MetricType::Counter, "kvgate_snapshot_decode_errors_total"),
             snapshot_version: define(MetricType::Gauge, "kvgate_snapshot_version"),
+            reports: define(MetricType::Counter, "kvgate_routed_reports_total"),
+            report_errors: define(MetricType::Counter, "kvgate_routed_report_errors_total"),
         }
     }
 }

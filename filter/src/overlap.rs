@@ -7,6 +7,7 @@
 //! read twice in one request is read from shared data once.
 
 use kvgate_core::ModelState;
+use kvgate_core::approx;
 use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
 use kvgate_core::select::Overlap;
 use kvgate_core::shard::{ShardView, SlotOverlap, overlaps, shard_of};
@@ -21,35 +22,23 @@ pub fn compute(
     tokens: &[u32],
     mut read: impl FnMut(&str) -> Option<Vec<u8>>,
 ) -> (Vec<SlotOverlap>, usize) {
-    let max_slot = model
-        .workers
-        .iter()
-        .flat_map(|w| w.ranks.iter().map(|r| r.slot as usize))
-        .max();
-    let (Some(max_slot), true) = (max_slot, model.shard_count > 0) else {
+    let Some(slots) = slot_count(model).filter(|_| model.shard_count > 0) else {
         return (Vec::new(), 0);
     };
-    let mut table = vec![SlotOverlap::default(); max_slot + 1];
-    let mut shards: HashMap<u32, Option<Vec<u8>>> = HashMap::new();
+    let mut table = vec![SlotOverlap::default(); slots];
+    let mut shards = HashMap::new();
     let mut block_sizes: Vec<u32> = model.workers.iter().map(|w| w.block_size).collect();
     block_sizes.sort_unstable();
     block_sizes.dedup();
     for bs in block_sizes {
         let seq = sequence_hashes(&block_hashes(tokens, bs as usize, XXH3_SEED));
-        let mut part = vec![SlotOverlap::default(); max_slot + 1];
-        overlaps(
-            seq.len(),
-            |i, out| {
-                let h = seq[i];
-                let shard = shard_of(h, model.shard_count);
-                let bytes = shards
-                    .entry(shard)
-                    .or_insert_with(|| read(&shard_key(&model.name, shard)));
-                if let Some(view) = bytes.as_deref().and_then(|b| ShardView::parse(b).ok()) {
-                    out.extend(view.holders(h));
-                }
-            },
-            &mut part,
+        let part = search(
+            &model.name,
+            model.shard_count,
+            &seq,
+            slots,
+            &mut shards,
+            &mut read,
         );
         // Slots of workers with another block size read nothing useful
         // from this chain; keep the deepest answer per slot.
@@ -61,6 +50,73 @@ pub fn compute(
     }
     let reads = shards.len();
     (table, reads)
+}
+
+/// Overlap of every slot of `model` with a text prompt's chunks, from the
+/// approximate index learned from routing decisions.
+pub fn approximate(
+    model: &ModelState,
+    chunks: &[u64],
+    mut read: impl FnMut(&str) -> Option<Vec<u8>>,
+) -> Vec<SlotOverlap> {
+    let Some(slots) = slot_count(model) else {
+        return Vec::new();
+    };
+    let key = approx::model_key(&model.name);
+    search(
+        &key,
+        approx::SHARDS,
+        chunks,
+        slots,
+        &mut HashMap::new(),
+        &mut read,
+    )
+}
+
+fn slot_count(model: &ModelState) -> Option<usize> {
+    model
+        .workers
+        .iter()
+        .flat_map(|w| w.ranks.iter().map(|r| r.slot as usize + 1))
+        .max()
+}
+
+/// Searches one chain of hashes through a namespace's shards, reading each
+/// shard from shared data at most once per request.
+fn search(
+    namespace: &str,
+    shard_count: u32,
+    seq: &[u64],
+    slots: usize,
+    shards: &mut HashMap<u32, Option<Vec<u8>>>,
+    read: &mut impl FnMut(&str) -> Option<Vec<u8>>,
+) -> Vec<SlotOverlap> {
+    let mut out = vec![SlotOverlap::default(); slots];
+    overlaps(
+        seq.len(),
+        |i, holders| {
+            let h = seq[i];
+            let shard = shard_of(h, shard_count);
+            let bytes = shards
+                .entry(shard)
+                .or_insert_with(|| read(&shard_key(namespace, shard)));
+            if let Some(view) = bytes.as_deref().and_then(|b| ShardView::parse(b).ok()) {
+                holders.extend(view.holders(h));
+            }
+        },
+        &mut out,
+    );
+    out
+}
+
+/// An approximate overlap in chunks, converted to blocks of `block_size`.
+pub fn chunks_as_blocks(o: Overlap, block_size: u32) -> Overlap {
+    let per = approx::CHUNK_TOKENS / block_size.max(1);
+    Overlap {
+        device: o.device.saturating_mul(per),
+        host: o.host.saturating_mul(per),
+        disk: o.disk.saturating_mul(per),
+    }
 }
 
 /// The overlap of one slot, in the selector's terms.

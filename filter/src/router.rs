@@ -12,6 +12,7 @@ use crate::metrics::{RouterMetrics, inc, record};
 use crate::overlap;
 use crate::reply::Reply;
 use crate::request::{Endpoint, parse};
+use kvgate_core::approx::{self, Routed};
 use kvgate_core::select::Policy;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
@@ -21,6 +22,9 @@ use std::rc::Rc;
 /// State shared by the router root and its requests (one VM, one thread).
 pub struct RouterState {
     pub config: Config,
+    /// Envoy's vm_id, where the routed-decisions queue lives.
+    vm_id: String,
+    queue: Option<u32>,
     policy: Policy,
     view: View,
     metrics: RouterMetrics,
@@ -28,15 +32,35 @@ pub struct RouterState {
 }
 
 impl RouterState {
-    pub fn new(config: Config) -> RouterState {
+    pub fn new(config: Config, vm_id: String) -> RouterState {
         RouterState {
             config,
+            vm_id,
+            queue: None,
             policy: Policy::default(),
             view: View::default(),
             metrics: RouterMetrics::define(),
             // Each worker thread's VM starts at a different point, so two
             // VMs' first requests on an idle fleet do not pick the same rank.
             tie_break: host::now_us().wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        }
+    }
+}
+
+/// Hands a routing decision to the snapshot service, which forwards it to
+/// the sidecar's approximate index. The queue is resolved on first use: the
+/// service registers it when it starts, possibly after this VM.
+fn report(queue: &mut Option<u32>, vm_id: &str, metrics: &RouterMetrics, record: &Routed) {
+    if queue.is_none() {
+        *queue = host::resolve_routed_queue(vm_id);
+    }
+    let mut bytes = Vec::with_capacity(16 + record.hashes.len() * 8);
+    record.encode_into(&mut bytes);
+    match queue.map(|q| host::enqueue(q, &bytes)) {
+        Some(Ok(())) => {}
+        _ => {
+            *queue = None;
+            inc(metrics.report_errors);
         }
     }
 }
@@ -100,13 +124,29 @@ impl Request {
         };
         st.tie_break = st.tie_break.wrapping_add(1);
         let selecting = host::now_us();
-        // Exact prefix overlap for token prompts on models with an index.
-        let table = match (req.tokens.as_deref(), snap.model(&req.model)) {
-            (Some(tokens), Some(model)) => overlap::compute(model, tokens, host::get_shared).0,
+        // Token prompts: exact overlap from the engines' events. Text
+        // prompts: the approximate index learned from earlier decisions.
+        let mut chunks = Vec::new();
+        let table = match (
+            req.tokens.as_deref(),
+            req.text.as_deref(),
+            snap.model(&req.model),
+        ) {
+            (Some(tokens), _, Some(model)) => overlap::compute(model, tokens, host::get_shared).0,
+            (None, Some(text), Some(model)) => {
+                chunks = approx::chunk_hashes(text);
+                overlap::approximate(model, &chunks, host::get_shared)
+            }
             _ => Vec::new(),
         };
-        let outcome = decide(&st.config, &st.policy, snap, &req, st.tie_break, |_, r| {
-            overlap::of(&table, r.slot)
+        let approximate = !chunks.is_empty();
+        let outcome = decide(&st.config, &st.policy, snap, &req, st.tie_break, |w, r| {
+            let o = overlap::of(&table, r.slot);
+            if approximate {
+                overlap::chunks_as_blocks(o, w.block_size)
+            } else {
+                o
+            }
         });
         record(
             st.metrics.selection_us,
@@ -130,6 +170,14 @@ impl Request {
                     host::log(LogLevel::Error, "kvgate: could not set routing headers");
                 }
                 inc(st.metrics.routed);
+                if !chunks.is_empty() {
+                    let record = Routed {
+                        model: req.model.clone(),
+                        slot: rank.slot,
+                        hashes: std::mem::take(&mut chunks),
+                    };
+                    report(&mut st.queue, &st.vm_id, &st.metrics, &record);
+                }
                 None
             }
             Outcome::Reply(r) => Some(r),

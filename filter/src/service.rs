@@ -12,14 +12,60 @@ pub struct Service {
     pub config: Config,
     poller: Poller,
     metrics: ServiceMetrics,
+    /// The poll in flight; other callouts are routing-decision reports.
+    poll_token: Option<u32>,
+    queue: Option<u32>,
 }
 
 impl Service {
     pub fn new(config: Config) -> Service {
+        let queue = match host::register_routed_queue() {
+            Ok(q) => Some(q),
+            Err(s) => {
+                host::log(
+                    LogLevel::Warn,
+                    &format!("kvgate: cannot register the routed queue: {s:?}"),
+                );
+                None
+            }
+        };
         Service {
             config,
             poller: Poller::default(),
             metrics: ServiceMetrics::define(),
+            poll_token: None,
+            queue,
+        }
+    }
+
+    /// Forwards queued routing decisions to the sidecar in one request.
+    /// Best effort: a lost batch only delays what the approximate index
+    /// learns.
+    pub fn on_queue_ready(&mut self, queue: u32) {
+        if Some(queue) != self.queue {
+            return;
+        }
+        let mut body = Vec::new();
+        // Bounded per call; the rest stays queued for the next wake-up.
+        while body.len() < 1 << 20 {
+            match host::dequeue(queue) {
+                Some(item) => body.extend_from_slice(&item),
+                None => break,
+            }
+        }
+        if body.is_empty() {
+            return;
+        }
+        let c = &self.config;
+        match host::dispatch_post(
+            &c.sidecar_cluster,
+            &c.sidecar_authority,
+            "/v1/routed",
+            &body,
+            Duration::from_secs(2),
+        ) {
+            Ok(_) => inc(self.metrics.reports),
+            Err(_) => inc(self.metrics.report_errors),
         }
     }
 
@@ -34,7 +80,8 @@ impl Service {
         // The call's own timeout leaves the sidecar time to answer a full wait.
         let timeout = Duration::from_millis(c.poll_wait_ms + 2000);
         match host::dispatch_get(&c.sidecar_cluster, &c.sidecar_authority, &path, timeout) {
-            Ok(_) => {
+            Ok(token) => {
+                self.poll_token = Some(token);
                 self.poller.sent();
                 inc(self.metrics.polls);
             }
@@ -52,7 +99,15 @@ impl Service {
         }
     }
 
-    pub fn on_response(&mut self, body_size: usize) {
+    pub fn on_response(&mut self, token: u32, body_size: usize) {
+        if Some(token) != self.poll_token {
+            // A report's answer: only failures matter.
+            if host::call_response_header(":status").as_deref() != Some("204") {
+                inc(self.metrics.report_errors);
+            }
+            return;
+        }
+        self.poll_token = None;
         let now = host::now_ms();
         let status = host::call_response_header(":status");
         match status.as_deref() {

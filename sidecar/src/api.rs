@@ -28,6 +28,7 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
     Router::new()
         .route("/v1/snapshot", get(snapshot))
         .route("/v1/state", get(state))
+        .route("/v1/routed", axum::routing::post(routed))
         .route("/workers", get(list_workers).post(add_worker))
         .route(
             "/workers/{id}",
@@ -153,6 +154,10 @@ async fn state(State(sc): State<Arc<Sidecar>>) -> Response {
                     "active_prefill_tokens_threshold_frac": m.thresholds.active_prefill_tokens_frac,
                 },
                 "shard_count": m.shard_count,
+                // Token prompts use the engines' events when the model's
+                // workers publish them; text prompts always use the index
+                // learned from routing decisions.
+                "mode": if m.shard_count > 0 { "precise for token prompts, approximate for text" } else { "approximate" },
                 "workers": m.workers.iter().map(|w| json!({
                     "worker_id": w.id,
                     "endpoint": w.endpoint,
@@ -177,6 +182,17 @@ async fn state(State(sc): State<Arc<Sidecar>>) -> Response {
         StatusCode::OK,
         json!({"version": s.version, "built_at_ms": s.built_at_ms, "epoch": sc.versions.epoch, "models": models}),
     )
+}
+
+/// Routing decisions from the filter, for the approximate index.
+async fn routed(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    match kvgate_core::approx::Routed::decode_all(&body) {
+        Ok(records) => {
+            sc.learn(&records);
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, e),
+    }
 }
 
 async fn list_workers(State(sc): State<Arc<Sidecar>>) -> Response {

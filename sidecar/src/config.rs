@@ -99,6 +99,10 @@ pub struct Kv {
     pub publish_interval_ms: u64,
     #[serde(default = "default_replay_timeout")]
     pub replay_timeout_ms: u64,
+    /// How long a routing decision keeps its text prefix in the
+    /// approximate index.
+    #[serde(default = "default_approx_ttl")]
+    pub approx_ttl_ms: u64,
 }
 
 impl Default for Kv {
@@ -108,6 +112,7 @@ impl Default for Kv {
             max_blocks_per_rank: default_max_blocks(),
             publish_interval_ms: default_kv_publish(),
             replay_timeout_ms: default_replay_timeout(),
+            approx_ttl_ms: default_approx_ttl(),
         }
     }
 }
@@ -138,6 +143,9 @@ fn default_kv_publish() -> u64 {
 }
 fn default_replay_timeout() -> u64 {
     2000
+}
+fn default_approx_ttl() -> u64 {
+    120_000
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]

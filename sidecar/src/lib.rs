@@ -14,6 +14,7 @@
 //! * serves its APIs and metrics ([`api`]).
 
 pub mod api;
+pub mod approx;
 pub mod config;
 pub mod fleet;
 pub mod kv;
@@ -43,6 +44,7 @@ pub struct Sidecar {
     pub store: SnapshotStore,
     pub plane: Plane,
     pub metrics: Metrics,
+    pub approx: Mutex<approx::ApproxIndex>,
     zmq: zmq::Context,
     client: scrape::HttpClient,
     scrapers: Mutex<HashMap<u64, JoinHandle<()>>>,
@@ -77,6 +79,9 @@ impl Sidecar {
             store: SnapshotStore::default(),
             plane,
             metrics: Metrics::new(),
+            approx: Mutex::new(approx::ApproxIndex::new(Duration::from_millis(
+                config.kv.approx_ttl_ms,
+            ))),
             zmq: zmq::Context::new(),
             client: scrape::client(),
             scrapers: Mutex::new(HashMap::new()),
@@ -211,6 +216,41 @@ impl Sidecar {
         }
     }
 
+    /// Learns routing decisions the filter reported, keeping only those
+    /// naming a configured model and one of its slots.
+    pub fn learn(&self, records: &[kvgate_core::approx::Routed]) -> usize {
+        let valid: Vec<&kvgate_core::approx::Routed> = {
+            let f = self.fleet();
+            records
+                .iter()
+                .filter(|r| {
+                    f.workers
+                        .values()
+                        .any(|w| w.spec.model_name == r.model && w.slots.contains(&r.slot))
+                })
+                .collect()
+        };
+        let now = Instant::now();
+        let mut a = self.approx.lock().unwrap_or_else(|p| p.into_inner());
+        for r in &valid {
+            a.learn(r, now);
+        }
+        self.metrics.approx_learned.set(a.learned as i64);
+        valid.len()
+    }
+
+    /// Expires and publishes the approximate index's changed shards.
+    fn publish_approx(&self) {
+        let updates = {
+            let mut a = self.approx.lock().unwrap_or_else(|p| p.into_inner());
+            a.sweep(Instant::now());
+            a.take_updates()
+        };
+        if !updates.is_empty() {
+            self.plane.log.publish(updates);
+        }
+    }
+
     /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
     pub fn publish_now(&self) {
         let snap = {
@@ -341,6 +381,7 @@ async fn publish_loop(sc: Arc<Sidecar>) {
     loop {
         tick.tick().await;
         sc.publish_now();
+        sc.publish_approx();
         n += 1;
         // Index statistics need a round trip to the index thread; once a
         // second is plenty for gauges.

@@ -23,6 +23,7 @@ pub struct Metrics {
     pub kv_replayed: IntCounterVec,
     pub kv_indexed_blocks: IntGaugeVec,
     pub kv_malformed_batches: IntGauge,
+    pub approx_learned: IntGauge,
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -166,6 +167,11 @@ impl Metrics {
                 &r,
                 "kvgate_sidecar_kv_malformed_batches",
                 "KV event batches that failed to decode (skipped whole).",
+            ),
+            approx_learned: gauge(
+                &r,
+                "kvgate_sidecar_approx_learned",
+                "Chunk holders learned from routing decisions (approximate index), since start.",
             ),
             registry: r,
         }

@@ -54,6 +54,8 @@ pub struct Shared {
     pub clock_ns: u64,
     /// `proxy_get_shared_data` calls per key.
     pub reads: HashMap<String, u64>,
+    /// Shared queues: id → (vm_id, name, items).
+    queues: HashMap<u32, (String, String, std::collections::VecDeque<Vec<u8>>)>,
 }
 
 impl Shared {
@@ -89,7 +91,17 @@ impl Shared {
     pub fn now_ms(&self) -> u64 {
         self.clock_ns / 1_000_000
     }
+
+    /// Items waiting in a queue.
+    pub fn queued(&self, vm_id: &str, name: &str) -> usize {
+        self.queues
+            .values()
+            .find(|(v, n, _)| v == vm_id && n == name)
+            .map_or(0, |(_, _, q)| q.len())
+    }
 }
+
+const EMPTY: i32 = 7;
 
 pub type SharedRef = Arc<Mutex<Shared>>;
 
@@ -118,6 +130,7 @@ pub struct Callout {
     pub token: u32,
     pub cluster: String,
     pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
     pub timeout_ms: u32,
 }
 
@@ -148,6 +161,8 @@ pub struct HostState {
     pub logs: Vec<(i32, String)>,
     pub stdout: Vec<u8>,
     metric_names: Vec<String>,
+    /// Queues this VM registered (it gets their `on_queue_ready`).
+    registered_queues: Vec<u32>,
     /// Clusters that exist; a callout elsewhere gets BadArgument.
     pub clusters: Vec<String>,
 }
@@ -565,21 +580,90 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
             Ok(OK)
         },
     )?;
-    for name in [
+    linker.func_wrap(
+        "env",
         "proxy_register_shared_queue",
-        "proxy_dequeue_shared_queue",
-        "proxy_enqueue_shared_queue",
-    ] {
-        linker.func_wrap(
-            "env",
-            name,
-            |_: Caller<'_, HostState>, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
-        )?;
-    }
+        |mut c: Caller<'_, HostState>, np: i32, nl: i32, id_out: i32| -> Result<i32> {
+            let name = read_str(&mut c, np, nl)?;
+            let vm_id = c.data().vm_id.clone();
+            let id = {
+                let mut s = lock(&c.data().shared);
+                let existing = s
+                    .queues
+                    .iter()
+                    .find(|(_, (v, n, _))| *v == vm_id && *n == name)
+                    .map(|(id, _)| *id);
+                existing.unwrap_or_else(|| {
+                    let id = s.queues.len() as u32 + 1;
+                    s.queues.insert(id, (vm_id, name, Default::default()));
+                    id
+                })
+            };
+            // The last registrant receives on_queue_ready, as in Envoy.
+            c.data_mut().registered_queues.push(id);
+            write_u32(&mut c, id_out, id)?;
+            Ok(OK)
+        },
+    )?;
     linker.func_wrap(
         "env",
         "proxy_resolve_shared_queue",
-        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
+        |mut c: Caller<'_, HostState>,
+         vp: i32,
+         vl: i32,
+         np: i32,
+         nl: i32,
+         id_out: i32|
+         -> Result<i32> {
+            let (vm_id, name) = (read_str(&mut c, vp, vl)?, read_str(&mut c, np, nl)?);
+            let found = lock(&c.data().shared)
+                .queues
+                .iter()
+                .find(|(_, (v, n, _))| *v == vm_id && *n == name)
+                .map(|(id, _)| *id);
+            match found {
+                Some(id) => {
+                    write_u32(&mut c, id_out, id)?;
+                    Ok(OK)
+                }
+                None => Ok(NOT_FOUND),
+            }
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_enqueue_shared_queue",
+        |mut c: Caller<'_, HostState>, id: i32, dp: i32, dl: i32| -> Result<i32> {
+            let data = read(&mut c, dp, dl)?;
+            let mut s = lock(&c.data().shared);
+            match s.queues.get_mut(&(id as u32)) {
+                Some((_, _, q)) => {
+                    q.push_back(data);
+                    Ok(OK)
+                }
+                None => Ok(NOT_FOUND),
+            }
+        },
+    )?;
+    linker.func_wrap(
+        "env",
+        "proxy_dequeue_shared_queue",
+        |mut c: Caller<'_, HostState>, id: i32, po: i32, lo: i32| -> Result<i32> {
+            let item = {
+                let mut s = lock(&c.data().shared);
+                match s.queues.get_mut(&(id as u32)) {
+                    Some((_, _, q)) => q.pop_front(),
+                    None => return Ok(NOT_FOUND),
+                }
+            };
+            match item {
+                Some(data) => {
+                    give(&mut c, &data, po, lo)?;
+                    Ok(OK)
+                }
+                None => Ok(EMPTY),
+            }
+        },
     )?;
     linker.func_wrap(
         "env",
@@ -612,8 +696,8 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          ul: i32,
          hp: i32,
          hl: i32,
-         _bp: i32,
-         _bl: i32,
+         bp: i32,
+         bl: i32,
          _tp: i32,
          _tl: i32,
          timeout: i32,
@@ -621,6 +705,11 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          -> Result<i32> {
             let cluster = read_str(&mut c, up, ul)?;
             let headers = deserialize_map(&read(&mut c, hp, hl)?);
+            let body = if bl > 0 {
+                read(&mut c, bp, bl)?
+            } else {
+                Vec::new()
+            };
             if !c.data().clusters.contains(&cluster) {
                 return Ok(BAD_ARGUMENT);
             }
@@ -635,6 +724,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
                 token,
                 cluster,
                 headers,
+                body,
                 timeout_ms: timeout as u32,
             });
             write_u32(&mut c, token_out, token)?;
@@ -924,6 +1014,7 @@ impl Vm {
             logs: Vec::new(),
             stdout: Vec::new(),
             metric_names: Vec::new(),
+            registered_queues: Vec::new(),
             clusters: vec!["kvgate_sidecar".into()],
         };
         let mut store = Store::new(&filter.engine, state);
@@ -990,6 +1081,23 @@ impl Vm {
     pub fn tick(&mut self) -> Result<()> {
         let root = self.root;
         self.call::<i32, ()>("proxy_on_tick", root)
+    }
+
+    /// Delivers `on_queue_ready` for every queue this VM registered that
+    /// has items, as Envoy posts it to the registering thread.
+    pub fn deliver_queues(&mut self) -> Result<()> {
+        let ids = self.state().registered_queues.clone();
+        for id in ids {
+            let pending = lock(&self.state().shared)
+                .queues
+                .get(&id)
+                .is_some_and(|(_, _, q)| !q.is_empty());
+            if pending {
+                let root = self.root;
+                self.call::<(i32, i32), ()>("proxy_on_queue_ready", (root, id as i32))?;
+            }
+        }
+        Ok(())
     }
 
     /// Callouts not yet answered.

@@ -621,4 +621,83 @@ fn prefix_routing(event_args: &[&str]) {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+
+    // vLLM's reset_prefix_cache publishes AllBlocksCleared: the worker's
+    // entries leave the index that routing reads.
+    let (w1, _) = &home[1];
+    let addr = stack.workers[w1.parse::<usize>().unwrap() - 1].endpoint();
+    wait_idle(&stack);
+    let before = indexed_blocks(&stack);
+    let (status, _) = http::request(&addr, "POST", "/reset_prefix_cache", &[], None).unwrap();
+    assert_eq!(status, 200);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while indexed_blocks(&stack) >= before {
+        assert!(
+            Instant::now() < deadline,
+            "AllBlocksCleared never reached the index"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn text_prompts_follow_prefixes_learned_from_routing() {
+    let _g = serial();
+    // No KV events at all: the approximate mode is the only prefix signal.
+    let stack = start(StackConfig {
+        workers: 4,
+        sim_args: ["--speedup", "50"].map(String::from).to_vec(),
+        ..StackConfig::default()
+    });
+    let system =
+        |g: u32| format!("You are assistant number {g} of the evaluation team. ").repeat(40);
+    let ask = |g: u32, q: u32| {
+        wait_idle(&stack);
+        let r = chat_with_system(&stack, &system(g), &format!("Question {q} for group {g}?"));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.header("x-kvgate-sim-worker").unwrap().to_string()
+    };
+    let home: Vec<String> = (0..4).map(|g| ask(g, 0)).collect();
+    // The decisions travel filter → queue → snapshot service → sidecar →
+    // shards → Envoy; give them a moment.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stack
+        .sidecar_metric("kvgate_sidecar_approx_learned")
+        .unwrap_or(0.0)
+        < 4.0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no routing decision reached the sidecar\n{}",
+            stack.log_tails()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for q in 1..4 {
+        for g in 0..4u32 {
+            assert_eq!(
+                ask(g, q),
+                home[g as usize],
+                "group {g} question {q} left its learned prefix"
+            );
+        }
+    }
+    assert!(stack.envoy_stat("kvgate_routed_reports_total").unwrap() >= 1);
+    let state = stack.sidecar_state().unwrap();
+    assert_eq!(state["models"][0]["mode"], "approximate");
+}
+
+fn chat_with_system(stack: &Stack, system: &str, question: &str) -> Reply {
+    let body = json!({
+        "model": "demo-model",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": 2,
+    });
+    post(
+        stack,
+        "/v1/chat/completions",
+        body.to_string().as_bytes(),
+        &[],
+    )
 }

@@ -34,7 +34,12 @@ fn rank(rank: u32, decode: u64, busy: bool) -> RankLoad {
     }
 }
 
-fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
+/// Slots are unique per (worker, rank), as the sidecar assigns them:
+/// worker `id` rank `r` is slot `4 × id + r`.
+fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
+    for r in &mut ranks {
+        r.slot = (id * 4) as u16 + r.rank as u16;
+    }
     WorkerState {
         id,
         endpoint: format!("10.0.0.{id}:8000"),
@@ -553,6 +558,93 @@ fn token_prompts_go_where_their_prefix_is_cached() {
     assert_eq!(
         ex.header("x-gateway-destination-endpoint"),
         Some("10.0.0.2:8000")
+    );
+}
+
+#[test]
+fn text_prompts_are_reported_and_follow_the_learned_index() {
+    use kvgate_core::approx::{self, Routed};
+    use kvgate_core::shard::{TIER_DEVICE, shard_of};
+    let mut e = Envoy::ready("");
+    // 2.5 KiB of system prompt: 10 chunks, credited as 40 blocks of 16.
+    let system = "You are a meticulous assistant. ".repeat(80);
+    let ask = |q: &str| {
+        json!({"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}).to_string()
+    };
+    // A first request is routed on load alone and reported.
+    let ex = e.routers[0].request(&CHAT, &[ask("first?").as_bytes()]);
+    assert_eq!(
+        ex.header("x-gateway-destination-endpoint"),
+        Some("10.0.0.2:8000")
+    );
+    assert_eq!(
+        e.shared.lock().unwrap().queued("kvgate", "kvgate.routed"),
+        1
+    );
+    e.service.deliver_queues().unwrap();
+    let report = e
+        .service
+        .pending()
+        .into_iter()
+        .find(|c| c.header(":path") == Some("/v1/routed"))
+        .expect("a report");
+    assert_eq!(report.header(":method"), Some("POST"));
+    let records = Routed::decode_all(&report.body).unwrap();
+    assert_eq!(records.len(), 1);
+    assert_eq!(
+        (records[0].model.as_str(), records[0].slot),
+        ("m", 8),
+        "worker 2's rank 0 is slot 8"
+    );
+    assert!(!records[0].hashes.is_empty());
+    e.service.respond(report.token, 204, &[], b"").unwrap();
+
+    // The sidecar publishes what it learned (here: worker 3, slot 12, holds
+    // the system prompt's chunks); a new question with the same system
+    // prompt follows it although worker 3 is more loaded.
+    let snap = fleet(2);
+    let shared_chunks = approx::chunk_hashes(&format!("system\n{system}"));
+    let mut per_shard: std::collections::BTreeMap<u32, Vec<(u64, Vec<Holder>)>> =
+        Default::default();
+    for h in &shared_chunks {
+        per_shard
+            .entry(shard_of(*h, approx::SHARDS))
+            .or_default()
+            .push((
+                *h,
+                vec![Holder {
+                    slot: 12,
+                    tiers: TIER_DEVICE,
+                }],
+            ));
+    }
+    let shards: Vec<(u32, Vec<u8>)> = per_shard
+        .into_iter()
+        .map(|(s, mut e)| (s, encode_shard(&mut e)))
+        .collect();
+    let key = approx::model_key("m");
+    let bytes = snap.encode().unwrap();
+    let frame = update::encode(
+        2,
+        EPOCH,
+        false,
+        Some(&bytes),
+        shards.iter().map(|(s, b)| (key.as_str(), *s, b.as_slice())),
+    );
+    let poll = e
+        .service
+        .pending()
+        .into_iter()
+        .find(|c| {
+            c.header(":path")
+                .is_some_and(|p| p.starts_with("/v1/snapshot"))
+        })
+        .unwrap();
+    e.service.respond(poll.token, 200, &[], &frame).unwrap();
+    let ex = e.routers[1].request(&CHAT, &[ask("second, a different question?").as_bytes()]);
+    assert_eq!(
+        ex.header("x-gateway-destination-endpoint"),
+        Some("10.0.0.3:8000")
     );
 }
 

@@ -1,0 +1,167 @@
+//! Approximate prefix matching, for requests the engines' KV events cannot
+//! describe: text prompts (kvgate does not tokenize) and models whose
+//! workers publish no events.
+//!
+//! The rendered prompt text is cut into fixed-size chunks, chained like
+//! block hashes, and kvgate *learns* which rank holds which chunks from its
+//! own routing decisions: after routing, the filter reports (model, slot,
+//! chunk hashes); the sidecar remembers them for a TTL and publishes them as
+//! index shards under [`model_key`], which the filter reads exactly like the
+//! precise index. This is how SGLang's router and the Gateway API Inference
+//! Extension's approximate prefix scorer work.
+
+use thiserror::Error;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Bytes of prompt text per chunk (about 64 tokens of English).
+pub const CHUNK_BYTES: usize = 256;
+/// Tokens a chunk stands for, at about four bytes per token: converts
+/// chunk overlap into the block units the cost counts in.
+pub const CHUNK_TOKENS: u32 = (CHUNK_BYTES / 4) as u32;
+/// Shards of every model's approximate index.
+pub const SHARDS: u32 = 4096;
+/// Distinguishes chunk hashes from block hashes of the same bytes.
+const SEED: u64 = 1337 ^ 0xA99A_0C5E_ED00_0001;
+/// Chunks a request reports at most: bounds queue and index growth from
+/// very long prompts (the leading chunks carry the shared prefix anyway).
+pub const MAX_CHUNKS: usize = 256;
+
+/// The index namespace of a model's approximate entries.
+pub fn model_key(model: &str) -> String {
+    format!("~approx~{model}")
+}
+
+/// Chained hashes of the full chunks of `text`.
+pub fn chunk_hashes(text: &str) -> Vec<u64> {
+    let mut out = Vec::with_capacity((text.len() / CHUNK_BYTES).min(MAX_CHUNKS));
+    let mut buf = [0u8; 8 + CHUNK_BYTES];
+    let mut parent = 0u64;
+    for chunk in text.as_bytes().chunks_exact(CHUNK_BYTES).take(MAX_CHUNKS) {
+        buf[..8].copy_from_slice(&parent.to_le_bytes());
+        buf[8..].copy_from_slice(chunk);
+        parent = xxh3_64_with_seed(&buf, SEED);
+        out.push(parent);
+    }
+    out
+}
+
+/// One routing decision, as reported to the sidecar.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Routed {
+    pub model: String,
+    pub slot: u16,
+    pub hashes: Vec<u64>,
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum RoutedError {
+    #[error("routed record truncated")]
+    Truncated,
+    #[error("routed record model name is not UTF-8")]
+    BadUtf8,
+}
+
+impl Routed {
+    /// `u16 model_len, model, u16 slot, u32 n, n × u64`, little-endian.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let name = &self.model.as_bytes()[..self.model.len().min(u16::MAX as usize)];
+        out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        out.extend_from_slice(name);
+        out.extend_from_slice(&self.slot.to_le_bytes());
+        out.extend_from_slice(&(self.hashes.len() as u32).to_le_bytes());
+        for h in &self.hashes {
+            out.extend_from_slice(&h.to_le_bytes());
+        }
+    }
+
+    /// Decodes a concatenation of records.
+    pub fn decode_all(mut b: &[u8]) -> Result<Vec<Routed>, RoutedError> {
+        let mut out = Vec::new();
+        let take = |b: &mut &[u8], n: usize| -> Result<Vec<u8>, RoutedError> {
+            let (head, rest) = b.split_at_checked(n).ok_or(RoutedError::Truncated)?;
+            *b = rest;
+            Ok(head.to_vec())
+        };
+        while !b.is_empty() {
+            let l = take(&mut b, 2)?;
+            let name = take(&mut b, u16::from_le_bytes([l[0], l[1]]) as usize)?;
+            let model = String::from_utf8(name).map_err(|_| RoutedError::BadUtf8)?;
+            let s = take(&mut b, 2)?;
+            let n = take(&mut b, 4)?;
+            let n = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
+            if n.saturating_mul(8) > b.len() {
+                return Err(RoutedError::Truncated);
+            }
+            let raw = take(&mut b, n * 8)?;
+            let hashes = raw
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                .collect();
+            out.push(Routed {
+                model,
+                slot: u16::from_le_bytes([s[0], s[1]]),
+                hashes,
+            });
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_chain_and_share_prefixes() {
+        let system = "x".repeat(CHUNK_BYTES * 3);
+        let a = chunk_hashes(&format!(
+            "{system}question one, which is long enough to fill a chunk? {}",
+            "a".repeat(300)
+        ));
+        let b = chunk_hashes(&format!(
+            "{system}question two is different {}",
+            "b".repeat(300)
+        ));
+        assert_eq!(a[..3], b[..3]);
+        assert_ne!(a[3], b[3]);
+        assert!(chunk_hashes("short").is_empty());
+        assert_eq!(
+            chunk_hashes(&"y".repeat(CHUNK_BYTES * (MAX_CHUNKS + 5))).len(),
+            MAX_CHUNKS
+        );
+        // Equal chunks at different depths hash differently (chained).
+        let c = chunk_hashes(&"z".repeat(CHUNK_BYTES * 2));
+        assert_ne!(c[0], c[1]);
+    }
+
+    #[test]
+    fn routed_records_round_trip_and_reject_truncation() {
+        let rs = vec![
+            Routed {
+                model: "m".into(),
+                slot: 3,
+                hashes: vec![1, u64::MAX],
+            },
+            Routed {
+                model: "other".into(),
+                slot: 0,
+                hashes: vec![],
+            },
+        ];
+        let mut b = Vec::new();
+        for r in &rs {
+            r.encode_into(&mut b);
+        }
+        assert_eq!(Routed::decode_all(&b).unwrap(), rs);
+        for cut in 1..b.len() {
+            let _ = Routed::decode_all(&b[..cut]);
+        }
+        assert_eq!(
+            Routed::decode_all(&b[..b.len() - 1]),
+            Err(RoutedError::Truncated)
+        );
+        let mut huge = b.clone();
+        huge[5..9].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Routed::decode_all(&huge).is_err());
+    }
+}

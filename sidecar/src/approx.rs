@@ -1,0 +1,204 @@
+//! The approximate prefix index: which rank was sent which text chunks,
+//! learned from the filter's routing decisions and forgotten after a TTL.
+//!
+//! Engines tell kvgate nothing about text prompts it cannot tokenize, so
+//! kvgate assumes a rank still holds the prefix of a prompt it was routed
+//! recently. Entries expire after `kv.approx_ttl_ms` (Dynamo's router uses
+//! 120 s) since the engine may have evicted the blocks by then. Shards are
+//! published under `kvgate_core::approx::model_key(model)`, in the same
+//! format and version stream as the precise index.
+
+use crate::kv::index::FastMap;
+use kvgate_core::approx::{Routed, SHARDS, model_key};
+use kvgate_core::shard::{self, Holder, TIER_DEVICE};
+use smallvec::SmallVec;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+type Holders = SmallVec<[(u16, Instant); 2]>;
+
+struct ModelIndex {
+    shards: Vec<FastMap<u64, Holders>>,
+    dirty: Vec<u64>,
+}
+
+impl ModelIndex {
+    fn new() -> Self {
+        ModelIndex {
+            shards: (0..SHARDS).map(|_| FastMap::default()).collect(),
+            dirty: vec![0; (SHARDS as usize).div_ceil(64)],
+        }
+    }
+    fn mark(&mut self, s: usize) {
+        self.dirty[s / 64] |= 1 << (s % 64);
+    }
+}
+
+pub struct ApproxIndex {
+    ttl: Duration,
+    models: HashMap<String, ModelIndex>,
+    /// Entries learned (new holder of a chunk) since start.
+    pub learned: u64,
+}
+
+impl ApproxIndex {
+    pub fn new(ttl: Duration) -> Self {
+        ApproxIndex {
+            ttl,
+            models: HashMap::new(),
+            learned: 0,
+        }
+    }
+
+    /// Records that `r.slot` was sent `r.hashes`. Refreshing a known holder
+    /// only extends its expiry (the published shard does not change).
+    pub fn learn(&mut self, r: &Routed, now: Instant) {
+        let expiry = now + self.ttl;
+        let m = self
+            .models
+            .entry(r.model.clone())
+            .or_insert_with(ModelIndex::new);
+        for &h in &r.hashes {
+            let s = shard::shard_of(h, SHARDS) as usize;
+            let holders = m.shards[s].entry(h).or_default();
+            match holders.iter_mut().find(|(slot, _)| *slot == r.slot) {
+                Some(e) => e.1 = expiry,
+                None => {
+                    holders.push((r.slot, expiry));
+                    self.learned += 1;
+                    m.mark(s);
+                }
+            }
+        }
+    }
+
+    /// Drops expired holders.
+    pub fn sweep(&mut self, now: Instant) {
+        for m in self.models.values_mut() {
+            let mut changed = Vec::new();
+            for (s, map) in m.shards.iter_mut().enumerate() {
+                let before = map.len();
+                let mut touched = false;
+                map.retain(|_, hs| {
+                    let n = hs.len();
+                    hs.retain(|(_, exp)| *exp > now);
+                    touched |= hs.len() != n;
+                    !hs.is_empty()
+                });
+                if touched || map.len() != before {
+                    changed.push(s);
+                }
+            }
+            for s in changed {
+                m.mark(s);
+            }
+        }
+    }
+
+    /// Changed shards as (namespace, shard, shard count, bytes), and clears
+    /// the marks.
+    pub fn take_updates(&mut self) -> Vec<(String, u32, usize, Vec<u8>)> {
+        let mut out = Vec::new();
+        for (model, m) in &mut self.models {
+            let key = model_key(model);
+            for w in 0..m.dirty.len() {
+                let mut bits = std::mem::take(&mut m.dirty[w]);
+                while bits != 0 {
+                    let s = w * 64 + bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let map = &m.shards[s];
+                    let bytes = if map.is_empty() {
+                        Vec::new()
+                    } else {
+                        let mut entries: Vec<(u64, Vec<Holder>)> = map
+                            .iter()
+                            .map(|(h, hs)| {
+                                let mut v: Vec<Holder> = hs
+                                    .iter()
+                                    .map(|(slot, _)| Holder {
+                                        slot: *slot,
+                                        tiers: TIER_DEVICE,
+                                    })
+                                    .collect();
+                                v.sort();
+                                (*h, v)
+                            })
+                            .collect();
+                        shard::encode(&mut entries)
+                    };
+                    out.push((key.clone(), s as u32, SHARDS as usize, bytes));
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_core::shard::ShardView;
+
+    fn holders(updates: &[(String, u32, usize, Vec<u8>)], h: u64) -> Vec<u16> {
+        let s = shard::shard_of(h, SHARDS);
+        updates
+            .iter()
+            .filter(|u| u.1 == s)
+            .flat_map(|u| {
+                ShardView::parse(&u.3)
+                    .unwrap()
+                    .holders(h)
+                    .map(|x| x.slot)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn learns_publishes_and_forgets() {
+        let t0 = Instant::now();
+        let mut a = ApproxIndex::new(Duration::from_secs(10));
+        a.learn(
+            &Routed {
+                model: "m".into(),
+                slot: 3,
+                hashes: vec![11, 12],
+            },
+            t0,
+        );
+        a.learn(
+            &Routed {
+                model: "m".into(),
+                slot: 5,
+                hashes: vec![11],
+            },
+            t0,
+        );
+        let u = a.take_updates();
+        assert!(u.iter().all(|x| x.0 == "~approx~m"));
+        assert_eq!(holders(&u, 11), vec![3, 5]);
+        assert_eq!(holders(&u, 12), vec![3]);
+        assert_eq!(a.learned, 3);
+        // A refresh changes nothing to publish.
+        a.learn(
+            &Routed {
+                model: "m".into(),
+                slot: 3,
+                hashes: vec![11],
+            },
+            t0 + Duration::from_secs(8),
+        );
+        assert!(a.take_updates().is_empty());
+        // Slot 5 expires at 10 s, slot 3's refreshed entry at 18 s.
+        a.sweep(t0 + Duration::from_secs(11));
+        let u = a.take_updates();
+        assert_eq!(holders(&u, 11), vec![3]);
+        assert!(holders(&u, 12).is_empty(), "12 expired at 10 s");
+        a.sweep(t0 + Duration::from_secs(19));
+        let u = a.take_updates();
+        assert!(
+            u.iter().all(|x| x.3.is_empty()),
+            "everything expired, shards emptied"
+        );
+    }
+}
