@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use kvgate_load::summary::percentile;
 use kvgate_load::workload::mixed_demo;
 use kvgate_load::{Outcome, Target, run_closed_loop};
-use kvgate_stack::{Paths, Stack, StackConfig, http};
+use kvgate_stack::{Stack, StackConfig, http};
 use serde_json::{Value, json};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -186,10 +186,7 @@ pub fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
 fn overhead(quick: bool) -> Result<Value> {
     let (reps, n, concurrency) = if quick { (3, 1500, 8) } else { (5, 5000, 8) };
     eprintln!("xtask: bench overhead ({reps} × {n} requests per route, concurrency {concurrency})");
-    let mut paths = Paths::discover()?;
-    paths.bin_dir = Profile::Release.dir();
-    paths.wasm = build::wasm_path();
-    paths.envoy = setup::envoy_path();
+    let paths = build::release_paths()?;
     let stack = Stack::start_with(
         paths,
         StackConfig {

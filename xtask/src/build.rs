@@ -1,7 +1,8 @@
 //! Builds the filter module and the native binaries.
 
-use crate::{cargo, repo, sh};
+use crate::{cargo, repo, setup, sh};
 use anyhow::Result;
+use kvgate_stack::Paths;
 use std::path::PathBuf;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,4 +56,13 @@ pub fn bins(profile: Profile) -> Result<()> {
         args.push("--release");
     }
     sh(&cargo(), &args, &[])
+}
+
+/// Where the release build's parts are, for the demo and the benchmarks.
+pub fn release_paths() -> Result<Paths> {
+    let mut paths = Paths::discover()?;
+    paths.bin_dir = Profile::Release.dir();
+    paths.wasm = wasm_path();
+    paths.envoy = setup::envoy_path();
+    Ok(paths)
 }

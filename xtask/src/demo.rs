@@ -7,17 +7,14 @@ use crate::setup;
 use anyhow::{Context, Result};
 use kvgate_load::workload::mixed_demo;
 use kvgate_load::{Summary, Target, run_open_loop};
-use kvgate_stack::{Paths, Stack, StackConfig, http};
+use kvgate_stack::{Stack, StackConfig, http};
 use std::time::Duration;
 
 pub fn run(_args: &[String]) -> Result<()> {
     setup::all()?;
     build::wasm()?;
     build::bins(Profile::Release)?;
-    let mut paths = Paths::discover()?;
-    paths.bin_dir = Profile::Release.dir();
-    paths.wasm = build::wasm_path();
-    paths.envoy = setup::envoy_path();
+    let paths = build::release_paths()?;
 
     println!(
         "\nkvgate demo: Envoy 1.40 + kvgate filter + sidecar + 4 simulated vLLM workers (loopback)\n"
@@ -63,13 +60,8 @@ pub fn run(_args: &[String]) -> Result<()> {
         ("malformed JSON", r#"{"model":"demo-model","prompt":"#),
         ("missing prompt", r#"{"model":"demo-model"}"#),
     ] {
-        let (status, headers, body) = http::request_full(
-            &stack.envoy_addr(),
-            "POST",
-            "/v1/completions",
-            &[("content-type", "application/json")],
-            Some(body.as_bytes()),
-        )?;
+        let (status, headers, body) =
+            http::post_json(&stack.envoy_addr(), "/v1/completions", body.as_bytes())?;
         let reason = headers
             .iter()
             .find(|(k, _)| k == "x-kvgate-reason")

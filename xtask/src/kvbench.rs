@@ -8,12 +8,11 @@
 //! * freshness: from publishing a new chain to the first of three
 //!   consecutive requests that follow it.
 
-use crate::build::{self, Profile};
-use crate::setup;
+use crate::build::{self};
 use anyhow::{Context, Result, bail};
 use kvgate_sim::cache::CacheEvent;
 use kvgate_sim::wire::{EventShape, HashMode, SimEvent, encode_batch};
-use kvgate_stack::{Paths, Stack, StackConfig, http};
+use kvgate_stack::{Stack, StackConfig, http};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
@@ -80,13 +79,8 @@ impl Publisher {
 
 fn completion(stack: &Stack, tokens: &[u32]) -> Result<Option<String>> {
     let body = json!({"model": "demo-model", "prompt": tokens, "max_tokens": 1}).to_string();
-    let (status, headers, _) = http::request_full(
-        &stack.envoy_addr(),
-        "POST",
-        "/v1/completions",
-        &[("content-type", "application/json")],
-        Some(body.as_bytes()),
-    )?;
+    let (status, headers, _) =
+        http::post_json(&stack.envoy_addr(), "/v1/completions", body.as_bytes())?;
     if status != 200 {
         bail!("request answered {status}");
     }
@@ -105,10 +99,7 @@ fn indexed(stack: &Stack) -> f64 {
 pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Result<Value> {
     let chains_per_worker = BLOCKS_PER_WORKER / CHAIN_BLOCKS;
     eprintln!("xtask: bench kv ({WORKERS} workers × {BLOCKS_PER_WORKER} blocks)");
-    let mut paths = Paths::discover()?;
-    paths.bin_dir = Profile::Release.dir();
-    paths.wasm = build::wasm_path();
-    paths.envoy = setup::envoy_path();
+    let paths = build::release_paths()?;
     let stack = Stack::start_with(
         paths,
         StackConfig {

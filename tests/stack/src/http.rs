@@ -14,6 +14,17 @@ pub fn get(addr: &str, path: &str) -> Result<(u16, Vec<u8>)> {
     request(addr, "GET", path, &[], None)
 }
 
+/// `POST path` with a JSON body.
+pub fn post_json(addr: &str, path: &str, body: &[u8]) -> Result<Response> {
+    request_full(
+        addr,
+        "POST",
+        path,
+        &[("content-type", "application/json")],
+        Some(body),
+    )
+}
+
 /// A request with optional JSON body and extra headers.
 pub fn request(
     addr: &str,

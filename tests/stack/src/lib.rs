@@ -140,7 +140,7 @@ impl Stack {
                 "--dp-size".into(),
                 config.dp_size.to_string(),
             ];
-            if let (Some(e), Some(r), false) = (events_port, replay_port, config.kv_external) {
+            if let (Some(e), Some(r)) = (events_port, replay_port) {
                 args.extend([
                     "--kv-events-endpoint".into(),
                     format!("tcp://127.0.0.1:{e}"),
