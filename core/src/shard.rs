@@ -245,20 +245,20 @@ pub fn overlaps(
     if n == 0 || out.is_empty() {
         return 0;
     }
-    // memo[i] = holders at position i, once looked up.
+    // memo[i] = holders at position i, once looked up; searches borrow
+    // from it instead of copying.
     let mut memo: Vec<Option<Vec<Holder>>> = vec![None; n];
     let mut calls = 0usize;
-    let mut fetch = |i: usize, memo: &mut Vec<Option<Vec<Holder>>>| -> Vec<Holder> {
-        if let Some(h) = &memo[i] {
-            return h.clone();
+    let mut fetch = |i: usize, memo: &mut Vec<Option<Vec<Holder>>>| {
+        if memo[i].is_none() {
+            calls += 1;
+            let mut v = Vec::new();
+            lookup(i, &mut v);
+            memo[i] = Some(v);
         }
-        calls += 1;
-        let mut v = Vec::new();
-        lookup(i, &mut v);
-        memo[i] = Some(v.clone());
-        v
     };
-    let first = fetch(0, &mut memo);
+    fetch(0, &mut memo);
+    let first: Vec<Holder> = memo[0].clone().unwrap_or_default();
     // Each slot present at block 0 is searched for its last position; tiers
     // are searched separately because a block can leave the device and stay
     // on host.
@@ -273,11 +273,13 @@ pub fn overlaps(
                 TIER_HOST => TIER_DEVICE | TIER_HOST,
                 _ => TIER_DEVICE | TIER_HOST | TIER_DISK,
             };
-            let holds = |hs: &[Holder]| {
-                hs.iter()
-                    .any(|x| x.slot == h.slot && x.tiers & tier_mask != 0)
+            let holds = |memo: &[Option<Vec<Holder>>], i: usize| {
+                memo[i].as_deref().is_some_and(|hs| {
+                    hs.iter()
+                        .any(|x| x.slot == h.slot && x.tiers & tier_mask != 0)
+                })
             };
-            if !holds(&first) {
+            if !holds(&memo, 0) {
                 continue;
             }
             // Invariant: position lo is held, hi is not (or is n). A full hit
@@ -285,7 +287,8 @@ pub fn overlaps(
             // so the last block is probed first: one read settles it.
             let (mut lo, mut hi) = (0usize, n);
             if n > 1 {
-                if holds(&fetch(n - 1, &mut memo)) {
+                fetch(n - 1, &mut memo);
+                if holds(&memo, n - 1) {
                     lo = n - 1;
                 } else {
                     hi = n - 1;
@@ -293,8 +296,8 @@ pub fn overlaps(
             }
             while hi - lo > 1 {
                 let mid = lo + (hi - lo) / 2;
-                let hs = fetch(mid, &mut memo);
-                if holds(&hs) {
+                fetch(mid, &mut memo);
+                if holds(&memo, mid) {
                     lo = mid;
                 } else {
                     hi = mid;
