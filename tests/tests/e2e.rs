@@ -456,12 +456,33 @@ fn wait_idle(stack: &Stack) {
             .map(|r| r["kv_used_blocks"].as_u64().unwrap_or(0) + r["running"].as_u64().unwrap_or(0))
             .sum();
         if busy == 0 {
-            // One more publish round so Envoy has the idle snapshot too.
-            std::thread::sleep(Duration::from_millis(60));
+            wait_envoy_has(stack, s["version"].as_u64().unwrap_or(0));
             return;
         }
         assert!(Instant::now() < deadline, "fleet never went idle: {s}");
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until Envoy holds the sidecar's snapshot `version` (or a later
+/// one of the same sidecar), so a decision cannot see an older load.
+fn wait_envoy_has(stack: &Stack, version: u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let held = stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0);
+        // Versions restart with a restarted sidecar: a held version beyond
+        // the sidecar's current one is the old process's.
+        let current = stack.sidecar_state().unwrap()["version"]
+            .as_u64()
+            .unwrap_or(0);
+        if held >= version && held <= current {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Envoy never caught up with snapshot {version} (holds {held})"
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
