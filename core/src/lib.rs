@@ -11,6 +11,7 @@
 )]
 
 pub mod approx;
+pub mod booking;
 pub mod busy;
 pub mod hash;
 pub mod select;
@@ -20,4 +21,4 @@ pub mod update;
 
 pub use busy::Thresholds;
 pub use select::{Decision, Policy, RequestShape};
-pub use snapshot::{ModelState, RankLoad, Snapshot, SnapshotError, WorkerState};
+pub use snapshot::{Applied, ModelState, RankLoad, Snapshot, SnapshotError, WorkerState};

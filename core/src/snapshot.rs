@@ -23,7 +23,7 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 0;
+pub const MINOR: u16 = 1;
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 
@@ -35,6 +35,16 @@ pub struct Snapshot {
     /// When the sidecar built it, Unix milliseconds.
     pub built_at_ms: u64,
     pub models: Vec<ModelState>,
+    /// Per router VM, the highest booking sequence this snapshot's load
+    /// includes (minor 1). A VM adds its own later bookings on top.
+    pub applied: Vec<Applied>,
+}
+
+/// The bookings of one router VM that a snapshot already counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Applied {
+    pub vm: u64,
+    pub seq: u64,
 }
 
 /// One served model: its shedding thresholds and its schedulable workers.
@@ -48,6 +58,9 @@ pub struct ModelState {
     /// Only workers the sidecar considers up; a configured model with none is
     /// still listed so the filter can tell "no workers" from "unknown model".
     pub workers: Vec<WorkerState>,
+    /// Seconds until the first busy worker is expected to take work again,
+    /// from the observed drain rate (minor 1); 0 when unknown.
+    pub retry_after_s: u32,
 }
 
 /// One worker (an engine process group behind one HTTP endpoint).
@@ -208,7 +221,14 @@ impl Snapshot {
                 }
                 end_record(out, wrec, "worker record")?;
             }
+            // Minor 1 fields follow the workers; older readers skip them.
+            out.extend_from_slice(&m.retry_after_s.to_le_bytes());
             end_record(out, rec, "model record")?;
+        }
+        put_count(out, self.applied.len(), "applied bookings")?;
+        for a in &self.applied {
+            out.extend_from_slice(&a.vm.to_le_bytes());
+            out.extend_from_slice(&a.seq.to_le_bytes());
         }
         let payload = out.len() - start - HEADER_LEN;
         let payload =
@@ -270,17 +290,33 @@ impl Snapshot {
                     ranks,
                 });
             }
+            let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
             models.push(ModelState {
                 name,
                 thresholds,
                 shard_count,
                 workers,
+                retry_after_s,
             });
+        }
+        // Minor 0 ends after the models.
+        let mut applied = Vec::new();
+        if r.remaining() > 0 {
+            let count = r.u32()?;
+            r.plausible(count, 16, "applied bookings")?;
+            applied.reserve(count as usize);
+            for _ in 0..count {
+                applied.push(Applied {
+                    vm: r.u64()?,
+                    seq: r.u64()?,
+                });
+            }
         }
         Ok(Snapshot {
             version: header.version,
             built_at_ms: header.built_at_ms,
             models,
+            applied,
         })
     }
 }
@@ -371,6 +407,10 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn new(buf: &'a [u8], pos: usize) -> Self {
         Reader { buf, pos }
+    }
+
+    fn remaining(&self) -> usize {
+        self.buf.len().saturating_sub(self.pos)
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], SnapshotError> {
@@ -501,13 +541,44 @@ mod tests {
                             },
                         ],
                     }],
+                    retry_after_s: 4,
                 },
                 ModelState {
                     name: "empty".into(),
                     ..Default::default()
                 },
             ],
+            applied: vec![Applied { vm: 9, seq: 1234 }],
         }
+    }
+
+    /// What a minor-0 writer produced: no retry hint, no applied list.
+    fn minor0(s: &Snapshot) -> Vec<u8> {
+        let mut s = s.clone();
+        s.applied.clear();
+        let mut bytes = s.encode().unwrap();
+        bytes.truncate(bytes.len() - 4); // the applied count
+        let mut at = HEADER_LEN + 4;
+        for _ in &s.models {
+            let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+            let end = at + 4 + len;
+            bytes.drain(end - 4..end);
+            bytes[at..at + 4].copy_from_slice(&((len - 4) as u32).to_le_bytes());
+            at = end - 4;
+        }
+        let payload = (bytes.len() - HEADER_LEN) as u32;
+        bytes[8..12].copy_from_slice(&payload.to_le_bytes());
+        bytes[6..8].copy_from_slice(&0u16.to_le_bytes());
+        bytes
+    }
+
+    #[test]
+    fn minor_zero_snapshots_still_decode() {
+        let s = sample();
+        let old = Snapshot::decode(&minor0(&s)).unwrap();
+        assert!(old.applied.is_empty());
+        assert_eq!(old.models[0].retry_after_s, 0);
+        assert_eq!(old.models[0].workers, s.models[0].workers);
     }
 
     #[test]
@@ -627,16 +698,20 @@ mod tests {
                 thresholds,
                 shard_count,
                 workers,
+                retry_after_s: shard_count % 61,
             });
+        let applied = (any::<u64>(), any::<u64>()).prop_map(|(vm, seq)| Applied { vm, seq });
         (
             any::<u64>(),
             any::<u64>(),
             prop::collection::vec(model, 0..4),
+            prop::collection::vec(applied, 0..3),
         )
-            .prop_map(|(version, built_at_ms, models)| Snapshot {
+            .prop_map(|(version, built_at_ms, models, applied)| Snapshot {
                 version,
                 built_at_ms,
                 models,
+                applied,
             })
     }
 

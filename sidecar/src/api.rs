@@ -3,7 +3,13 @@
 //! * `GET /v1/snapshot?after=V&epoch=E&wait_ms=M` — the long poll Envoy's
 //!   snapshot service uses (see `docs/architecture.md`).
 //! * `GET /v1/state` — the current snapshot as JSON, for people and tests.
+//! * `POST /v1/routed`, `POST /v1/bookings` — what the filter reports:
+//!   routing decisions for the approximate index, and load bookings.
+//! * `GET/POST /busy_threshold` — shedding thresholds, in Dynamo's shapes.
 //! * `POST/GET /workers`, `PATCH/DELETE /workers/{id}` — the catalog.
+//!
+//! `/busy_threshold` and `/workers` are the control API: when a token is
+//! configured they answer 401 without `Authorization: Bearer <token>`.
 //! * `GET /health`, `GET /ready`, `GET /metrics`.
 
 use crate::Sidecar;
@@ -29,10 +35,19 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
         .route("/v1/snapshot", get(snapshot))
         .route("/v1/state", get(state))
         .route("/v1/routed", axum::routing::post(routed))
-        .route("/workers", get(list_workers).post(add_worker))
-        .route(
-            "/workers/{id}",
-            get(get_worker).patch(patch_worker).delete(delete_worker),
+        .route("/v1/bookings", axum::routing::post(bookings))
+        .merge(
+            Router::new()
+                .route("/busy_threshold", get(get_thresholds).post(post_thresholds))
+                .route("/workers", get(list_workers).post(add_worker))
+                .route(
+                    "/workers/{id}",
+                    get(get_worker).patch(patch_worker).delete(delete_worker),
+                )
+                .route_layer(axum::middleware::from_fn_with_state(
+                    sc.clone(),
+                    require_token,
+                )),
         )
         .route(
             "/health",
@@ -41,6 +56,43 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .with_state(sc)
+}
+
+/// Refuses control requests without the configured bearer token.
+async fn require_token(
+    State(sc): State<Arc<Sidecar>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(token) = sc.config.control.token.as_deref() else {
+        return next.run(req).await;
+    };
+    let given = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        return next.run(req).await;
+    }
+    let mut r = error(
+        StatusCode::UNAUTHORIZED,
+        "the control API requires Authorization: Bearer <token>",
+    );
+    r.headers_mut()
+        .insert("www-authenticate", HeaderValue::from_static("Bearer"));
+    r
+}
+
+/// Compares without an early exit, so timing does not reveal how much of a
+/// guess was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, x) in a.iter().enumerate() {
+        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(0));
+    }
+    diff == 0
 }
 
 fn json_response(status: StatusCode, body: Value) -> Response {
@@ -106,6 +158,7 @@ async fn snapshot(State(sc): State<Arc<Sidecar>>, Query(q): Query<PollQuery>) ->
                 .snapshot_polls
                 .with_label_values(&["changed"])
                 .inc();
+            sc.polled();
             let mut r = (
                 StatusCode::OK,
                 [("content-type", "application/octet-stream")],
@@ -123,6 +176,7 @@ async fn snapshot(State(sc): State<Arc<Sidecar>>, Query(q): Query<PollQuery>) ->
                 .snapshot_polls
                 .with_label_values(&["timeout"])
                 .inc();
+            sc.polled();
             let mut r = StatusCode::NO_CONTENT.into_response();
             version_headers(&mut r, &sc);
             return r;
@@ -154,6 +208,7 @@ async fn state(State(sc): State<Arc<Sidecar>>) -> Response {
                     "active_prefill_tokens_threshold_frac": m.thresholds.active_prefill_tokens_frac,
                 },
                 "shard_count": m.shard_count,
+                "retry_after_s": m.retry_after_s,
                 // Token prompts use the engines' events when the model's
                 // workers publish them; text prompts always use the index
                 // learned from routing decisions.
@@ -193,6 +248,114 @@ async fn routed(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
         }
         Err(e) => error(StatusCode::BAD_REQUEST, e),
     }
+}
+
+/// Booking events from the filter. A batch that does not decode is refused
+/// whole (400): its records cannot be delimited past the bad one.
+async fn bookings(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    match kvgate_core::booking::decode_batch(&body) {
+        Ok(events) => {
+            sc.metrics
+                .booking_batches
+                .with_label_values(&["ok"])
+                .inc();
+            sc.book(events);
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => {
+            sc.metrics
+                .booking_batches
+                .with_label_values(&["malformed"])
+                .inc();
+            tracing::warn!(error = %e, "malformed booking batch");
+            error(StatusCode::BAD_REQUEST, e)
+        }
+    }
+}
+
+/// One model's thresholds in Dynamo's shape; unset thresholds are omitted.
+fn thresholds_json(model: &str, t: &kvgate_core::Thresholds) -> Value {
+    let mut v = json!({"model": model});
+    if let Some(o) = v.as_object_mut() {
+        if let Some(d) = t.active_decode_blocks {
+            o.insert("active_decode_blocks_threshold".into(), json!(d));
+        }
+        if let Some(p) = t.active_prefill_tokens {
+            o.insert("active_prefill_tokens_threshold".into(), json!(p));
+        }
+        if let Some(f) = t.active_prefill_tokens_frac {
+            o.insert("active_prefill_tokens_threshold_frac".into(), json!(f));
+        }
+    }
+    v
+}
+
+async fn get_thresholds(State(sc): State<Arc<Sidecar>>) -> Response {
+    let f = sc.fleet();
+    let all: Vec<Value> = f
+        .models
+        .iter()
+        .map(|(name, m)| thresholds_json(name, &m.thresholds))
+        .collect();
+    json_response(StatusCode::OK, json!({"thresholds": all}))
+}
+
+/// `{"model": .., <threshold>: ..}`: only `model` reads that model's
+/// thresholds; each threshold given is set, others are kept; `null` unsets
+/// one (that condition stops shedding).
+async fn post_thresholds(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    let body: Value = match serde_json::from_slice(&body) {
+        Ok(v @ Value::Object(_)) => v,
+        Ok(_) => return error(StatusCode::BAD_REQUEST, "the body must be a JSON object"),
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")),
+    };
+    let Some(model) = body.get("model").and_then(Value::as_str) else {
+        return error(StatusCode::BAD_REQUEST, "\"model\" (a string) is required");
+    };
+    let current = match sc.fleet().models.get(model) {
+        Some(m) => m.thresholds,
+        None => {
+            return error(
+                StatusCode::NOT_FOUND,
+                format!("model {model:?} is not served here"),
+            );
+        }
+    };
+    let mut t = current;
+    for (k, v) in body.as_object().into_iter().flatten() {
+        let bad = |what: &str| error(StatusCode::BAD_REQUEST, format!("{k}: {what}, got {v}"));
+        match k.as_str() {
+            "model" => {}
+            "active_decode_blocks_threshold" => match v {
+                Value::Null => t.active_decode_blocks = None,
+                _ => match v.as_f64() {
+                    Some(x) => t.active_decode_blocks = Some(x),
+                    None => return bad("expected a number within [0, 1]"),
+                },
+            },
+            "active_prefill_tokens_threshold" => match v {
+                Value::Null => t.active_prefill_tokens = None,
+                _ => match v.as_u64() {
+                    Some(x) => t.active_prefill_tokens = Some(x),
+                    None => return bad("expected a non-negative integer"),
+                },
+            },
+            "active_prefill_tokens_threshold_frac" => match v {
+                Value::Null => t.active_prefill_tokens_frac = None,
+                _ => match v.as_f64() {
+                    Some(x) => t.active_prefill_tokens_frac = Some(x),
+                    None => return bad("expected a number above 0"),
+                },
+            },
+            _ => return error(StatusCode::BAD_REQUEST, format!("unknown field {k:?}")),
+        }
+    }
+    if t != current
+        && let Err(e) = sc.set_thresholds(model, t)
+    {
+        return fleet_error(e);
+    }
+    json_response(StatusCode::OK, thresholds_json(model, &t))
 }
 
 async fn list_workers(State(sc): State<Arc<Sidecar>>) -> Response {
@@ -266,6 +429,7 @@ async fn ready(State(sc): State<Arc<Sidecar>>) -> Response {
 }
 
 async fn metrics(State(sc): State<Arc<Sidecar>>) -> Response {
+    sc.metrics.snapshot_age.set(sc.poll_age().as_secs_f64());
     (
         StatusCode::OK,
         [("content-type", "text/plain; version=0.0.4")],

@@ -37,6 +37,10 @@ pub struct Config {
     #[serde(default)]
     pub kv: Kv,
     #[serde(default)]
+    pub load: Load,
+    #[serde(default)]
+    pub control: Control,
+    #[serde(default)]
     pub models: Vec<ModelConfig>,
     #[serde(default)]
     pub workers: Vec<WorkerSpec>,
@@ -115,6 +119,49 @@ impl Default for Kv {
             approx_ttl_ms: default_approx_ttl(),
         }
     }
+}
+
+/// Gateway bookings and the 503's `Retry-After`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Load {
+    /// A booking whose request never reported its end is dropped after
+    /// this long (a gateway lost it).
+    #[serde(default = "default_booking_ttl")]
+    pub booking_ttl_ms: u64,
+    /// `Retry-After` is the expected time until the first busy worker
+    /// drains under its threshold, capped at this.
+    #[serde(default = "default_max_retry_after")]
+    pub max_retry_after_s: u32,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load {
+            booking_ttl_ms: default_booking_ttl(),
+            max_retry_after_s: default_max_retry_after(),
+        }
+    }
+}
+
+/// The control API (`/busy_threshold`, `/workers`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Control {
+    /// A file holding the bearer token the control API requires; no file
+    /// and no `KVGATE_CONTROL_TOKEN` means no token is required.
+    #[serde(default)]
+    pub token_file: Option<std::path::PathBuf>,
+    /// Resolved at load time from `token_file` or the environment.
+    #[serde(skip)]
+    pub token: Option<String>,
+}
+
+fn default_booking_ttl() -> u64 {
+    300_000
+}
+fn default_max_retry_after() -> u32 {
+    30
 }
 
 fn default_listen() -> SocketAddr {
@@ -345,6 +392,46 @@ impl Config {
         }
         if self.kv.shards == 0 {
             return Err("kv.shards must be above 0".into());
+        }
+        if self.load.booking_ttl_ms == 0 || self.load.max_retry_after_s == 0 {
+            return Err("load.booking_ttl_ms and load.max_retry_after_s must be above 0".into());
+        }
+        Ok(())
+    }
+
+    /// Reads the control token from `control.token_file`, else from
+    /// `KVGATE_CONTROL_TOKEN`. Surrounding whitespace is not part of it.
+    pub fn resolve_token(&mut self) -> Result<(), ConfigError> {
+        let token = match &self.control.token_file {
+            Some(p) => Some(std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                path: p.display().to_string(),
+                source,
+            })?),
+            None => std::env::var("KVGATE_CONTROL_TOKEN").ok(),
+        };
+        self.control.token = match token.map(|t| t.trim().to_string()) {
+            Some(t) if t.is_empty() => {
+                return Err(ConfigError::Invalid("the control token is empty".into()));
+            }
+            other => other,
+        };
+        Ok(())
+    }
+
+    /// Applies threshold flags to every model (flags beat the file).
+    pub fn override_thresholds(&mut self, t: &Thresholds) -> Result<(), ConfigError> {
+        for m in &mut self.models {
+            if t.active_decode_blocks.is_some() {
+                m.active_decode_blocks_threshold = t.active_decode_blocks;
+            }
+            if t.active_prefill_tokens.is_some() {
+                m.active_prefill_tokens_threshold = t.active_prefill_tokens;
+            }
+            if t.active_prefill_tokens_frac.is_some() {
+                m.active_prefill_tokens_threshold_frac = t.active_prefill_tokens_frac;
+            }
+            check_thresholds(&m.thresholds())
+                .map_err(|e| ConfigError::Invalid(format!("model {:?}: {e}", m.name)))?;
         }
         Ok(())
     }

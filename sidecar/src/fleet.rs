@@ -8,7 +8,8 @@
 
 use crate::config::{Config, ModelConfig, WorkerSpec, check_thresholds};
 use crate::promtext::RankMetrics;
-use kvgate_core::busy::rank_busy;
+use crate::bookings::{Bookings, SlotLoad};
+use kvgate_core::busy::{DECODE_CLEAR_MARGIN, rank_busy};
 use kvgate_core::{ModelState, RankLoad, Snapshot, Thresholds, WorkerState};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -275,7 +276,9 @@ impl Fleet {
 
     /// Builds the snapshot (version and time left 0 for the publisher).
     /// Updates each rank's decode latch, so call it once per publish tick.
-    pub fn build_snapshot(&mut self) -> Snapshot {
+    /// Builds the snapshot: engine metrics merged with gateway bookings,
+    /// busy flags (with their latches) and each model's `Retry-After` hint.
+    pub fn build_snapshot(&mut self, bookings: &Bookings, max_retry_after_s: u32) -> Snapshot {
         let mut models: BTreeMap<&str, ModelState> = self
             .models
             .iter()
@@ -287,6 +290,7 @@ impl Fleet {
                         thresholds: m.thresholds,
                         shard_count: 0,
                         workers: Vec::new(),
+                        retry_after_s: 0,
                     },
                 )
             })
@@ -302,20 +306,25 @@ impl Fleet {
                 continue;
             }
             let th = model.thresholds;
-            let ranks = w
+            let mut drain_s: Option<f64> = None;
+            let ranks: Vec<RankLoad> = w
                 .ranks
                 .iter()
                 .zip(&w.slots)
                 .zip(w.latches.iter_mut())
                 .enumerate()
                 .map(|(r, ((m, slot), latch))| {
+                    let booked = bookings.slot(*slot);
                     let mut load = RankLoad {
                         rank: w.spec.data_parallel_start_rank + r as u32,
                         slot: *slot,
-                        active_prefill_tokens: 0,
-                        // Engine-side proxy until gateway bookings exist: the
-                        // blocks the engine reports in use.
-                        active_decode_blocks: m.kv_used_blocks(),
+                        // Engines do not report queued prefill; only the
+                        // gateway knows what it sent and not yet heard back.
+                        active_prefill_tokens: booked.prefill_tokens,
+                        // The engine's count covers other gateways' traffic,
+                        // the booking covers what the engine has not reported
+                        // yet; the larger is the better estimate of both.
+                        active_decode_blocks: booked.decode_blocks.max(m.kv_used_blocks()),
                         kv_used_blocks: m.kv_used_blocks(),
                         kv_total_blocks: m.kv_total_blocks,
                         max_num_batched_tokens: if w.spec.max_num_batched_tokens > 0 {
@@ -328,9 +337,25 @@ impl Fleet {
                         busy: false,
                     };
                     load.busy = rank_busy(&load, &th, latch).is_some();
+                    if load.busy
+                        && let Some(t) = drain_time(&load, &th, &booked)
+                    {
+                        drain_s = Some(drain_s.map_or(t, |d| d.min(t)));
+                    }
                     load
                 })
                 .collect();
+            // A worker takes work again when its first rank does; the model,
+            // when its first worker does.
+            if ranks.iter().all(|r| r.busy)
+                && let Some(t) = drain_s
+            {
+                let secs = (t.ceil() as u32).clamp(1, max_retry_after_s.max(1));
+                model.retry_after_s = match model.retry_after_s {
+                    0 => secs,
+                    s => s.min(secs),
+                };
+            }
             model.workers.push(WorkerState {
                 id: w.spec.worker_id,
                 endpoint: w.spec.endpoint.clone(),
@@ -342,8 +367,44 @@ impl Fleet {
             version: 0,
             built_at_ms: 0,
             models: models.into_values().collect(),
+            applied: bookings.applied(),
         }
     }
+}
+
+/// Seconds until a busy rank is expected under all its thresholds again, at
+/// the rate its bookings have been draining; `None` when nothing drained
+/// lately (the caller falls back to the configured default).
+fn drain_time(load: &RankLoad, th: &Thresholds, booked: &SlotLoad) -> Option<f64> {
+    let mut worst: f64 = 0.0;
+    if let Some(limit) = th.active_decode_blocks
+        && load.kv_total_blocks > 0
+    {
+        let clear_at = (limit - DECODE_CLEAR_MARGIN).max(0.0) * load.kv_total_blocks as f64;
+        let used = load.active_decode_blocks.max(load.kv_used_blocks) as f64;
+        if used > clear_at {
+            if booked.decode_drain_per_s <= 0.0 {
+                return None;
+            }
+            worst = worst.max((used - clear_at) / booked.decode_drain_per_s);
+        }
+    }
+    let mut prefill_limit: Option<f64> = th.active_prefill_tokens.map(|t| t as f64);
+    if let Some(frac) = th.active_prefill_tokens_frac
+        && load.max_num_batched_tokens > 0
+    {
+        let f = frac * load.max_num_batched_tokens as f64;
+        prefill_limit = Some(prefill_limit.map_or(f, |p| p.min(f)));
+    }
+    if let Some(limit) = prefill_limit
+        && load.active_prefill_tokens as f64 > limit
+    {
+        if booked.prefill_drain_per_s <= 0.0 {
+            return None;
+        }
+        worst = worst.max((load.active_prefill_tokens as f64 - limit) / booked.prefill_drain_per_s);
+    }
+    Some(worst)
 }
 
 #[cfg(test)]
@@ -384,12 +445,12 @@ endpoint = "127.0.0.1:8002"
     #[test]
     fn only_scraped_workers_are_listed_and_every_model_is() {
         let mut f = Fleet::new(&config()).unwrap();
-        let s = f.build_snapshot();
+        let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
         assert_eq!(s.models.len(), 2);
         assert!(s.models.iter().all(|m| m.workers.is_empty()));
         let now = Instant::now();
         f.record_scrape(1, Ok(vec![metrics(0.1), metrics(0.9)]), now);
-        let s = f.build_snapshot();
+        let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
         let m = s.model("m").unwrap();
         assert_eq!(m.workers.len(), 1);
         let w = &m.workers[0];
@@ -464,6 +525,66 @@ endpoint = "127.0.0.1:8002"
             f.patch_worker(3, &serde_json::json!({"worker_id": 4}), now)
                 .is_err()
         );
+    }
+
+    fn book(b: &mut Bookings, seq: u64, slot: u16, prefill: u32, decode: u32, at: Instant) {
+        use kvgate_core::booking::{Event, Key};
+        let ev = Event::Book {
+            key: Key { vm: 1, seq },
+            model: "m".into(),
+            slot,
+            prefill_tokens: prefill,
+            decode_blocks: decode,
+        };
+        b.apply(ev, at, |_, _| true);
+    }
+
+    #[test]
+    fn bookings_merge_with_engine_load() {
+        let mut f = Fleet::new(&config()).unwrap();
+        let now = Instant::now();
+        f.record_scrape(1, Ok(vec![metrics(0.1), metrics(0.1)]), now);
+        let slots = f.workers[&1].slots.clone();
+        let mut b = Bookings::new(Duration::from_secs(300));
+        book(&mut b, 1, slots[0], 700, 30, now);
+        book(&mut b, 2, slots[1], 50, 4, now);
+        let s = f.build_snapshot(&b, 30);
+        let r = &s.model("m").unwrap().workers[0].ranks;
+        // Booked decode beats the engine's 10 blocks on rank 0 only.
+        assert_eq!((r[0].active_prefill_tokens, r[0].active_decode_blocks), (700, 30));
+        assert_eq!((r[1].active_prefill_tokens, r[1].active_decode_blocks), (50, 10));
+        assert_eq!(s.applied, vec![kvgate_core::Applied { vm: 1, seq: 2 }]);
+    }
+
+    #[test]
+    fn retry_after_follows_the_drain_rate_of_the_first_worker_to_free() {
+        use kvgate_core::booking::{Event, Key};
+        let mut f = Fleet::new(&config()).unwrap();
+        let t = Instant::now();
+        // Threshold 0.5 of 100 blocks: a rank clears under 48 blocks.
+        f.record_scrape(2, Ok(vec![metrics(0.78)]), t);
+        let slot = f.workers[&2].slots[0];
+        let mut b = Bookings::new(Duration::from_secs(300));
+        b.sweep(t);
+        // Four 5-block requests finish per second on that rank.
+        let mut seq = 0;
+        for s in 1..=30u64 {
+            let now = t + Duration::from_secs(s);
+            for _ in 0..4 {
+                seq += 1;
+                book(&mut b, seq, slot, 0, 5, now);
+                b.apply(Event::Done { key: Key { vm: 1, seq } }, now, |_, _| true);
+            }
+            b.sweep(now);
+        }
+        let s = f.build_snapshot(&b, 30);
+        let m = s.model("m").unwrap();
+        assert!(m.workers[0].ranks[0].busy);
+        // 30 blocks over the clearing line at ~20 blocks/s: 1.5 s, rounded up.
+        assert_eq!(m.retry_after_s, 2);
+        // Nothing drains: the filter's default applies (0 here).
+        let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+        assert_eq!(s.model("m").unwrap().retry_after_s, 0);
     }
 
     #[test]

@@ -15,6 +15,7 @@
 
 pub mod api;
 pub mod approx;
+pub mod bookings;
 pub mod config;
 pub mod fleet;
 pub mod kv;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod promtext;
 pub mod publish;
 pub mod scrape;
+pub mod status;
 pub mod versions;
 
 use crate::config::{Config, WorkerSpec};
@@ -45,6 +47,9 @@ pub struct Sidecar {
     pub plane: Plane,
     pub metrics: Metrics,
     pub approx: Mutex<approx::ApproxIndex>,
+    pub bookings: Mutex<bookings::Bookings>,
+    /// Unix ms when a gateway's long poll was last answered.
+    pub last_poll_ms: std::sync::atomic::AtomicU64,
     zmq: zmq::Context,
     client: scrape::HttpClient,
     scrapers: Mutex<HashMap<u64, JoinHandle<()>>>,
@@ -82,6 +87,10 @@ impl Sidecar {
             approx: Mutex::new(approx::ApproxIndex::new(Duration::from_millis(
                 config.kv.approx_ttl_ms,
             ))),
+            bookings: Mutex::new(bookings::Bookings::new(Duration::from_millis(
+                config.load.booking_ttl_ms,
+            ))),
+            last_poll_ms: std::sync::atomic::AtomicU64::new(now_ms()),
             zmq: zmq::Context::new(),
             client: scrape::client(),
             scrapers: Mutex::new(HashMap::new()),
@@ -128,7 +137,12 @@ impl Sidecar {
     }
 
     pub fn remove_worker(&self, id: u64) -> Result<(), FleetError> {
-        self.fleet().remove_worker(id)?;
+        let w = self.fleet().remove_worker(id)?;
+        let mut b = self.bookings();
+        for slot in &w.slots {
+            b.drop_slot(*slot);
+        }
+        drop(b);
         self.worker_stopped(id);
         self.publish_now();
         Ok(())
@@ -218,6 +232,80 @@ impl Sidecar {
 
     /// Learns routing decisions the filter reported, keeping only those
     /// naming a configured model and one of its slots.
+    /// Notes that a gateway's long poll was answered.
+    pub fn polled(&self) {
+        self.last_poll_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long since a gateway last heard from us.
+    pub fn poll_age(&self) -> Duration {
+        Duration::from_millis(now_ms().saturating_sub(self.last_poll_ms.load(Ordering::Relaxed)))
+    }
+
+    pub fn bookings(&self) -> MutexGuard<'_, bookings::Bookings> {
+        self.bookings.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies a batch of gateway events (bookings, releases, rejections).
+    pub fn book(&self, events: Vec<kvgate_core::booking::Event>) {
+        // slot -> (model, worker id), for validation and routed-by-worker.
+        let owners: HashMap<u16, (String, u64)> = {
+            let f = self.fleet();
+            f.workers
+                .values()
+                .flat_map(|w| {
+                    w.slots
+                        .iter()
+                        .map(|s| (*s, (w.spec.model_name.clone(), w.spec.worker_id)))
+                })
+                .collect()
+        };
+        let now = Instant::now();
+        let mut b = self.bookings();
+        for ev in events {
+            let effect = b.apply(ev, now, |model, slot| {
+                owners.get(&slot).is_some_and(|(m, _)| m == model)
+            });
+            match effect {
+                bookings::Effect::Booked { model, slot } => {
+                    if let Some((_, worker)) = owners.get(&slot) {
+                        self.metrics
+                            .routed
+                            .with_label_values(&[model.as_str(), &worker.to_string()])
+                            .inc();
+                    }
+                }
+                bookings::Effect::Rejected { model, reason } => {
+                    self.metrics
+                        .rejected
+                        .with_label_values(&[model.as_str(), reason.as_str()])
+                        .inc();
+                }
+                bookings::Effect::Refused => {
+                    tracing::debug!("booking for a rank that is gone: ignored");
+                }
+                bookings::Effect::Released | bookings::Effect::Unknown => {}
+            }
+        }
+    }
+
+    /// Sets thresholds for `model` and publishes at once, so the filter
+    /// has them within one snapshot interval.
+    pub fn set_thresholds(
+        &self,
+        model: &str,
+        t: kvgate_core::Thresholds,
+    ) -> Result<(), FleetError> {
+        self.fleet().set_thresholds(model, t)?;
+        self.metrics
+            .threshold_changes
+            .with_label_values(&[model])
+            .inc();
+        tracing::info!(model, ?t, "busy thresholds changed");
+        self.publish_now();
+        Ok(())
+    }
+
     pub fn learn(&self, records: &[kvgate_core::approx::Routed]) -> usize {
         let valid: Vec<&kvgate_core::approx::Routed> = {
             let f = self.fleet();
@@ -254,13 +342,18 @@ impl Sidecar {
     /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
     pub fn publish_now(&self) {
         let snap = {
+            let now = Instant::now();
+            let mut b = self.bookings();
+            let expired = b.sweep(now);
+            if expired > 0 {
+                tracing::warn!(expired, "bookings expired without their end being reported");
+                self.metrics.bookings_expired.inc_by(expired as u64);
+            }
             let mut f = self.fleet();
-            f.expire(
-                Instant::now(),
-                Duration::from_millis(self.config.scrape.down_after_ms),
-            );
-            self.refresh_gauges(&f);
-            f.build_snapshot()
+            f.expire(now, Duration::from_millis(self.config.scrape.down_after_ms));
+            let snap = f.build_snapshot(&b, self.config.load.max_retry_after_s);
+            self.refresh_gauges(&f, &b, &snap);
+            snap
         };
         if let Some(v) = self.store.publish(&self.versions, snap, now_ms()) {
             tracing::debug!(version = v, "published snapshot");
@@ -273,9 +366,36 @@ impl Sidecar {
             .set(self.versions.current() as i64);
     }
 
-    fn refresh_gauges(&self, f: &Fleet) {
+    fn refresh_gauges(&self, f: &Fleet, b: &bookings::Bookings, snap: &kvgate_core::Snapshot) {
         let m = &self.metrics;
         let mut per_model: HashMap<&str, i64> = f.models.keys().map(|k| (k.as_str(), 0)).collect();
+        let mut booked: HashMap<&str, i64> = f.models.keys().map(|k| (k.as_str(), 0)).collect();
+        for model in &snap.models {
+            m.retry_after
+                .with_label_values(&[model.name.as_str()])
+                .set(i64::from(model.retry_after_s));
+            for w in &model.workers {
+                let ids = w.id.to_string();
+                for r in &w.ranks {
+                    let rs = r.rank.to_string();
+                    let l = [ids.as_str(), rs.as_str()];
+                    m.rank_active_prefill
+                        .with_label_values(&l)
+                        .set(r.active_prefill_tokens as i64);
+                    m.rank_active_decode
+                        .with_label_values(&l)
+                        .set(r.active_decode_blocks as i64);
+                    m.rank_busy.with_label_values(&l).set(i64::from(r.busy));
+                }
+            }
+        }
+        for w in f.workers.values() {
+            let n: u64 = w.slots.iter().map(|s| b.slot(*s).requests).sum();
+            *booked.entry(w.spec.model_name.as_str()).or_default() += n as i64;
+        }
+        for (model, n) in booked {
+            m.bookings_active.with_label_values(&[model]).set(n);
+        }
         for (id, w) in &f.workers {
             let ids = id.to_string();
             m.worker_up

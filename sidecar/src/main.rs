@@ -1,23 +1,58 @@
 //! `kvgate-sidecar --config FILE`: runs the sidecar.
+//! `kvgate-sidecar status [--url URL]`: prints a running sidecar's fleet.
 
-use clap::Parser;
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use http_body_util::BodyExt;
+use kvgate_core::Thresholds;
 use kvgate_sidecar::config::Config;
-use kvgate_sidecar::{Sidecar, api};
+use kvgate_sidecar::{Sidecar, api, status};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 #[derive(Debug, Parser)]
 #[command(
     name = "kvgate-sidecar",
-    about = "Keeps Envoy's kvgate routing state fresh"
+    about = "Keeps Envoy's kvgate routing state fresh",
+    args_conflicts_with_subcommands = true
 )]
-struct Args {
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Prints the fleet as a running sidecar sees it: workers, ranks, load,
+    /// busy state and thresholds.
+    Status {
+        /// The sidecar's address.
+        #[arg(long, default_value = "http://127.0.0.1:9190")]
+        url: String,
+    },
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
     /// The TOML configuration file.
     #[arg(long)]
-    config: PathBuf,
+    config: Option<PathBuf>,
     /// Overrides `server.listen`.
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Sheds when active decode blocks exceed this fraction (0-1) of a
+    /// rank's KV cache; applies to every model, over the file.
+    #[arg(long)]
+    active_decode_blocks_threshold: Option<f64>,
+    /// Sheds when a rank's active prefill tokens exceed this many.
+    #[arg(long)]
+    active_prefill_tokens_threshold: Option<u64>,
+    /// Sheds when a rank's active prefill tokens exceed this multiple of its
+    /// max_num_batched_tokens.
+    #[arg(long)]
+    active_prefill_tokens_threshold_frac: Option<f64>,
 }
 
 #[tokio::main]
@@ -27,15 +62,50 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
-    let args = Args::parse();
-    let mut config = Config::load(&args.config)?;
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Status { url }) => print_status(&url).await,
+        None => run(cli.run).await,
+    }
+}
+
+async fn print_status(url: &str) -> anyhow::Result<()> {
+    let uri: hyper::Uri = format!("{}/v1/state", url.trim_end_matches('/'))
+        .parse()
+        .with_context(|| format!("bad --url {url:?}"))?;
+    let client = kvgate_sidecar::scrape::client();
+    let resp = client
+        .get(uri.clone())
+        .await
+        .with_context(|| format!("cannot reach the sidecar at {uri}"))?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    anyhow::ensure!(status.is_success(), "{uri} answered {status}");
+    let state: serde_json::Value =
+        serde_json::from_slice(&body).with_context(|| format!("{uri} did not answer JSON"))?;
+    print!("{}", status::render(&state));
+    Ok(())
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let path = args
+        .config
+        .context("--config FILE is required to run the sidecar")?;
+    let mut config = Config::load(&path)?;
     if let Some(l) = args.listen {
         config.server.listen = l;
     }
+    config.override_thresholds(&Thresholds {
+        active_decode_blocks: args.active_decode_blocks_threshold,
+        active_prefill_tokens: args.active_prefill_tokens_threshold,
+        active_prefill_tokens_frac: args.active_prefill_tokens_threshold_frac,
+    })?;
+    config.resolve_token()?;
     let listen = config.server.listen;
+    let guarded = config.control.token.is_some();
     let sc = Sidecar::start(config)?;
     let listener = tokio::net::TcpListener::bind(listen).await?;
-    tracing::info!(%listen, workers = sc.fleet().workers.len(), "kvgate-sidecar serving");
+    tracing::info!(%listen, workers = sc.fleet().workers.len(), control_token = guarded, "kvgate-sidecar serving");
     let shutdown = async {
         let mut term =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();

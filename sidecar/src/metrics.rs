@@ -1,6 +1,6 @@
 //! The sidecar's own Prometheus metrics.
 
-use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 pub struct Metrics {
     pub registry: Registry,
@@ -16,6 +16,16 @@ pub struct Metrics {
     pub rank_kv_used: IntGaugeVec,
     pub rank_kv_total: IntGaugeVec,
     pub rank_busy: IntGaugeVec,
+    pub rank_active_prefill: IntGaugeVec,
+    pub rank_active_decode: IntGaugeVec,
+    pub bookings_active: IntGaugeVec,
+    pub bookings_expired: IntCounter,
+    pub booking_batches: IntCounterVec,
+    pub routed: IntCounterVec,
+    pub rejected: IntCounterVec,
+    pub retry_after: IntGaugeVec,
+    pub threshold_changes: IntCounterVec,
+    pub snapshot_age: Gauge,
     pub kv_batches: IntCounterVec,
     pub kv_malformed_frames: IntCounterVec,
     pub kv_gaps: IntCounterVec,
@@ -127,6 +137,74 @@ impl Metrics {
                 "1 when the rank is over a busy threshold.",
                 wr,
             ),
+            rank_active_prefill: gauge_vec(
+                &r,
+                "kvgate_sidecar_rank_active_prefill_tokens",
+                "Prompt tokens routed to the rank and not yet answered (gateway bookings).",
+                wr,
+            ),
+            rank_active_decode: gauge_vec(
+                &r,
+                "kvgate_sidecar_rank_active_decode_blocks",
+                "KV blocks held by the rank's active requests: the larger of gateway bookings and the engine's usage.",
+                wr,
+            ),
+            bookings_active: gauge_vec(
+                &r,
+                "kvgate_sidecar_bookings_active",
+                "Requests the gateway routed that have not ended, per model.",
+                &["model"],
+            ),
+            bookings_expired: {
+                let c = IntCounter::new(
+                    "kvgate_sidecar_bookings_expired_total",
+                    "Bookings dropped by the expiry because their end was never reported.",
+                )
+                .unwrap_or_else(|e| panic!("metric: {e}"));
+                r.register(Box::new(c.clone()))
+                    .unwrap_or_else(|e| panic!("metric: {e}"));
+                c
+            },
+            booking_batches: counter(
+                &r,
+                "kvgate_sidecar_booking_batches_total",
+                "Booking batches received from the gateway, by result (ok, malformed).",
+                &["result"],
+            ),
+            routed: counter(
+                &r,
+                "kvgate_sidecar_routed_total",
+                "Requests the gateway routed, by model and worker.",
+                &["model", "worker_id"],
+            ),
+            rejected: counter(
+                &r,
+                "kvgate_sidecar_rejected_total",
+                "Requests the gateway answered itself, by model and reason (all_workers_busy, no_workers, ...).",
+                &["model", "reason"],
+            ),
+            retry_after: gauge_vec(
+                &r,
+                "kvgate_sidecar_retry_after_seconds",
+                "Retry-After the gateway sends while every worker of the model is busy (0: the filter's default).",
+                &["model"],
+            ),
+            threshold_changes: counter(
+                &r,
+                "kvgate_sidecar_threshold_changes_total",
+                "Busy thresholds changed through /busy_threshold, per model.",
+                &["model"],
+            ),
+            snapshot_age: {
+                let g = Gauge::new(
+                    "kvgate_sidecar_snapshot_age_seconds",
+                    "Seconds since the gateway last received a snapshot or was told its snapshot is current.",
+                )
+                .unwrap_or_else(|e| panic!("metric: {e}"));
+                r.register(Box::new(g.clone()))
+                    .unwrap_or_else(|e| panic!("metric: {e}"));
+                g
+            },
             kv_batches: counter(
                 &r,
                 "kvgate_sidecar_kv_batches_total",

@@ -52,6 +52,10 @@ async fn fake_worker() -> (String, Page) {
 }
 
 async fn sidecar(workers: &[&str]) -> (String, Arc<Sidecar>) {
+    sidecar_with(workers, None).await
+}
+
+async fn sidecar_with(workers: &[&str], token: Option<&str>) -> (String, Arc<Sidecar>) {
     let mut toml = String::from(
         "[scrape]\ninterval_ms = 50\ntimeout_ms = 200\ndown_after_ms = 300\n[server]\npublish_interval_ms = 10\n[[models]]\nname = \"m\"\nactive_decode_blocks_threshold = 0.5\n",
     );
@@ -61,7 +65,9 @@ async fn sidecar(workers: &[&str]) -> (String, Arc<Sidecar>) {
             i + 1
         ));
     }
-    let sc = Sidecar::start(Config::parse(&toml).unwrap()).unwrap();
+    let mut config = Config::parse(&toml).unwrap();
+    config.control.token = token.map(str::to_string);
+    let sc = Sidecar::start(config).unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let app = api::router(sc.clone());
@@ -74,17 +80,24 @@ async fn call(
     url: &str,
     body: Option<Value>,
 ) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    let body = body.map(|b| b.to_string()).unwrap_or_default().into_bytes();
+    call_raw(method, url, &[("content-type", "application/json")], body).await
+}
+
+async fn call_raw(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> (u16, Vec<(String, String)>, Vec<u8>) {
     use http_body_util::{BodyExt, Full};
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Full<bytes::Bytes>>();
-    let req = hyper::Request::builder()
-        .method(method)
-        .uri(url)
-        .header("content-type", "application/json")
-        .body(Full::new(bytes::Bytes::from(
-            body.map(|b| b.to_string()).unwrap_or_default(),
-        )))
-        .unwrap();
+    let mut req = hyper::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(bytes::Bytes::from(body))).unwrap();
     let resp = client.request(req).await.unwrap();
     let status = resp.status().as_u16();
     let headers = resp
@@ -304,4 +317,148 @@ async fn worker_catalog_api() {
         404
     );
     wait_until("removed", async || workers_up(&base).await == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn busy_threshold_api_in_dynamos_shapes() {
+    let (base, sc) = sidecar(&[]).await;
+    let url = format!("{base}/busy_threshold");
+    let (status, body) = json_of("GET", &url, None).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        body,
+        json!({"thresholds": [{"model": "m", "active_decode_blocks_threshold": 0.5}]})
+    );
+    // Partial update: only what is given changes.
+    let (status, body) = json_of(
+        "POST",
+        &url,
+        Some(json!({"model": "m", "active_prefill_tokens_threshold": 10000})),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body,
+        json!({"model": "m", "active_decode_blocks_threshold": 0.5, "active_prefill_tokens_threshold": 10000})
+    );
+    // Only the model: a read.
+    let (_, body) = json_of("POST", &url, Some(json!({"model": "m"}))).await;
+    assert_eq!(body["active_prefill_tokens_threshold"], 10000);
+    // null unsets one condition.
+    let (_, body) = json_of(
+        "POST",
+        &url,
+        Some(json!({"model": "m", "active_decode_blocks_threshold": null})),
+    )
+    .await;
+    assert!(body.get("active_decode_blocks_threshold").is_none(), "{body}");
+    // The published snapshot carries the change.
+    wait_until("thresholds published", async || {
+        sc.store.snapshot().models[0].thresholds.active_prefill_tokens == Some(10000)
+            && sc.store.snapshot().models[0].thresholds.active_decode_blocks.is_none()
+    })
+    .await;
+    for (bad, want) in [
+        (json!({"model": "nope", "active_decode_blocks_threshold": 0.9}), 404),
+        (json!({"model": "m", "active_decode_blocks_threshold": 1.5}), 400),
+        (json!({"model": "m", "active_prefill_tokens_threshold": -1}), 400),
+        (json!({"model": "m", "active_prefill_tokens_threshold_frac": 0}), 400),
+        (json!({"model": "m", "active_decode_block_threshold": 0.5}), 400),
+        (json!({"active_decode_blocks_threshold": 0.5}), 400),
+        (json!([1, 2]), 400),
+    ] {
+        let (status, body) = json_of("POST", &url, Some(bad.clone())).await;
+        assert_eq!(status, want, "{bad} -> {body}");
+        assert!(body["error"].is_string(), "{body}");
+    }
+    let (s, _, _) = call_raw("POST", &url, &[], b"{not json".to_vec()).await;
+    assert_eq!(s, 400);
+    let (_, body) = json_of("GET", &url, None).await;
+    assert_eq!(
+        body["thresholds"][0],
+        json!({"model": "m", "active_prefill_tokens_threshold": 10000}),
+        "failed requests changed nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_control_api_requires_the_token_when_one_is_set() {
+    let (base, _sc) = sidecar_with(&[], Some("s3cret")).await;
+    for path in ["/busy_threshold", "/workers"] {
+        let url = format!("{base}{path}");
+        let (status, headers, _) = call_raw("GET", &url, &[], Vec::new()).await;
+        assert_eq!(status, 401, "{path}");
+        assert!(headers.iter().any(|(k, v)| k == "www-authenticate" && v == "Bearer"));
+        let wrong = [("authorization", "Bearer s3cre")];
+        assert_eq!(call_raw("GET", &url, &wrong, Vec::new()).await.0, 401);
+        let right = [("authorization", "Bearer s3cret")];
+        assert_eq!(call_raw("GET", &url, &right, Vec::new()).await.0, 200);
+    }
+    // The data plane and health stay open.
+    assert_eq!(call("GET", &format!("{base}/health"), None).await.0, 200);
+    assert_eq!(call("GET", &format!("{base}/v1/state"), None).await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bookings_load_ranks_until_released() {
+    use kvgate_core::booking::{Event, Key};
+    let (w, _page) = fake_worker().await;
+    let (base, sc) = sidecar(&[&w]).await;
+    wait_until("worker up", async || workers_up(&base).await == 1).await;
+    let slot = sc.store.snapshot().models[0].workers[0].ranks[0].slot;
+    let key = Key { vm: 77, seq: 1 };
+    let mut batch = Vec::new();
+    Event::Book {
+        key,
+        model: "m".into(),
+        slot,
+        prefill_tokens: 3000,
+        decode_blocks: 200,
+    }
+    .encode_into(&mut batch);
+    Event::Rejected {
+        model: "m".into(),
+        reason: "all_workers_busy".into(),
+    }
+    .encode_into(&mut batch);
+    let bookings_url = format!("{base}/v1/bookings");
+    let post = |b: Vec<u8>| call_raw("POST", &bookings_url, &[], b);
+    assert_eq!(post(batch).await.0, 204);
+    let rank = async || {
+        let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
+        s["models"][0]["workers"][0]["ranks"][0].clone()
+    };
+    wait_until("booking visible", async || {
+        rank().await["active_prefill_tokens"] == 3000
+    })
+    .await;
+    let r = rank().await;
+    // 200 of 1000 blocks booked: under the 0.5 decode threshold.
+    assert_eq!((r["active_decode_blocks"].as_u64(), r["busy"].as_bool()), (Some(200), Some(false)));
+    assert_eq!(
+        sc.store.snapshot().applied,
+        vec![kvgate_core::Applied { vm: 77, seq: 1 }]
+    );
+    let (_, _, m) = call("GET", &format!("{base}/metrics"), None).await;
+    let m = String::from_utf8(m).unwrap();
+    assert!(m.contains("kvgate_sidecar_routed_total{model=\"m\",worker_id=\"1\"} 1"), "{m}");
+    assert!(m.contains("kvgate_sidecar_rejected_total{model=\"m\",reason=\"all_workers_busy\"} 1"));
+    assert!(m.contains("kvgate_sidecar_bookings_active{model=\"m\"} 1"));
+    assert!(m.contains("kvgate_sidecar_rank_active_prefill_tokens{dp_rank=\"0\",worker_id=\"1\"} 3000"));
+
+    assert_eq!(post(Event::FirstByte { key }.encode()).await.0, 204);
+    wait_until("prefill released", async || {
+        rank().await["active_prefill_tokens"] == 0
+    })
+    .await;
+    assert_eq!(rank().await["active_decode_blocks"], 200);
+    assert_eq!(post(Event::Done { key }.encode()).await.0, 204);
+    wait_until("decode released", async || {
+        rank().await["active_decode_blocks"] == 0
+    })
+    .await;
+    // A malformed batch is refused whole and changes nothing.
+    let (status, _, body) = post(vec![42, 1, 2]).await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(sc.bookings().active(), 0);
 }

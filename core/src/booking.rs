@@ -1,0 +1,274 @@
+//! Gateway bookings: the load a routed request puts on its rank, known to
+//! the gateway before any engine metric shows it.
+//!
+//! Engines report load on a scrape interval, and a burst arrives faster than
+//! that. So every routed request *books* its load at once: its uncached
+//! prompt tokens as prefill until the first response byte, then its blocks
+//! as decode load until the response ends. Router VMs write [`Event`]s into
+//! a shared queue; the snapshot service forwards them in batches to the
+//! sidecar, which merges them with engine metrics and echoes, per VM, the
+//! highest booking it has applied (so a VM knows which of its own bookings
+//! the snapshot already counts).
+//!
+//! A booking is named by [`Key`]: the VM's random tag and a sequence number
+//! that only grows within that VM. Events of one VM reach the sidecar in
+//! order (one queue, one batch in flight), so the sidecar never sees a
+//! request finish before it was booked.
+//!
+//! The wire form is a concatenation of records, each a tag byte and fixed
+//! little-endian fields, with strings as a u16 length and UTF-8 bytes.
+
+use thiserror::Error;
+
+/// Names one booking: unique per gateway VM, ordered within it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key {
+    /// Random per router VM, drawn when it starts.
+    pub vm: u64,
+    /// 1, 2, 3... per VM.
+    pub seq: u64,
+}
+
+/// One thing that happened to a request at the gateway.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// Routed: `prefill_tokens` and `decode_blocks` now load `slot`.
+    Book {
+        key: Key,
+        model: String,
+        slot: u16,
+        prefill_tokens: u32,
+        decode_blocks: u32,
+    },
+    /// The first response byte: prefill is over.
+    FirstByte { key: Key },
+    /// The response ended, in any way: the booking is released.
+    Done { key: Key },
+    /// Answered locally; `reason` is the `x-kvgate-reason` value.
+    Rejected { model: String, reason: String },
+}
+
+const TAG_BOOK: u8 = 1;
+const TAG_FIRST_BYTE: u8 = 2;
+const TAG_DONE: u8 = 3;
+const TAG_REJECTED: u8 = 4;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum BookingError {
+    #[error("booking record truncated at byte {0}")]
+    Truncated(usize),
+    #[error("unknown booking record tag {tag} at byte {at}")]
+    UnknownTag { tag: u8, at: usize },
+    #[error("booking record at byte {0} holds a string that is not UTF-8")]
+    BadUtf8(usize),
+}
+
+impl Event {
+    /// Appends the record to `out`. Strings longer than 64 KiB are cut at a
+    /// character boundary (model names and reasons are far shorter).
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        match self {
+            Event::Book {
+                key,
+                model,
+                slot,
+                prefill_tokens,
+                decode_blocks,
+            } => {
+                out.push(TAG_BOOK);
+                put_key(out, key);
+                out.extend_from_slice(&slot.to_le_bytes());
+                out.extend_from_slice(&prefill_tokens.to_le_bytes());
+                out.extend_from_slice(&decode_blocks.to_le_bytes());
+                put_str(out, model);
+            }
+            Event::FirstByte { key } => {
+                out.push(TAG_FIRST_BYTE);
+                put_key(out, key);
+            }
+            Event::Done { key } => {
+                out.push(TAG_DONE);
+                put_key(out, key);
+            }
+            Event::Rejected { model, reason } => {
+                out.push(TAG_REJECTED);
+                put_str(out, model);
+                put_str(out, reason);
+            }
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(48);
+        self.encode_into(&mut out);
+        out
+    }
+}
+
+/// Decodes a batch of concatenated records. A bad record fails the whole
+/// batch: its length is unknown, so nothing after it can be trusted.
+pub fn decode_batch(bytes: &[u8]) -> Result<Vec<Event>, BookingError> {
+    let mut r = Reader { buf: bytes, pos: 0 };
+    let mut out = Vec::new();
+    while r.pos < bytes.len() {
+        let at = r.pos;
+        let tag = r.u8()?;
+        let ev = match tag {
+            TAG_BOOK => {
+                let key = r.key()?;
+                let slot = r.u16()?;
+                let prefill_tokens = r.u32()?;
+                let decode_blocks = r.u32()?;
+                let model = r.string()?;
+                Event::Book {
+                    key,
+                    model,
+                    slot,
+                    prefill_tokens,
+                    decode_blocks,
+                }
+            }
+            TAG_FIRST_BYTE => Event::FirstByte { key: r.key()? },
+            TAG_DONE => Event::Done { key: r.key()? },
+            TAG_REJECTED => {
+                let model = r.string()?;
+                let reason = r.string()?;
+                Event::Rejected { model, reason }
+            }
+            tag => return Err(BookingError::UnknownTag { tag, at }),
+        };
+        out.push(ev);
+    }
+    Ok(out)
+}
+
+fn put_key(out: &mut Vec<u8>, key: &Key) {
+    out.extend_from_slice(&key.vm.to_le_bytes());
+    out.extend_from_slice(&key.seq.to_le_bytes());
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    let mut end = s.len().min(u16::MAX as usize);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.extend_from_slice(&(end as u16).to_le_bytes());
+    out.extend_from_slice(&s.as_bytes()[..end]);
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], BookingError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|e| *e <= self.buf.len())
+            .ok_or(BookingError::Truncated(self.pos))?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], BookingError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u8(&mut self) -> Result<u8, BookingError> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, BookingError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32, BookingError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, BookingError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn key(&mut self) -> Result<Key, BookingError> {
+        Ok(Key {
+            vm: self.u64()?,
+            seq: self.u64()?,
+        })
+    }
+    fn string(&mut self) -> Result<String, BookingError> {
+        let len = self.u16()? as usize;
+        let at = self.pos;
+        let bytes = self.take(len)?;
+        std::str::from_utf8(bytes)
+            .map(str::to_owned)
+            .map_err(|_| BookingError::BadUtf8(at))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(seq: u64) -> Key {
+        Key { vm: 0xfeed, seq }
+    }
+
+    #[test]
+    fn a_batch_round_trips() {
+        let events = vec![
+            Event::Book {
+                key: key(1),
+                model: "Qwen/Qwen3-0.6B".into(),
+                slot: 7,
+                prefill_tokens: 1200,
+                decode_blocks: 80,
+            },
+            Event::FirstByte { key: key(1) },
+            Event::Rejected {
+                model: "m".into(),
+                reason: "all_workers_busy".into(),
+            },
+            Event::Done { key: key(1) },
+        ];
+        let mut bytes = Vec::new();
+        for e in &events {
+            e.encode_into(&mut bytes);
+        }
+        assert_eq!(decode_batch(&bytes).unwrap(), events);
+        assert_eq!(decode_batch(&[]).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn bad_input_is_an_error_naming_the_byte() {
+        let mut bytes = Event::Done { key: key(3) }.encode();
+        bytes.pop();
+        assert_eq!(decode_batch(&bytes), Err(BookingError::Truncated(9)));
+        assert_eq!(
+            decode_batch(&[9, 0, 0]),
+            Err(BookingError::UnknownTag { tag: 9, at: 0 })
+        );
+        let mut bad = Event::Rejected {
+            model: "ab".into(),
+            reason: String::new(),
+        }
+        .encode();
+        bad[3] = 0xff;
+        assert_eq!(decode_batch(&bad), Err(BookingError::BadUtf8(3)));
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode_batch(&bytes);
+        }
+
+        #[test]
+        fn books_round_trip(vm: u64, seq: u64, slot: u16, p: u32, d: u32, model in "\\PC{0,40}") {
+            let e = Event::Book { key: Key { vm, seq }, model, slot, prefill_tokens: p, decode_blocks: d };
+            prop_assert_eq!(decode_batch(&e.encode()).unwrap(), vec![e]);
+        }
+    }
+}
