@@ -40,7 +40,11 @@ pub fn decide<'a>(
             rank,
             set_rank: worker.ranks.len() > 1,
         },
-        Decision::AllBusy => Outcome::Reply(Reply::busy(cfg.retry_after_s)),
+        // The sidecar's estimate from the drain rate, when it has one.
+        Decision::AllBusy => Outcome::Reply(Reply::busy(match model.retry_after_s {
+            0 => cfg.retry_after_s,
+            s => s,
+        })),
         Decision::NoWorkers => Outcome::Reply(Reply::no_workers(&req.model)),
     }
 }
@@ -55,22 +59,23 @@ pub struct View {
 
 impl View {
     /// Brings the view to `version`, reading the bytes only if needed.
-    /// Returns an error (keeping the old view) when they do not decode.
+    /// Returns whether a new snapshot replaced the view, or an error
+    /// (keeping the old view) when the bytes do not decode.
     pub fn refresh(
         &mut self,
         version: u64,
         read: impl FnOnce() -> Option<Vec<u8>>,
-    ) -> Result<(), kvgate_core::SnapshotError> {
+    ) -> Result<bool, kvgate_core::SnapshotError> {
         if version == self.version && self.snapshot.is_some() {
-            return Ok(());
+            return Ok(false);
         }
         let Some(bytes) = read() else {
-            return Ok(());
+            return Ok(false);
         };
         let snap = Snapshot::decode(&bytes)?;
         self.version = snap.version;
         self.snapshot = Some(snap);
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -99,6 +104,7 @@ mod tests {
                     name: "m".into(),
                     thresholds: Thresholds::default(),
                     shard_count: 0,
+                    retry_after_s: 0,
                     workers: vec![
                         WorkerState {
                             id: 1,
@@ -126,9 +132,11 @@ mod tests {
                         block_size: 16,
                         ranks: vec![rank(0, 0, true)],
                     }],
+                    retry_after_s: 7,
                     ..Default::default()
                 },
             ],
+            applied: Vec::new(),
         }
     }
 
@@ -170,6 +178,10 @@ mod tests {
         assert_eq!(reason(run(&s, "nope")), (404, Reason::UnknownModel));
         assert_eq!(reason(run(&s, "empty")), (503, Reason::NoWorkers));
         assert_eq!(reason(run(&s, "busy")), (503, Reason::AllWorkersBusy));
+        match run(&s, "busy") {
+            Outcome::Reply(r) => assert_eq!(r.retry_after_s, Some(7), "the sidecar's hint wins"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -127,15 +127,23 @@ pub fn dispatch_post(
 /// The queue routing decisions travel through, from router VMs to the
 /// snapshot service.
 pub const ROUTED_QUEUE: &str = "kvgate.routed";
+/// The queue load bookings (and local replies) travel through.
+pub const BOOKINGS_QUEUE: &str = "kvgate.bookings";
 
-pub fn register_routed_queue() -> Result<u32, Status> {
-    hostcalls::register_shared_queue(ROUTED_QUEUE)
+pub fn register_queue(name: &str) -> Result<u32, Status> {
+    hostcalls::register_shared_queue(name)
 }
 
-pub fn resolve_routed_queue(vm_id: &str) -> Option<u32> {
-    hostcalls::resolve_shared_queue(vm_id, ROUTED_QUEUE)
-        .ok()
-        .flatten()
+pub fn resolve_queue(vm_id: &str, name: &str) -> Option<u32> {
+    hostcalls::resolve_shared_queue(vm_id, name).ok().flatten()
+}
+
+/// A random number, drawn once per VM (WASI `random_get` seeds std's hasher).
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now_us());
+    h.finish()
 }
 
 pub fn enqueue(queue: u32, data: &[u8]) -> Result<(), Status> {

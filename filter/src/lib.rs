@@ -18,6 +18,7 @@
 
 pub mod config;
 pub mod decide;
+pub mod fresh;
 pub mod host;
 pub mod manifest;
 pub mod metrics;
@@ -102,6 +103,7 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Root::Service(s) = self {
             s.poll();
+            s.send_bookings();
         }
     }
 

@@ -32,6 +32,7 @@ pub struct RouterMetrics {
     pub selection_us: Option<u32>,
     pub snapshot_decode_errors: Option<u32>,
     pub report_errors: Option<u32>,
+    pub booking_errors: Option<u32>,
 }
 
 impl RouterMetrics {
@@ -55,6 +56,7 @@ impl RouterMetrics {
                 "kvgate_snapshot_decode_errors_total",
             ),
             report_errors: define(MetricType::Counter, "kvgate_routed_report_errors_total"),
+            booking_errors: define(MetricType::Counter, "kvgate_booking_enqueue_errors_total"),
         }
     }
 
@@ -71,6 +73,8 @@ pub struct ServiceMetrics {
     pub snapshot_version: Option<u32>,
     pub reports: Option<u32>,
     pub report_errors: Option<u32>,
+    pub booking_batches: Option<u32>,
+    pub booking_batch_errors: Option<u32>,
 }
 
 impl ServiceMetrics {
@@ -82,6 +86,8 @@ impl ServiceMetrics {
             snapshot_version: define(MetricType::Gauge, "kvgate_snapshot_version"),
             reports: define(MetricType::Counter, "kvgate_routed_reports_total"),
             report_errors: define(MetricType::Counter, "kvgate_routed_report_errors_total"),
+            booking_batches: define(MetricType::Counter, "kvgate_booking_batches_total"),
+            booking_batch_errors: define(MetricType::Counter, "kvgate_booking_batch_errors_total"),
         }
     }
 }

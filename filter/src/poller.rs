@@ -142,6 +142,7 @@ mod tests {
                 name: "m".into(),
                 ..Default::default()
             }],
+            applied: Vec::new(),
         }
         .encode()
         .unwrap()

@@ -3,9 +3,15 @@
 //! Per request it reads the 32-byte manifest from shared data, re-decodes the
 //! snapshot only when its version changed, and then decides from VM-local
 //! memory: route (write the destination and rank headers) or answer locally.
+//!
+//! A routed request books its load (see `kvgate_core::booking`): prefill
+//! tokens until its first response byte, decode blocks until it ends. The
+//! booking goes to the sidecar through a shared queue and, until a snapshot
+//! counts it, into this VM's own view ([`Fresh`]).
 
 use crate::config::{Config, OnStale};
 use crate::decide::{Outcome, View, decide};
+use crate::fresh::Fresh;
 use crate::host;
 use crate::manifest::{self, Manifest};
 use crate::metrics::{RouterMetrics, inc, record};
@@ -13,6 +19,7 @@ use crate::overlap;
 use crate::reply::Reply;
 use crate::request::{Endpoint, parse};
 use kvgate_core::approx::{self, Routed};
+use kvgate_core::booking::{Event, Key};
 use kvgate_core::select::Policy;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
@@ -29,6 +36,12 @@ pub struct RouterState {
     view: View,
     metrics: RouterMetrics,
     tie_break: u64,
+    /// Names this VM's bookings; random so that VMs of several Envoys
+    /// sharing a sidecar never collide.
+    vm_tag: u64,
+    next_seq: u64,
+    bookings_queue: Option<u32>,
+    fresh: Fresh,
 }
 
 impl RouterState {
@@ -43,6 +56,25 @@ impl RouterState {
             // Each worker thread's VM starts at a different point, so two
             // VMs' first requests on an idle fleet do not pick the same rank.
             tie_break: host::now_us().wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            vm_tag: host::random_u64(),
+            next_seq: 0,
+            bookings_queue: None,
+            fresh: Fresh::default(),
+        }
+    }
+
+    /// Sends a booking event to the snapshot service. A failure costs
+    /// accuracy only: the sidecar expires what it never hears the end of.
+    fn send(&mut self, ev: &Event) {
+        if self.bookings_queue.is_none() {
+            self.bookings_queue = host::resolve_queue(&self.vm_id, host::BOOKINGS_QUEUE);
+        }
+        match self.bookings_queue.map(|q| host::enqueue(q, &ev.encode())) {
+            Some(Ok(())) => {}
+            _ => {
+                self.bookings_queue = None;
+                inc(self.metrics.booking_errors);
+            }
         }
     }
 }
@@ -52,7 +84,7 @@ impl RouterState {
 /// service registers it when it starts, possibly after this VM.
 fn report(queue: &mut Option<u32>, vm_id: &str, metrics: &RouterMetrics, record: &Routed) {
     if queue.is_none() {
-        *queue = host::resolve_routed_queue(vm_id);
+        *queue = host::resolve_queue(vm_id, host::ROUTED_QUEUE);
     }
     let mut bytes = Vec::with_capacity(16 + record.hashes.len() * 8);
     record.encode_into(&mut bytes);
@@ -65,11 +97,20 @@ fn report(queue: &mut Option<u32>, vm_id: &str, metrics: &RouterMetrics, record:
     }
 }
 
+/// A routed request's booking, until it is released.
+#[derive(Debug, Clone, Copy)]
+struct Booking {
+    seq: u64,
+    first_byte: bool,
+}
+
 pub struct Request {
     state: Rc<RefCell<RouterState>>,
     endpoint: Option<Endpoint>,
     manifest: Manifest,
     replied: bool,
+    model: String,
+    booking: Option<Booking>,
 }
 
 impl Request {
@@ -79,12 +120,18 @@ impl Request {
             endpoint: None,
             manifest: Manifest::default(),
             replied: false,
+            model: String::new(),
+            booking: None,
         }
     }
 
     fn reply(&mut self, r: &Reply) -> Action {
-        let st = self.state.borrow();
+        let mut st = self.state.borrow_mut();
         st.metrics.rejected(r.reason);
+        st.send(&Event::Rejected {
+            model: self.model.clone(),
+            reason: r.reason.as_str().to_string(),
+        });
         if let Err(status) = host::send_reply(r) {
             host::log(
                 LogLevel::Error,
@@ -105,18 +152,28 @@ impl Request {
             Ok(r) => r,
             Err(e) => return self.reply(&Reply::bad_request(&e.0)),
         };
+        self.model.clone_from(&req.model);
         let mut guard = self.state.borrow_mut();
         let st = &mut *guard;
         let version = self.manifest.snapshot_version;
-        if let Err(e) = st
+        match st
             .view
             .refresh(version, || host::get_shared(manifest::SNAPSHOT_KEY))
         {
-            inc(st.metrics.snapshot_decode_errors);
-            host::log(
-                LogLevel::Error,
-                &format!("kvgate: snapshot {version} does not decode: {e}"),
-            );
+            Ok(true) => {
+                if let Some(snap) = st.view.snapshot.as_mut() {
+                    st.fresh
+                        .settle(snap, st.vm_tag, host::now_ms(), st.config.stale_after_ms);
+                }
+            }
+            Ok(false) => {}
+            Err(e) => {
+                inc(st.metrics.snapshot_decode_errors);
+                host::log(
+                    LogLevel::Error,
+                    &format!("kvgate: snapshot {version} does not decode: {e}"),
+                );
+            }
         }
         let Some(snap) = st.view.snapshot.as_ref() else {
             drop(guard);
@@ -158,6 +215,16 @@ impl Request {
                 rank,
                 set_rank,
             } => {
+                let o = overlap::of(&table, rank.slot);
+                let cached = if approximate {
+                    overlap::chunks_as_blocks(o, worker.block_size)
+                } else {
+                    o
+                };
+                let bs = u64::from(worker.block_size.max(1));
+                let prefill = req.isl_tokens.saturating_sub(u64::from(cached.device) * bs);
+                let decode = req.isl_tokens.div_ceil(bs).max(1);
+                let slot = rank.slot;
                 let c = &st.config;
                 let mut ok =
                     host::set_request_header(&c.destination_header, &worker.endpoint).is_ok();
@@ -178,6 +245,23 @@ impl Request {
                     };
                     report(&mut st.queue, &st.vm_id, &st.metrics, &record);
                 }
+                st.next_seq += 1;
+                let seq = st.next_seq;
+                st.send(&Event::Book {
+                    key: Key { vm: st.vm_tag, seq },
+                    model: req.model.clone(),
+                    slot,
+                    prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
+                    decode_blocks: u32::try_from(decode).unwrap_or(u32::MAX),
+                });
+                if let Some(snap) = st.view.snapshot.as_mut() {
+                    st.fresh
+                        .book(snap, seq, slot, prefill, decode, host::now_ms());
+                }
+                self.booking = Some(Booking {
+                    seq,
+                    first_byte: false,
+                });
                 None
             }
             Outcome::Reply(r) => Some(r),
@@ -194,7 +278,47 @@ impl Request {
     }
 }
 
+impl Request {
+    /// Releases the booking: its prefill at the first byte, all of it when
+    /// the request ends (`done`), however it ends.
+    fn release(&mut self, done: bool) {
+        let Some(b) = self.booking.as_mut() else {
+            return;
+        };
+        if !done && b.first_byte {
+            return;
+        }
+        // Never panic on a re-entrant borrow (not expected: callbacks do
+        // not nest); skipping leaves the sidecar's expiry to clean up.
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return;
+        };
+        let st = &mut *guard;
+        let key = Key {
+            vm: st.vm_tag,
+            seq: b.seq,
+        };
+        if done {
+            st.fresh.done(st.view.snapshot.as_mut(), b.seq);
+            st.send(&Event::Done { key });
+            self.booking = None;
+        } else {
+            b.first_byte = true;
+            st.fresh.first_byte(st.view.snapshot.as_mut(), b.seq);
+            st.send(&Event::FirstByte { key });
+        }
+    }
+}
+
 impl Context for Request {}
+
+impl Drop for Request {
+    /// The backstop: a context Envoy deletes without a log callback still
+    /// releases what it booked.
+    fn drop(&mut self) {
+        self.release(true);
+    }
+}
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -250,6 +374,17 @@ impl HttpContext for Request {
             return self.reply(&Reply::bad_request("a request body is required"));
         }
         Action::Pause
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        if body_size > 0 {
+            self.release(false);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.release(true);
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {

@@ -1,5 +1,7 @@
 //! The snapshot service root: a singleton VM on Envoy's main thread that
-//! long-polls the sidecar and writes what it gets into shared data.
+//! long-polls the sidecar and writes what it gets into shared data, and
+//! forwards what the router VMs queue (routing decisions, load bookings) to
+//! the sidecar.
 
 use crate::config::Config;
 use crate::host;
@@ -12,29 +14,74 @@ pub struct Service {
     pub config: Config,
     poller: Poller,
     metrics: ServiceMetrics,
-    /// The poll in flight; other callouts are routing-decision reports.
+    /// The poll in flight; other callouts are reports.
     poll_token: Option<u32>,
     queue: Option<u32>,
+    bookings_queue: Option<u32>,
+    /// The bookings batch in flight. One at a time keeps each VM's events
+    /// in order at the sidecar (a request never ends before it is booked).
+    bookings_token: Option<u32>,
+}
+
+fn register(name: &str) -> Option<u32> {
+    match host::register_queue(name) {
+        Ok(q) => Some(q),
+        Err(s) => {
+            host::log(
+                LogLevel::Warn,
+                &format!("kvgate: cannot register queue {name}: {s:?}"),
+            );
+            None
+        }
+    }
 }
 
 impl Service {
     pub fn new(config: Config) -> Service {
-        let queue = match host::register_routed_queue() {
-            Ok(q) => Some(q),
-            Err(s) => {
-                host::log(
-                    LogLevel::Warn,
-                    &format!("kvgate: cannot register the routed queue: {s:?}"),
-                );
-                None
-            }
-        };
         Service {
             config,
             poller: Poller::default(),
             metrics: ServiceMetrics::define(),
             poll_token: None,
-            queue,
+            queue: register(host::ROUTED_QUEUE),
+            bookings_queue: register(host::BOOKINGS_QUEUE),
+            bookings_token: None,
+        }
+    }
+
+    /// Sends the queued booking events in one request, unless one is in
+    /// flight (its answer sends the next).
+    pub fn send_bookings(&mut self) {
+        let Some(queue) = self.bookings_queue else {
+            return;
+        };
+        if self.bookings_token.is_some() {
+            return;
+        }
+        let mut body = Vec::new();
+        while body.len() < 1 << 18 {
+            match host::dequeue(queue) {
+                Some(item) => body.extend_from_slice(&item),
+                None => break,
+            }
+        }
+        if body.is_empty() {
+            return;
+        }
+        let c = &self.config;
+        match host::dispatch_post(
+            &c.sidecar_cluster,
+            &c.sidecar_authority,
+            "/v1/bookings",
+            &body,
+            Duration::from_secs(2),
+        ) {
+            Ok(token) => {
+                self.bookings_token = Some(token);
+                inc(self.metrics.booking_batches);
+            }
+            // Dropped: the sidecar's expiry cleans up what this loses.
+            Err(_) => inc(self.metrics.booking_batch_errors),
         }
     }
 
@@ -42,6 +89,10 @@ impl Service {
     /// Best effort: a lost batch only delays what the approximate index
     /// learns.
     pub fn on_queue_ready(&mut self, queue: u32) {
+        if Some(queue) == self.bookings_queue {
+            self.send_bookings();
+            return;
+        }
         if Some(queue) != self.queue {
             return;
         }
@@ -100,6 +151,14 @@ impl Service {
     }
 
     pub fn on_response(&mut self, token: u32, body_size: usize) {
+        if Some(token) == self.bookings_token {
+            self.bookings_token = None;
+            if host::call_response_header(":status").as_deref() != Some("204") {
+                inc(self.metrics.booking_batch_errors);
+            }
+            self.send_bookings();
+            return;
+        }
         if Some(token) != self.poll_token {
             // A report's answer: only failures matter.
             if host::call_response_header(":status").as_deref() != Some("204") {

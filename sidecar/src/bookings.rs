@@ -44,8 +44,14 @@ struct Slot {
 /// What applying an event means for the caller's metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Effect {
-    Booked { model: String, slot: u16 },
-    Rejected { model: String, reason: String },
+    Booked {
+        model: String,
+        slot: u16,
+    },
+    Rejected {
+        model: String,
+        reason: String,
+    },
     Released,
     /// A `FirstByte`/`Done` for a booking this process never saw (booked
     /// before a sidecar restart) or one that already expired.
@@ -256,7 +262,10 @@ mod tests {
         );
         b.apply(book(2, 3, 500, 40), t, any_slot);
         let l = b.slot(3);
-        assert_eq!((l.prefill_tokens, l.decode_blocks, l.requests), (1500, 110, 2));
+        assert_eq!(
+            (l.prefill_tokens, l.decode_blocks, l.requests),
+            (1500, 110, 2)
+        );
         b.apply(Event::FirstByte { key: key(1) }, t, any_slot);
         assert_eq!(b.slot(3).prefill_tokens, 500);
         b.apply(Event::Done { key: key(1) }, t, any_slot);

@@ -403,10 +403,12 @@ impl Config {
     /// `KVGATE_CONTROL_TOKEN`. Surrounding whitespace is not part of it.
     pub fn resolve_token(&mut self) -> Result<(), ConfigError> {
         let token = match &self.control.token_file {
-            Some(p) => Some(std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
-                path: p.display().to_string(),
-                source,
-            })?),
+            Some(p) => Some(
+                std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.display().to_string(),
+                    source,
+                })?,
+            ),
             None => std::env::var("KVGATE_CONTROL_TOKEN").ok(),
         };
         self.control.token = match token.map(|t| t.trim().to_string()) {

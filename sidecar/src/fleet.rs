@@ -6,9 +6,9 @@
 //! they are also written to the config file. Each DP rank of a worker gets a
 //! *slot*, the small number that names it in the KV index shards.
 
+use crate::bookings::{Bookings, SlotLoad};
 use crate::config::{Config, ModelConfig, WorkerSpec, check_thresholds};
 use crate::promtext::RankMetrics;
-use crate::bookings::{Bookings, SlotLoad};
 use kvgate_core::busy::{DECODE_CLEAR_MARGIN, rank_busy};
 use kvgate_core::{ModelState, RankLoad, Snapshot, Thresholds, WorkerState};
 use serde::Serialize;
@@ -551,8 +551,14 @@ endpoint = "127.0.0.1:8002"
         let s = f.build_snapshot(&b, 30);
         let r = &s.model("m").unwrap().workers[0].ranks;
         // Booked decode beats the engine's 10 blocks on rank 0 only.
-        assert_eq!((r[0].active_prefill_tokens, r[0].active_decode_blocks), (700, 30));
-        assert_eq!((r[1].active_prefill_tokens, r[1].active_decode_blocks), (50, 10));
+        assert_eq!(
+            (r[0].active_prefill_tokens, r[0].active_decode_blocks),
+            (700, 30)
+        );
+        assert_eq!(
+            (r[1].active_prefill_tokens, r[1].active_decode_blocks),
+            (50, 10)
+        );
         assert_eq!(s.applied, vec![kvgate_core::Applied { vm: 1, seq: 2 }]);
     }
 
@@ -573,7 +579,13 @@ endpoint = "127.0.0.1:8002"
             for _ in 0..4 {
                 seq += 1;
                 book(&mut b, seq, slot, 0, 5, now);
-                b.apply(Event::Done { key: Key { vm: 1, seq } }, now, |_, _| true);
+                b.apply(
+                    Event::Done {
+                        key: Key { vm: 1, seq },
+                    },
+                    now,
+                    |_, _| true,
+                );
             }
             b.sweep(now);
         }

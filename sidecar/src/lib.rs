@@ -276,9 +276,15 @@ impl Sidecar {
                     }
                 }
                 bookings::Effect::Rejected { model, reason } => {
+                    // Requests refused before their body named a model.
+                    let model = if model.is_empty() {
+                        "-"
+                    } else {
+                        model.as_str()
+                    };
                     self.metrics
                         .rejected
-                        .with_label_values(&[model.as_str(), reason.as_str()])
+                        .with_label_values(&[model, reason.as_str()])
                         .inc();
                 }
                 bookings::Effect::Refused => {

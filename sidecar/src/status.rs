@@ -11,7 +11,8 @@ pub fn render(state: &Value) -> String {
     let _ = writeln!(
         out,
         "snapshot version {}  epoch {:x}",
-        state["version"], state["epoch"].as_u64().unwrap_or(0)
+        state["version"],
+        state["epoch"].as_u64().unwrap_or(0)
     );
     for m in state["models"].as_array().into_iter().flatten() {
         let th = &m["thresholds"];
@@ -51,7 +52,15 @@ pub fn render(state: &Value) -> String {
         let _ = writeln!(
             out,
             "  {:>6}  {:<21} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  {}",
-            "worker", "endpoint", "rank", "prefill", "decode", "kv used/total", "run", "wait", "state"
+            "worker",
+            "endpoint",
+            "rank",
+            "prefill",
+            "decode",
+            "kv used/total",
+            "run",
+            "wait",
+            "state"
         );
         for w in &workers {
             for r in w["ranks"].as_array().into_iter().flatten() {
@@ -67,7 +76,11 @@ pub fn render(state: &Value) -> String {
                     kv,
                     r["running"].to_string(),
                     r["waiting"].to_string(),
-                    if r["busy"].as_bool() == Some(true) { "BUSY" } else { "ok" },
+                    if r["busy"].as_bool() == Some(true) {
+                        "BUSY"
+                    } else {
+                        "ok"
+                    },
                 );
             }
         }
@@ -97,7 +110,10 @@ mod tests {
         });
         let text = render(&state);
         assert!(text.contains("model m"), "{text}");
-        assert!(text.contains("decode blocks > 0.85  prefill tokens > -"), "{text}");
+        assert!(
+            text.contains("decode blocks > 0.85  prefill tokens > -"),
+            "{text}"
+        );
         assert!(text.contains("SHEDDING (Retry-After 3s)"), "{text}");
         assert!(text.contains("90/100"), "{text}");
         assert!(text.contains("BUSY"), "{text}");

@@ -351,19 +351,43 @@ async fn busy_threshold_api_in_dynamos_shapes() {
         Some(json!({"model": "m", "active_decode_blocks_threshold": null})),
     )
     .await;
-    assert!(body.get("active_decode_blocks_threshold").is_none(), "{body}");
+    assert!(
+        body.get("active_decode_blocks_threshold").is_none(),
+        "{body}"
+    );
     // The published snapshot carries the change.
     wait_until("thresholds published", async || {
-        sc.store.snapshot().models[0].thresholds.active_prefill_tokens == Some(10000)
-            && sc.store.snapshot().models[0].thresholds.active_decode_blocks.is_none()
+        sc.store.snapshot().models[0]
+            .thresholds
+            .active_prefill_tokens
+            == Some(10000)
+            && sc.store.snapshot().models[0]
+                .thresholds
+                .active_decode_blocks
+                .is_none()
     })
     .await;
     for (bad, want) in [
-        (json!({"model": "nope", "active_decode_blocks_threshold": 0.9}), 404),
-        (json!({"model": "m", "active_decode_blocks_threshold": 1.5}), 400),
-        (json!({"model": "m", "active_prefill_tokens_threshold": -1}), 400),
-        (json!({"model": "m", "active_prefill_tokens_threshold_frac": 0}), 400),
-        (json!({"model": "m", "active_decode_block_threshold": 0.5}), 400),
+        (
+            json!({"model": "nope", "active_decode_blocks_threshold": 0.9}),
+            404,
+        ),
+        (
+            json!({"model": "m", "active_decode_blocks_threshold": 1.5}),
+            400,
+        ),
+        (
+            json!({"model": "m", "active_prefill_tokens_threshold": -1}),
+            400,
+        ),
+        (
+            json!({"model": "m", "active_prefill_tokens_threshold_frac": 0}),
+            400,
+        ),
+        (
+            json!({"model": "m", "active_decode_block_threshold": 0.5}),
+            400,
+        ),
         (json!({"active_decode_blocks_threshold": 0.5}), 400),
         (json!([1, 2]), 400),
     ] {
@@ -388,7 +412,11 @@ async fn the_control_api_requires_the_token_when_one_is_set() {
         let url = format!("{base}{path}");
         let (status, headers, _) = call_raw("GET", &url, &[], Vec::new()).await;
         assert_eq!(status, 401, "{path}");
-        assert!(headers.iter().any(|(k, v)| k == "www-authenticate" && v == "Bearer"));
+        assert!(
+            headers
+                .iter()
+                .any(|(k, v)| k == "www-authenticate" && v == "Bearer")
+        );
         let wrong = [("authorization", "Bearer s3cre")];
         assert_eq!(call_raw("GET", &url, &wrong, Vec::new()).await.0, 401);
         let right = [("authorization", "Bearer s3cret")];
@@ -434,17 +462,25 @@ async fn bookings_load_ranks_until_released() {
     .await;
     let r = rank().await;
     // 200 of 1000 blocks booked: under the 0.5 decode threshold.
-    assert_eq!((r["active_decode_blocks"].as_u64(), r["busy"].as_bool()), (Some(200), Some(false)));
+    assert_eq!(
+        (r["active_decode_blocks"].as_u64(), r["busy"].as_bool()),
+        (Some(200), Some(false))
+    );
     assert_eq!(
         sc.store.snapshot().applied,
         vec![kvgate_core::Applied { vm: 77, seq: 1 }]
     );
     let (_, _, m) = call("GET", &format!("{base}/metrics"), None).await;
     let m = String::from_utf8(m).unwrap();
-    assert!(m.contains("kvgate_sidecar_routed_total{model=\"m\",worker_id=\"1\"} 1"), "{m}");
+    assert!(
+        m.contains("kvgate_sidecar_routed_total{model=\"m\",worker_id=\"1\"} 1"),
+        "{m}"
+    );
     assert!(m.contains("kvgate_sidecar_rejected_total{model=\"m\",reason=\"all_workers_busy\"} 1"));
     assert!(m.contains("kvgate_sidecar_bookings_active{model=\"m\"} 1"));
-    assert!(m.contains("kvgate_sidecar_rank_active_prefill_tokens{dp_rank=\"0\",worker_id=\"1\"} 3000"));
+    assert!(
+        m.contains("kvgate_sidecar_rank_active_prefill_tokens{dp_rank=\"0\",worker_id=\"1\"} 3000")
+    );
 
     assert_eq!(post(Event::FirstByte { key }.encode()).await.0, 204);
     wait_until("prefill released", async || {

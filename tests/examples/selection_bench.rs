@@ -50,6 +50,7 @@ fn snapshot(shard_count: u32) -> Snapshot {
                 .collect(),
             ..Default::default()
         }],
+        applied: Vec::new(),
     }
 }
 

@@ -1141,8 +1141,21 @@ impl Vm {
     }
 
     /// Runs one request through the filter's request path, delivering the
-    /// body in `chunks` (cumulative sizes, as Envoy reports them).
+    /// body in `chunks` (cumulative sizes, as Envoy reports them), and ends
+    /// its stream.
     pub fn request(&mut self, headers: &[(&str, &str)], chunks: &[&[u8]]) -> Exchange {
+        let (ex, ctx) = self.open(headers, chunks);
+        self.finish(ctx);
+        let mut ex = ex;
+        if ex.trapped.is_none() {
+            ex.trapped = self.trapped.clone();
+        }
+        ex
+    }
+
+    /// Like [`Vm::request`], but leaves the stream open: the upstream has
+    /// not answered yet. End it with [`Vm::finish`].
+    pub fn open(&mut self, headers: &[(&str, &str)], chunks: &[&[u8]]) -> (Exchange, i32) {
         let ctx = self.next_ctx;
         self.next_ctx += 1;
         let st = self.state_mut();
@@ -1183,11 +1196,6 @@ impl Vm {
             Ok(continued) => ex.continued = continued,
             Err(e) => ex.trapped = Some(e.to_string()),
         }
-        if self.trapped.is_none() {
-            let _ = self.call::<i32, i32>("proxy_on_done", ctx);
-            let _ = self.call::<i32, ()>("proxy_on_log", ctx);
-            let _ = self.call::<i32, ()>("proxy_on_delete", ctx);
-        }
         let st = self.state();
         ex.headers = st.request_headers.clone();
         ex.reply = st.local_reply.clone();
@@ -1195,6 +1203,32 @@ impl Vm {
         if ex.trapped.is_none() {
             ex.trapped = self.trapped.clone();
         }
-        ex
+        (ex, ctx)
+    }
+
+    /// The upstream's first `size` response body bytes reach the filter.
+    pub fn response_body(&mut self, ctx: i32, size: usize) -> Result<()> {
+        self.call::<(i32, i32, i32), i32>("proxy_on_response_body", (ctx, size as i32, 0))?;
+        Ok(())
+    }
+
+    /// Ends a stream as Envoy does: done, log, delete.
+    pub fn finish(&mut self, ctx: i32) {
+        if self.trapped.is_none() {
+            let _ = self.call::<i32, i32>("proxy_on_done", ctx);
+            let _ = self.call::<i32, ()>("proxy_on_log", ctx);
+            let _ = self.call::<i32, ()>("proxy_on_delete", ctx);
+        }
+    }
+
+    /// Takes every item waiting in a queue (as the consumer would).
+    pub fn drain_queue(&mut self, vm_id: &str, name: &str) -> Vec<Vec<u8>> {
+        let mut shared = lock(&self.state().shared);
+        shared
+            .queues
+            .values_mut()
+            .find(|(v, n, _)| v == vm_id && n == name)
+            .map(|(_, _, q)| q.drain(..).collect())
+            .unwrap_or_default()
     }
 }

@@ -57,6 +57,7 @@ fn fleet(version: u64) -> Snapshot {
                 name: "m".into(),
                 thresholds: Thresholds::default(),
                 shard_count: 0,
+                retry_after_s: 0,
                 workers: vec![
                     worker(1, vec![rank(0, 40, false)]),
                     worker(2, vec![rank(0, 10, false)]),
@@ -78,6 +79,7 @@ fn fleet(version: u64) -> Snapshot {
                 ..Default::default()
             },
         ],
+        applied: Vec::new(),
     }
 }
 
@@ -708,6 +710,7 @@ fn garbage_never_traps_and_bursts_spread() {
                 .collect(),
             ..Default::default()
         }],
+        applied: Vec::new(),
     };
     e.publish(&idle, false);
     let mut seen = std::collections::BTreeSet::new();
@@ -729,4 +732,162 @@ fn garbage_never_traps_and_bursts_spread() {
         .samples
         .len();
     assert!(h >= 40, "decision latency recorded per routed request");
+}
+
+fn path_of(c: &kvgate_tests::host::Callout) -> &str {
+    c.headers
+        .iter()
+        .find(|(k, _)| k == ":path")
+        .map_or("", |(_, v)| v.as_str())
+}
+
+fn events(items: &[Vec<u8>]) -> Vec<kvgate_core::booking::Event> {
+    items
+        .iter()
+        .flat_map(|b| kvgate_core::booking::decode_batch(b).unwrap())
+        .collect()
+}
+
+#[test]
+fn open_requests_book_load_so_a_burst_spreads_and_every_booking_is_released() {
+    use kvgate_core::booking::Event;
+    let mut e = Envoy::start("");
+    let idle = Snapshot {
+        version: 3,
+        built_at_ms: 1,
+        models: vec![ModelState {
+            name: "m".into(),
+            workers: (1..=4)
+                .map(|id| {
+                    let mut r = rank(0, 0, false);
+                    r.kv_total_blocks = 10_000;
+                    worker(id, vec![r])
+                })
+                .collect(),
+            ..Default::default()
+        }],
+        applied: Vec::new(),
+    };
+    e.publish(&idle, true);
+    // Eight identical requests, all still waiting on their upstream: each
+    // one's booking steers the next, so they spread two per worker.
+    let mut open = Vec::new();
+    let mut per_worker = std::collections::BTreeMap::<String, usize>::new();
+    for _ in 0..8 {
+        let (ex, ctx) = e.routers[0].open(&CHAT, &[&chat("m")]);
+        assert!(ex.continued, "{:?}", ex.reply);
+        *per_worker
+            .entry(
+                ex.header("x-gateway-destination-endpoint")
+                    .unwrap()
+                    .to_string(),
+            )
+            .or_default() += 1;
+        open.push(ctx);
+    }
+    assert_eq!(
+        per_worker.values().copied().collect::<Vec<_>>(),
+        vec![2; 4],
+        "{per_worker:?}"
+    );
+    let booked = events(&e.routers[0].drain_queue("kvgate", "kvgate.bookings"));
+    assert_eq!(booked.len(), 8);
+    let mut seqs = Vec::new();
+    for ev in &booked {
+        match ev {
+            Event::Book {
+                key,
+                model,
+                decode_blocks,
+                ..
+            } => {
+                assert_eq!(model, "m");
+                assert!(*decode_blocks >= 1);
+                seqs.push(key.seq);
+            }
+            other => panic!("expected a booking, got {other:?}"),
+        }
+    }
+    assert_eq!(seqs, (1..=8).collect::<Vec<_>>());
+    // First byte of one response, then every stream ends.
+    e.routers[0].response_body(open[0], 12).unwrap();
+    e.routers[0].response_body(open[0], 40).unwrap();
+    for ctx in &open {
+        e.routers[0].finish(*ctx);
+    }
+    let released = events(&e.routers[0].drain_queue("kvgate", "kvgate.bookings"));
+    let first = released
+        .iter()
+        .filter(|e| matches!(e, Event::FirstByte { .. }))
+        .count();
+    let done = released
+        .iter()
+        .filter(|e| matches!(e, Event::Done { .. }))
+        .count();
+    assert_eq!((first, done, released.len()), (1, 8, 9), "{released:?}");
+    // Released load leaves the VM's view: the next request is free to go
+    // anywhere again, and a rejected one is reported with its reason.
+    let ex = e.routers[0].request(&CHAT, &[&chat("nope")]);
+    assert_eq!(ex.reply.unwrap().status, 404);
+    let rejected = events(&e.routers[0].drain_queue("kvgate", "kvgate.bookings"));
+    assert_eq!(
+        rejected,
+        vec![Event::Rejected {
+            model: "nope".into(),
+            reason: "unknown_model".into()
+        }]
+    );
+}
+
+#[test]
+fn the_service_forwards_bookings_one_batch_at_a_time() {
+    let mut e = Envoy::ready("");
+    e.routers[1].request(&CHAT, &[&chat("m")]);
+    e.service.deliver_queues().unwrap();
+    let posts: Vec<_> = e
+        .service
+        .pending()
+        .into_iter()
+        .filter(|c| path_of(c) == "/v1/bookings")
+        .collect();
+    assert_eq!(posts.len(), 1);
+    let evs = kvgate_core::booking::decode_batch(&posts[0].body).unwrap();
+    assert!(matches!(evs[0], kvgate_core::booking::Event::Book { .. }));
+    assert!(matches!(evs[1], kvgate_core::booking::Event::Done { .. }));
+    // While it is in flight, new events wait in the queue.
+    e.routers[0].request(&CHAT, &[&chat("m")]);
+    e.service.deliver_queues().unwrap();
+    let in_flight = e
+        .service
+        .pending()
+        .into_iter()
+        .filter(|c| path_of(c) == "/v1/bookings")
+        .count();
+    assert_eq!(in_flight, 1);
+    // Its answer sends the next batch.
+    e.service.respond(posts[0].token, 204, &[], b"").unwrap();
+    let next: Vec<_> = e
+        .service
+        .pending()
+        .into_iter()
+        .filter(|c| path_of(c) == "/v1/bookings")
+        .collect();
+    assert_eq!(next.len(), 1);
+    assert_eq!(
+        kvgate_core::booking::decode_batch(&next[0].body)
+            .unwrap()
+            .len(),
+        2
+    );
+    // A failed batch is counted and does not wedge the queue.
+    e.service.fail(next[0].token).unwrap();
+    assert_eq!(e.counter("kvgate_booking_batch_errors_total"), 1);
+    e.routers[0].request(&CHAT, &[&chat("m")]);
+    e.service.deliver_queues().unwrap();
+    assert!(
+        e.service
+            .pending()
+            .iter()
+            .any(|c| path_of(c) == "/v1/bookings")
+    );
 }

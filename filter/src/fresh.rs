@@ -1,0 +1,245 @@
+//! This VM's bookings that the snapshot does not count yet.
+//!
+//! A booking reaches the sidecar through the shared queue and comes back in
+//! a snapshot a few milliseconds later. A burst is faster than that: without
+//! a local view, every request of the burst would see the same idle
+//! snapshot and pick the same rank. So each VM adds its own recent bookings
+//! to its copy of the snapshot, in place, and drops each one once a
+//! snapshot's watermark for this VM (`Snapshot::applied`) covers it. Other
+//! VMs' bookings arrive with the next snapshot; between two snapshots each
+//! VM spreads its own share of a burst, which spreads the whole.
+
+use kvgate_core::Snapshot;
+use kvgate_core::busy::rank_busy;
+use std::collections::HashMap;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    seq: u64,
+    slot: u16,
+    prefill: u64,
+    decode: u64,
+    at_ms: u64,
+}
+
+/// Where a slot's rank sits in a decoded snapshot.
+type Place = (usize, usize, usize);
+
+#[derive(Debug, Default)]
+pub struct Fresh {
+    entries: Vec<Entry>,
+    places: HashMap<u16, Place>,
+}
+
+impl Fresh {
+    /// Number of bookings not yet in a snapshot.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// A new snapshot replaced the view: forget what it already counts (or
+    /// what is too old to matter), and add the rest to it.
+    pub fn settle(&mut self, snap: &mut Snapshot, vm: u64, now_ms: u64, max_age_ms: u64) {
+        self.places.clear();
+        for (mi, m) in snap.models.iter().enumerate() {
+            for (wi, w) in m.workers.iter().enumerate() {
+                for (ri, r) in w.ranks.iter().enumerate() {
+                    self.places.insert(r.slot, (mi, wi, ri));
+                }
+            }
+        }
+        let applied = snap
+            .applied
+            .iter()
+            .find(|a| a.vm == vm)
+            .map_or(0, |a| a.seq);
+        self.entries
+            .retain(|e| e.seq > applied && now_ms.saturating_sub(e.at_ms) <= max_age_ms);
+        for e in self.entries.clone() {
+            self.add(snap, e.slot, e.prefill as i64, e.decode as i64);
+        }
+    }
+
+    /// Records a booking and adds it to the view at once.
+    pub fn book(
+        &mut self,
+        snap: &mut Snapshot,
+        seq: u64,
+        slot: u16,
+        prefill: u64,
+        decode: u64,
+        now_ms: u64,
+    ) {
+        self.entries.push(Entry {
+            seq,
+            slot,
+            prefill,
+            decode,
+            at_ms: now_ms,
+        });
+        self.add(snap, slot, prefill as i64, decode as i64);
+    }
+
+    /// The request's first byte arrived: its prefill is over.
+    pub fn first_byte(&mut self, snap: Option<&mut Snapshot>, seq: u64) {
+        let Some(e) = self.entries.iter_mut().find(|e| e.seq == seq) else {
+            return;
+        };
+        let (slot, prefill) = (e.slot, std::mem::take(&mut e.prefill));
+        if let Some(snap) = snap {
+            self.add(snap, slot, -(prefill as i64), 0);
+        }
+    }
+
+    /// The request ended before any snapshot counted it.
+    pub fn done(&mut self, snap: Option<&mut Snapshot>, seq: u64) {
+        let Some(at) = self.entries.iter().position(|e| e.seq == seq) else {
+            return;
+        };
+        let e = self.entries.swap_remove(at);
+        if let Some(snap) = snap {
+            self.add(snap, e.slot, -(e.prefill as i64), -(e.decode as i64));
+        }
+    }
+
+    fn add(&self, snap: &mut Snapshot, slot: u16, prefill: i64, decode: i64) {
+        let Some(&(mi, wi, ri)) = self.places.get(&slot) else {
+            return;
+        };
+        let Some(model) = snap.models.get_mut(mi) else {
+            return;
+        };
+        let th = model.thresholds;
+        let Some(rank) = model.workers.get_mut(wi).and_then(|w| w.ranks.get_mut(ri)) else {
+            return;
+        };
+        rank.active_prefill_tokens = shift(rank.active_prefill_tokens, prefill);
+        rank.active_decode_blocks = shift(rank.active_decode_blocks, decode);
+        // Fresh load can make a rank busy before the sidecar says so; only
+        // the sidecar, with the engine's view, clears it.
+        if !rank.busy {
+            let mut latch = false;
+            rank.busy = rank_busy(rank, &th, &mut latch).is_some();
+        }
+    }
+}
+
+fn shift(v: u64, by: i64) -> u64 {
+    if by >= 0 {
+        v.saturating_add(by as u64)
+    } else {
+        v.saturating_sub(by.unsigned_abs())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_core::{Applied, ModelState, RankLoad, Thresholds, WorkerState};
+
+    fn snap(applied: u64) -> Snapshot {
+        let rank = |rank: u32, slot: u16| RankLoad {
+            rank,
+            slot,
+            kv_total_blocks: 100,
+            ..Default::default()
+        };
+        Snapshot {
+            version: 1,
+            built_at_ms: 0,
+            models: vec![ModelState {
+                name: "m".into(),
+                thresholds: Thresholds {
+                    active_decode_blocks: Some(0.5),
+                    ..Default::default()
+                },
+                workers: vec![WorkerState {
+                    id: 1,
+                    endpoint: "10.0.0.1:80".into(),
+                    block_size: 16,
+                    ranks: vec![rank(0, 4), rank(1, 5)],
+                }],
+                ..Default::default()
+            }],
+            applied: vec![Applied {
+                vm: 9,
+                seq: applied,
+            }],
+        }
+    }
+
+    fn load(s: &Snapshot, r: usize) -> (u64, u64, bool) {
+        let r = &s.models[0].workers[0].ranks[r];
+        (r.active_prefill_tokens, r.active_decode_blocks, r.busy)
+    }
+
+    #[test]
+    fn bookings_show_at_once_and_leave_when_released() {
+        let mut f = Fresh::default();
+        let mut s = snap(0);
+        f.settle(&mut s, 9, 0, 1000);
+        f.book(&mut s, 1, 5, 300, 20, 0);
+        assert_eq!(load(&s, 1), (300, 20, false));
+        f.first_byte(Some(&mut s), 1);
+        assert_eq!(load(&s, 1), (0, 20, false));
+        f.done(Some(&mut s), 1);
+        assert_eq!(load(&s, 1), (0, 0, false));
+        assert!(f.is_empty());
+    }
+
+    #[test]
+    fn a_new_snapshot_keeps_only_what_it_does_not_count() {
+        let mut f = Fresh::default();
+        let mut s = snap(0);
+        f.settle(&mut s, 9, 0, 1000);
+        f.book(&mut s, 1, 4, 100, 10, 0);
+        f.book(&mut s, 2, 4, 100, 10, 0);
+        f.book(&mut s, 3, 5, 100, 10, 0);
+        // The sidecar has seen bookings up to 2 (its load already holds them).
+        let mut next = snap(2);
+        f.settle(&mut next, 9, 10, 1000);
+        assert_eq!(f.len(), 1);
+        assert_eq!(load(&next, 0), (0, 0, false));
+        assert_eq!(load(&next, 1), (100, 10, false));
+        // Another VM's watermark says nothing about ours.
+        let mut other = snap(0);
+        other.applied[0].vm = 8;
+        f.settle(&mut other, 9, 10, 1000);
+        assert_eq!(f.len(), 1);
+        // Too old: the sidecar never answered; let it go.
+        let mut late = snap(0);
+        f.settle(&mut late, 9, 2000, 1000);
+        assert!(f.is_empty());
+        assert_eq!(load(&late, 1), (0, 0, false));
+    }
+
+    #[test]
+    fn fresh_load_can_make_a_rank_busy() {
+        let mut f = Fresh::default();
+        let mut s = snap(0);
+        f.settle(&mut s, 9, 0, 1000);
+        f.book(&mut s, 1, 4, 0, 40, 0);
+        assert!(!load(&s, 0).2);
+        f.book(&mut s, 2, 4, 0, 20, 0);
+        assert!(load(&s, 0).2, "60 of 100 blocks is over 0.5");
+        // Releasing does not clear it: the sidecar decides that.
+        f.done(Some(&mut s), 2);
+        assert!(load(&s, 0).2);
+    }
+
+    #[test]
+    fn unknown_slots_and_sequences_are_ignored() {
+        let mut f = Fresh::default();
+        let mut s = snap(0);
+        f.settle(&mut s, 9, 0, 1000);
+        f.book(&mut s, 1, 77, 10, 1, 0);
+        f.first_byte(Some(&mut s), 42);
+        f.done(None, 42);
+        assert_eq!(load(&s, 0), (0, 0, false));
+        assert_eq!(f.len(), 1);
+    }
+}
