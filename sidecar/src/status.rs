@@ -51,16 +51,8 @@ pub fn render(state: &Value) -> String {
         }
         let _ = writeln!(
             out,
-            "  {:>6}  {:<21} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  {}",
-            "worker",
-            "endpoint",
-            "rank",
-            "prefill",
-            "decode",
-            "kv used/total",
-            "run",
-            "wait",
-            "state"
+            "  {:>6}  {:<21} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  state",
+            "worker", "endpoint", "rank", "prefill", "decode", "kv used/total", "run", "wait",
         );
         for w in &workers {
             for r in w["ranks"].as_array().into_iter().flatten() {

@@ -722,3 +722,436 @@ fn chat_with_system(stack: &Stack, system: &str, question: &str) -> Reply {
         &[],
     )
 }
+
+/// A completion with `n` tokens unique to `tag`, so no prefix is shared.
+fn unique_prompt(tag: u32, n: u32) -> Vec<u32> {
+    let base = tag.wrapping_mul(10_007).wrapping_add(50_000_000);
+    (0..n).map(|k| base.wrapping_add(k)).collect()
+}
+
+fn completion(addr: &str, prompt: &[u32], max_tokens: u32) -> anyhow::Result<Reply> {
+    let body = json!({"model": "demo-model", "prompt": prompt, "max_tokens": max_tokens});
+    let (status, headers, body) = http::request_full(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        Some(body.to_string().as_bytes()),
+    )?;
+    Ok(Reply {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn bookings_active(stack: &Stack) -> f64 {
+    stack
+        .sidecar_metric("kvgate_sidecar_bookings_active{model=\"demo-model\"}")
+        .unwrap_or(-1.0)
+}
+
+/// Waits until the gateway's bookings are all released and the sidecar's
+/// state shows no booked prefill anywhere.
+fn wait_bookings_drained(stack: &Stack) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let state = stack.sidecar_state().unwrap();
+        let prefill: u64 = state["models"][0]["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|w| w["ranks"].as_array().cloned().unwrap_or_default())
+            .map(|r| r["active_prefill_tokens"].as_u64().unwrap_or(0))
+            .sum();
+        let active = bookings_active(stack);
+        if active == 0.0 && prefill == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "bookings never drained: {active} active, {prefill} prefill tokens"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn overload_sheds_then_recovers_and_every_request_gets_an_answer() {
+    let _g = serial();
+    // Four ranks (2 workers x 2 DP ranks) of 256 blocks, busy past half of
+    // them. A 256-token request books 16 blocks, so about eight in flight
+    // make a rank busy; 48 clients keep ~48 in flight: overload.
+    let stack = start(StackConfig {
+        workers: 2,
+        dp_size: 2,
+        sim_args: [
+            "--num-gpu-blocks",
+            "256",
+            "--max-running",
+            "4",
+            "--decode-ms-per-token",
+            "15",
+            "--speedup",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec(),
+        model_toml: "active_decode_blocks_threshold = 0.5".into(),
+        ..StackConfig::default()
+    });
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..48u32)
+        .map(|c| {
+            let addr = stack.envoy_addr();
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                let mut i = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    i += 1;
+                    let r = completion(&addr, &unique_prompt(c * 1000 + i, 256), 8)
+                        .unwrap_or_else(|e| panic!("a request got no answer: {e:#}"));
+                    if r.status == 503 {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    seen.push(r);
+                }
+                seen
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(4));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let replies: Vec<Reply> = clients
+        .into_iter()
+        .flat_map(|c| c.join().unwrap())
+        .collect();
+    let mut served_by = BTreeMap::<(String, String), usize>::new();
+    let mut shed = 0;
+    for r in &replies {
+        match r.status {
+            200 => {
+                let w = r.header("x-kvgate-sim-worker").unwrap().to_string();
+                let rank = r.header("x-kvgate-sim-rank").unwrap().to_string();
+                *served_by.entry((w, rank)).or_default() += 1;
+            }
+            503 => {
+                shed += 1;
+                assert_eq!(r.header("x-kvgate-reason"), Some("all_workers_busy"));
+                assert!(r.header("x-kvgate-sim-worker").is_none());
+                let retry: u32 = r.header("retry-after").unwrap().parse().unwrap();
+                assert!((1..=30).contains(&retry), "Retry-After {retry}");
+            }
+            s => panic!("unexpected status {s}: {}", r.text()),
+        }
+    }
+    let admitted: usize = served_by.values().sum();
+    eprintln!("overload: {admitted} admitted {served_by:?}, {shed} shed");
+    assert!(shed > 0, "never shed under overload ({admitted} admitted)");
+    assert!(admitted > 0);
+    assert_eq!(
+        served_by.len(),
+        4,
+        "every DP rank of both workers took work: {served_by:?}"
+    );
+    // The sidecar counted what the gateway did.
+    let rejected = stack
+        .sidecar_metric(
+            "kvgate_sidecar_rejected_total{model=\"demo-model\",reason=\"all_workers_busy\"}",
+        )
+        .unwrap_or(0.0);
+    assert!(rejected >= 1.0);
+    // Load drains: bookings go back to zero and admission resumes.
+    wait_bookings_drained(&stack);
+    wait_idle(&stack);
+    let r = completion(&stack.envoy_addr(), &unique_prompt(999_999, 64), 2).unwrap();
+    assert_eq!(r.status, 200, "still shedding: {}", r.text());
+    assert_eq!(
+        stack
+            .envoy_stat("kvgate_rejected_all_workers_busy_total")
+            .unwrap(),
+        shed as u64
+    );
+}
+
+#[test]
+fn one_busy_rank_of_two_leaves_the_worker_open() {
+    let _g = serial();
+    let stack = start(StackConfig {
+        workers: 1,
+        dp_size: 2,
+        sim_args: [
+            "--num-gpu-blocks",
+            "64",
+            "--decode-ms-per-token",
+            "40",
+            "--speedup",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec(),
+        model_toml: "active_decode_blocks_threshold = 0.1".into(),
+        ..StackConfig::default()
+    });
+    let rank_busy = |rank: &str| -> bool {
+        let s = stack.sidecar_state().unwrap();
+        s["models"][0]["workers"][0]["ranks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|r| {
+                r["dp_rank"].as_u64().is_some_and(|v| v.to_string() == rank) && r["busy"] == true
+            })
+    };
+    let hog = |tag: u32| {
+        let addr = stack.envoy_addr();
+        std::thread::spawn(move || completion(&addr, &unique_prompt(tag, 160), 120).unwrap())
+    };
+    let first = hog(1);
+    // The hog's booking makes its rank busy; find which one it took.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let busy_rank = loop {
+        if rank_busy("0") {
+            break "0";
+        }
+        if rank_busy("1") {
+            break "1";
+        }
+        assert!(Instant::now() < deadline, "the hog's rank never went busy");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let free_rank = if busy_rank == "0" { "1" } else { "0" };
+    wait_envoy_has(
+        &stack,
+        stack.sidecar_state().unwrap()["version"].as_u64().unwrap(),
+    );
+    // One busy rank of two: the worker still takes work, on the free rank.
+    for i in 0..3 {
+        let r = completion(&stack.envoy_addr(), &unique_prompt(100 + i, 16), 1).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-kvgate-sim-rank"), Some(free_rank));
+    }
+    // Both ranks busy: the worker is busy and the model sheds.
+    let second = hog(2);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !rank_busy(free_rank) {
+        assert!(
+            Instant::now() < deadline,
+            "the second hog's rank never went busy"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_envoy_has(
+        &stack,
+        stack.sidecar_state().unwrap()["version"].as_u64().unwrap(),
+    );
+    let r = completion(&stack.envoy_addr(), &unique_prompt(200, 16), 1).unwrap();
+    assert_eq!(r.status, 503, "{}", r.text());
+    for h in [first, second] {
+        assert_eq!(h.join().unwrap().status, 200);
+    }
+}
+
+#[test]
+fn thresholds_change_live_through_envoys_control_listener() {
+    let _g = serial();
+    let stack = start(StackConfig {
+        workers: 1,
+        sim_args: [
+            "--num-gpu-blocks",
+            "64",
+            "--decode-ms-per-token",
+            "40",
+            "--speedup",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec(),
+        control_token: Some("letmein".into()),
+        ..StackConfig::default()
+    });
+    let control = stack.control_addr();
+    let auth = [
+        ("content-type", "application/json"),
+        ("authorization", "Bearer letmein"),
+    ];
+    let post = |body: Value, headers: &[(&str, &str)]| {
+        let (s, b) = http::request(
+            &control,
+            "POST",
+            "/busy_threshold",
+            headers,
+            Some(body.to_string().as_bytes()),
+        )
+        .unwrap();
+        (
+            s,
+            serde_json::from_slice::<Value>(&b).unwrap_or(Value::Null),
+        )
+    };
+    // Without the token: 401, before anything else is looked at.
+    let (s, _) = http::request(&control, "GET", "/busy_threshold", &[], None).unwrap();
+    assert_eq!(s, 401);
+    let (s, _) = post(
+        json!({"model": "demo-model", "active_decode_blocks_threshold": 0.01}),
+        &[("content-type", "application/json")],
+    );
+    assert_eq!(s, 401);
+    let (s, b) = http::request(&control, "GET", "/busy_threshold", &auth, None).unwrap();
+    assert_eq!(s, 200);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&b).unwrap(),
+        json!({"thresholds": [{"model": "demo-model"}]})
+    );
+    assert_eq!(
+        post(
+            json!({"model": "nope", "active_decode_blocks_threshold": 0.5}),
+            &auth
+        )
+        .0,
+        404
+    );
+    assert_eq!(
+        post(
+            json!({"model": "demo-model", "active_decode_blocks_threshold": 1.5}),
+            &auth
+        )
+        .0,
+        400
+    );
+    assert_eq!(
+        post(
+            json!({"model": "demo-model", "active_prefill_tokens_threshold": "many"}),
+            &auth
+        )
+        .0,
+        400
+    );
+
+    // A long request holds KV blocks; with no threshold nothing sheds.
+    let addr = stack.envoy_addr();
+    let hog = std::thread::spawn(move || completion(&addr, &unique_prompt(1, 160), 120).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stack.sidecar_state().unwrap()["models"][0]["workers"][0]["ranks"][0]
+        ["active_decode_blocks"]
+        .as_u64()
+        .unwrap_or(0)
+        == 0
+    {
+        assert!(Instant::now() < deadline, "the hog never showed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = completion(&stack.envoy_addr(), &unique_prompt(2, 16), 1).unwrap();
+    assert_eq!(r.status, 200);
+
+    // Tighten: the next snapshot Envoy takes sheds.
+    let (s, b) = post(
+        json!({"model": "demo-model", "active_decode_blocks_threshold": 0.01}),
+        &auth,
+    );
+    assert_eq!(
+        (s, &b["active_decode_blocks_threshold"]),
+        (200, &json!(0.01))
+    );
+    let v = stack.sidecar_state().unwrap()["version"].as_u64().unwrap();
+    wait_envoy_has(&stack, v);
+    let r = completion(&stack.envoy_addr(), &unique_prompt(3, 16), 1).unwrap();
+    assert_eq!(r.status, 503, "{}", r.text());
+    // Unset it: admission resumes with the next snapshot.
+    let (s, b) = post(
+        json!({"model": "demo-model", "active_decode_blocks_threshold": null}),
+        &auth,
+    );
+    assert_eq!((s, b), (200, json!({"model": "demo-model"})));
+    let v = stack.sidecar_state().unwrap()["version"].as_u64().unwrap();
+    wait_envoy_has(&stack, v);
+    let r = completion(&stack.envoy_addr(), &unique_prompt(4, 16), 1).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(hog.join().unwrap().status, 200);
+    assert_eq!(
+        stack
+            .sidecar_metric("kvgate_sidecar_threshold_changes_total{model=\"demo-model\"}")
+            .unwrap_or(0.0),
+        2.0
+    );
+}
+
+#[test]
+fn a_burst_across_envoy_threads_spreads_by_cost_not_onto_one_worker() {
+    let _g = serial();
+    let stack = start(StackConfig {
+        workers: 4,
+        sim_args: [
+            "--max-running",
+            "256",
+            "--decode-ms-per-token",
+            "10",
+            "--speedup",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..StackConfig::default()
+    });
+    // Workers 2-4 carry a long request each (sent to them directly), so
+    // worker 1 is the least loaded by a little: without per-VM bookings
+    // the whole burst would land there.
+    let hogs: Vec<_> = stack.workers[1..]
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let addr = w.endpoint();
+            std::thread::spawn(move || completion(&addr, &unique_prompt(i as u32, 320), 400))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let s = stack.sidecar_state().unwrap();
+        let loaded = s["models"][0]["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|w| w["ranks"][0]["kv_used_blocks"].as_u64().unwrap_or(0) > 0)
+            .count();
+        if loaded == 3 {
+            wait_envoy_has(&stack, s["version"].as_u64().unwrap());
+            break;
+        }
+        assert!(Instant::now() < deadline, "hogs never showed: {s}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let start = std::sync::Arc::new(std::sync::Barrier::new(200));
+    let burst: Vec<_> = (0..200)
+        .map(|_| {
+            let addr = stack.envoy_addr();
+            let start = start.clone();
+            std::thread::spawn(move || {
+                start.wait();
+                completion(&addr, &(0..64).collect::<Vec<u32>>(), 16).unwrap()
+            })
+        })
+        .collect();
+    let mut per_worker = BTreeMap::<String, usize>::new();
+    for b in burst {
+        let r = b.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        *per_worker
+            .entry(r.header("x-kvgate-sim-worker").unwrap().to_string())
+            .or_default() += 1;
+    }
+    eprintln!("burst of 200: {per_worker:?}");
+    let to_least_loaded = per_worker.get("1").copied().unwrap_or(0);
+    assert!(
+        to_least_loaded < 120,
+        "the burst herded onto worker 1: {per_worker:?}"
+    );
+    assert!(
+        per_worker.len() == 4 && per_worker.values().all(|n| *n >= 20),
+        "the burst did not spread: {per_worker:?}"
+    );
+    for h in hogs {
+        assert_eq!(h.join().unwrap().unwrap().status, 200);
+    }
+    wait_bookings_drained(&stack);
+}

@@ -8,6 +8,7 @@ pub struct Vars {
     pub listen_port: u16,
     pub plain_port: u16,
     pub sidecar_port: u16,
+    pub control_port: u16,
     pub wasm_path: String,
     pub plugin_config: String,
     pub fallback: Vec<String>,
@@ -49,6 +50,7 @@ pub fn render(template: &Path, v: &Vars) -> Result<String> {
         .replace("${LISTEN_PORT}", &v.listen_port.to_string())
         .replace("${PLAIN_PORT}", &v.plain_port.to_string())
         .replace("${SIDECAR_PORT}", &v.sidecar_port.to_string())
+        .replace("${CONTROL_PORT}", &v.control_port.to_string())
         .replace("${WASM_PATH}", &v.wasm_path)
         .replace("${PLUGIN_CONFIG}", &plugin)
         .replace("${FALLBACK_ENDPOINTS}\n", &endpoints);

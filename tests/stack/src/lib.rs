@@ -42,6 +42,8 @@ pub struct StackConfig {
     pub scrape_interval_ms: u64,
     pub down_after_ms: u64,
     pub envoy_concurrency: u32,
+    /// The bearer token the control API requires, if any.
+    pub control_token: Option<String>,
 }
 
 impl Default for StackConfig {
@@ -59,6 +61,7 @@ impl Default for StackConfig {
             scrape_interval_ms: 100,
             down_after_ms: 600,
             envoy_concurrency: 2,
+            control_token: None,
         }
     }
 }
@@ -88,6 +91,7 @@ pub struct Stack {
     pub plain_port: u16,
     pub admin_port: u16,
     pub sidecar_port: u16,
+    pub control_port: u16,
     pub workers: Vec<Worker>,
     pub run_dir: PathBuf,
     envoy: Option<Proc>,
@@ -104,10 +108,10 @@ impl Stack {
     pub fn start_with(paths: Paths, config: StackConfig) -> Result<Stack> {
         paths.check()?;
         let run_dir = paths.new_run_dir()?;
-        let mut ports = ports::free_ports(4 + config.workers)?.into_iter();
+        let mut ports = ports::free_ports(5 + config.workers)?.into_iter();
         let mut next = || ports.next().context("ran out of allocated ports");
-        let (envoy_port, plain_port, admin_port, sidecar_port) =
-            (next()?, next()?, next()?, next()?);
+        let (envoy_port, plain_port, admin_port, sidecar_port, control_port) =
+            (next()?, next()?, next()?, next()?, next()?);
 
         // Engines put DP rank r on base + r, so event ports come from one
         // contiguous run: [events(dp), replay(dp)] per worker.
@@ -166,6 +170,7 @@ impl Stack {
             plain_port,
             admin_port,
             sidecar_port,
+            control_port,
             workers,
             run_dir,
             envoy: None,
@@ -195,6 +200,10 @@ impl Stack {
     }
     pub fn sidecar_addr(&self) -> String {
         format!("127.0.0.1:{}", self.sidecar_port)
+    }
+    /// Envoy's control listener (`/busy_threshold`, `/workers`).
+    pub fn control_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.control_port)
     }
     pub fn admin_addr(&self) -> String {
         format!("127.0.0.1:{}", self.admin_port)
@@ -277,6 +286,11 @@ impl Stack {
                 }
             }
         }
+        if let Some(token) = &c.control_token {
+            let file = self.run_dir.join("control.token");
+            std::fs::write(&file, token).context("writing the control token")?;
+            toml = format!("[control]\ntoken_file = \"{}\"\n\n{toml}", file.display());
+        }
         let path = self.run_dir.join("sidecar.toml");
         if !path.exists() {
             std::fs::write(&path, toml).context("writing sidecar.toml")?;
@@ -309,6 +323,7 @@ impl Stack {
                 listen_port: self.envoy_port,
                 plain_port: self.plain_port,
                 sidecar_port: self.sidecar_port,
+                control_port: self.control_port,
                 wasm_path: self.paths.wasm.display().to_string(),
                 plugin_config: plugin,
                 fallback: endpoints,
