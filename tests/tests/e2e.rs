@@ -442,8 +442,8 @@ fn grouped(group: u32, i: u32, prefix_blocks: u32) -> Vec<u32> {
     t
 }
 
-/// Waits until the snapshot shows no KV blocks in use anywhere, so that
-/// load is equal and prefix overlap alone decides the next request.
+/// Waits until the snapshot shows no load anywhere (engine or booked), so
+/// that load is equal and prefix overlap alone decides the next request.
 fn wait_idle(stack: &Stack) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -453,7 +453,17 @@ fn wait_idle(stack: &Stack) {
             .into_iter()
             .flatten()
             .flat_map(|w| w["ranks"].as_array().cloned().unwrap_or_default())
-            .map(|r| r["kv_used_blocks"].as_u64().unwrap_or(0) + r["running"].as_u64().unwrap_or(0))
+            .map(|r| {
+                [
+                    "kv_used_blocks",
+                    "running",
+                    "active_decode_blocks",
+                    "active_prefill_tokens",
+                ]
+                .iter()
+                .map(|k| r[*k].as_u64().unwrap_or(0))
+                .sum::<u64>()
+            })
             .sum();
         if busy == 0 {
             wait_envoy_has(stack, s["version"].as_u64().unwrap_or(0));
