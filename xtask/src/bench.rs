@@ -8,6 +8,9 @@
 //!   decision-time histogram from Envoy.
 //! * `ingest`: KV events decoded, hashed and indexed on one thread, against
 //!   a generic msgpack decode of the same bytes.
+//! * `shedding` ([`crate::shedbench`]): the busy 503's latency against a
+//!   pass-through route, and admitted TTFT at 2× overload with shedding off
+//!   and on. `--only shedding` runs just that one.
 
 use crate::build::{self, Profile};
 use crate::{cargo, repo, setup};
@@ -22,12 +25,36 @@ use std::time::{Duration, Instant};
 
 pub fn run(args: &[String]) -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1));
     let started = Instant::now();
     setup::all()?;
     build::wasm()?;
     build::bins(Profile::Release)?;
     let dir = repo().join("bench/results");
     std::fs::create_dir_all(&dir)?;
+    if let Some(name) = only {
+        // One benchmark: its results, and its section of the report replaced.
+        anyhow::ensure!(name == "shedding", "--only knows: shedding");
+        let v = crate::shedbench::run(quick)?;
+        std::fs::write(dir.join("shedding.json"), serde_json::to_vec_pretty(&v)?)?;
+        let section = crate::shedbench::report(&v);
+        let path = repo().join("bench/report.md");
+        let old = std::fs::read_to_string(&path).unwrap_or_default();
+        let kept = match old.find("\n## Load shedding") {
+            Some(at) => {
+                let rest = &old[at + 1..];
+                let end = rest.find("\n## ").map_or(old.len(), |e| at + 1 + e);
+                format!("{}{}", &old[..at], &old[end..])
+            }
+            None => old,
+        };
+        std::fs::write(&path, format!("{kept}{section}"))?;
+        println!("{section}");
+        return Ok(());
+    }
 
     let ingest = ingest(if quick { 3 } else { 5 })?;
     std::fs::write(dir.join("ingest.json"), serde_json::to_vec_pretty(&ingest)?)?;
@@ -43,10 +70,16 @@ pub fn run(args: &[String]) -> Result<()> {
         dir.join("selection.json"),
         serde_json::to_vec_pretty(&selection)?,
     )?;
+    let shedding = crate::shedbench::run(quick)?;
+    std::fs::write(
+        dir.join("shedding.json"),
+        serde_json::to_vec_pretty(&shedding)?,
+    )?;
 
     let mut report = report(&ingest, &overhead, quick, started.elapsed());
     report.push_str(&kv_report(&kv));
     report.push_str(&selection_report(&selection));
+    report.push_str(&crate::shedbench::report(&shedding));
     std::fs::write(repo().join("bench/report.md"), &report)?;
     println!("\n{report}");
     Ok(())

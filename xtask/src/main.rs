@@ -13,6 +13,7 @@ mod build;
 mod demo;
 mod kvbench;
 mod setup;
+mod shedbench;
 
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
