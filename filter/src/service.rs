@@ -58,24 +58,10 @@ impl Service {
         if self.bookings_token.is_some() {
             return;
         }
-        let mut body = Vec::new();
-        while body.len() < 1 << 18 {
-            match host::dequeue(queue) {
-                Some(item) => body.extend_from_slice(&item),
-                None => break,
-            }
-        }
-        if body.is_empty() {
+        let Some(sent) = self.post_queued(queue, 1 << 18, "/v1/bookings") else {
             return;
-        }
-        let c = &self.config;
-        match host::dispatch_post(
-            &c.sidecar_cluster,
-            &c.sidecar_authority,
-            "/v1/bookings",
-            &body,
-            Duration::from_secs(2),
-        ) {
+        };
+        match sent {
             Ok(token) => {
                 self.bookings_token = Some(token);
                 inc(self.metrics.booking_batches);
@@ -96,28 +82,40 @@ impl Service {
         if Some(queue) != self.queue {
             return;
         }
-        let mut body = Vec::new();
         // Bounded per call; the rest stays queued for the next wake-up.
-        while body.len() < 1 << 20 {
+        match self.post_queued(queue, 1 << 20, "/v1/routed") {
+            None => {}
+            Some(Ok(_)) => inc(self.metrics.reports),
+            Some(Err(_)) => inc(self.metrics.report_errors),
+        }
+    }
+
+    /// Dequeues up to about `limit` bytes of records and posts them to the
+    /// sidecar at `path` in one request; `None` when the queue was empty.
+    fn post_queued(
+        &self,
+        queue: u32,
+        limit: usize,
+        path: &str,
+    ) -> Option<Result<u32, proxy_wasm::types::Status>> {
+        let mut body = Vec::new();
+        while body.len() < limit {
             match host::dequeue(queue) {
                 Some(item) => body.extend_from_slice(&item),
                 None => break,
             }
         }
         if body.is_empty() {
-            return;
+            return None;
         }
         let c = &self.config;
-        match host::dispatch_post(
+        Some(host::dispatch_post(
             &c.sidecar_cluster,
             &c.sidecar_authority,
-            "/v1/routed",
+            path,
             &body,
             Duration::from_secs(2),
-        ) {
-            Ok(_) => inc(self.metrics.reports),
-            Err(_) => inc(self.metrics.report_errors),
-        }
+        ))
     }
 
     /// Starts a poll if none is in flight and no backoff is pending.
