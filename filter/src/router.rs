@@ -223,7 +223,16 @@ impl Request {
                 };
                 let bs = u64::from(worker.block_size.max(1));
                 let prefill = req.isl_tokens.saturating_sub(u64::from(cached.device) * bs);
-                let decode = req.isl_tokens.div_ceil(bs).max(1);
+                // The cached prefix is already resident and shared with the
+                // requests that put it there: only the new blocks add KV
+                // load. Counting the prefix again would make every request
+                // of a prefix group look like a fresh load on its holder and
+                // push the group away from its cache.
+                let decode = req
+                    .isl_tokens
+                    .div_ceil(bs)
+                    .saturating_sub(u64::from(cached.device))
+                    .max(1);
                 let slot = rank.slot;
                 let c = &st.config;
                 let mut ok =

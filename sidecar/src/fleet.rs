@@ -321,10 +321,14 @@ impl Fleet {
                         // Engines do not report queued prefill; only the
                         // gateway knows what it sent and not yet heard back.
                         active_prefill_tokens: booked.prefill_tokens,
-                        // The engine's count covers other gateways' traffic,
-                        // the booking covers what the engine has not reported
-                        // yet; the larger is the better estimate of both.
-                        active_decode_blocks: booked.decode_blocks.max(m.kv_used_blocks()),
+                        // What this gateway has in flight there, as Dynamo's
+                        // router counts it. Not the engine's KV usage: that
+                        // includes the shared prefix blocks of running
+                        // requests, and counting them as load would push
+                        // every request away from the cache it could reuse.
+                        // Usage still makes a rank busy (`rank_busy` checks
+                        // both).
+                        active_decode_blocks: booked.decode_blocks,
                         kv_used_blocks: m.kv_used_blocks(),
                         kv_total_blocks: m.kv_total_blocks,
                         max_num_batched_tokens: if w.spec.max_num_batched_tokens > 0 {
@@ -550,15 +554,16 @@ endpoint = "127.0.0.1:8002"
         book(&mut b, 2, slots[1], 50, 4, now);
         let s = f.build_snapshot(&b, 30);
         let r = &s.model("m").unwrap().workers[0].ranks;
-        // Booked decode beats the engine's 10 blocks on rank 0 only.
+        // Booked load is the active load; the engine's usage stays beside it.
         assert_eq!(
             (r[0].active_prefill_tokens, r[0].active_decode_blocks),
             (700, 30)
         );
         assert_eq!(
             (r[1].active_prefill_tokens, r[1].active_decode_blocks),
-            (50, 10)
+            (50, 4)
         );
+        assert_eq!((r[0].kv_used_blocks, r[1].kv_used_blocks), (10, 10));
         assert_eq!(s.applied, vec![kvgate_core::Applied { vm: 1, seq: 2 }]);
     }
 

@@ -146,7 +146,7 @@ impl Metrics {
             rank_active_decode: gauge_vec(
                 &r,
                 "kvgate_sidecar_rank_active_decode_blocks",
-                "KV blocks held by the rank's active requests: the larger of gateway bookings and the engine's usage.",
+                "KV blocks the gateway has booked on the rank for requests in flight (cached prefix blocks count once).",
                 wr,
             ),
             bookings_active: gauge_vec(

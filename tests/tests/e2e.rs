@@ -1104,33 +1104,39 @@ fn a_burst_across_envoy_threads_spreads_by_cost_not_onto_one_worker() {
         .to_vec(),
         ..StackConfig::default()
     });
-    // Workers 2-4 carry a long request each (sent to them directly), so
-    // worker 1 is the least loaded by a little: without per-VM bookings
-    // the whole burst would land there.
-    let hogs: Vec<_> = stack.workers[1..]
-        .iter()
-        .enumerate()
-        .map(|(i, w)| {
-            let addr = w.endpoint();
-            std::thread::spawn(move || completion(&addr, &unique_prompt(i as u32, 320), 400))
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let s = stack.sidecar_state().unwrap();
-        let loaded = s["models"][0]["workers"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|w| w["ranks"][0]["kv_used_blocks"].as_u64().unwrap_or(0) > 0)
-            .count();
-        if loaded == 3 {
-            wait_envoy_has(&stack, s["version"].as_u64().unwrap());
-            break;
+    // Three long requests through Envoy book load on three workers, one
+    // after the other; the fourth worker is then the least loaded by a
+    // little, and without per-VM bookings the whole burst would land there.
+    let mut hogs = Vec::new();
+    for i in 0..3u32 {
+        let addr = stack.envoy_addr();
+        hogs.push(std::thread::spawn(move || {
+            completion(&addr, &unique_prompt(i, 320), 400)
+        }));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let s = stack.sidecar_state().unwrap();
+            let loaded = s["models"][0]["workers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|w| w["ranks"][0]["active_decode_blocks"].as_u64().unwrap_or(0) > 0)
+                .count();
+            if loaded == i as usize + 1 {
+                wait_envoy_has(&stack, s["version"].as_u64().unwrap());
+                break;
+            }
+            assert!(Instant::now() < deadline, "hog {i} never showed: {s}");
+            std::thread::sleep(Duration::from_millis(20));
         }
-        assert!(Instant::now() < deadline, "hogs never showed: {s}");
-        std::thread::sleep(Duration::from_millis(20));
     }
+    let idle: String = stack.sidecar_state().unwrap()["models"][0]["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|w| w["ranks"][0]["active_decode_blocks"] == 0)
+        .map(|w| w["worker_id"].to_string())
+        .expect("one worker without a hog");
     let start = std::sync::Arc::new(std::sync::Barrier::new(200));
     let burst: Vec<_> = (0..200)
         .map(|_| {
@@ -1151,13 +1157,15 @@ fn a_burst_across_envoy_threads_spreads_by_cost_not_onto_one_worker() {
             .or_default() += 1;
     }
     eprintln!("burst of 200: {per_worker:?}");
-    let to_least_loaded = per_worker.get("1").copied().unwrap_or(0);
+    let to_least_loaded = per_worker.get(&idle).copied().unwrap_or(0);
+    // The cost gives the idle worker a few more than its share (50); with
+    // only the snapshot (no per-VM bookings) it took about 90 here.
     assert!(
-        to_least_loaded < 120,
-        "the burst herded onto worker 1: {per_worker:?}"
+        to_least_loaded <= 75,
+        "the burst herded onto worker {idle}: {per_worker:?}"
     );
     assert!(
-        per_worker.len() == 4 && per_worker.values().all(|n| *n >= 20),
+        per_worker.len() == 4 && per_worker.values().all(|n| *n >= 30),
         "the burst did not spread: {per_worker:?}"
     );
     for h in hogs {

@@ -11,6 +11,9 @@
 //! * `shedding` ([`crate::shedbench`]): the busy 503's latency against a
 //!   pass-through route, and admitted TTFT at 2× overload with shedding off
 //!   and on. `--only shedding` runs just that one.
+//! * `quality` ([`crate::quality`]): routing quality of five policies on 8
+//!   simulated workers, two workloads, several rates; plots in
+//!   `bench/plots/`. `--only quality` runs just that one.
 
 use crate::build::{self, Profile};
 use crate::{cargo, repo, setup};
@@ -37,13 +40,22 @@ pub fn run(args: &[String]) -> Result<()> {
     std::fs::create_dir_all(&dir)?;
     if let Some(name) = only {
         // One benchmark: its results, and its section of the report replaced.
-        anyhow::ensure!(name == "shedding", "--only knows: shedding");
-        let v = crate::shedbench::run(quick)?;
-        std::fs::write(dir.join("shedding.json"), serde_json::to_vec_pretty(&v)?)?;
-        let section = crate::shedbench::report(&v);
+        let (section, heading) = match name.as_str() {
+            "shedding" => {
+                let v = crate::shedbench::run(quick)?;
+                std::fs::write(dir.join("shedding.json"), serde_json::to_vec_pretty(&v)?)?;
+                (crate::shedbench::report(&v), "\n## Load shedding")
+            }
+            "quality" => {
+                let v = crate::quality::run(quick)?;
+                std::fs::write(dir.join("quality.json"), serde_json::to_vec_pretty(&v)?)?;
+                (quality_section(&v)?, "\n## Routing quality")
+            }
+            other => bail!("--only knows shedding and quality, not {other:?}"),
+        };
         let path = repo().join("bench/report.md");
         let old = std::fs::read_to_string(&path).unwrap_or_default();
-        let kept = match old.find("\n## Load shedding") {
+        let kept = match old.find(heading) {
             Some(at) => {
                 let rest = &old[at + 1..];
                 let end = rest.find("\n## ").map_or(old.len(), |e| at + 1 + e);
@@ -75,14 +87,31 @@ pub fn run(args: &[String]) -> Result<()> {
         dir.join("shedding.json"),
         serde_json::to_vec_pretty(&shedding)?,
     )?;
+    let quality = crate::quality::run(quick)?;
+    std::fs::write(
+        dir.join("quality.json"),
+        serde_json::to_vec_pretty(&quality)?,
+    )?;
 
     let mut report = report(&ingest, &overhead, quick, started.elapsed());
     report.push_str(&kv_report(&kv));
     report.push_str(&selection_report(&selection));
     report.push_str(&crate::shedbench::report(&shedding));
+    report.push_str(&quality_section(&quality)?);
     std::fs::write(repo().join("bench/report.md"), &report)?;
     println!("\n{report}");
     Ok(())
+}
+
+/// The routing-quality section; its plots go to `bench/plots/`.
+fn quality_section(v: &Value) -> Result<String> {
+    let (md, plots) = crate::quality::report(v);
+    let dir = repo().join("bench/plots");
+    std::fs::create_dir_all(&dir)?;
+    for (name, svg) in plots {
+        std::fs::write(dir.join(name), svg)?;
+    }
+    Ok(md)
 }
 
 /// Runs a benchmark example that prints one JSON object.

@@ -12,6 +12,8 @@ mod bench;
 mod build;
 mod demo;
 mod kvbench;
+mod plot;
+mod quality;
 mod setup;
 mod shedbench;
 

@@ -1,0 +1,465 @@
+//! `quality`: routing quality on a fleet of 8 simulated workers behind
+//! Envoy, policy against policy on the same requests at the same rates.
+//!
+//! Policies:
+//! * `round_robin`, `least_request`: Envoy's own balancers (the plain
+//!   listener), what a fleet gets without kvgate;
+//! * `approximate`: kvgate with text prompts, prefixes learned from its own
+//!   routing decisions (the same prompts rendered as words);
+//! * `precise`: kvgate with token prompts and the workers' KV events;
+//! * `precise_shedding`: the same with busy thresholds on, set through the
+//!   control listener.
+//!
+//! Between runs every worker's prefix cache is reset, so each run starts
+//! cold. Hit rates come from the workers' own counters.
+
+use crate::build;
+use crate::plot;
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use kvgate_load::summary::percentile;
+use kvgate_load::workload::{SharedPrefix, mooncake, shared_prefix};
+use kvgate_load::{Outcome, RequestSpec, Target, run_open_loop};
+use kvgate_stack::{Stack, StackConfig, http};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+const POLICIES: [&str; 5] = [
+    "round_robin",
+    "least_request",
+    "approximate",
+    "precise",
+    "precise_shedding",
+];
+
+/// Busy past half of a rank's KV cache (gateway bookings included).
+const SHED_THRESHOLD: f64 = 0.5;
+
+/// The same prompt as words, one per token, for the text (approximate)
+/// policy: equal token prefixes give equal text prefixes.
+fn as_text(spec: &RequestSpec) -> RequestSpec {
+    let mut v: Value = serde_json::from_slice(&spec.body).unwrap_or(Value::Null);
+    let text: String = v["prompt"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|t| format!("w{}", t.as_u64().unwrap_or(0)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default();
+    v["prompt"] = json!(text);
+    RequestSpec {
+        body: Bytes::from(v.to_string()),
+        ..spec.clone()
+    }
+}
+
+fn sims(stack: &Stack) -> Vec<Value> {
+    stack
+        .workers
+        .iter()
+        .map(|w| {
+            http::get(&w.endpoint(), "/sim/state")
+                .ok()
+                .and_then(|(_, b)| serde_json::from_slice(&b).ok())
+                .unwrap_or(Value::Null)
+        })
+        .collect()
+}
+
+fn counter(states: &[Value], key: &str) -> u64 {
+    states
+        .iter()
+        .flat_map(|s| s["ranks"].as_array().cloned().unwrap_or_default())
+        .map(|r| r[key].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// Empties every worker's prefix cache and waits until nothing is running
+/// and the index has forgotten it.
+fn reset(stack: &Stack) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let running: u64 = counter(&sims(stack), "running") + counter(&sims(stack), "waiting");
+        let booked = stack
+            .sidecar_metric("kvgate_sidecar_bookings_active{model=\"demo-model\"}")
+            .unwrap_or(0.0);
+        if running == 0 && booked == 0.0 {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the fleet never went idle");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for w in &stack.workers {
+        http::request(&w.endpoint(), "POST", "/reset_prefix_cache", &[], None)
+            .with_context(|| format!("resetting worker {}", w.id))?;
+    }
+    while stack
+        .sidecar_metric("kvgate_sidecar_kv_indexed_blocks{model=\"demo-model\"}")
+        .unwrap_or(0.0)
+        > 0.0
+    {
+        anyhow::ensure!(Instant::now() < deadline, "the index never emptied");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
+}
+
+fn set_shedding(stack: &Stack, on: bool) -> Result<()> {
+    let body = if on {
+        json!({"model": "demo-model", "active_decode_blocks_threshold": SHED_THRESHOLD})
+    } else {
+        json!({"model": "demo-model", "active_decode_blocks_threshold": null})
+    };
+    let (status, b) = http::request(
+        &stack.control_addr(),
+        "POST",
+        "/busy_threshold",
+        &[("content-type", "application/json")],
+        Some(body.to_string().as_bytes()),
+    )?;
+    anyhow::ensure!(
+        status == 200,
+        "busy_threshold: {status} {}",
+        String::from_utf8_lossy(&b)
+    );
+    // One poll answer later the filter has it.
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(())
+}
+
+fn ms(sorted: &[u64], p: f64) -> f64 {
+    percentile(sorted, p).unwrap_or(0) as f64 / 1000.0
+}
+
+/// One policy at one rate: the figures and the TTFT distribution.
+fn summarize(outcomes: &[Outcome], before: &[Value], after: &[Value], workers: usize) -> Value {
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.status == 200).collect();
+    let mut ttft: Vec<u64> = ok.iter().filter_map(|o| o.ttft_us).collect();
+    ttft.sort_unstable();
+    let mut e2e: Vec<u64> = ok.iter().map(|o| o.latency_us).collect();
+    e2e.sort_unstable();
+    let shed = outcomes.iter().filter(|o| o.status == 503).count();
+    let failed = outcomes.len() - ok.len() - shed;
+    let first = outcomes.iter().map(|o| o.start_us).min().unwrap_or(0);
+    let last = outcomes
+        .iter()
+        .map(|o| o.start_us + o.latency_us)
+        .max()
+        .unwrap_or(0);
+    let span_s = (last.saturating_sub(first)) as f64 / 1e6;
+    let delta = |k: &str| counter(after, k).saturating_sub(counter(before, k));
+    let (queries, hits) = (delta("prefix_cache_queries"), delta("prefix_cache_hits"));
+    let mut per_worker: BTreeMap<String, u64> = BTreeMap::new();
+    for o in &ok {
+        if let Some(w) = &o.worker {
+            *per_worker.entry(w.clone()).or_default() += 1;
+        }
+    }
+    let loads: Vec<u64> = (1..=workers)
+        .map(|w| per_worker.get(&w.to_string()).copied().unwrap_or(0))
+        .collect();
+    // The CDF keeps 100 points: enough for a plot, small in JSON.
+    let cdf: Vec<f64> = (1..=100).map(|p| ms(&ttft, p as f64)).collect();
+    json!({
+        "sent": outcomes.len(),
+        "ok": ok.len(),
+        "shed": shed,
+        "failed": failed,
+        "shed_rate": shed as f64 / outcomes.len().max(1) as f64,
+        "ttft_ms": {"p50": ms(&ttft, 50.0), "p90": ms(&ttft, 90.0), "p99": ms(&ttft, 99.0)},
+        "e2e_ms": {"p50": ms(&e2e, 50.0), "p90": ms(&e2e, 90.0), "p99": ms(&e2e, 99.0)},
+        "throughput_rps": ok.len() as f64 / span_s.max(1e-9),
+        "hit_rate": hits as f64 / queries.max(1) as f64,
+        "requests_per_worker": loads,
+        "max_min_load": {
+            "max": loads.iter().max().copied().unwrap_or(0),
+            "min": loads.iter().min().copied().unwrap_or(0),
+        },
+        "ttft_cdf_ms": cdf,
+    })
+}
+
+fn run_policy(
+    stack: &Stack,
+    rt: &tokio::runtime::Runtime,
+    policy: &str,
+    specs: &[RequestSpec],
+    time_scale: f64,
+) -> Result<Value> {
+    reset(stack)?;
+    set_shedding(stack, policy == "precise_shedding")?;
+    let (target, specs): (Target, Vec<RequestSpec>) = match policy {
+        "round_robin" => {
+            let mut t = Target::new(stack.plain_url());
+            t.headers
+                .push(("x-kvgate-baseline".into(), "round_robin".into()));
+            (t, specs.to_vec())
+        }
+        "least_request" => (Target::new(stack.plain_url()), specs.to_vec()),
+        "approximate" => (
+            Target::new(stack.envoy_url()),
+            specs.iter().map(as_text).collect(),
+        ),
+        _ => (Target::new(stack.envoy_url()), specs.to_vec()),
+    };
+    let before = sims(stack);
+    let outcomes = rt.block_on(run_open_loop(&target, &specs, time_scale));
+    let after = sims(stack);
+    Ok(summarize(&outcomes, &before, &after, stack.workers.len()))
+}
+
+struct Workload {
+    name: &'static str,
+    describe: String,
+    /// KV blocks per worker: small enough that spreading a prefix over
+    /// every worker evicts it, as on a real fleet.
+    kv_blocks: u32,
+    /// Offered rates, each with the specs and time scale that produce it.
+    runs: Vec<(f64, Vec<RequestSpec>, f64)>,
+}
+
+fn workloads(quick: bool) -> Result<Vec<Workload>> {
+    let (groups, per_group) = if quick { (16, 6) } else { (64, 16) };
+    let rates: &[f64] = if quick {
+        &[30.0, 60.0]
+    } else {
+        &[20.0, 40.0, 80.0]
+    };
+    let p = |rate| SharedPrefix {
+        groups,
+        per_group,
+        prefix_tokens: 2048,
+        question_tokens: 128,
+        output_tokens: 32,
+        rate,
+    };
+    let shared = Workload {
+        name: "shared_prefix",
+        kv_blocks: 4096,
+        describe: format!(
+            "{groups} groups × {per_group} prompts, 2048-token shared prefix + 128-token question, 32 output tokens, Poisson arrivals"
+        ),
+        runs: rates
+            .iter()
+            .map(|r| (*r, shared_prefix("demo-model", p(*r), 42), 1.0))
+            .collect(),
+    };
+    let path = std::env::var_os("KVGATE_MOONCAKE_TRACE")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| crate::repo().join("../shared/data/mooncake/conversation_trace.jsonl"));
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        eprintln!(
+            "xtask: bench quality: no Mooncake trace at {} (set KVGATE_MOONCAKE_TRACE); shared prefix only",
+            path.display()
+        );
+        return Ok(vec![shared]);
+    };
+    let n = if quick { 80 } else { 300 };
+    let mut trace = mooncake(&text, "demo-model", n, 512).map_err(anyhow::Error::msg)?;
+    // Outputs capped: the simulated fleet shares two cores with Envoy and
+    // the load generator, and routing quality shows in the prefill.
+    for s in &mut trace {
+        let mut v: Value = serde_json::from_slice(&s.body).unwrap_or(Value::Null);
+        let out = v["max_tokens"].as_u64().unwrap_or(1).min(32);
+        v["max_tokens"] = json!(out);
+        s.body = Bytes::from(v.to_string());
+    }
+    let span = trace.last().map_or(1.0, |s| s.at.as_secs_f64()).max(1.0);
+    let natural = trace.len() as f64 / span;
+    let trace_rates: &[f64] = if quick {
+        &[8.0, 16.0]
+    } else {
+        &[5.0, 10.0, 15.0]
+    };
+    let mooncake = Workload {
+        name: "mooncake",
+        kv_blocks: 16384,
+        describe: format!(
+            "first {n} requests of the Mooncake conversation trace (mean input {:.0} tokens, 512-token hash blocks), outputs capped at 32 tokens, timestamps scaled to the rate",
+            trace
+                .iter()
+                .map(|s| s.prompt_tokens.unwrap_or(0) as f64)
+                .sum::<f64>()
+                / trace.len().max(1) as f64
+        ),
+        runs: trace_rates
+            .iter()
+            .map(|r| (*r, trace.clone(), natural / r))
+            .collect(),
+    };
+    Ok(vec![shared, mooncake])
+}
+
+fn fleet(kv_blocks: u32) -> Result<Stack> {
+    Stack::start_with(
+        build::release_paths()?,
+        StackConfig {
+            workers: 8,
+            kv_events: true,
+            sim_args: [
+                "--num-gpu-blocks",
+                &kv_blocks.to_string(),
+                "--max-running",
+                "4",
+                "--prefill-us-per-token",
+                "100",
+                "--decode-ms-per-token",
+                "5",
+            ]
+            .map(String::from)
+            .to_vec(),
+            plugin: json!({"max_body_bytes": 4 << 20}),
+            ..StackConfig::default()
+        },
+    )
+}
+
+pub fn run(quick: bool) -> Result<Value> {
+    let rt = tokio::runtime::Runtime::new()?;
+    let mut out = Vec::new();
+    for w in workloads(quick)? {
+        let stack = fleet(w.kv_blocks)?;
+        let mut rates = Vec::new();
+        for (rate, specs, scale) in &w.runs {
+            let mut policies = serde_json::Map::new();
+            for policy in POLICIES {
+                eprintln!(
+                    "xtask: bench quality: {} at {rate} req/s, {policy} ({} requests)",
+                    w.name,
+                    specs.len()
+                );
+                let v = run_policy(&stack, &rt, policy, specs, *scale)
+                    .with_context(|| format!("{} {policy} at {rate}", w.name))?;
+                policies.insert(policy.into(), v);
+            }
+            rates.push(json!({"rate_per_s": rate, "policies": policies}));
+        }
+        out.push(json!({"name": w.name, "describe": w.describe, "kv_blocks_per_worker": w.kv_blocks, "rates": rates}));
+    }
+    Ok(json!({
+        "name": "quality",
+        "workers": 8,
+        "worker_model": "kvgate-sim: KV blocks of 16 tokens, 4 running per worker, prefill 100 µs per uncached token, decode 5 ms per token",
+        "shed_threshold_active_decode_blocks": SHED_THRESHOLD,
+        "workloads": out,
+    }))
+}
+
+/// The report section, and the plots it links (name, SVG).
+pub fn report(v: &Value) -> (String, Vec<(String, String)>) {
+    let mut md = format!(
+        "\n## Routing quality (8 simulated workers behind Envoy)\n\nWorkers: {}. Policies on the same requests at the same offered rates; each run starts with every prefix cache empty. Hit rate is prompt tokens served from cache, from the workers' own counters; load is requests completed per worker (max / min); shedding sheds past {} of a rank's KV blocks.\n",
+        v["worker_model"].as_str().unwrap_or(""),
+        v["shed_threshold_active_decode_blocks"]
+    );
+    let mut plots = Vec::new();
+    for w in v["workloads"].as_array().into_iter().flatten() {
+        let name = w["name"].as_str().unwrap_or("?");
+        md.push_str(&format!(
+            "\n### {name}: {} ({} KV blocks per worker)\n\n| rate | policy | TTFT p50 / p90 / p99 (ms) | e2e p50 / p90 / p99 (ms) | throughput | hit rate | load max / min | 503 |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n",
+            w["describe"].as_str().unwrap_or(""),
+            w["kv_blocks_per_worker"]
+        ));
+        let rates = w["rates"].as_array().cloned().unwrap_or_default();
+        for r in &rates {
+            for policy in POLICIES {
+                let p = &r["policies"][policy];
+                let f = |a: &str, b: &str| p[a][b].as_f64().unwrap_or(f64::NAN);
+                md.push_str(&format!(
+                    "| {} req/s | {policy} | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.1} req/s | {:.1} % | {} / {} | {:.1} % |\n",
+                    r["rate_per_s"],
+                    f("ttft_ms", "p50"),
+                    f("ttft_ms", "p90"),
+                    f("ttft_ms", "p99"),
+                    f("e2e_ms", "p50"),
+                    f("e2e_ms", "p90"),
+                    f("e2e_ms", "p99"),
+                    p["throughput_rps"].as_f64().unwrap_or(f64::NAN),
+                    100.0 * p["hit_rate"].as_f64().unwrap_or(f64::NAN),
+                    p["max_min_load"]["max"],
+                    p["max_min_load"]["min"],
+                    100.0 * p["shed_rate"].as_f64().unwrap_or(f64::NAN),
+                ));
+            }
+        }
+        // Plots at the highest rate: where routing matters most.
+        if let Some(r) = rates.last() {
+            let rate = r["rate_per_s"].as_f64().unwrap_or(0.0);
+            let series: Vec<(&str, Vec<f64>)> = POLICIES
+                .iter()
+                .map(|p| {
+                    let v: Vec<f64> = r["policies"][*p]["ttft_cdf_ms"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(Value::as_f64)
+                        .collect();
+                    (*p, v)
+                })
+                .collect();
+            let cdf_name = format!("quality_{name}_ttft_cdf.svg");
+            plots.push((
+                cdf_name.clone(),
+                plot::cdf(
+                    &format!("{name}: TTFT at {rate} req/s"),
+                    "time to first token (ms)",
+                    &series,
+                ),
+            ));
+            let workers: Vec<String> = (1..=8).map(|i| format!("w{i}")).collect();
+            let loads: Vec<(&str, Vec<f64>)> = POLICIES
+                .iter()
+                .map(|p| {
+                    let v: Vec<f64> = r["policies"][*p]["requests_per_worker"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(Value::as_f64)
+                        .collect();
+                    (*p, v)
+                })
+                .collect();
+            let load_name = format!("quality_{name}_load.svg");
+            plots.push((
+                load_name.clone(),
+                plot::bars(
+                    &format!("{name}: requests per worker at {rate} req/s"),
+                    "requests",
+                    &workers,
+                    &loads,
+                ),
+            ));
+            let rate_labels: Vec<String> = rates
+                .iter()
+                .map(|r| format!("{} req/s", r["rate_per_s"]))
+                .collect();
+            let hits: Vec<(&str, Vec<f64>)> = POLICIES
+                .iter()
+                .map(|p| {
+                    let v: Vec<f64> = rates
+                        .iter()
+                        .map(|r| r["policies"][*p]["hit_rate"].as_f64().unwrap_or(0.0))
+                        .collect();
+                    (*p, v)
+                })
+                .collect();
+            let hits_name = format!("quality_{name}_hit_rate.svg");
+            plots.push((
+                hits_name.clone(),
+                plot::bars(
+                    &format!("{name}: prefix-cache hit rate"),
+                    "hit rate",
+                    &rate_labels,
+                    &hits,
+                ),
+            ));
+            md.push_str(&format!(
+                "\n![TTFT CDF](plots/{cdf_name}) ![load per worker](plots/{load_name}) ![hit rate](plots/{hits_name})\n"
+            ));
+        }
+    }
+    (md, plots)
+}
