@@ -45,6 +45,30 @@ pub fn chunk_hashes(text: &str) -> Vec<u64> {
     out
 }
 
+/// Keeps token chunks apart from text chunks of the same bytes.
+const TOKEN_SEED: u64 = 1337 ^ 0x70CE_0C5E_ED00_0002;
+
+/// Chained hashes of the full `CHUNK_TOKENS`-token chunks of a token
+/// prompt, in the same units as text chunks: a token request's routing
+/// decision goes into the same index, so requests that follow it before
+/// the engine's KV events do still find its prefix.
+pub fn token_chunk_hashes(tokens: &[u32]) -> Vec<u64> {
+    let n = CHUNK_TOKENS as usize;
+    let mut out = Vec::with_capacity((tokens.len() / n).min(MAX_CHUNKS));
+    let mut buf = Vec::with_capacity(8 + 4 * n);
+    let mut parent = 0u64;
+    for chunk in tokens.chunks_exact(n).take(MAX_CHUNKS) {
+        buf.clear();
+        buf.extend_from_slice(&parent.to_le_bytes());
+        for t in chunk {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        parent = xxh3_64_with_seed(&buf, TOKEN_SEED);
+        out.push(parent);
+    }
+    out
+}
+
 /// One routing decision, as reported to the sidecar.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Routed {
@@ -110,6 +134,23 @@ impl Routed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_chunks_chain_share_prefixes_and_differ_from_text() {
+        let a: Vec<u32> = (0..200).collect();
+        let mut b = a.clone();
+        b[150] = 9;
+        let (ha, hb) = (token_chunk_hashes(&a), token_chunk_hashes(&b));
+        assert_eq!(ha.len(), 3, "only full 64-token chunks");
+        assert_eq!(ha[..2], hb[..2]);
+        assert_ne!(ha[2], hb[2]);
+        let bytes: String = a
+            .iter()
+            .flat_map(|t| t.to_le_bytes())
+            .map(char::from)
+            .collect();
+        assert!(chunk_hashes(&bytes).iter().all(|h| !ha.contains(h)));
+    }
 
     #[test]
     fn chunks_chain_and_share_prefixes() {

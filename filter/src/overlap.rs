@@ -120,6 +120,16 @@ pub fn chunks_as_blocks(o: Overlap, block_size: u32) -> Overlap {
 }
 
 /// The overlap of one slot, in the selector's terms.
+/// Events say what a rank holds; routing decisions say what it is about to
+/// hold. A rank is credited with the longer of the two, tier by tier.
+pub fn combine(precise: Overlap, routed: Overlap) -> Overlap {
+    Overlap {
+        device: precise.device.max(routed.device),
+        host: precise.host.max(routed.host),
+        disk: precise.disk.max(routed.disk),
+    }
+}
+
 pub fn of(table: &[SlotOverlap], slot: u16) -> Overlap {
     table
         .get(slot as usize)

@@ -181,29 +181,40 @@ impl Request {
         };
         st.tie_break = st.tie_break.wrapping_add(1);
         let selecting = host::now_us();
-        // Token prompts: exact overlap from the engines' events. Text
-        // prompts: the approximate index learned from earlier decisions.
+        // Token prompts: exact overlap from the engines' events, plus the
+        // prefixes of requests routed moments ago whose events have not
+        // arrived yet (the routed-prefix index). Text prompts: the routed-
+        // prefix index alone.
         let mut chunks = Vec::new();
-        let table = match (
+        let (precise, routed) = match (
             req.tokens.as_deref(),
             req.text.as_deref(),
             snap.model(&req.model),
         ) {
-            (Some(tokens), _, Some(model)) => overlap::compute(model, tokens, host::get_shared).0,
+            (Some(tokens), _, Some(model)) => {
+                chunks = approx::token_chunk_hashes(tokens);
+                (
+                    overlap::compute(model, tokens, host::get_shared).0,
+                    overlap::approximate(model, &chunks, host::get_shared),
+                )
+            }
             (None, Some(text), Some(model)) => {
                 chunks = approx::chunk_hashes(text);
-                overlap::approximate(model, &chunks, host::get_shared)
+                (
+                    Vec::new(),
+                    overlap::approximate(model, &chunks, host::get_shared),
+                )
             }
-            _ => Vec::new(),
+            _ => (Vec::new(), Vec::new()),
         };
-        let approximate = !chunks.is_empty();
+        let cached_of = |w: &kvgate_core::WorkerState, slot: u16| {
+            overlap::combine(
+                overlap::of(&precise, slot),
+                overlap::chunks_as_blocks(overlap::of(&routed, slot), w.block_size),
+            )
+        };
         let outcome = decide(&st.config, &st.policy, snap, &req, st.tie_break, |w, r| {
-            let o = overlap::of(&table, r.slot);
-            if approximate {
-                overlap::chunks_as_blocks(o, w.block_size)
-            } else {
-                o
-            }
+            cached_of(w, r.slot)
         });
         record(
             st.metrics.selection_us,
@@ -215,12 +226,7 @@ impl Request {
                 rank,
                 set_rank,
             } => {
-                let o = overlap::of(&table, rank.slot);
-                let cached = if approximate {
-                    overlap::chunks_as_blocks(o, worker.block_size)
-                } else {
-                    o
-                };
+                let cached = cached_of(worker, rank.slot);
                 let bs = u64::from(worker.block_size.max(1));
                 let prefill = req.isl_tokens.saturating_sub(u64::from(cached.device) * bs);
                 // The cached prefix is already resident and shared with the
