@@ -1092,6 +1092,7 @@ fn a_burst_across_envoy_threads_spreads_by_cost_not_onto_one_worker() {
     let _g = serial();
     let stack = start(StackConfig {
         workers: 4,
+        kv_events: true,
         sim_args: [
             "--max-running",
             "256",
@@ -1104,14 +1105,27 @@ fn a_burst_across_envoy_threads_spreads_by_cost_not_onto_one_worker() {
         .to_vec(),
         ..StackConfig::default()
     });
-    // Three long requests through Envoy book load on three workers, one
-    // after the other; the fourth worker is then the least loaded by a
-    // little, and without per-VM bookings the whole burst would land there.
+    // Every worker caches the burst's prompt first, straight from the
+    // worker: the prefix credit is then the same everywhere and the spread
+    // is the load's doing alone (otherwise identical requests rightly
+    // follow whichever worker they reached first).
+    let prompt: Vec<u32> = (0..64).collect();
+    for w in &stack.workers {
+        assert_eq!(completion(&w.endpoint(), &prompt, 1).unwrap().status, 200);
+    }
+    wait_indexed(&stack, 4.0);
+    std::thread::sleep(Duration::from_millis(300));
+    // Three long-running requests through Envoy book 4 blocks each on three
+    // workers, one after the other; the fourth worker is then the least
+    // loaded by 4 blocks, and without per-VM bookings the whole burst would
+    // land there. With them, each Envoy thread fills that gap once (a
+    // cached request books 1 block) and then spreads: about 56 there, 48
+    // elsewhere.
     let mut hogs = Vec::new();
     for i in 0..3u32 {
         let addr = stack.envoy_addr();
         hogs.push(std::thread::spawn(move || {
-            completion(&addr, &unique_prompt(i, 320), 400)
+            completion(&addr, &unique_prompt(i, 64), 400)
         }));
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
@@ -1142,9 +1156,10 @@ fn a_burst_across_envoy_threads_spreads_by_cost_not_onto_one_worker() {
         .map(|_| {
             let addr = stack.envoy_addr();
             let start = start.clone();
+            let prompt = prompt.clone();
             std::thread::spawn(move || {
                 start.wait();
-                completion(&addr, &(0..64).collect::<Vec<u32>>(), 16).unwrap()
+                completion(&addr, &prompt, 16).unwrap()
             })
         })
         .collect();
@@ -1158,8 +1173,7 @@ fn a_burst_across_envoy_threads_spreads_by_cost_not_onto_one_worker() {
     }
     eprintln!("burst of 200: {per_worker:?}");
     let to_least_loaded = per_worker.get(&idle).copied().unwrap_or(0);
-    // The cost gives the idle worker a few more than its share (50); with
-    // only the snapshot (no per-VM bookings) it took about 90 here.
+    // Herding would send nearly all 200 there.
     assert!(
         to_least_loaded <= 75,
         "the burst herded onto worker {idle}: {per_worker:?}"
