@@ -69,11 +69,22 @@ pub fn token_chunk_hashes(tokens: &[u32]) -> Vec<u64> {
     out
 }
 
+/// What a routing decision's chunks were cut from. The sidecar keeps them
+/// for different times: a text prefix is all kvgate will ever know of a
+/// text prompt, while a token prefix only bridges the moments until the
+/// engine's own KV events report the blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkKind {
+    Text = 0,
+    Tokens = 1,
+}
+
 /// One routing decision, as reported to the sidecar.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Routed {
     pub model: String,
     pub slot: u16,
+    pub kind: ChunkKind,
     pub hashes: Vec<u64>,
 }
 
@@ -83,15 +94,19 @@ pub enum RoutedError {
     Truncated,
     #[error("routed record model name is not UTF-8")]
     BadUtf8,
+    #[error("routed record has unknown chunk kind {0}")]
+    UnknownKind(u8),
 }
 
 impl Routed {
-    /// `u16 model_len, model, u16 slot, u32 n, n × u64`, little-endian.
+    /// `u16 model_len, model, u16 slot, u8 kind, u32 n, n × u64`,
+    /// little-endian.
     pub fn encode_into(&self, out: &mut Vec<u8>) {
         let name = &self.model.as_bytes()[..self.model.len().min(u16::MAX as usize)];
         out.extend_from_slice(&(name.len() as u16).to_le_bytes());
         out.extend_from_slice(name);
         out.extend_from_slice(&self.slot.to_le_bytes());
+        out.push(self.kind as u8);
         out.extend_from_slice(&(self.hashes.len() as u32).to_le_bytes());
         for h in &self.hashes {
             out.extend_from_slice(&h.to_le_bytes());
@@ -111,6 +126,11 @@ impl Routed {
             let name = take(&mut b, u16::from_le_bytes([l[0], l[1]]) as usize)?;
             let model = String::from_utf8(name).map_err(|_| RoutedError::BadUtf8)?;
             let s = take(&mut b, 2)?;
+            let kind = match take(&mut b, 1)?[0] {
+                0 => ChunkKind::Text,
+                1 => ChunkKind::Tokens,
+                k => return Err(RoutedError::UnknownKind(k)),
+            };
             let n = take(&mut b, 4)?;
             let n = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
             if n.saturating_mul(8) > b.len() {
@@ -124,6 +144,7 @@ impl Routed {
             out.push(Routed {
                 model,
                 slot: u16::from_le_bytes([s[0], s[1]]),
+                kind,
                 hashes,
             });
         }
@@ -181,11 +202,13 @@ mod tests {
             Routed {
                 model: "m".into(),
                 slot: 3,
+                kind: ChunkKind::Tokens,
                 hashes: vec![1, u64::MAX],
             },
             Routed {
                 model: "other".into(),
                 slot: 0,
+                kind: ChunkKind::Text,
                 hashes: vec![],
             },
         ];
@@ -202,7 +225,10 @@ mod tests {
             Err(RoutedError::Truncated)
         );
         let mut huge = b.clone();
-        huge[5..9].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(Routed::decode_all(&huge).is_err());
+        huge[6..10].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Routed::decode_all(&huge), Err(RoutedError::Truncated));
+        let mut odd = b.clone();
+        odd[5] = 7;
+        assert_eq!(Routed::decode_all(&odd), Err(RoutedError::UnknownKind(7)));
     }
 }

@@ -119,7 +119,6 @@ pub fn chunks_as_blocks(o: Overlap, block_size: u32) -> Overlap {
     }
 }
 
-/// The overlap of one slot, in the selector's terms.
 /// Events say what a rank holds; routing decisions say what it is about to
 /// hold. A rank is credited with the longer of the two, tier by tier.
 pub fn combine(precise: Overlap, routed: Overlap) -> Overlap {
@@ -130,6 +129,7 @@ pub fn combine(precise: Overlap, routed: Overlap) -> Overlap {
     }
 }
 
+/// The overlap of one slot, in the selector's terms.
 pub fn of(table: &[SlotOverlap], slot: u16) -> Overlap {
     table
         .get(slot as usize)

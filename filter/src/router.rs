@@ -186,6 +186,7 @@ impl Request {
         // arrived yet (the routed-prefix index). Text prompts: the routed-
         // prefix index alone.
         let mut chunks = Vec::new();
+        let mut kind = approx::ChunkKind::Text;
         let (precise, routed) = match (
             req.tokens.as_deref(),
             req.text.as_deref(),
@@ -193,6 +194,7 @@ impl Request {
         ) {
             (Some(tokens), _, Some(model)) => {
                 chunks = approx::token_chunk_hashes(tokens);
+                kind = approx::ChunkKind::Tokens;
                 (
                     overlap::compute(model, tokens, host::get_shared).0,
                     overlap::approximate(model, &chunks, host::get_shared),
@@ -256,6 +258,7 @@ impl Request {
                     let record = Routed {
                         model: req.model.clone(),
                         slot: rank.slot,
+                        kind,
                         hashes: std::mem::take(&mut chunks),
                     };
                     report(&mut st.queue, &st.vm_id, &st.metrics, &record);

@@ -107,6 +107,10 @@ pub struct Kv {
     /// approximate index.
     #[serde(default = "default_approx_ttl")]
     pub approx_ttl_ms: u64,
+    /// How long a routing decision credits its rank with a token prompt's
+    /// prefix before the engine's KV events must confirm it.
+    #[serde(default = "default_inflight_ttl")]
+    pub inflight_ttl_ms: u64,
 }
 
 impl Default for Kv {
@@ -117,6 +121,7 @@ impl Default for Kv {
             publish_interval_ms: default_kv_publish(),
             replay_timeout_ms: default_replay_timeout(),
             approx_ttl_ms: default_approx_ttl(),
+            inflight_ttl_ms: default_inflight_ttl(),
         }
     }
 }
@@ -193,6 +198,12 @@ fn default_replay_timeout() -> u64 {
 }
 fn default_approx_ttl() -> u64 {
     120_000
+}
+
+/// Covers a request's wait in the engine's queue and its prefill under
+/// ordinary load, after which its blocks are in the events.
+fn default_inflight_ttl() -> u64 {
+    10_000
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]

@@ -84,9 +84,10 @@ impl Sidecar {
             store: SnapshotStore::default(),
             plane,
             metrics: Metrics::new(),
-            approx: Mutex::new(approx::ApproxIndex::new(Duration::from_millis(
-                config.kv.approx_ttl_ms,
-            ))),
+            approx: Mutex::new(approx::ApproxIndex::new(
+                Duration::from_millis(config.kv.approx_ttl_ms),
+                Duration::from_millis(config.kv.inflight_ttl_ms),
+            )),
             bookings: Mutex::new(bookings::Bookings::new(Duration::from_millis(
                 config.load.booking_ttl_ms,
             ))),
@@ -333,10 +334,15 @@ impl Sidecar {
         valid.len()
     }
 
-    /// Expires and publishes the approximate index's changed shards.
+    /// Expires and publishes the routed-prefix index's changed shards;
+    /// ranks whose engine emptied its cache forget their routed prefixes.
     fn publish_approx(&self) {
+        let cleared = self.plane.take_cleared();
         let updates = {
             let mut a = self.approx.lock().unwrap_or_else(|p| p.into_inner());
+            for slot in cleared {
+                a.forget_slot(slot);
+            }
             a.sweep(Instant::now());
             a.take_updates()
         };

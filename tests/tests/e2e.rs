@@ -669,6 +669,28 @@ fn prefix_routing(event_args: &[&str]) {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    // What kvgate routed there is forgotten with it: once another worker
+    // caches group 1's prefix, group 1 goes there, not back to the worker
+    // it was routed to before the clear.
+    let other = (1..=stack.workers.len())
+        .map(|i| i.to_string())
+        .find(|w| w != w1)
+        .unwrap();
+    let other_addr = stack.workers[other.parse::<usize>().unwrap() - 1].endpoint();
+    let before = indexed_blocks(&stack);
+    assert_eq!(
+        completion(&other_addr, &grouped(1, 20, 16), 1)
+            .unwrap()
+            .status,
+        200
+    );
+    wait_indexed(&stack, before + 16.0);
+    wait_idle(&stack);
+    assert_eq!(
+        served_by(&complete(&stack, &grouped(1, 21, 16))).0,
+        other,
+        "group 1 still drawn to its cleared worker"
+    );
 }
 
 #[test]

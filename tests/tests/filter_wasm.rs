@@ -594,8 +594,8 @@ fn text_prompts_are_reported_and_follow_the_learned_index() {
     let records = Routed::decode_all(&report.body).unwrap();
     assert_eq!(records.len(), 1);
     assert_eq!(
-        (records[0].model.as_str(), records[0].slot),
-        ("m", 8),
+        (records[0].model.as_str(), records[0].slot, records[0].kind),
+        ("m", 8, approx::ChunkKind::Text),
         "worker 2's rank 0 is slot 8"
     );
     assert!(!records[0].hashes.is_empty());

@@ -158,6 +158,9 @@ impl Default for PlaneConfig {
 /// Handle to the index thread.
 pub struct Plane {
     pub log: Arc<ShardLog>,
+    /// Slots whose engine cache emptied (AllBlocksCleared, or a resync)
+    /// since the last [`Plane::take_cleared`].
+    cleared: Arc<Mutex<Vec<u16>>>,
     ingest: SyncSender<Ingest>,
     control: Sender<Control>,
     stop: Arc<AtomicBool>,
@@ -170,12 +173,14 @@ impl Plane {
         let (ingest, rx) = sync_channel(config.queue);
         let (control, crx) = channel();
         let stop = Arc::new(AtomicBool::new(false));
-        let (l2, s2) = (log.clone(), stop.clone());
+        let cleared = Arc::new(Mutex::new(Vec::new()));
+        let (l2, s2, c2) = (log.clone(), stop.clone(), cleared.clone());
         let thread = std::thread::Builder::new()
             .name("kv-index".into())
-            .spawn(move || run(config, rx, crx, &l2, &s2))?;
+            .spawn(move || run(config, rx, crx, &l2, &s2, c2))?;
         Ok(Plane {
             log,
+            cleared,
             ingest,
             control,
             stop,
@@ -199,6 +204,12 @@ impl Plane {
 
     pub fn remove_slot(&self, slot: u16) {
         let _ = self.control.send(Control::RemoveSlot { slot });
+    }
+
+    /// Slots whose engine reported its cache emptied since the last call:
+    /// whatever else kvgate believes they hold is gone too.
+    pub fn take_cleared(&self) -> Vec<u16> {
+        std::mem::take(&mut *self.cleared.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub fn stats(&self) -> Option<PlaneStats> {
@@ -225,6 +236,7 @@ struct State {
     slot_model: HashMap<u16, String>,
     staged: Staged,
     stats: PlaneStats,
+    cleared: Arc<Mutex<Vec<u16>>>,
 }
 
 impl State {
@@ -280,7 +292,12 @@ impl State {
                     return;
                 };
                 match self.staged.stage(&payload, idx.block_size(slot)) {
-                    Ok(()) => idx.apply(slot, &self.staged),
+                    Ok(()) => {
+                        idx.apply(slot, &self.staged);
+                        if self.staged.clears() {
+                            self.note_cleared(slot);
+                        }
+                    }
                     Err(e) => {
                         self.stats.malformed_batches += 1;
                         tracing::warn!(slot, error = %e, "skipping malformed KV event batch");
@@ -295,7 +312,15 @@ impl State {
                 if let Some(idx) = self.index_of(slot) {
                     idx.clear_slot(slot);
                 }
+                self.note_cleared(slot);
             }
+        }
+    }
+
+    fn note_cleared(&self, slot: u16) {
+        let mut c = self.cleared.lock().unwrap_or_else(|p| p.into_inner());
+        if !c.contains(&slot) {
+            c.push(slot);
         }
     }
 
@@ -337,6 +362,7 @@ fn run(
     crx: Receiver<Control>,
     log: &ShardLog,
     stop: &AtomicBool,
+    cleared: Arc<Mutex<Vec<u16>>>,
 ) {
     let mut st = State {
         config,
@@ -344,6 +370,7 @@ fn run(
         slot_model: HashMap::new(),
         staged: Staged::default(),
         stats: PlaneStats::default(),
+        cleared,
     };
     let mut last_publish = Instant::now();
     let mut interval = config.publish_interval;

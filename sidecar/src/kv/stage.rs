@@ -40,6 +40,11 @@ pub struct Staged {
 }
 
 impl Staged {
+    /// Whether the batch empties the publisher's cache (AllBlocksCleared).
+    pub fn clears(&self) -> bool {
+        self.ops.iter().any(|o| matches!(o, Op::Cleared))
+    }
+
     /// Decodes and hashes `payload`. `default_block_size` is used when an
     /// event does not carry one.
     pub fn stage(&mut self, payload: &[u8], default_block_size: u32) -> Result<(), WireError> {
