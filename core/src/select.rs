@@ -6,10 +6,16 @@
 //! raw_prefill   = (isl_tokens + active_prefill_tokens) / block_size
 //! credit        = overlap_credit * device + host_weight * host + disk_weight * disk
 //! prefill       = max(0, raw_prefill - credit)
+//! new_blocks    = max(1, ceil(isl_tokens / block_size) - device)
 //! logit         = prefill_load_scale * prefill
-//!               + active_decode_blocks + request_blocks
+//!               + active_decode_blocks + new_blocks
 //!               + decode_active_request_weight * running
 //! ```
+//!
+//! `new_blocks` is what the request adds to the rank's resident blocks: as
+//! in Dynamo, a prefix already resident there is not counted again. It is
+//! also what the filter books for the request, so the cost and the load it
+//! later sees agree.
 //!
 //! The lowest logit wins. With no KV overlap known (every overlap zero) this
 //! reduces to "least loaded", which is the foundation policy; overlap from KV
@@ -88,6 +94,16 @@ pub struct Choice<'a> {
     pub overlap: Overlap,
 }
 
+/// Blocks a request of `isl_tokens` adds to a rank whose device already
+/// holds its first `device_blocks`: the cached prefix is shared, not
+/// duplicated. At least one, so every request carries some weight.
+pub fn new_blocks(isl_tokens: u64, block_size: u32, device_blocks: u32) -> u64 {
+    isl_tokens
+        .div_ceil(u64::from(block_size.max(1)))
+        .saturating_sub(u64::from(device_blocks))
+        .max(1)
+}
+
 impl Policy {
     /// The logit of placing `req` on `rank` given its overlap.
     pub fn logit(
@@ -112,10 +128,10 @@ impl Policy {
             + self.host_weight * host_only
             + self.disk_weight * disk_only;
         let prefill = (raw_prefill - credit).max(0.0);
-        let request_blocks = (req.isl_tokens as f64 / bs).ceil();
+        let added = new_blocks(req.isl_tokens, block_size, overlap.device) as f64;
         self.prefill_load_scale * prefill
             + rank.active_decode_blocks as f64
-            + request_blocks
+            + added
             + self.decode_active_request_weight * f64::from(rank.running)
     }
 }
@@ -327,11 +343,41 @@ mod tests {
         match d {
             Decision::Route(c) => {
                 assert_eq!(c.worker.id, 2);
-                // (160 + 32) / 16 = 12 raw, minus 8 credit, plus 10 request blocks.
-                assert_eq!(c.logit, 4.0 + 10.0);
+                // (160 + 32) / 16 = 12 raw, minus 8 credit, plus the 2 of the
+                // request's 10 blocks that are not resident yet.
+                assert_eq!(c.logit, 4.0 + 2.0);
             }
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_resident_prefix_is_not_charged_twice() {
+        // Worker 1 holds a 128-block prefix and carries the 136 blocks of
+        // the request that put it there (prefill done); worker 2 is idle.
+        // The next request of the group adds only its 8 new blocks there.
+        let m = model(vec![
+            worker(1, vec![rank(0, 0, 136, false)]),
+            worker(2, vec![rank(0, 0, 0, false)]),
+        ]);
+        let req = RequestShape {
+            isl_tokens: 136 * 16,
+            ..Default::default()
+        };
+        let d = select(&m, &req, &Policy::default(), |w, _| Overlap {
+            device: if w.id == 1 { 128 } else { 0 },
+            ..Overlap::default()
+        });
+        match d {
+            Decision::Route(c) => {
+                assert_eq!(c.worker.id, 1, "the group stays with its prefix");
+                assert_eq!(c.logit, 8.0 + 136.0 + 8.0);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(new_blocks(136 * 16, 16, 128), 8);
+        assert_eq!(new_blocks(64, 16, 4), 1, "never less than one block");
+        assert_eq!(new_blocks(65, 16, 0), 5);
     }
 
     #[test]

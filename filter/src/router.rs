@@ -20,7 +20,7 @@ use crate::reply::Reply;
 use crate::request::{Endpoint, parse};
 use kvgate_core::approx::{self, Routed};
 use kvgate_core::booking::{Event, Key};
-use kvgate_core::select::Policy;
+use kvgate_core::select::{self, Policy};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
@@ -233,14 +233,11 @@ impl Request {
                 let prefill = req.isl_tokens.saturating_sub(u64::from(cached.device) * bs);
                 // The cached prefix is already resident and shared with the
                 // requests that put it there: only the new blocks add KV
-                // load. Counting the prefix again would make every request
-                // of a prefix group look like a fresh load on its holder and
-                // push the group away from its cache.
-                let decode = req
-                    .isl_tokens
-                    .div_ceil(bs)
-                    .saturating_sub(u64::from(cached.device))
-                    .max(1);
+                // load, exactly what the cost charged this rank. Counting the
+                // prefix again would make every request of a prefix group
+                // look like a fresh load on its holder and push the group
+                // away from its cache.
+                let decode = select::new_blocks(req.isl_tokens, worker.block_size, cached.device);
                 let slot = rank.slot;
                 let c = &st.config;
                 let mut ok =

@@ -226,7 +226,10 @@ fn usage(job: &Job, cached: usize) -> Value {
 async fn whole(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response {
     let cached = admitted.cached_tokens;
     let rank = admitted.rank().index;
-    tokio::time::sleep(sim.time.prefill(job.tokens.len() - cached)).await;
+    admitted
+        .rank()
+        .prefill(&sim.time, job.tokens.len() - cached)
+        .await;
     let mut text = String::new();
     for i in 0..job.max_tokens {
         let running = admitted.rank().running.load(Ordering::Relaxed);
@@ -260,7 +263,10 @@ fn stream(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response {
         // `admitted` lives in this task: when the client goes away the send
         // fails, the task ends and the request's blocks are released.
         let sim = s2;
-        tokio::time::sleep(sim.time.prefill(job.tokens.len() - cached)).await;
+        admitted
+            .rank()
+            .prefill(&sim.time, job.tokens.len() - cached)
+            .await;
         let (object, idp) = if job.chat {
             ("chat.completion.chunk", "chatcmpl")
         } else {

@@ -5,9 +5,12 @@
 //! Time model (all durations divided by `speedup`, all skipped in instant
 //! mode): prefill takes `prefill_us_per_token` per *uncached* prompt token;
 //! each output token takes `decode_ms_per_token + decode_ms_per_running ×
-//! running`. Prefills of different requests overlap rather than being
-//! chunked into shared steps — a simplification that keeps cache-hit
-//! benefits and batch slow-down, which is what routing is judged on.
+//! running`. By default prefills of different requests overlap freely.
+//! With `prefill_lanes = N`, at most N prefills progress at once per rank,
+//! the rest wait in FIFO order: prefill is compute-bound, and an engine
+//! shares one step budget among the prefills it runs, so a rank's queued
+//! prefill tokens are what its next request waits behind — the load that
+//! routing weighs.
 
 use crate::cache::{Allocation, PrefixCache};
 use crate::events::Publisher;
@@ -49,6 +52,8 @@ pub struct Rank {
     pub index: u32,
     cache: Mutex<PrefixCache>,
     slots: Arc<Semaphore>,
+    /// Concurrent prefills allowed; `None` lets them all overlap.
+    prefill_lanes: Option<Semaphore>,
     space: Notify,
     pub running: AtomicU32,
     pub waiting: AtomicU32,
@@ -64,12 +69,14 @@ impl Rank {
         block_size: usize,
         blocks: usize,
         max_running: usize,
+        prefill_lanes: usize,
         publisher: Option<Publisher>,
     ) -> Rank {
         Rank {
             index,
             cache: Mutex::new(PrefixCache::new(block_size, blocks)),
             slots: Arc::new(Semaphore::new(max_running.max(1))),
+            prefill_lanes: (prefill_lanes > 0).then(|| Semaphore::new(prefill_lanes)),
             space: Notify::new(),
             running: AtomicU32::new(0),
             waiting: AtomicU32::new(0),
@@ -77,6 +84,22 @@ impl Rank {
             prefix_hits: AtomicU64::new(0),
             finished: AtomicU64::new(0),
             publisher,
+        }
+    }
+
+    /// Prefills `uncached` tokens: waits for a prefill lane if lanes are
+    /// limited, then takes the model's time.
+    pub async fn prefill(&self, time: &TimeModel, uncached: usize) {
+        let _lane = match &self.prefill_lanes {
+            Some(lanes) => match lanes.acquire().await {
+                Ok(p) => Some(p),
+                Err(_) => unreachable!("the semaphore is never closed"),
+            },
+            None => None,
+        };
+        let d = time.prefill(uncached);
+        if !d.is_zero() {
+            tokio::time::sleep(d).await;
         }
     }
 
@@ -222,7 +245,7 @@ mod tests {
 
     #[tokio::test]
     async fn admission_waits_for_space_and_release_wakes_it() {
-        let rank = Arc::new(Rank::new(0, 4, 4, 8, None));
+        let rank = Arc::new(Rank::new(0, 4, 4, 8, 0, None));
         let a: Vec<u32> = (0..12).collect();
         let first = admit(rank.clone(), &a, 4).await.unwrap();
         assert_eq!(rank.cache().used_blocks(), 4);
@@ -239,9 +262,34 @@ mod tests {
         ));
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn one_prefill_lane_serialises_prefills() {
+        let time = TimeModel {
+            prefill_us_per_token: 1000.0,
+            decode_ms_per_token: 0.0,
+            decode_ms_per_running: 0.0,
+            speedup: 1.0,
+            instant: false,
+        };
+        for (lanes, expect_ms) in [(1, 200), (0, 100)] {
+            let rank = Arc::new(Rank::new(0, 4, 100, 8, lanes, None));
+            let start = tokio::time::Instant::now();
+            let (a, b) = (rank.clone(), rank.clone());
+            let (t1, t2) = (time.clone(), time.clone());
+            let _ = tokio::join!(async move { a.prefill(&t1, 100).await }, async move {
+                b.prefill(&t2, 100).await
+            });
+            assert_eq!(
+                start.elapsed(),
+                Duration::from_millis(expect_ms),
+                "two 100-token prefills with {lanes} lanes"
+            );
+        }
+    }
+
     #[tokio::test]
     async fn max_running_queues_requests() {
-        let rank = Arc::new(Rank::new(0, 4, 100, 1, None));
+        let rank = Arc::new(Rank::new(0, 4, 100, 1, 0, None));
         let first = admit(rank.clone(), &[1, 2, 3, 4], 1).await.unwrap();
         let r2 = rank.clone();
         let waiter =

@@ -44,6 +44,10 @@ pub struct Args {
     pub max_running: usize,
     #[arg(long, default_value_t = 20.0)]
     pub prefill_us_per_token: f64,
+    /// Prefills that progress at once per rank, the rest queue (0: all
+    /// overlap). 1 models an engine whose prefill compute is shared.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_lanes: usize,
     #[arg(long, default_value_t = 2.0)]
     pub decode_ms_per_token: f64,
     #[arg(long, default_value_t = 0.05)]
@@ -120,6 +124,7 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
             args.block_size,
             args.num_gpu_blocks,
             args.max_running,
+            args.prefill_lanes,
             publisher,
         )));
     }
