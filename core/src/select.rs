@@ -136,12 +136,15 @@ impl Policy {
     }
 }
 
-/// Selects a rank for `req` among the model's non-busy ranks.
+/// Selects a rank for `req` among the non-busy ranks of the model's
+/// workers in `tenant`; other tenants' workers are not candidates, and do
+/// not count towards "all busy".
 ///
 /// `overlap` reports each candidate's cached prefix; pass `|_, _| Overlap::default()`
 /// when nothing is known.
 pub fn select<'a>(
     model: &'a ModelState,
+    tenant: &str,
     req: &RequestShape,
     policy: &Policy,
     mut overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
@@ -152,7 +155,7 @@ pub fn select<'a>(
     // Candidates are kept only for sampling; temperature 0 never allocates.
     let mut pool: Vec<Choice<'a>> = Vec::new();
     let sampling = policy.temperature > 0.0;
-    for worker in &model.workers {
+    for worker in model.workers.iter().filter(|w| w.tenant == tenant) {
         for rank in &worker.ranks {
             any_rank = true;
             if rank.busy {
@@ -234,6 +237,7 @@ fn sample<'a>(pool: &[Choice<'a>], temperature: f64, u: f64) -> Option<Choice<'a
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::snapshot::DEFAULT_TENANT;
 
     fn rank(rank: u32, prefill: u64, decode: u64, busy: bool) -> RankLoad {
         RankLoad {
@@ -251,6 +255,7 @@ mod tests {
             endpoint: format!("127.0.0.1:{}", 8000 + id),
             block_size: 16,
             ranks,
+            tenant: DEFAULT_TENANT.into(),
         }
     }
 
@@ -268,10 +273,38 @@ mod tests {
             tie_break: tie,
             sample: 0.0,
         };
-        match select(m, &req, &Policy::default(), |_, _| Overlap::default()) {
+        match select(m, DEFAULT_TENANT, &req, &Policy::default(), |_, _| {
+            Overlap::default()
+        }) {
             Decision::Route(c) => Some((c.worker.id, c.rank.rank)),
             _ => None,
         }
+    }
+
+    #[test]
+    fn a_request_only_sees_its_tenants_workers() {
+        let mut m = model(vec![
+            worker(1, vec![rank(0, 0, 0, false)]),
+            worker(2, vec![rank(0, 900, 90, false)]),
+            worker(3, vec![rank(0, 0, 0, true)]),
+        ]);
+        m.workers[0].tenant = "team-a".into();
+        m.workers[2].tenant = "team-b".into();
+        let req = RequestShape::default();
+        let pick = |tenant: &str| match select(&m, tenant, &req, &Policy::default(), |_, _| {
+            Overlap::default()
+        }) {
+            Decision::Route(c) => Ok(c.worker.id),
+            other => Err(other),
+        };
+        assert_eq!(pick("team-a"), Ok(1));
+        assert_eq!(pick(DEFAULT_TENANT), Ok(2), "the idle worker is team-a's");
+        assert_eq!(
+            pick("team-b"),
+            Err(Decision::AllBusy),
+            "team-b's only worker is busy, whatever the others are"
+        );
+        assert_eq!(pick("team-c"), Err(Decision::NoWorkers));
     }
 
     #[test]
@@ -293,16 +326,24 @@ mod tests {
         assert_eq!(pick(&m, 0), Some((1, 1)));
         let m = model(vec![worker(1, vec![rank(0, 0, 0, true)])]);
         assert_eq!(
-            select(&m, &RequestShape::default(), &Policy::default(), |_, _| {
-                Overlap::default()
-            }),
+            select(
+                &m,
+                DEFAULT_TENANT,
+                &RequestShape::default(),
+                &Policy::default(),
+                |_, _| { Overlap::default() }
+            ),
             Decision::AllBusy
         );
         let m = model(vec![]);
         assert_eq!(
-            select(&m, &RequestShape::default(), &Policy::default(), |_, _| {
-                Overlap::default()
-            }),
+            select(
+                &m,
+                DEFAULT_TENANT,
+                &RequestShape::default(),
+                &Policy::default(),
+                |_, _| { Overlap::default() }
+            ),
             Decision::NoWorkers
         );
     }
@@ -335,10 +376,12 @@ mod tests {
             isl_tokens: 160,
             ..Default::default()
         };
-        let d = select(&m, &req, &Policy::default(), |w, _| Overlap {
-            device: if w.id == 2 { 8 } else { 0 },
-            host: if w.id == 2 { 8 } else { 0 },
-            disk: if w.id == 2 { 8 } else { 0 },
+        let d = select(&m, DEFAULT_TENANT, &req, &Policy::default(), |w, _| {
+            Overlap {
+                device: if w.id == 2 { 8 } else { 0 },
+                host: if w.id == 2 { 8 } else { 0 },
+                disk: if w.id == 2 { 8 } else { 0 },
+            }
         });
         match d {
             Decision::Route(c) => {
@@ -364,9 +407,11 @@ mod tests {
             isl_tokens: 136 * 16,
             ..Default::default()
         };
-        let d = select(&m, &req, &Policy::default(), |w, _| Overlap {
-            device: if w.id == 1 { 128 } else { 0 },
-            ..Overlap::default()
+        let d = select(&m, DEFAULT_TENANT, &req, &Policy::default(), |w, _| {
+            Overlap {
+                device: if w.id == 1 { 128 } else { 0 },
+                ..Overlap::default()
+            }
         });
         match d {
             Decision::Route(c) => {
@@ -430,7 +475,8 @@ mod tests {
                 tie_break: 0,
                 sample: i as f64 / 1000.0,
             };
-            if let Decision::Route(c) = select(&m, &req, &policy, |_, _| Overlap::default())
+            if let Decision::Route(c) =
+                select(&m, DEFAULT_TENANT, &req, &policy, |_, _| Overlap::default())
                 && c.worker.id == 1
             {
                 low += 1;

@@ -23,7 +23,9 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 1;
+pub const MINOR: u16 = 2;
+/// The tenant of workers and requests that name none (Dynamo's default).
+pub const DEFAULT_TENANT: &str = "default";
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 
@@ -72,6 +74,9 @@ pub struct WorkerState {
     pub block_size: u32,
     /// One entry per data-parallel rank, in rank order.
     pub ranks: Vec<RankLoad>,
+    /// Selection scope within the model (minor 2): a request of one tenant
+    /// is only ever placed on that tenant's workers.
+    pub tenant: String,
 }
 
 /// Load of one data-parallel rank, merged from engine metrics and gateway
@@ -156,6 +161,8 @@ impl Snapshot {
                                 4 + WORKER_FIXED
                                     + w.endpoint.len()
                                     + w.ranks.len() * (2 + RANK_FIXED)
+                                    + 2
+                                    + w.tenant.len()
                             })
                             .sum::<usize>()
                 })
@@ -219,6 +226,8 @@ impl Snapshot {
                     let len = (out.len() - at - 2) as u16;
                     out[at..at + 2].copy_from_slice(&len.to_le_bytes());
                 }
+                // Minor 2 fields follow the ranks; older readers skip them.
+                put_str(out, &w.tenant, "worker tenant")?;
                 end_record(out, wrec, "worker record")?;
             }
             // Minor 1 fields follow the workers; older readers skip them.
@@ -283,11 +292,17 @@ impl Snapshot {
                         busy: k.u8()? & FLAG_BUSY != 0,
                     });
                 }
+                let tenant = if w.remaining() >= 2 {
+                    w.string()?
+                } else {
+                    DEFAULT_TENANT.to_string()
+                };
                 workers.push(WorkerState {
                     id,
                     endpoint,
                     block_size,
                     ranks,
+                    tenant,
                 });
             }
             let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
@@ -519,6 +534,7 @@ mod tests {
                     shard_count: 64,
                     workers: vec![WorkerState {
                         id: 7,
+                        tenant: "team-a".into(),
                         endpoint: "127.0.0.1:8001".into(),
                         block_size: 16,
                         ranks: vec![
@@ -579,6 +595,37 @@ mod tests {
         assert!(old.applied.is_empty());
         assert_eq!(old.models[0].retry_after_s, 0);
         assert_eq!(old.models[0].workers, s.models[0].workers);
+    }
+
+    #[test]
+    fn workers_from_older_writers_are_in_the_default_tenant() {
+        let mut s = sample();
+        s.models.truncate(1);
+        s.models[0].workers.truncate(1);
+        s.models[0].workers[0].tenant.clear();
+        let mut bytes = s.encode().unwrap();
+        // Cut the (empty) tenant off the worker record, as a minor-1 writer
+        // never wrote it, and shrink the enclosing lengths.
+        let model_at = HEADER_LEN + 4;
+        let worker_at = model_at + 4 + 2 + s.models[0].name.len() + 1 + 24 + 4 + 4;
+        let patch = |b: &mut Vec<u8>, at: usize, by: usize| {
+            let v = u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize;
+            b[at..at + 4].copy_from_slice(&((v - by) as u32).to_le_bytes());
+            v
+        };
+        let wlen = patch(&mut bytes, worker_at, 2);
+        let wend = worker_at + 4 + wlen;
+        assert_eq!(
+            &bytes[wend - 2..wend],
+            &[0, 0],
+            "the empty tenant ends the record"
+        );
+        bytes.drain(wend - 2..wend);
+        patch(&mut bytes, model_at, 2);
+        patch(&mut bytes, 8, 2);
+        let old = Snapshot::decode(&bytes).unwrap();
+        assert_eq!(old.models[0].workers[0].tenant, DEFAULT_TENANT);
+        assert_eq!(old.models[0].workers[0].ranks, s.models[0].workers[0].ranks);
     }
 
     #[test]
@@ -670,12 +717,14 @@ mod tests {
             "[a-z0-9.:]{0,24}",
             any::<u32>(),
             prop::collection::vec(arb_rank(), 0..4),
+            "[a-z0-9-]{0,12}",
         )
-            .prop_map(|(id, endpoint, block_size, ranks)| WorkerState {
+            .prop_map(|(id, endpoint, block_size, ranks, tenant)| WorkerState {
                 id,
                 endpoint,
                 block_size,
                 ranks,
+                tenant,
             });
         let thresholds = (
             prop::option::of(0.0f64..1.0),

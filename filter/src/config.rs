@@ -26,6 +26,9 @@ pub struct Config {
     pub destination_header: String,
     pub rank_header: String,
     pub fallback_header: String,
+    /// Names the request's tenant (absent: `default`). Set it in Envoy from
+    /// what authenticated the client; kvgate trusts it as given.
+    pub tenant_header: String,
     pub max_body_bytes: usize,
     pub stale_after_ms: u64,
     pub on_stale: OnStale,
@@ -43,6 +46,7 @@ impl Default for Config {
             destination_header: "x-gateway-destination-endpoint".into(),
             rank_header: "x-data-parallel-rank".into(),
             fallback_header: "x-kvgate-fallback".into(),
+            tenant_header: "x-kvgate-tenant".into(),
             max_body_bytes: 1 << 20,
             stale_after_ms: 5000,
             on_stale: OnStale::FailOpen,
@@ -81,6 +85,7 @@ impl Config {
             ("destination_header", &mut self.destination_header),
             ("rank_header", &mut self.rank_header),
             ("fallback_header", &mut self.fallback_header),
+            ("tenant_header", &mut self.tenant_header),
         ] {
             // Envoy keeps header names lower-case.
             *h = h.to_ascii_lowercase();
@@ -141,6 +146,7 @@ mod tests {
             br#"{"max_body_bytes": 0}"#,
             br#"{"rank_header": ""}"#,
             br#"{"destination_header": ":authority"}"#,
+            br#"{"tenant_header": "x tenant"}"#,
             br#"{"poll_wait_ms": 60000}"#,
             br#"{"stale_after_ms": 500}"#,
         ] {

@@ -23,6 +23,7 @@ pub fn decide<'a>(
     policy: &Policy,
     snap: &'a Snapshot,
     req: &Parsed,
+    tenant: &str,
     tie_break: u64,
     overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
 ) -> Outcome<'a> {
@@ -34,7 +35,7 @@ pub fn decide<'a>(
         tie_break,
         sample: (tie_break % 1_000_003) as f64 / 1_000_003.0,
     };
-    match select(model, &shape, policy, overlap) {
+    match select(model, tenant, &shape, policy, overlap) {
         Decision::Route(Choice { worker, rank, .. }) => Outcome::Route {
             worker,
             rank,
@@ -84,6 +85,7 @@ mod tests {
     use super::*;
     use crate::reply::Reason;
     use crate::request::{Endpoint, parse};
+    use kvgate_core::snapshot::DEFAULT_TENANT;
     use kvgate_core::{ModelState, Thresholds};
 
     fn rank(rank: u32, decode: u64, busy: bool) -> RankLoad {
@@ -111,12 +113,14 @@ mod tests {
                             endpoint: "10.0.0.1:8000".into(),
                             block_size: 16,
                             ranks: vec![rank(0, 50, false)],
+                            tenant: DEFAULT_TENANT.into(),
                         },
                         WorkerState {
                             id: 2,
                             endpoint: "10.0.0.2:8000".into(),
                             block_size: 16,
                             ranks: vec![rank(0, 10, true), rank(1, 20, false)],
+                            tenant: DEFAULT_TENANT.into(),
                         },
                     ],
                 },
@@ -131,6 +135,7 @@ mod tests {
                         endpoint: "10.0.0.3:8000".into(),
                         block_size: 16,
                         ranks: vec![rank(0, 0, true)],
+                        tenant: DEFAULT_TENANT.into(),
                     }],
                     retry_after_s: 7,
                     ..Default::default()
@@ -148,6 +153,7 @@ mod tests {
             &Policy::default(),
             snap,
             &req,
+            DEFAULT_TENANT,
             0,
             |_, _| Overlap::default(),
         )

@@ -162,6 +162,7 @@ mod tests {
                     endpoint: "10.0.0.1:80".into(),
                     block_size: 16,
                     ranks: vec![rank(0, 4), rank(1, 5)],
+                    ..Default::default()
                 }],
                 ..Default::default()
             }],

@@ -120,13 +120,28 @@ pub fn chunks_as_blocks(o: Overlap, block_size: u32) -> Overlap {
 }
 
 /// Events say what a rank holds; routing decisions say what it is about to
-/// hold. A rank is credited with the longer of the two, tier by tier.
-pub fn combine(precise: Overlap, routed: Overlap) -> Overlap {
+/// hold. A prefix known only from routing is credited like one in host
+/// memory (`host_weight`): probably there by the time the request runs,
+/// but not surely, so a rank whose events confirm the same prefix wins.
+pub fn with_in_flight(precise: Overlap, routed: Overlap) -> Overlap {
+    let host = precise.host.max(routed.device);
     Overlap {
-        device: precise.device.max(routed.device),
-        host: precise.host.max(routed.host),
-        disk: precise.disk.max(routed.disk),
+        device: precise.device,
+        host,
+        disk: precise.disk.max(host),
     }
+}
+
+/// Whether some rank's device holds every full block of a `tokens`-long
+/// prompt, per the events.
+pub fn holds_whole_prompt(model: &ModelState, precise: &[SlotOverlap], tokens: usize) -> bool {
+    model.workers.iter().any(|w| {
+        let full = tokens / w.block_size.max(1) as usize;
+        full > 0
+            && w.ranks
+                .iter()
+                .any(|r| of(precise, r.slot).device as usize >= full)
+    })
 }
 
 /// The overlap of one slot, in the selector's terms.
@@ -159,6 +174,7 @@ mod tests {
                         slot: s,
                         ..Default::default()
                     }],
+                    ..Default::default()
                 })
                 .collect(),
             ..Default::default()
@@ -205,6 +221,54 @@ mod tests {
         assert!(reads <= 8);
         assert_eq!(of(&table, 1).device, 6);
         assert_eq!(of(&table, 99), Overlap::default());
+    }
+
+    #[test]
+    fn routed_only_prefixes_count_as_host_tier() {
+        let resident = Overlap {
+            device: 4,
+            host: 6,
+            disk: 6,
+        };
+        let routed = Overlap {
+            device: 8,
+            ..Overlap::default()
+        };
+        assert_eq!(
+            with_in_flight(resident, routed),
+            Overlap {
+                device: 4,
+                host: 8,
+                disk: 8
+            }
+        );
+        assert_eq!(
+            with_in_flight(resident, Overlap::default()),
+            resident,
+            "nothing routed changes nothing"
+        );
+    }
+
+    #[test]
+    fn whole_prompt_holders_are_recognised() {
+        let m = model(8);
+        let table = |dev: u32| {
+            vec![
+                SlotOverlap::default(),
+                SlotOverlap {
+                    device: dev,
+                    host: dev,
+                    disk: dev,
+                },
+            ]
+        };
+        // 10 tokens in blocks of 4: two full blocks.
+        assert!(holds_whole_prompt(&m, &table(2), 10));
+        assert!(!holds_whole_prompt(&m, &table(1), 10));
+        assert!(
+            !holds_whole_prompt(&m, &table(0), 3),
+            "no full block at all"
+        );
     }
 
     #[test]

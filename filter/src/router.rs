@@ -21,6 +21,7 @@ use crate::request::{Endpoint, parse};
 use kvgate_core::approx::{self, Routed};
 use kvgate_core::booking::{Event, Key};
 use kvgate_core::select::{self, Policy};
+use kvgate_core::snapshot::DEFAULT_TENANT;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
@@ -110,6 +111,8 @@ pub struct Request {
     manifest: Manifest,
     replied: bool,
     model: String,
+    /// From the configured tenant header; `default` when absent.
+    tenant: String,
     booking: Option<Booking>,
 }
 
@@ -121,6 +124,7 @@ impl Request {
             manifest: Manifest::default(),
             replied: false,
             model: String::new(),
+            tenant: String::new(),
             booking: None,
         }
     }
@@ -193,12 +197,18 @@ impl Request {
             snap.model(&req.model),
         ) {
             (Some(tokens), _, Some(model)) => {
-                chunks = approx::token_chunk_hashes(tokens);
-                kind = approx::ChunkKind::Tokens;
-                (
-                    overlap::compute(model, tokens, host::get_shared).0,
-                    overlap::approximate(model, &chunks, host::get_shared),
-                )
+                let precise = overlap::compute(model, tokens, host::get_shared).0;
+                // When the events show a rank holding the whole prompt there
+                // is nothing in flight to bridge: no routed lookup, and no
+                // report of this request's chunks.
+                if overlap::holds_whole_prompt(model, &precise, tokens.len()) {
+                    (precise, Vec::new())
+                } else {
+                    chunks = approx::token_chunk_hashes(tokens);
+                    kind = approx::ChunkKind::Tokens;
+                    let routed = overlap::approximate(model, &chunks, host::get_shared);
+                    (precise, routed)
+                }
             }
             (None, Some(text), Some(model)) => {
                 chunks = approx::chunk_hashes(text);
@@ -209,15 +219,24 @@ impl Request {
             }
             _ => (Vec::new(), Vec::new()),
         };
+        let token_prompt = req.tokens.is_some();
         let cached_of = |w: &kvgate_core::WorkerState, slot: u16| {
-            overlap::combine(
-                overlap::of(&precise, slot),
-                overlap::chunks_as_blocks(overlap::of(&routed, slot), w.block_size),
-            )
+            let routed = overlap::chunks_as_blocks(overlap::of(&routed, slot), w.block_size);
+            if token_prompt {
+                overlap::with_in_flight(overlap::of(&precise, slot), routed)
+            } else {
+                routed
+            }
         };
-        let outcome = decide(&st.config, &st.policy, snap, &req, st.tie_break, |w, r| {
-            cached_of(w, r.slot)
-        });
+        let outcome = decide(
+            &st.config,
+            &st.policy,
+            snap,
+            &req,
+            &self.tenant,
+            st.tie_break,
+            |w, r| cached_of(w, r.slot),
+        );
         record(
             st.metrics.selection_us,
             host::now_us().saturating_sub(selecting),
@@ -347,17 +366,21 @@ impl HttpContext for Request {
             return Action::Continue;
         };
         self.endpoint = Some(endpoint);
-        let (cfg_dest, cfg_fallback, stale_after, on_stale) = {
+        let (cfg_dest, cfg_fallback, cfg_tenant, stale_after, on_stale) = {
             let st = self.state.borrow();
             inc(st.metrics.requests);
             let c = &st.config;
             (
                 c.destination_header.clone(),
                 c.fallback_header.clone(),
+                c.tenant_header.clone(),
                 c.stale_after_ms,
                 c.on_stale,
             )
         };
+        self.tenant = host::request_header(&cfg_tenant)
+            .filter(|t| !t.is_empty())
+            .unwrap_or_else(|| DEFAULT_TENANT.to_string());
         // Routing headers are ours alone: a client's copy never steers.
         let _ = host::remove_request_header(&cfg_dest);
         if host::request_header(&cfg_fallback).is_some() {

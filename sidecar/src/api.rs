@@ -215,6 +215,7 @@ async fn state(State(sc): State<Arc<Sidecar>>) -> Response {
                 "mode": if m.shard_count > 0 { "precise for token prompts, approximate for text" } else { "approximate" },
                 "workers": m.workers.iter().map(|w| json!({
                     "worker_id": w.id,
+                    "tenant_id": w.tenant,
                     "endpoint": w.endpoint,
                     "block_size": w.block_size,
                     "ranks": w.ranks.iter().map(|r| json!({

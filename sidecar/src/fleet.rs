@@ -365,6 +365,7 @@ impl Fleet {
                 endpoint: w.spec.endpoint.clone(),
                 block_size: w.spec.block_size,
                 ranks,
+                tenant: w.spec.tenant_id.clone(),
             });
         }
         Snapshot {

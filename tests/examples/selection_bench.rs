@@ -46,6 +46,7 @@ fn snapshot(shard_count: u32) -> Snapshot {
                         kv_total_blocks: 200_000,
                         ..Default::default()
                     }],
+                    tenant: "default".into(),
                 })
                 .collect(),
             ..Default::default()

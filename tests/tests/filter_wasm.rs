@@ -45,6 +45,7 @@ fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
         endpoint: format!("10.0.0.{id}:8000"),
         block_size: 16,
         ranks,
+        tenant: "default".into(),
     }
 }
 
@@ -305,6 +306,46 @@ fn routes_to_the_least_loaded_worker_and_overwrites_client_headers() {
         "a client's rank header is removed"
     );
     assert_eq!(e.counter("kvgate_routed_total"), 3);
+}
+
+#[test]
+fn a_request_is_placed_only_on_its_tenants_workers() {
+    let mut e = Envoy::start("");
+    let mut snap = fleet(1);
+    // Worker 2 (the least loaded) belongs to team-a, worker 3 to team-b.
+    snap.models[0].workers[1].tenant = "team-a".into();
+    snap.models[0].workers[2].tenant = "team-b".into();
+    e.publish(&snap, true);
+    let dest = |e: &mut Envoy, tenant: Option<&str>| {
+        let mut headers = CHAT.to_vec();
+        if let Some(t) = tenant {
+            headers.push(("x-kvgate-tenant", t));
+        }
+        let ex = e.routers[0].request(&headers, &[&chat("m")]);
+        (
+            ex.header("x-gateway-destination-endpoint")
+                .map(str::to_string),
+            ex.reply.map(|r| r.status),
+        )
+    };
+    assert_eq!(
+        dest(&mut e, Some("team-a")),
+        (Some("10.0.0.2:8000".into()), None)
+    );
+    assert_eq!(
+        dest(&mut e, Some("team-b")),
+        (Some("10.0.0.3:8000".into()), None)
+    );
+    assert_eq!(
+        dest(&mut e, None),
+        (Some("10.0.0.1:8000".into()), None),
+        "no header: the default tenant, whose only worker is 1"
+    );
+    assert_eq!(
+        dest(&mut e, Some("team-c")),
+        (None, Some(503)),
+        "a tenant with no workers has no one to serve it"
+    );
 }
 
 #[test]
