@@ -21,6 +21,9 @@ pub struct Service {
     /// The bookings batch in flight. One at a time keeps each VM's events
     /// in order at the sidecar (a request never ends before it is booked).
     bookings_token: Option<u32>,
+    /// The routing-decision batch in flight. One at a time turns a busy
+    /// second's thousands of wake-ups into a few requests to the sidecar.
+    routed_token: Option<u32>,
 }
 
 fn register(name: &str) -> Option<u32> {
@@ -46,6 +49,7 @@ impl Service {
             queue: register(host::ROUTED_QUEUE),
             bookings_queue: register(host::BOOKINGS_QUEUE),
             bookings_token: None,
+            routed_token: None,
         }
     }
 
@@ -71,21 +75,31 @@ impl Service {
         }
     }
 
-    /// Forwards queued routing decisions to the sidecar in one request.
-    /// Best effort: a lost batch only delays what the approximate index
-    /// learns.
     pub fn on_queue_ready(&mut self, queue: u32) {
         if Some(queue) == self.bookings_queue {
             self.send_bookings();
+        } else if Some(queue) == self.queue {
+            self.send_routed();
+        }
+    }
+
+    /// Forwards queued routing decisions to the sidecar in one request,
+    /// unless one is in flight (its answer sends the next). Best effort: a
+    /// lost batch only delays what the routed-prefix index learns.
+    fn send_routed(&mut self) {
+        let Some(queue) = self.queue else {
+            return;
+        };
+        if self.routed_token.is_some() {
             return;
         }
-        if Some(queue) != self.queue {
-            return;
-        }
-        // Bounded per call; the rest stays queued for the next wake-up.
+        // Bounded per request; the rest goes with the next one.
         match self.post_queued(queue, 1 << 20, "/v1/routed") {
             None => {}
-            Some(Ok(_)) => inc(self.metrics.reports),
+            Some(Ok(token)) => {
+                self.routed_token = Some(token);
+                inc(self.metrics.reports);
+            }
             Some(Err(_)) => inc(self.metrics.report_errors),
         }
     }
@@ -157,11 +171,15 @@ impl Service {
             self.send_bookings();
             return;
         }
-        if Some(token) != self.poll_token {
-            // A report's answer: only failures matter.
+        if Some(token) == self.routed_token {
+            self.routed_token = None;
             if host::call_response_header(":status").as_deref() != Some("204") {
                 inc(self.metrics.report_errors);
             }
+            self.send_routed();
+            return;
+        }
+        if Some(token) != self.poll_token {
             return;
         }
         self.poll_token = None;

@@ -640,7 +640,29 @@ fn text_prompts_are_reported_and_follow_the_learned_index() {
         "worker 2's rank 0 is slot 8"
     );
     assert!(!records[0].hashes.is_empty());
+    // While that report is in flight, more decisions wait in the queue and
+    // go together once it is answered: one request at a time.
+    for q in ["a?", "b?"] {
+        e.routers[1].request(&CHAT, &[ask(q).as_bytes()]);
+    }
+    e.service.deliver_queues().unwrap();
+    let reports = |e: &Envoy| {
+        e.service
+            .pending()
+            .into_iter()
+            .filter(|c| c.header(":path") == Some("/v1/routed"))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        reports(&e).len(),
+        1,
+        "no second report while one is in flight"
+    );
     e.service.respond(report.token, 204, &[], b"").unwrap();
+    let next = reports(&e);
+    assert_eq!(next.len(), 1);
+    assert_eq!(Routed::decode_all(&next[0].body).unwrap().len(), 2);
+    e.service.respond(next[0].token, 204, &[], b"").unwrap();
 
     // The sidecar publishes what it learned (here: worker 3, slot 12, holds
     // the system prompt's chunks); a new question with the same system
