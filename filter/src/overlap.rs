@@ -132,16 +132,25 @@ pub fn with_in_flight(precise: Overlap, routed: Overlap) -> Overlap {
     }
 }
 
-/// Whether some rank's device holds every full block of a `tokens`-long
-/// prompt, per the events.
-pub fn holds_whole_prompt(model: &ModelState, precise: &[SlotOverlap], tokens: usize) -> bool {
-    model.workers.iter().any(|w| {
-        let full = tokens / w.block_size.max(1) as usize;
-        full > 0
-            && w.ranks
-                .iter()
-                .any(|r| of(precise, r.slot).device as usize >= full)
-    })
+/// Whether some rank of `tenant` holds every full block of a
+/// `tokens`-long prompt on its device, per the events.
+pub fn holds_whole_prompt(
+    model: &ModelState,
+    tenant: &str,
+    precise: &[SlotOverlap],
+    tokens: usize,
+) -> bool {
+    model
+        .workers
+        .iter()
+        .filter(|w| w.tenant == tenant)
+        .any(|w| {
+            let full = tokens / w.block_size.max(1) as usize;
+            full > 0
+                && w.ranks
+                    .iter()
+                    .any(|r| of(precise, r.slot).device as usize >= full)
+        })
 }
 
 /// The overlap of one slot, in the selector's terms.
@@ -251,7 +260,7 @@ mod tests {
 
     #[test]
     fn whole_prompt_holders_are_recognised() {
-        let m = model(8);
+        let mut m = model(8);
         let table = |dev: u32| {
             vec![
                 SlotOverlap::default(),
@@ -263,11 +272,16 @@ mod tests {
             ]
         };
         // 10 tokens in blocks of 4: two full blocks.
-        assert!(holds_whole_prompt(&m, &table(2), 10));
-        assert!(!holds_whole_prompt(&m, &table(1), 10));
+        assert!(holds_whole_prompt(&m, "", &table(2), 10));
+        assert!(!holds_whole_prompt(&m, "", &table(1), 10));
         assert!(
-            !holds_whole_prompt(&m, &table(0), 3),
+            !holds_whole_prompt(&m, "", &table(0), 3),
             "no full block at all"
+        );
+        m.workers[1].tenant = "other".into();
+        assert!(
+            !holds_whole_prompt(&m, "", &table(2), 10),
+            "another tenant's holder does not count"
         );
     }
 

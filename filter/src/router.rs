@@ -201,7 +201,7 @@ impl Request {
                 // When the events show a rank holding the whole prompt there
                 // is nothing in flight to bridge: no routed lookup, and no
                 // report of this request's chunks.
-                if overlap::holds_whole_prompt(model, &precise, tokens.len()) {
+                if overlap::holds_whole_prompt(model, &self.tenant, &precise, tokens.len()) {
                     (precise, Vec::new())
                 } else {
                     chunks = approx::token_chunk_hashes(tokens);
