@@ -327,10 +327,13 @@ impl Sidecar {
         };
         let now = Instant::now();
         let mut a = self.approx.lock().unwrap_or_else(|p| p.into_inner());
+        let before = a.learned;
         for r in &valid {
             a.learn(r, now);
         }
-        self.metrics.approx_learned.set(a.learned as i64);
+        self.metrics
+            .approx_learned
+            .inc_by(a.learned.saturating_sub(before));
         valid.len()
     }
 

@@ -33,7 +33,7 @@ pub struct Metrics {
     pub kv_replayed: IntCounterVec,
     pub kv_indexed_blocks: IntGaugeVec,
     pub kv_malformed_batches: IntGauge,
-    pub approx_learned: IntGauge,
+    pub approx_learned: IntCounter,
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -246,11 +246,16 @@ impl Metrics {
                 "kvgate_sidecar_kv_malformed_batches",
                 "KV event batches that failed to decode (skipped whole).",
             ),
-            approx_learned: gauge(
-                &r,
-                "kvgate_sidecar_approx_learned",
-                "Chunk holders learned from routing decisions (approximate index), since start.",
-            ),
+            approx_learned: {
+                let c = IntCounter::new(
+                    "kvgate_sidecar_approx_learned_total",
+                    "Chunk holders learned from routing decisions (routed-prefix index).",
+                )
+                .unwrap_or_else(|e| panic!("metric: {e}"));
+                r.register(Box::new(c.clone()))
+                    .unwrap_or_else(|e| panic!("metric: {e}"));
+                c
+            },
             registry: r,
         }
     }

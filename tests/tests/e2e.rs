@@ -715,7 +715,7 @@ fn text_prompts_follow_prefixes_learned_from_routing() {
     // shards → Envoy; give them a moment.
     let deadline = Instant::now() + Duration::from_secs(5);
     while stack
-        .sidecar_metric("kvgate_sidecar_approx_learned")
+        .sidecar_metric("kvgate_sidecar_approx_learned_total")
         .unwrap_or(0.0)
         < 4.0
     {
