@@ -66,19 +66,25 @@ pub fn run(args: &[String]) -> Result<()> {
                 std::fs::write(dir.join("quality.json"), serde_json::to_vec_pretty(&v)?)?;
                 (quality_section(&v)?, "\n## Routing quality")
             }
-            other => bail!("--only knows shedding and quality, not {other:?}"),
+            "overhead" => {
+                let v = overhead(quick)?;
+                std::fs::write(dir.join("overhead.json"), serde_json::to_vec_pretty(&v)?)?;
+                (overhead_section(&v), "\n## Filter overhead")
+            }
+            other => bail!("--only knows overhead, shedding and quality, not {other:?}"),
         };
         let path = repo().join("bench/report.md");
         let old = std::fs::read_to_string(&path).unwrap_or_default();
-        let kept = match old.find(heading) {
+        // The section takes the place of the old one, or goes at the end.
+        let updated = match old.find(heading) {
             Some(at) => {
                 let rest = &old[at + 1..];
                 let end = rest.find("\n## ").map_or(old.len(), |e| at + 1 + e);
-                format!("{}{}", &old[..at], &old[end..])
+                format!("{}{section}{}", &old[..at], &old[end..])
             }
-            None => old,
+            None => format!("{old}{section}"),
         };
-        std::fs::write(&path, format!("{kept}{section}"))?;
+        std::fs::write(&path, updated)?;
         println!("{section}");
         return Ok(());
     }
@@ -278,16 +284,39 @@ fn overhead(quick: bool) -> Result<Value> {
     measure(&rt, &stack.plain_url(), 200, concurrency);
     measure(&rt, &stack.envoy_url(), 200, concurrency);
     let (mut plain, mut kv) = (Vec::new(), Vec::new());
+    // CPU seconds per route: Envoy, sidecar, workers, load generator.
+    let (mut plain_cpu, mut kv_cpu) = ([0.0f64; 4], [0.0f64; 4]);
+    let cpu_now = |s: &Stack| {
+        let [e, sc, w] = s.cpu_seconds();
+        [
+            e,
+            sc,
+            w,
+            kvgate_stack::process_cpu_seconds(std::process::id()).unwrap_or(0.0),
+        ]
+    };
+    let timed = |url: &str, acc: &mut [f64; 4]| {
+        let before = cpu_now(&stack);
+        let run = measure(&rt, url, n, concurrency);
+        for (a, (x, y)) in acc.iter_mut().zip(cpu_now(&stack).iter().zip(before)) {
+            *a += x - y;
+        }
+        run
+    };
     for rep in 0..reps {
         // Alternate the order so drift on a shared machine hits both sides.
         if rep % 2 == 0 {
-            plain.push(measure(&rt, &stack.plain_url(), n, concurrency));
-            kv.push(measure(&rt, &stack.envoy_url(), n, concurrency));
+            plain.push(timed(&stack.plain_url(), &mut plain_cpu));
+            kv.push(timed(&stack.envoy_url(), &mut kv_cpu));
         } else {
-            kv.push(measure(&rt, &stack.envoy_url(), n, concurrency));
-            plain.push(measure(&rt, &stack.plain_url(), n, concurrency));
+            kv.push(timed(&stack.envoy_url(), &mut kv_cpu));
+            plain.push(timed(&stack.plain_url(), &mut plain_cpu));
         }
     }
+    let per_request = |cpu: [f64; 4]| {
+        let us = |s: f64| (s * 1e6 / (reps * n) as f64).round();
+        json!({"envoy": us(cpu[0]), "sidecar": us(cpu[1]), "workers": us(cpu[2]), "load_generator": us(cpu[3])})
+    };
     let col = |v: &[Run], f: fn(&Run) -> f64| v.iter().map(f).collect::<Vec<f64>>();
     let side = |v: &[Run]| {
         let p50 = col(v, |r| r.p50_us as f64);
@@ -317,6 +346,7 @@ fn overhead(quick: bool) -> Result<Value> {
         "p50_ratio": f(&k, "p50_us") / f(&p, "p50_us").max(1.0),
         "throughput_ratio": f(&k, "rps") / f(&p, "rps").max(1e-9),
         "filter_decision_us": envoy_histogram(&stack, "kvgate_decision_us")?,
+        "cpu_us_per_request": {"plain": per_request(plain_cpu), "kvgate": per_request(kv_cpu)},
     }))
 }
 
@@ -364,60 +394,91 @@ fn machine() -> String {
     format!("{cores} vCPU, {cpu}")
 }
 
+/// A number at `path` in `v`, NaN when absent.
+fn num(v: &Value, path: &[&str]) -> f64 {
+    let mut cur = v;
+    for p in path {
+        cur = &cur[*p];
+    }
+    cur.as_f64().unwrap_or(f64::NAN)
+}
+
 fn report(ingest: &Value, overhead: &Value, quick: bool, took: Duration) -> String {
-    let f = |v: &Value, path: &[&str]| {
-        let mut cur = v;
-        for p in path {
-            cur = &cur[*p];
-        }
-        cur.as_f64().unwrap_or(f64::NAN)
-    };
     let date = Command::new("date")
         .args(["-u", "+%Y-%m-%d"])
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
     format!(
-        "# kvgate benchmarks\n\n{} run on {}, {date}; took {:.0} s. Medians of repeated runs, spread (max − min) in brackets; every figure is next to its baseline from the same run.\n\n\
-## Filter overhead (Envoy 1.40, 2 worker threads, 4 instant workers, closed loop ×{})\n\n\
+        "# kvgate benchmarks\n\n{} run on {}, {date}; took {:.0} s. Medians of repeated runs, spread (max − min) in brackets; every figure is next to its baseline from the same run.\n{}{}",
+        if quick { "Quick" } else { "Full" },
+        machine(),
+        took.as_secs_f64(),
+        overhead_section(overhead),
+        ingest_section(ingest),
+    )
+}
+
+fn overhead_section(o: &Value) -> String {
+    let f = |path: &[&str]| num(o, path);
+    let cpu = |route: &str, part: &str| num(o, &["cpu_us_per_request", route, part]);
+    let parts = ["envoy", "sidecar", "workers", "load_generator"];
+    let mut cpu_rows = String::new();
+    for route in ["plain", "kvgate"] {
+        let total: f64 = parts.iter().map(|p| cpu(route, p)).sum();
+        cpu_rows.push_str(&format!(
+            "| {route} | {:.0} | {:.0} | {:.0} | {:.0} | {total:.0} |\n",
+            cpu(route, "envoy"),
+            cpu(route, "sidecar"),
+            cpu(route, "workers"),
+            cpu(route, "load_generator"),
+        ));
+    }
+    format!(
+        "\n## Filter overhead (Envoy 1.40, 2 worker threads, 4 instant workers, closed loop ×{})\n\n\
 | route | p50 | p99 | throughput |\n| --- | --- | --- | --- |\n\
 | plain Envoy route (baseline) | {:.0} µs [{:.0}] | {:.0} µs [{:.0}] | {:.0} req/s [{:.0}] |\n\
 | kvgate filter | {:.0} µs [{:.0}] | {:.0} µs [{:.0}] | {:.0} req/s [{:.0}] |\n\n\
 Added latency: p50 {:+.0} µs (ratio {:.2}), p99 {:+.0} µs; throughput ratio {:.2}. The filter's own decision time (Envoy histogram `kvgate_decision_us`): P50 {:.0} µs, P99 {:.0} µs.\n\n\
-## KV event ingest (one thread; 16 ranks × 100k blocks, 16-token blocks, vLLM 0.33 tagged events)\n\n\
+The loop keeps both cores busy, so latency and throughput follow CPU per request. Where it goes (CPU µs per request, user + system, from `/proc`):\n\n\
+| route | Envoy | sidecar | workers | load generator | total |\n| --- | --- | --- | --- | --- | --- |\n{cpu_rows}",
+        f(&["concurrency"]),
+        f(&["baseline_plain_route", "p50_us"]),
+        f(&["baseline_plain_route", "p50_spread_us"]),
+        f(&["baseline_plain_route", "p99_us"]),
+        f(&["baseline_plain_route", "p99_spread_us"]),
+        f(&["baseline_plain_route", "rps"]),
+        f(&["baseline_plain_route", "rps_spread"]),
+        f(&["kvgate_route", "p50_us"]),
+        f(&["kvgate_route", "p50_spread_us"]),
+        f(&["kvgate_route", "p99_us"]),
+        f(&["kvgate_route", "p99_spread_us"]),
+        f(&["kvgate_route", "rps"]),
+        f(&["kvgate_route", "rps_spread"]),
+        f(&["added_p50_us"]),
+        f(&["p50_ratio"]),
+        f(&["added_p99_us"]),
+        f(&["throughput_ratio"]),
+        f(&["filter_decision_us", "P50"]),
+        f(&["filter_decision_us", "P99"]),
+    )
+}
+
+fn ingest_section(i: &Value) -> String {
+    let f = |path: &[&str]| num(i, path);
+    format!(
+        "\n## KV event ingest (one thread; 16 ranks × 100k blocks, 16-token blocks, vLLM 0.33 tagged events)\n\n\
 | path | blocks/s |\n| --- | --- |\n\
 | generic msgpack decode into `rmpv::Value` (baseline, decode only) | {:.2}M [{:.2}M] |\n\
 | kvgate decode + hash | {:.2}M |\n\
 | kvgate decode + hash + index (end to end from frames) | {:.2}M [{:.2}M] |\n\n\
 Ingest is {:.2}× the baseline's decode alone. Sidecar heap per indexed block: {:.0} bytes.\n",
-        if quick { "Quick" } else { "Full" },
-        machine(),
-        took.as_secs_f64(),
-        f(overhead, &["concurrency"]),
-        f(overhead, &["baseline_plain_route", "p50_us"]),
-        f(overhead, &["baseline_plain_route", "p50_spread_us"]),
-        f(overhead, &["baseline_plain_route", "p99_us"]),
-        f(overhead, &["baseline_plain_route", "p99_spread_us"]),
-        f(overhead, &["baseline_plain_route", "rps"]),
-        f(overhead, &["baseline_plain_route", "rps_spread"]),
-        f(overhead, &["kvgate_route", "p50_us"]),
-        f(overhead, &["kvgate_route", "p50_spread_us"]),
-        f(overhead, &["kvgate_route", "p99_us"]),
-        f(overhead, &["kvgate_route", "p99_spread_us"]),
-        f(overhead, &["kvgate_route", "rps"]),
-        f(overhead, &["kvgate_route", "rps_spread"]),
-        f(overhead, &["added_p50_us"]),
-        f(overhead, &["p50_ratio"]),
-        f(overhead, &["added_p99_us"]),
-        f(overhead, &["throughput_ratio"]),
-        f(overhead, &["filter_decision_us", "P50"]),
-        f(overhead, &["filter_decision_us", "P99"]),
-        f(ingest, &["baseline_rmpv_decode_blocks_per_s"]) / 1e6,
-        f(ingest, &["baseline_spread"]) / 1e6,
-        f(ingest, &["decode_hash_blocks_per_s"]) / 1e6,
-        f(ingest, &["ingest_blocks_per_s"]) / 1e6,
-        f(ingest, &["ingest_spread"]) / 1e6,
-        f(ingest, &["ratio_ingest_vs_baseline_decode"]),
-        f(ingest, &["sidecar_heap_bytes_per_block"]),
+        f(&["baseline_rmpv_decode_blocks_per_s"]) / 1e6,
+        f(&["baseline_spread"]) / 1e6,
+        f(&["decode_hash_blocks_per_s"]) / 1e6,
+        f(&["ingest_blocks_per_s"]) / 1e6,
+        f(&["ingest_spread"]) / 1e6,
+        f(&["ratio_ingest_vs_baseline_decode"]),
+        f(&["sidecar_heap_bytes_per_block"]),
     )
 }

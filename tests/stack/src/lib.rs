@@ -223,6 +223,17 @@ impl Stack {
         Some(kb * 1024)
     }
 
+    /// CPU seconds (user + system) used so far by Envoy, the sidecar and
+    /// all workers together, from `/proc`.
+    pub fn cpu_seconds(&self) -> [f64; 3] {
+        let of = |p: Option<&Proc>| p.and_then(|p| process_cpu_seconds(p.pid())).unwrap_or(0.0);
+        [
+            of(self.envoy.as_ref()),
+            of(self.sidecar.as_ref()),
+            self.workers.iter().map(|w| of(w.proc.as_ref())).sum(),
+        ]
+    }
+
     /// Starts (or restarts) worker `i` with the arguments it was created with.
     pub fn start_worker(&mut self, i: usize) -> Result<()> {
         let w = &mut self.workers[i];
@@ -469,4 +480,16 @@ impl Drop for Stack {
             }
         }
     }
+}
+
+/// CPU seconds (user + system) a process has used, from `/proc/PID/stat`.
+pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are
+    // the 14th and 15th of the whole line, in clock ticks (100 a second on
+    // Linux).
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
 }
