@@ -88,54 +88,28 @@ impl ApproxIndex {
 
     /// Forgets everything routed to `slot`: its engine's cache is empty.
     pub fn forget_slot(&mut self, slot: u16) {
-        for m in self.models.values_mut() {
-            let mut changed = Vec::new();
-            for (s, map) in m.shards.iter_mut().enumerate() {
-                let mut touched = false;
-                map.retain(|_, hs| {
-                    let n = hs.len();
-                    hs.retain(|(held, _)| *held != slot);
-                    touched |= hs.len() != n;
-                    !hs.is_empty()
-                });
-                if touched {
-                    changed.push(s);
-                }
-            }
-            for s in changed {
-                m.mark(s);
-            }
-        }
-    }
-
-    /// Holders (chunk, rank) currently indexed, all models.
-    pub fn len(&self) -> usize {
-        self.models
-            .values()
-            .flat_map(|m| m.shards.iter())
-            .flat_map(|map| map.values())
-            .map(|hs| hs.len())
-            .sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.retain_holders(|held, _| held != slot);
     }
 
     /// Drops expired holders.
     pub fn sweep(&mut self, now: Instant) {
+        self.retain_holders(|_, expiry| expiry > now);
+    }
+
+    /// Keeps the holders `keep` accepts; shards that lost one are marked
+    /// for publishing.
+    fn retain_holders(&mut self, keep: impl Fn(u16, Instant) -> bool) {
         for m in self.models.values_mut() {
             let mut changed = Vec::new();
             for (s, map) in m.shards.iter_mut().enumerate() {
-                let before = map.len();
                 let mut touched = false;
                 map.retain(|_, hs| {
                     let n = hs.len();
-                    hs.retain(|(_, exp)| *exp > now);
+                    hs.retain(|(slot, expiry)| keep(*slot, *expiry));
                     touched |= hs.len() != n;
                     !hs.is_empty()
                 });
-                if touched || map.len() != before {
+                if touched {
                     changed.push(s);
                 }
             }
@@ -181,6 +155,19 @@ impl ApproxIndex {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+impl ApproxIndex {
+    /// Holders (chunk, rank) currently indexed, all models.
+    fn len(&self) -> usize {
+        self.models
+            .values()
+            .flat_map(|m| m.shards.iter())
+            .flat_map(|map| map.values())
+            .map(|hs| hs.len())
+            .sum()
     }
 }
 

@@ -44,6 +44,13 @@ fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterV
     c
 }
 
+fn plain_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    r.register(Box::new(c.clone()))
+        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
+    c
+}
+
 fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     let g = IntGaugeVec::new(Opts::new(name, help), labels)
         .unwrap_or_else(|e| panic!("metric {name}: {e}"));
@@ -155,16 +162,11 @@ impl Metrics {
                 "Requests the gateway routed that have not ended, per model.",
                 &["model"],
             ),
-            bookings_expired: {
-                let c = IntCounter::new(
-                    "kvgate_sidecar_bookings_expired_total",
-                    "Bookings dropped by the expiry because their end was never reported.",
-                )
-                .unwrap_or_else(|e| panic!("metric: {e}"));
-                r.register(Box::new(c.clone()))
-                    .unwrap_or_else(|e| panic!("metric: {e}"));
-                c
-            },
+            bookings_expired: plain_counter(
+                &r,
+                "kvgate_sidecar_bookings_expired_total",
+                "Bookings dropped by the expiry because their end was never reported.",
+            ),
             booking_batches: counter(
                 &r,
                 "kvgate_sidecar_booking_batches_total",
@@ -246,16 +248,11 @@ impl Metrics {
                 "kvgate_sidecar_kv_malformed_batches",
                 "KV event batches that failed to decode (skipped whole).",
             ),
-            approx_learned: {
-                let c = IntCounter::new(
-                    "kvgate_sidecar_approx_learned_total",
-                    "Chunk holders learned from routing decisions (routed-prefix index).",
-                )
-                .unwrap_or_else(|e| panic!("metric: {e}"));
-                r.register(Box::new(c.clone()))
-                    .unwrap_or_else(|e| panic!("metric: {e}"));
-                c
-            },
+            approx_learned: plain_counter(
+                &r,
+                "kvgate_sidecar_approx_learned_total",
+                "Chunk holders learned from routing decisions (routed-prefix index).",
+            ),
             registry: r,
         }
     }
