@@ -147,9 +147,23 @@ pub fn select<'a>(
     tenant: &str,
     req: &RequestShape,
     policy: &Policy,
-    mut overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
+    overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
 ) -> Decision<'a> {
+    select_with_runner_up(model, tenant, req, policy, overlap).0
+}
+
+/// [`select`], plus the cheapest candidate on another worker than the
+/// chosen one: where a request goes if its worker refuses the connection.
+/// Found in the same pass, so it costs no second search.
+pub fn select_with_runner_up<'a>(
+    model: &'a ModelState,
+    tenant: &str,
+    req: &RequestShape,
+    policy: &Policy,
+    mut overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
+) -> (Decision<'a>, Option<Choice<'a>>) {
     let mut any_rank = false;
+    let mut runner_up: Option<Choice<'a>> = None;
     let mut best: Option<Choice<'a>> = None;
     let mut ties: u64 = 0;
     // Candidates are kept only for sampling; temperature 0 never allocates.
@@ -174,17 +188,25 @@ pub fn select<'a>(
                 continue;
             }
             match best {
-                Some(b) if logit > b.logit => {}
                 Some(b) if logit == b.logit => {
                     // Reservoir-style: the k-th tie replaces the current pick
                     // when the tie-break lands on it, which spreads ties
                     // uniformly over tie_break values.
                     ties += 1;
                     if mix(req.tie_break, ties).is_multiple_of(ties + 1) {
+                        runner_up = demoted(b, runner_up, &choice);
                         best = Some(choice);
+                    } else {
+                        runner_up = cheaper_elsewhere(&b, runner_up, choice);
                     }
                 }
+                Some(b) if logit > b.logit => {
+                    runner_up = cheaper_elsewhere(&b, runner_up, choice);
+                }
                 _ => {
+                    if let Some(b) = best {
+                        runner_up = demoted(b, runner_up, &choice);
+                    }
                     best = Some(choice);
                     ties = 0;
                 }
@@ -193,11 +215,47 @@ pub fn select<'a>(
     }
     if sampling {
         best = sample(&pool, policy.temperature, req.sample);
+        runner_up = best.and_then(|b| {
+            pool.iter()
+                .filter(|c| !std::ptr::eq(c.worker, b.worker))
+                .min_by(|x, y| x.logit.total_cmp(&y.logit))
+                .copied()
+        });
     }
-    match best {
+    let decision = match best {
         Some(c) => Decision::Route(c),
         None if any_rank => Decision::AllBusy,
         None => Decision::NoWorkers,
+    };
+    (decision, runner_up)
+}
+
+/// The runner-up once `old` loses first place to `new`: `old` itself,
+/// the cheapest of the rest, unless it is on the same worker as `new`.
+fn demoted<'a>(
+    old: Choice<'a>,
+    runner_up: Option<Choice<'a>>,
+    new: &Choice<'a>,
+) -> Option<Choice<'a>> {
+    if std::ptr::eq(old.worker, new.worker) {
+        runner_up
+    } else {
+        Some(old)
+    }
+}
+
+/// The runner-up after weighing `choice`, which did not take first place
+/// from `best`.
+fn cheaper_elsewhere<'a>(
+    best: &Choice<'a>,
+    runner_up: Option<Choice<'a>>,
+    choice: Choice<'a>,
+) -> Option<Choice<'a>> {
+    let elsewhere = !std::ptr::eq(choice.worker, best.worker);
+    if elsewhere && runner_up.is_none_or(|r| choice.logit < r.logit) {
+        Some(choice)
+    } else {
+        runner_up
     }
 }
 
@@ -315,6 +373,55 @@ mod tests {
             worker(3, vec![rank(0, 160, 0, false)]),
         ]);
         assert_eq!(pick(&m, 0), Some((2, 0)));
+    }
+
+    #[test]
+    fn the_runner_up_is_the_cheapest_rank_on_another_worker() {
+        let runner_up = |m: &ModelState, tie: u64| {
+            let req = RequestShape {
+                isl_tokens: 100,
+                tie_break: tie,
+                sample: 0.0,
+            };
+            let (d, r) =
+                select_with_runner_up(m, DEFAULT_TENANT, &req, &Policy::default(), |_, _| {
+                    Overlap::default()
+                });
+            let Decision::Route(best) = d else {
+                panic!("expected a route, got {d:?}");
+            };
+            (best.worker.id, r.map(|c| (c.worker.id, c.rank.rank)))
+        };
+        // Worker 1's second rank is cheaper than worker 3, but shares the
+        // chosen worker: a refused connection would refuse it too.
+        let m = model(vec![
+            worker(3, vec![rank(0, 300, 0, false)]),
+            worker(1, vec![rank(0, 0, 0, false), rank(1, 10, 0, false)]),
+            worker(2, vec![rank(0, 200, 0, false), rank(1, 0, 0, true)]),
+        ]);
+        assert_eq!(runner_up(&m, 0), (1, Some((2, 0))));
+        // Whatever the order the candidates come in.
+        let mut rev = m.clone();
+        rev.workers.reverse();
+        assert_eq!(runner_up(&rev, 0), (1, Some((2, 0))));
+        // Equal costs: the runner-up is never on the chosen worker, for
+        // every tie-break.
+        let tied = model(
+            (1..=3)
+                .map(|id| worker(id, vec![rank(0, 0, 0, false), rank(1, 0, 0, false)]))
+                .collect(),
+        );
+        for t in 0..200 {
+            let (best, r) = runner_up(&tied, t);
+            let (other, _) = r.expect("two other workers are free");
+            assert_ne!(best, other, "tie-break {t}");
+        }
+        // A single worker has no runner-up.
+        let one = model(vec![worker(
+            1,
+            vec![rank(0, 0, 0, false), rank(1, 0, 0, false)],
+        )]);
+        assert_eq!(runner_up(&one, 0), (1, None));
     }
 
     #[test]

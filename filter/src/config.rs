@@ -20,6 +20,9 @@ pub enum OnStale {
 pub struct Config {
     pub sidecar_cluster: String,
     pub sidecar_authority: String,
+    /// The sidecar's control token: bookings and routing reports are
+    /// writes, so they carry it when the sidecar requires one.
+    pub sidecar_token: Option<String>,
     pub poll_wait_ms: u64,
     pub poll_backoff_ms: u64,
     pub tick_ms: u64,
@@ -40,6 +43,7 @@ impl Default for Config {
         Config {
             sidecar_cluster: "kvgate_sidecar".into(),
             sidecar_authority: "kvgate-sidecar".into(),
+            sidecar_token: None,
             poll_wait_ms: 1000,
             poll_backoff_ms: 100,
             tick_ms: 100,
@@ -93,6 +97,11 @@ impl Config {
                 return invalid(format!("{name} {h:?} is not a usable header name"));
             }
         }
+        if let Some(t) = &self.sidecar_token
+            && (t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()))
+        {
+            return invalid("sidecar_token must be non-empty printable ASCII".into());
+        }
         if self.sidecar_cluster.is_empty() {
             return invalid("sidecar_cluster must not be empty".into());
         }
@@ -135,6 +144,8 @@ mod tests {
         assert_eq!(c.on_stale, OnStale::FailClosed);
         assert_eq!(c.destination_header, "x-dest");
         assert_eq!(c.max_body_bytes, 10);
+        let c = Config::parse(Some(br#"{"sidecar_token":"s3cret"}"#)).unwrap();
+        assert_eq!(c.sidecar_token.as_deref(), Some("s3cret"));
     }
 
     #[test]
@@ -149,6 +160,8 @@ mod tests {
             br#"{"tenant_header": "x tenant"}"#,
             br#"{"poll_wait_ms": 60000}"#,
             br#"{"stale_after_ms": 500}"#,
+            br#"{"sidecar_token": ""}"#,
+            br#"{"sidecar_token": "two words"}"#,
         ] {
             assert!(
                 Config::parse(Some(bad)).is_err(),

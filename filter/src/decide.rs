@@ -4,7 +4,7 @@
 use crate::config::Config;
 use crate::reply::Reply;
 use crate::request::Parsed;
-use kvgate_core::select::{Choice, Decision, Overlap, Policy, RequestShape, select};
+use kvgate_core::select::{Choice, Decision, Overlap, Policy, RequestShape, select_with_runner_up};
 use kvgate_core::{RankLoad, Snapshot, WorkerState};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -14,6 +14,9 @@ pub enum Outcome<'a> {
         rank: &'a RankLoad,
         /// Whether the engine must be told the rank (more than one rank).
         set_rank: bool,
+        /// Where Envoy retries if `worker` refuses the connection: the
+        /// cheapest rank on another worker that the same rank header suits.
+        fallback: Option<(&'a WorkerState, &'a RankLoad)>,
     },
     Reply(Reply),
 }
@@ -35,12 +38,23 @@ pub fn decide<'a>(
         tie_break,
         sample: (tie_break % 1_000_003) as f64 / 1_000_003.0,
     };
-    match select(model, tenant, &shape, policy, overlap) {
-        Decision::Route(Choice { worker, rank, .. }) => Outcome::Route {
-            worker,
-            rank,
-            set_rank: worker.ranks.len() > 1,
-        },
+    let (decision, runner_up) = select_with_runner_up(model, tenant, &shape, policy, overlap);
+    match decision {
+        Decision::Route(Choice { worker, rank, .. }) => {
+            let set_rank = worker.ranks.len() > 1;
+            // The retry carries the same headers: a rank header names the
+            // same rank on the other worker, and no header suits any worker
+            // (a multi-rank engine then balances by itself).
+            let fallback = runner_up
+                .filter(|r| !set_rank || (r.worker.ranks.len() > 1 && r.rank.rank == rank.rank))
+                .map(|r| (r.worker, r.rank));
+            Outcome::Route {
+                worker,
+                rank,
+                set_rank,
+                fallback,
+            }
+        }
         // The sidecar's estimate from the drain rate, when it has one.
         Decision::AllBusy => Outcome::Reply(Reply::busy(match model.retry_after_s {
             0 => cfg.retry_after_s,
@@ -167,8 +181,36 @@ mod tests {
                 worker,
                 rank,
                 set_rank,
+                fallback,
             } => {
                 assert_eq!((worker.id, rank.rank, set_rank), (2, 1, true));
+                assert_eq!(
+                    fallback, None,
+                    "worker 1 has no rank 1 to take the rank header"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_fallback_is_the_next_cheapest_worker_the_headers_suit() {
+        let mut s = snapshot();
+        // Worker 2 with one rank, and a third, busier worker.
+        s.models[0].workers[1].ranks.remove(0);
+        let mut third = s.models[0].workers[0].clone();
+        third.id = 9;
+        third.endpoint = "10.0.0.9:8000".into();
+        third.ranks[0].active_decode_blocks = 90;
+        s.models[0].workers.push(third);
+        match run(&s, "m") {
+            Outcome::Route {
+                worker,
+                set_rank,
+                fallback: Some((fb, _)),
+                ..
+            } => {
+                assert_eq!((worker.id, set_rank, fb.id), (2, false, 1));
             }
             other => panic!("{other:?}"),
         }

@@ -103,25 +103,25 @@ pub fn dispatch_get(
     )
 }
 
+/// Posts `body`; `authorization` is a whole header value.
 pub fn dispatch_post(
     cluster: &str,
     authority: &str,
     path: &str,
+    authorization: Option<&str>,
     body: &[u8],
     timeout: Duration,
 ) -> Result<u32, Status> {
-    hostcalls::dispatch_http_call(
-        cluster,
-        vec![
-            (":method", "POST"),
-            (":path", path),
-            (":authority", authority),
-            ("content-type", "application/octet-stream"),
-        ],
-        Some(body),
-        vec![],
-        timeout,
-    )
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", authority),
+        ("content-type", "application/octet-stream"),
+    ];
+    if let Some(a) = authorization {
+        headers.push(("authorization", a));
+    }
+    hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
 }
 
 /// The queue routing decisions travel through, from router VMs to the

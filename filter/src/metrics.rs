@@ -33,6 +33,12 @@ pub struct RouterMetrics {
     pub snapshot_decode_errors: Option<u32>,
     pub report_errors: Option<u32>,
     pub booking_errors: Option<u32>,
+    /// Requests Envoy retried on the fallback worker.
+    pub retried: Option<u32>,
+    /// Routed requests no worker answered.
+    pub upstream_unavailable: Option<u32>,
+    /// Responses cut off by their worker going away mid-stream.
+    pub streams_cut: Option<u32>,
 }
 
 impl RouterMetrics {
@@ -57,6 +63,9 @@ impl RouterMetrics {
             ),
             report_errors: define(MetricType::Counter, "kvgate_routed_report_errors_total"),
             booking_errors: define(MetricType::Counter, "kvgate_booking_enqueue_errors_total"),
+            retried: define(MetricType::Counter, "kvgate_retried_on_fallback_total"),
+            upstream_unavailable: define(MetricType::Counter, "kvgate_upstream_unavailable_total"),
+            streams_cut: define(MetricType::Counter, "kvgate_streams_cut_total"),
         }
     }
 

@@ -127,6 +127,9 @@ fn prompt(p: Option<&Value>) -> Result<PromptParts, BadRequest> {
                     let Some(list) = it.as_array() else {
                         return bad("'prompt' must not mix token lists and other values");
                     };
+                    if list.is_empty() {
+                        return bad("'prompt' must not contain an empty token list");
+                    }
                     let toks = token_list(list, "'prompt'")?;
                     total += toks.len() as u64;
                     first.get_or_insert(toks);
@@ -253,6 +256,13 @@ mod tests {
             .contains("role")
         );
         assert!(err(Endpoint::Completions, r#"{"model":"m"}"#).contains("'prompt'"));
+        for empty in ["[[]]", "[[], [1]]", "[[1], []]"] {
+            let body = format!(r#"{{"model":"m","prompt":{empty}}}"#);
+            assert!(
+                err(Endpoint::Completions, &body).contains("empty token list"),
+                "{empty}"
+            );
+        }
         assert!(
             err(Endpoint::Completions, r#"{"model":"m","prompt":[1,-2]}"#).contains("token ids")
         );

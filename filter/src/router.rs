@@ -64,6 +64,31 @@ impl RouterState {
         }
     }
 
+    /// Books a routed request's load on `slot`: to the sidecar, and into
+    /// this VM's view until a snapshot counts it.
+    fn book(&mut self, model: &str, slot: u16, prefill: u64, decode: u64) -> Booking {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        self.send(&Event::Book {
+            key: Key {
+                vm: self.vm_tag,
+                seq,
+            },
+            model: model.to_string(),
+            slot,
+            prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
+            decode_blocks: u32::try_from(decode).unwrap_or(u32::MAX),
+        });
+        if let Some(snap) = self.view.snapshot.as_mut() {
+            self.fresh
+                .book(snap, seq, slot, prefill, decode, host::now_ms());
+        }
+        Booking {
+            seq,
+            first_byte: false,
+        }
+    }
+
     /// Sends a booking event to the snapshot service. A failure costs
     /// accuracy only: the sidecar expires what it never hears the end of.
     fn send(&mut self, ev: &Event) {
@@ -105,6 +130,33 @@ struct Booking {
     first_byte: bool,
 }
 
+/// The worker Envoy retries on when the chosen one refuses the connection,
+/// and the load the request books there if it does.
+#[derive(Debug, Clone)]
+struct Fallback {
+    endpoint: String,
+    slot: u16,
+    prefill_tokens: u64,
+    decode_blocks: u64,
+}
+
+/// The prefill tokens and decode blocks a request books on a worker whose
+/// rank holds `cached` of its prefix. The cached prefix is already resident
+/// and shared with the requests that put it there: only the new blocks add
+/// KV load, exactly what the cost charged the rank. Counting the prefix
+/// again would make every request of a prefix group look like a fresh load
+/// on its holder and push the group away from its cache.
+fn booked_load(
+    req: &crate::request::Parsed,
+    worker: &kvgate_core::WorkerState,
+    cached: select::Overlap,
+) -> (u64, u64) {
+    let bs = u64::from(worker.block_size.max(1));
+    let prefill = req.isl_tokens.saturating_sub(u64::from(cached.device) * bs);
+    let decode = select::new_blocks(req.isl_tokens, worker.block_size, cached.device);
+    (prefill, decode)
+}
+
 pub struct Request {
     state: Rc<RefCell<RouterState>>,
     endpoint: Option<Endpoint>,
@@ -114,6 +166,9 @@ pub struct Request {
     /// From the configured tenant header; `default` when absent.
     tenant: String,
     booking: Option<Booking>,
+    fallback: Option<Fallback>,
+    /// Whether the filter sent this request to a worker.
+    routed: bool,
 }
 
 impl Request {
@@ -126,6 +181,8 @@ impl Request {
             model: String::new(),
             tenant: String::new(),
             booking: None,
+            fallback: None,
+            routed: false,
         }
     }
 
@@ -246,21 +303,28 @@ impl Request {
                 worker,
                 rank,
                 set_rank,
+                fallback,
             } => {
-                let cached = cached_of(worker, rank.slot);
-                let bs = u64::from(worker.block_size.max(1));
-                let prefill = req.isl_tokens.saturating_sub(u64::from(cached.device) * bs);
-                // The cached prefix is already resident and shared with the
-                // requests that put it there: only the new blocks add KV
-                // load, exactly what the cost charged this rank. Counting the
-                // prefix again would make every request of a prefix group
-                // look like a fresh load on its holder and push the group
-                // away from its cache.
-                let decode = select::new_blocks(req.isl_tokens, worker.block_size, cached.device);
+                let (prefill, decode) = booked_load(&req, worker, cached_of(worker, rank.slot));
                 let slot = rank.slot;
+                self.fallback = fallback.map(|(w, r)| {
+                    let (prefill_tokens, decode_blocks) =
+                        booked_load(&req, w, cached_of(w, r.slot));
+                    Fallback {
+                        endpoint: w.endpoint.clone(),
+                        slot: r.slot,
+                        prefill_tokens,
+                        decode_blocks,
+                    }
+                });
+                // Envoy's override-host balancer tries the list in order.
+                let destination = match &self.fallback {
+                    Some(f) => format!("{},{}", worker.endpoint, f.endpoint),
+                    None => worker.endpoint.clone(),
+                };
+                self.routed = true;
                 let c = &st.config;
-                let mut ok =
-                    host::set_request_header(&c.destination_header, &worker.endpoint).is_ok();
+                let mut ok = host::set_request_header(&c.destination_header, &destination).is_ok();
                 ok &= if set_rank {
                     host::set_request_header(&c.rank_header, &rank.rank.to_string()).is_ok()
                 } else {
@@ -279,23 +343,7 @@ impl Request {
                     };
                     report(&mut st.queue, &st.vm_id, &st.metrics, &record);
                 }
-                st.next_seq += 1;
-                let seq = st.next_seq;
-                st.send(&Event::Book {
-                    key: Key { vm: st.vm_tag, seq },
-                    model: req.model.clone(),
-                    slot,
-                    prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
-                    decode_blocks: u32::try_from(decode).unwrap_or(u32::MAX),
-                });
-                if let Some(snap) = st.view.snapshot.as_mut() {
-                    st.fresh
-                        .book(snap, seq, slot, prefill, decode, host::now_ms());
-                }
-                self.booking = Some(Booking {
-                    seq,
-                    first_byte: false,
-                });
+                self.booking = Some(st.book(&req.model, slot, prefill, decode));
                 None
             }
             Outcome::Reply(r) => Some(r),
@@ -344,6 +392,42 @@ impl Request {
     }
 }
 
+impl Request {
+    /// Moves the booking to the fallback worker when Envoy's retry served
+    /// the request there, so load is counted where it runs.
+    fn follow_retry(&mut self) {
+        let Some(fb) = self.fallback.take() else {
+            return;
+        };
+        let served_by = host::property(&["upstream", "address"]);
+        if served_by.as_deref() != Some(fb.endpoint.as_bytes()) {
+            return;
+        }
+        self.release(true);
+        let Ok(mut st) = self.state.try_borrow_mut() else {
+            return;
+        };
+        inc(st.metrics.retried);
+        self.booking = Some(st.book(&self.model, fb.slot, fb.prefill_tokens, fb.decode_blocks));
+    }
+
+    /// Counts a routed request that no worker answered (Envoy replied in
+    /// OpenAI's error shape), or whose worker went away mid-response.
+    fn count_upstream_failure(&self) {
+        let Some(details) = host::property(&["response", "code_details"]) else {
+            return;
+        };
+        let st = self.state.borrow();
+        if details.starts_with(b"upstream_reset_after_response_started") {
+            inc(st.metrics.streams_cut);
+        } else if details.starts_with(b"upstream_reset_before_response_started")
+            || details.starts_with(b"no_healthy_upstream")
+        {
+            inc(st.metrics.upstream_unavailable);
+        }
+    }
+}
+
 impl Context for Request {}
 
 impl Drop for Request {
@@ -356,6 +440,20 @@ impl Drop for Request {
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        // Routing headers are ours alone: a client's copy never steers,
+        // whatever the method, path or protocol, and whether or not this
+        // filter routes the request.
+        {
+            let st = self.state.borrow();
+            let c = &st.config;
+            let _ = host::remove_request_header(&c.destination_header);
+            let _ = host::remove_request_header(&c.rank_header);
+            if host::request_header(&c.fallback_header).is_some() {
+                let _ = host::remove_request_header(&c.fallback_header);
+                // The route may have been matched on the client's header.
+                let _ = host::clear_route_cache();
+            }
+        }
         let method = host::request_header(":method");
         let path = host::request_header(":path").unwrap_or_default();
         let endpoint = match method.as_deref() {
@@ -366,12 +464,11 @@ impl HttpContext for Request {
             return Action::Continue;
         };
         self.endpoint = Some(endpoint);
-        let (cfg_dest, cfg_fallback, cfg_tenant, stale_after, on_stale) = {
+        let (cfg_fallback, cfg_tenant, stale_after, on_stale) = {
             let st = self.state.borrow();
             inc(st.metrics.requests);
             let c = &st.config;
             (
-                c.destination_header.clone(),
                 c.fallback_header.clone(),
                 c.tenant_header.clone(),
                 c.stale_after_ms,
@@ -381,13 +478,6 @@ impl HttpContext for Request {
         self.tenant = host::request_header(&cfg_tenant)
             .filter(|t| !t.is_empty())
             .unwrap_or_else(|| DEFAULT_TENANT.to_string());
-        // Routing headers are ours alone: a client's copy never steers.
-        let _ = host::remove_request_header(&cfg_dest);
-        if host::request_header(&cfg_fallback).is_some() {
-            let _ = host::remove_request_header(&cfg_fallback);
-            // The route was matched on the client's header; match again.
-            let _ = host::clear_route_cache();
-        }
         self.manifest = host::get_shared(manifest::KEY)
             .and_then(|b| Manifest::decode(&b))
             .unwrap_or_default();
@@ -414,6 +504,13 @@ impl HttpContext for Request {
         Action::Pause
     }
 
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if self.fallback.is_some() {
+            self.follow_retry();
+        }
+        Action::Continue
+    }
+
     fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
         if body_size > 0 {
             self.release(false);
@@ -422,6 +519,9 @@ impl HttpContext for Request {
     }
 
     fn on_log(&mut self) {
+        if self.routed {
+            self.count_upstream_failure();
+        }
         self.release(true);
     }
 

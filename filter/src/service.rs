@@ -24,6 +24,8 @@ pub struct Service {
     /// The routing-decision batch in flight. One at a time turns a busy
     /// second's thousands of wake-ups into a few requests to the sidecar.
     routed_token: Option<u32>,
+    /// `Bearer <token>` when the sidecar requires one.
+    authorization: Option<String>,
 }
 
 fn register(name: &str) -> Option<u32> {
@@ -42,6 +44,7 @@ fn register(name: &str) -> Option<u32> {
 impl Service {
     pub fn new(config: Config) -> Service {
         Service {
+            authorization: config.sidecar_token.as_ref().map(|t| format!("Bearer {t}")),
             config,
             poller: Poller::default(),
             metrics: ServiceMetrics::define(),
@@ -127,6 +130,7 @@ impl Service {
             &c.sidecar_cluster,
             &c.sidecar_authority,
             path,
+            self.authorization.as_deref(),
             &body,
             Duration::from_secs(2),
         ))

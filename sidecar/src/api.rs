@@ -7,13 +7,23 @@
 //!   routing decisions for the approximate index, and load bookings.
 //! * `GET/POST /busy_threshold` — shedding thresholds, in Dynamo's shapes.
 //! * `POST/GET /workers`, `PATCH/DELETE /workers/{id}` — the catalog.
+//! * `POST /v3/discovery:endpoints` — the catalog as Envoy's routed cluster
+//!   (REST EDS, JSON).
 //!
-//! `/busy_threshold` and `/workers` are the control API: when a token is
-//! configured they answer 401 without `Authorization: Bearer <token>`.
 //! * `GET /health`, `GET /ready`, `GET /metrics`.
+//!
+//! When a token is configured (`[control] token_file` or
+//! `KVGATE_CONTROL_TOKEN`), every route that changes state answers 401
+//! without `Authorization: Bearer <token>`: the control API
+//! (`/busy_threshold`, `/workers`) and the filter's reports
+//! (`/v1/bookings`, `/v1/routed`), since a forged booking sheds every
+//! request for the booking TTL and forged routing decisions steer the
+//! approximate index. What only reads (`/v1/snapshot`, `/v1/state`,
+//! `/health`, `/ready`, `/metrics`) stays open.
 
 use crate::Sidecar;
 use crate::config::WorkerSpec;
+use crate::eds;
 use crate::fleet::{FleetError, WorkerEntry};
 use crate::publish;
 use axum::Router;
@@ -31,11 +41,19 @@ use std::time::Duration;
 pub const MAX_WAIT: Duration = Duration::from_secs(10);
 
 pub fn router(sc: Arc<Sidecar>) -> Router {
+    let token = axum::middleware::from_fn_with_state(sc.clone(), require_token);
     Router::new()
         .route("/v1/snapshot", get(snapshot))
         .route("/v1/state", get(state))
-        .route("/v1/routed", axum::routing::post(routed))
-        .route("/v1/bookings", axum::routing::post(bookings))
+        .route(
+            "/v1/routed",
+            axum::routing::post(routed).route_layer(token.clone()),
+        )
+        .route(
+            "/v1/bookings",
+            axum::routing::post(bookings).route_layer(token.clone()),
+        )
+        .route("/v3/discovery:endpoints", axum::routing::post(endpoints))
         .merge(
             Router::new()
                 .route("/busy_threshold", get(get_thresholds).post(post_thresholds))
@@ -58,7 +76,8 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
         .with_state(sc)
 }
 
-/// Refuses control requests without the configured bearer token.
+/// Refuses requests without the configured bearer token; checked before
+/// the body is read.
 async fn require_token(
     State(sc): State<Arc<Sidecar>>,
     req: axum::extract::Request,
@@ -78,7 +97,7 @@ async fn require_token(
     }
     let mut r = error(
         StatusCode::UNAUTHORIZED,
-        "the control API requires Authorization: Bearer <token>",
+        "this endpoint requires Authorization: Bearer <the sidecar's control token>",
     );
     r.headers_mut()
         .insert("www-authenticate", HeaderValue::from_static("Bearer"));
@@ -354,6 +373,23 @@ async fn post_thresholds(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Respons
         return fleet_error(e);
     }
     json_response(StatusCode::OK, thresholds_json(model, &t))
+}
+
+/// Envoy's REST EDS poll for the routed cluster (see [`crate::eds`]).
+async fn endpoints(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    let req: eds::DiscoveryRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid DiscoveryRequest: {e}"),
+            );
+        }
+    };
+    match eds::discovery_response(&sc.fleet(), &req) {
+        Ok(v) => json_response(StatusCode::OK, v),
+        Err(e) => error(StatusCode::BAD_REQUEST, e),
+    }
 }
 
 async fn list_workers(State(sc): State<Arc<Sidecar>>) -> Response {

@@ -111,6 +111,16 @@ pub struct Kv {
     /// prefix before the engine's KV events must confirm it.
     #[serde(default = "default_inflight_ttl")]
     pub inflight_ttl_ms: u64,
+    /// Largest frame a KV-event or replay socket accepts. libzmq drops the
+    /// connection of a peer that sends a larger one (it reconnects), so a
+    /// confused or hostile publisher cannot make the sidecar buffer it.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: u64,
+    /// Messages each rank's sockets queue before dropping (the receive
+    /// high-water mark). With `max_message_bytes` it bounds what one
+    /// subscriber holds; a drop is a gap that replay repairs.
+    #[serde(default = "default_queue_messages")]
+    pub queue_messages: u32,
 }
 
 impl Default for Kv {
@@ -122,6 +132,8 @@ impl Default for Kv {
             replay_timeout_ms: default_replay_timeout(),
             approx_ttl_ms: default_approx_ttl(),
             inflight_ttl_ms: default_inflight_ttl(),
+            max_message_bytes: default_max_message_bytes(),
+            queue_messages: default_queue_messages(),
         }
     }
 }
@@ -149,12 +161,13 @@ impl Default for Load {
     }
 }
 
-/// The control API (`/busy_threshold`, `/workers`).
+/// Who may change state: the control API (`/busy_threshold`, `/workers`)
+/// and the filter's reports (`/v1/bookings`, `/v1/routed`).
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Control {
-    /// A file holding the bearer token the control API requires; no file
-    /// and no `KVGATE_CONTROL_TOKEN` means no token is required.
+    /// A file holding the bearer token those routes require; no file and
+    /// no `KVGATE_CONTROL_TOKEN` means no token is required.
     #[serde(default)]
     pub token_file: Option<std::path::PathBuf>,
     /// Resolved at load time from `token_file` or the environment.
@@ -198,6 +211,15 @@ fn default_replay_timeout() -> u64 {
 }
 fn default_approx_ttl() -> u64 {
     120_000
+}
+
+/// A batch is one engine step's events: a few KiB, a few hundred KiB when
+/// a long prompt's blocks are stored with their token ids.
+fn default_max_message_bytes() -> u64 {
+    8 << 20
+}
+fn default_queue_messages() -> u32 {
+    1000
 }
 
 /// Covers a request's wait in the engine's queue and its prefill under
@@ -404,6 +426,21 @@ impl Config {
         if self.kv.shards == 0 {
             return Err("kv.shards must be above 0".into());
         }
+        // libzmq takes both as signed integers; 0 would mean "no limit".
+        if !(1..=i64::MAX as u64).contains(&self.kv.max_message_bytes) {
+            return Err(format!(
+                "kv.max_message_bytes must be within [1, {}], got {}",
+                i64::MAX,
+                self.kv.max_message_bytes
+            ));
+        }
+        if !(1..=i32::MAX as u32).contains(&self.kv.queue_messages) {
+            return Err(format!(
+                "kv.queue_messages must be within [1, {}], got {}",
+                i32::MAX,
+                self.kv.queue_messages
+            ));
+        }
         if self.load.booking_ttl_ms == 0 || self.load.max_retry_after_s == 0 {
             return Err("load.booking_ttl_ms and load.max_retry_after_s must be above 0".into());
         }
@@ -490,6 +527,19 @@ replay_endpoint = "tcp://127.0.0.1:5567"
             Some("tcp://127.0.0.1:5568")
         );
         assert_eq!(c.models[0].thresholds().active_decode_blocks, Some(0.85));
+        assert_eq!(
+            (c.kv.max_message_bytes, c.kv.queue_messages),
+            (8 << 20, 1000)
+        );
+    }
+
+    #[test]
+    fn kv_socket_bounds_are_checked() {
+        let c = Config::parse("[kv]\nmax_message_bytes = 65536\nqueue_messages = 10").unwrap();
+        assert_eq!((c.kv.max_message_bytes, c.kv.queue_messages), (65536, 10));
+        assert!(err("[kv]\nmax_message_bytes = 0").contains("kv.max_message_bytes"));
+        assert!(err("[kv]\nqueue_messages = 0").contains("kv.queue_messages"));
+        assert!(err("[kv]\nqueue_messages = 2147483648").contains("kv.queue_messages"));
     }
 
     fn err(text: &str) -> String {

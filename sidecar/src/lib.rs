@@ -11,12 +11,14 @@
 //!   ([`kv`]);
 //! * publishes versioned snapshots and index shards ([`publish`]), which the
 //!   snapshot service inside Envoy long-polls and writes into shared data;
-//! * serves its APIs and metrics ([`api`]).
+//! * serves its APIs and metrics ([`api`]), and the catalog as Envoy's
+//!   routed cluster ([`eds`]).
 
 pub mod api;
 pub mod approx;
 pub mod bookings;
 pub mod config;
+pub mod eds;
 pub mod fleet;
 pub mod kv;
 pub mod metrics;
@@ -29,7 +31,7 @@ pub mod versions;
 use crate::config::{Config, WorkerSpec};
 use crate::fleet::{Fleet, FleetError};
 use crate::kv::plane::{Plane, PlaneConfig};
-use crate::kv::subscriber::{Subscriber, SubscriberSpec};
+use crate::kv::subscriber::{SocketLimits, Subscriber, SubscriberSpec};
 use crate::metrics::Metrics;
 use crate::publish::SnapshotStore;
 use crate::versions::Versions;
@@ -189,6 +191,10 @@ impl Sidecar {
                     replay_endpoint: spec.replay_endpoint_of(r),
                     topic: Vec::new(),
                     replay_timeout: Duration::from_millis(self.config.kv.replay_timeout_ms),
+                    limits: SocketLimits {
+                        max_message_bytes: self.config.kv.max_message_bytes,
+                        queue_messages: self.config.kv.queue_messages,
+                    },
                 },
                 self.plane.sender(),
             );
@@ -457,6 +463,11 @@ impl Sidecar {
                 &m.kv_replayed,
                 &l,
                 st.replayed_batches.load(Ordering::Relaxed),
+            );
+            set_counter(
+                &m.kv_disconnects,
+                &l,
+                st.disconnects.load(Ordering::Relaxed),
             );
         }
     }

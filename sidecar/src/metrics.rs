@@ -31,6 +31,7 @@ pub struct Metrics {
     pub kv_gaps: IntCounterVec,
     pub kv_resyncs: IntCounterVec,
     pub kv_replayed: IntCounterVec,
+    pub kv_disconnects: IntCounterVec,
     pub kv_indexed_blocks: IntGaugeVec,
     pub kv_malformed_batches: IntGauge,
     pub approx_learned: IntCounter,
@@ -235,6 +236,12 @@ impl Metrics {
                 &r,
                 "kvgate_sidecar_kv_replayed_batches_total",
                 "Batches recovered by replay.",
+                wr,
+            ),
+            kv_disconnects: counter(
+                &r,
+                "kvgate_sidecar_kv_disconnects_total",
+                "Connections to the rank's KV event publisher lost: the publisher went away, or sent a frame over kv.max_message_bytes.",
                 wr,
             ),
             kv_indexed_blocks: gauge_vec(

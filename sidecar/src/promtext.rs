@@ -121,6 +121,27 @@ fn parse_value(v: &str) -> Option<f64> {
     }
 }
 
+/// The load signals [`extract`] reads. A page carrying none of them is not
+/// an engine's (a node_exporter, a proxy's own page, a wrong port), and
+/// routing on it would take the worker for idle: its scrape fails instead.
+pub const LOAD_METRICS: &[&str] = &[
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:token_usage",
+];
+
+/// Whether the page carries at least one of [`LOAD_METRICS`].
+pub fn is_engine_page(parsed: &Parsed) -> bool {
+    parsed
+        .samples
+        .iter()
+        .any(|s| LOAD_METRICS.contains(&s.name.as_str()))
+}
+
 /// Engine load of one DP rank as scraped.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct RankMetrics {
@@ -266,6 +287,27 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
             0,
         );
         assert_eq!(r[0].kv_usage, 0.1);
+    }
+
+    #[test]
+    fn only_pages_with_an_engine_load_signal_are_engine_pages() {
+        let node_exporter = "# HELP process_cpu_seconds_total CPU time.\n\
+            # TYPE process_cpu_seconds_total counter\n\
+            process_cpu_seconds_total 1\n\
+            node_load1 0.5\n\
+            vllm_num_requests_running 3\n";
+        assert!(!is_engine_page(&parse(node_exporter)));
+        // Config alone carries no load.
+        assert!(!is_engine_page(&parse(
+            "vllm:cache_config_info{num_gpu_blocks=\"10\"} 1\n"
+        )));
+        assert!(is_engine_page(&parse(VLLM_DP2)));
+        assert!(is_engine_page(&parse("sglang:num_queue_reqs 0\n")));
+        // Every listed name is one `extract` reads: each alone moves a field.
+        for name in LOAD_METRICS {
+            let r = extract(&parse(&format!("{name} 0.5\n")), 1, 0);
+            assert_ne!(r[0], RankMetrics::default(), "{name} is not read");
+        }
     }
 
     #[test]

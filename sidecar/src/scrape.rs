@@ -57,6 +57,11 @@ pub async fn scrape_once(
     if parsed.samples.is_empty() {
         return Err(format!("{url}: no samples in the metrics page"));
     }
+    if !promtext::is_engine_page(&parsed) {
+        return Err(format!(
+            "{url}: metrics page has none of vLLM's or SGLang's metrics (is metrics_url the engine's?)"
+        ));
+    }
     Ok((
         promtext::extract(&parsed, dp_size, start_rank),
         parsed.malformed_lines,

@@ -27,6 +27,16 @@ impl Page {
     fn break_it(&self) {
         *self.0.lock().unwrap() = None;
     }
+    /// Some other program's Prometheus page on the worker's metrics URL.
+    fn not_an_engine(&self) {
+        *self.0.lock().unwrap() = Some(
+            "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n\
+             # TYPE process_cpu_seconds_total counter\n\
+             process_cpu_seconds_total 1\n\
+             node_load1 0.42\n"
+                .into(),
+        );
+    }
 }
 
 async fn fake_worker() -> (String, Page) {
@@ -497,4 +507,131 @@ async fn bookings_load_ranks_until_released() {
     let (status, _, body) = post(vec![42, 1, 2]).await;
     assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
     assert_eq!(sc.bookings().active(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reports_require_the_token_when_one_is_set() {
+    use kvgate_core::approx::{ChunkKind, Routed};
+    use kvgate_core::booking::{Event, Key};
+    let (w, _page) = fake_worker().await;
+    let (base, sc) = sidecar_with(&[&w], Some("s3cret")).await;
+    wait_until("worker up", async || workers_up(&base).await == 1).await;
+    let slot = sc.store.snapshot().models[0].workers[0].ranks[0].slot;
+    // Enough prefill to make the rank busy for the booking TTL, were it
+    // accepted from anyone.
+    let booking = Event::Book {
+        key: Key { vm: 66, seq: 1 },
+        model: "m".into(),
+        slot,
+        prefill_tokens: 1_000_000,
+        decode_blocks: 1000,
+    }
+    .encode();
+    let mut routed = Vec::new();
+    Routed {
+        model: "m".into(),
+        slot,
+        kind: ChunkKind::Text,
+        hashes: vec![11, 12],
+    }
+    .encode_into(&mut routed);
+    let bookings_url = format!("{base}/v1/bookings");
+    let routed_url = format!("{base}/v1/routed");
+    for headers in [
+        &[][..],
+        &[("authorization", "Bearer s3cre")][..],
+        &[("authorization", "Bearer s3cret2")][..],
+        &[("authorization", "s3cret")][..],
+    ] {
+        for (url, body) in [(&bookings_url, &booking), (&routed_url, &routed)] {
+            let (status, h, _) = call_raw("POST", url, headers, body.clone()).await;
+            assert_eq!(status, 401, "{url} with {headers:?}");
+            assert!(
+                h.iter()
+                    .any(|(k, v)| k == "www-authenticate" && v == "Bearer"),
+                "{h:?}"
+            );
+        }
+    }
+    let rank = async || {
+        let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
+        s["models"][0]["workers"][0]["ranks"][0].clone()
+    };
+    // Refused batches changed nothing, then or after a few publishes.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = rank().await;
+    assert_eq!(
+        (
+            r["active_prefill_tokens"].as_u64(),
+            r["active_decode_blocks"].as_u64(),
+            r["busy"].as_bool()
+        ),
+        (Some(0), Some(0), Some(false)),
+        "{r}"
+    );
+    assert_eq!(sc.bookings().active(), 0);
+    assert!(sc.store.snapshot().applied.is_empty());
+    assert_eq!(sc.metrics.approx_learned.get(), 0);
+
+    let right = [("authorization", "Bearer s3cret")];
+    assert_eq!(
+        call_raw("POST", &bookings_url, &right, booking).await.0,
+        204
+    );
+    assert_eq!(call_raw("POST", &routed_url, &right, routed).await.0, 204);
+    wait_until("booking visible", async || {
+        rank().await["active_prefill_tokens"] == 1_000_000
+    })
+    .await;
+    assert_eq!(sc.bookings().active(), 1);
+    assert_eq!(sc.metrics.approx_learned.get(), 2);
+    // Reading stays open.
+    for path in ["/v1/state", "/health", "/metrics", "/v1/snapshot?wait_ms=0"] {
+        let (status, _, _) = call_raw("GET", &format!("{base}{path}"), &[], Vec::new()).await;
+        assert_eq!(status, 200, "{path}");
+    }
+    assert_eq!(
+        call_raw("GET", &format!("{base}/ready"), &[], Vec::new())
+            .await
+            .0,
+        200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_is_up_only_when_its_page_is_an_engines() {
+    let (real, _page) = fake_worker().await;
+    let (other, other_page) = fake_worker().await;
+    other_page.not_an_engine();
+    let (base, sc) = sidecar(&[&real, &other]).await;
+    let up_ids = async || {
+        let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
+        s["models"][0]["workers"]
+            .as_array()
+            .map(|ws| ws.iter().filter_map(|w| w["worker_id"].as_u64()).collect())
+            .unwrap_or_else(Vec::new)
+    };
+    wait_until("the engine up", async || up_ids().await == [1]).await;
+    // Many scrapes of the other page later, it is still not routable.
+    for _ in 0..15 {
+        assert_eq!(up_ids().await, [1]);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, w) = json_of("GET", &format!("{base}/workers/2"), None).await;
+    assert_eq!(w["status"]["up"], false, "{w}");
+    assert!(w["status"]["scrape_errors"].as_u64() > Some(3), "{w}");
+    assert!(
+        w["status"]["last_error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("none of vLLM's or SGLang's metrics"),
+        "{w}"
+    );
+    assert!(!sc.fleet().workers[&2].health.up);
+    // The same worker serving the engine's page comes up.
+    other_page.set(0, 0.0);
+    wait_until("the second engine up", async || up_ids().await == [1, 2]).await;
+    // And goes down again when the page stops being the engine's.
+    other_page.not_an_engine();
+    wait_until("down again", async || up_ids().await == [1]).await;
 }

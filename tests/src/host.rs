@@ -186,6 +186,22 @@ impl Exchange {
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.as_str())
     }
+
+    /// The worker the filter chose: the first of the destination list.
+    pub fn destination(&self) -> Option<&str> {
+        self.destinations().into_iter().next()
+    }
+
+    /// Where Envoy retries if the chosen worker refuses the connection.
+    pub fn retry_destination(&self) -> Option<&str> {
+        self.destinations().get(1).copied()
+    }
+
+    fn destinations(&self) -> Vec<&str> {
+        self.header("x-gateway-destination-endpoint")
+            .map(|v| v.split(',').collect())
+            .unwrap_or_default()
+    }
 }
 
 fn memory(caller: &mut Caller<'_, HostState>) -> Result<Memory> {

@@ -5,74 +5,13 @@
 //! workers, a sidecar and Envoy, and two of them at once on a 2-core machine
 //! would make timing-dependent steps (scrape bounds) flaky.
 
+mod common;
+
+use common::*;
 use kvgate_stack::{Stack, StackConfig, http};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-struct Reply {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
-            panic!(
-                "body is not JSON ({e}): {}",
-                String::from_utf8_lossy(&self.body)
-            )
-        })
-    }
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-}
-
-fn post(stack: &Stack, path: &str, body: &[u8], headers: &[(&str, &str)]) -> Reply {
-    let mut h = vec![("content-type", "application/json")];
-    h.extend_from_slice(headers);
-    let (status, headers, body) =
-        http::request_full(&stack.envoy_addr(), "POST", path, &h, Some(body))
-            .unwrap_or_else(|e| panic!("request failed: {e:#}\n{}", stack.log_tails()));
-    Reply {
-        status,
-        headers,
-        body,
-    }
-}
-
-fn chat(stack: &Stack, model: &str, text: &str, max_tokens: u32) -> Reply {
-    let body = json!({
-        "model": model,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": max_tokens,
-    });
-    post(
-        stack,
-        "/v1/chat/completions",
-        body.to_string().as_bytes(),
-        &[],
-    )
-}
-
-fn start(config: StackConfig) -> Stack {
-    Stack::start(config).unwrap_or_else(|e| panic!("stack failed to start: {e:#}"))
-}
 
 #[test]
 fn routes_to_workers_the_snapshot_allows_and_spreads_load() {
@@ -197,6 +136,16 @@ fn error_replies_come_from_envoy_without_touching_workers() {
         &[],
     );
     assert_eq!(r.status, 400, "a completion needs a prompt: {}", r.text());
+
+    // Empty token lists are malformed prompts too: the engine would only
+    // refuse them after a round trip.
+    for prompt in ["[[]]", "[[], [1]]"] {
+        let body = format!(r#"{{"model": "demo-model", "prompt": {prompt}}}"#);
+        let r = post(&stack, "/v1/completions", body.as_bytes(), &[]);
+        assert_eq!(r.status, 400, "{prompt}: {}", r.text());
+        assert_eq!(r.header("x-kvgate-reason"), Some("bad_request"), "{prompt}");
+        assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    }
 
     let big = json!({"model": "demo-model", "prompt": "x".repeat(10_000)});
     let r = post(&stack, "/v1/completions", big.to_string().as_bytes(), &[]);
@@ -420,18 +369,6 @@ fn wait_busy(stack: &Stack, n: usize) {
     }
 }
 
-/// Completions served by all workers, from their own metrics.
-fn served_total(stack: &Stack) -> u64 {
-    let mut total = 0;
-    for w in &stack.workers {
-        if let Ok((200, body)) = http::get(&w.endpoint(), "/sim/state") {
-            let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-            total += v["requests_total"].as_u64().unwrap_or(0);
-        }
-    }
-    total
-}
-
 /// A token prompt: `prefix_blocks` blocks of 16 tokens shared by `group`,
 /// then a few tokens unique to `i`.
 fn grouped(group: u32, i: u32, prefix_blocks: u32) -> Vec<u32> {
@@ -500,15 +437,6 @@ fn complete(stack: &Stack, tokens: &[u32]) -> Reply {
     wait_idle(stack);
     let body = json!({"model": "demo-model", "prompt": tokens, "max_tokens": 2});
     post(stack, "/v1/completions", body.to_string().as_bytes(), &[])
-}
-
-/// (worker, rank) that served a reply.
-fn served_by(r: &Reply) -> (String, String) {
-    assert_eq!(r.status, 200, "{}", r.text());
-    (
-        r.header("x-kvgate-sim-worker").unwrap().to_string(),
-        r.header("x-kvgate-sim-rank").unwrap().to_string(),
-    )
 }
 
 fn indexed_blocks(stack: &Stack) -> f64 {
@@ -775,37 +703,6 @@ fn completion(addr: &str, prompt: &[u32], max_tokens: u32) -> anyhow::Result<Rep
         headers,
         body,
     })
-}
-
-fn bookings_active(stack: &Stack) -> f64 {
-    stack
-        .sidecar_metric("kvgate_sidecar_bookings_active{model=\"demo-model\"}")
-        .unwrap_or(-1.0)
-}
-
-/// Waits until the gateway's bookings are all released and the sidecar's
-/// state shows no booked prefill anywhere.
-fn wait_bookings_drained(stack: &Stack) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let state = stack.sidecar_state().unwrap();
-        let prefill: u64 = state["models"][0]["workers"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .flat_map(|w| w["ranks"].as_array().cloned().unwrap_or_default())
-            .map(|r| r["active_prefill_tokens"].as_u64().unwrap_or(0))
-            .sum();
-        let active = bookings_active(stack);
-        if active == 0.0 && prefill == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "bookings never drained: {active} active, {prefill} prefill tokens"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 #[test]

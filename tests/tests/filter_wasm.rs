@@ -273,9 +273,11 @@ fn routes_to_the_least_loaded_worker_and_overwrites_client_headers() {
         let ex = vm.request(&headers, &[&chat("m")]);
         assert_eq!(ex.trapped, None);
         assert!(ex.continued, "{:?}", ex.reply);
+        assert_eq!(ex.destination(), Some("10.0.0.2:8000"));
         assert_eq!(
-            ex.header("x-gateway-destination-endpoint"),
-            Some("10.0.0.2:8000")
+            ex.retry_destination(),
+            Some("10.0.0.3:8000"),
+            "the next cheapest worker"
         );
         assert_eq!(
             ex.headers
@@ -289,6 +291,33 @@ fn routes_to_the_least_loaded_worker_and_overwrites_client_headers() {
             None,
             "single-rank worker"
         );
+    }
+    // Requests the filter does not route lose the routing headers too,
+    // whatever their method or path.
+    for (method, path) in [
+        ("GET", "/v1/completions"),
+        ("DELETE", "/v1/chat/completions"),
+        ("PUT", "/admin"),
+        ("POST", "/v1/models"),
+    ] {
+        let ex = e.routers[0].request(
+            &[
+                (":method", method),
+                (":path", path),
+                ("x-gateway-destination-endpoint", "127.0.0.1:9901"),
+                ("x-data-parallel-rank", "3"),
+                ("x-kvgate-fallback", "stale"),
+            ],
+            &[b"{}"],
+        );
+        assert!(ex.continued, "{method} {path}");
+        for h in [
+            "x-gateway-destination-endpoint",
+            "x-data-parallel-rank",
+            "x-kvgate-fallback",
+        ] {
+            assert_eq!(ex.header(h), None, "{method} {path} kept {h}");
+        }
     }
     let tokens = json!({"model": "m", "prompt": [1, 2, 3, 4]}).to_string();
     let ex = e.routers[0].request(
@@ -323,8 +352,7 @@ fn a_request_is_placed_only_on_its_tenants_workers() {
         }
         let ex = e.routers[0].request(&headers, &[&chat("m")]);
         (
-            ex.header("x-gateway-destination-endpoint")
-                .map(str::to_string),
+            ex.destination().map(str::to_string),
             ex.reply.map(|r| r.status),
         )
     };
@@ -358,7 +386,7 @@ fn other_paths_and_methods_pass_through_untouched() {
     ] {
         let ex = e.routers[0].request(&h, &[b"whatever"]);
         assert!(ex.continued);
-        assert_eq!(ex.header("x-gateway-destination-endpoint"), None);
+        assert_eq!(ex.destination(), None);
     }
     assert_eq!(e.counter("kvgate_requests_total"), 0);
 }
@@ -370,10 +398,7 @@ fn data_parallel_ranks_are_chosen() {
     h.push(("x-data-parallel-rank", "0"));
     let ex = e.routers[1].request(&h, &[&chat("dp")]);
     assert!(ex.continued);
-    assert_eq!(
-        ex.header("x-gateway-destination-endpoint"),
-        Some("10.0.0.4:8000")
-    );
+    assert_eq!(ex.destination(), Some("10.0.0.4:8000"));
     assert_eq!(
         ex.header("x-data-parallel-rank"),
         Some("1"),
@@ -438,7 +463,7 @@ fn stale_state_fails_open_or_closed() {
     let ex = e.routers[0].request(&CHAT, &[&chat("m")]);
     assert!(ex.continued);
     assert_eq!(ex.header("x-kvgate-fallback"), Some("stale"));
-    assert_eq!(ex.header("x-gateway-destination-endpoint"), None);
+    assert_eq!(ex.destination(), None);
     assert_eq!(ex.foreign_calls, vec!["clear_route_cache".to_string()]);
     assert_eq!(e.counter("kvgate_failed_open_total"), 1);
 
@@ -471,7 +496,7 @@ fn a_client_fallback_header_is_removed_and_the_route_recomputed() {
     assert!(ex.continued);
     assert_eq!(ex.header("x-kvgate-fallback"), None);
     assert_eq!(ex.foreign_calls, vec!["clear_route_cache".to_string()]);
-    assert!(ex.header("x-gateway-destination-endpoint").is_some());
+    assert!(ex.destination().is_some());
 }
 
 #[test]
@@ -479,9 +504,7 @@ fn new_versions_are_picked_up_and_the_snapshot_read_once_per_version() {
     let mut e = Envoy::ready("");
     for _ in 0..5 {
         assert_eq!(
-            e.routers[0]
-                .request(&CHAT, &[&chat("m")])
-                .header("x-gateway-destination-endpoint"),
+            e.routers[0].request(&CHAT, &[&chat("m")]).destination(),
             Some("10.0.0.2:8000")
         );
     }
@@ -500,7 +523,7 @@ fn new_versions_are_picked_up_and_the_snapshot_read_once_per_version() {
     e.publish(&next, false);
     let ex = e.routers[0].request(&CHAT, &[&chat("m")]);
     assert_eq!(
-        ex.header("x-gateway-destination-endpoint"),
+        ex.destination(),
         Some("10.0.0.3:8000"),
         "worker 2 went busy"
     );
@@ -588,7 +611,7 @@ fn token_prompts_go_where_their_prefix_is_cached() {
     );
     assert_eq!(ex.trapped, None);
     assert_eq!(
-        ex.header("x-gateway-destination-endpoint"),
+        ex.destination(),
         Some("10.0.0.1:8000"),
         "the cached prefix outweighs 30 decode blocks"
     );
@@ -598,10 +621,7 @@ fn token_prompts_go_where_their_prefix_is_cached() {
         &[(":method", "POST"), (":path", "/v1/completions")],
         &[other.as_bytes()],
     );
-    assert_eq!(
-        ex.header("x-gateway-destination-endpoint"),
-        Some("10.0.0.2:8000")
-    );
+    assert_eq!(ex.destination(), Some("10.0.0.2:8000"));
 }
 
 #[test]
@@ -616,10 +636,7 @@ fn text_prompts_are_reported_and_follow_the_learned_index() {
     };
     // A first request is routed on load alone and reported.
     let ex = e.routers[0].request(&CHAT, &[ask("first?").as_bytes()]);
-    assert_eq!(
-        ex.header("x-gateway-destination-endpoint"),
-        Some("10.0.0.2:8000")
-    );
+    assert_eq!(ex.destination(), Some("10.0.0.2:8000"));
     assert_eq!(
         e.shared.lock().unwrap().queued("kvgate", "kvgate.routed"),
         1
@@ -707,10 +724,7 @@ fn text_prompts_are_reported_and_follow_the_learned_index() {
         .unwrap();
     e.service.respond(poll.token, 200, &[], &frame).unwrap();
     let ex = e.routers[1].request(&CHAT, &[ask("second, a different question?").as_bytes()]);
-    assert_eq!(
-        ex.header("x-gateway-destination-endpoint"),
-        Some("10.0.0.3:8000")
-    );
+    assert_eq!(ex.destination(), Some("10.0.0.3:8000"));
 }
 
 #[test]
@@ -779,11 +793,7 @@ fn garbage_never_traps_and_bursts_spread() {
     let mut seen = std::collections::BTreeSet::new();
     for i in 0..40 {
         let ex = e.routers[i % 2].request(&CHAT, &[&chat("m")]);
-        seen.insert(
-            ex.header("x-gateway-destination-endpoint")
-                .unwrap()
-                .to_string(),
-        );
+        seen.insert(ex.destination().unwrap().to_string());
     }
     assert_eq!(seen.len(), 4, "a burst spread over {seen:?}");
     let h = e
@@ -840,11 +850,7 @@ fn open_requests_book_load_so_a_burst_spreads_and_every_booking_is_released() {
         let (ex, ctx) = e.routers[0].open(&CHAT, &[&chat("m")]);
         assert!(ex.continued, "{:?}", ex.reply);
         *per_worker
-            .entry(
-                ex.header("x-gateway-destination-endpoint")
-                    .unwrap()
-                    .to_string(),
-            )
+            .entry(ex.destination().unwrap().to_string())
             .or_default() += 1;
         open.push(ctx);
     }

@@ -7,10 +7,13 @@
 //! * `test`   — setup, builds the filter and binaries, runs every test.
 //! * `lint`   — rustfmt check and clippy with warnings denied.
 //! * `bench`  — benchmarks (see `bench/`); `--quick` for a short run.
+//! * `fuzz`   — fuzzes every decoder of outside input (see `fuzz/README.md`):
+//!   libFuzzer where `cargo +nightly fuzz` works, else the built-in engine.
 
 mod bench;
 mod build;
 mod demo;
+mod fuzz;
 mod kvbench;
 mod plot;
 mod quality;
@@ -38,8 +41,11 @@ fn run() -> Result<()> {
         "test" => test(rest),
         "lint" => lint(),
         "bench" => bench::run(rest),
+        "fuzz" => fuzz::run(rest),
         "help" | "--help" | "-h" => {
-            println!("usage: cargo xtask <setup|demo|test|lint|bench [--quick]>");
+            println!(
+                "usage: cargo xtask <setup|demo|test|lint|bench [--quick]|fuzz [--seconds N] [--target NAME] [--engine builtin|libfuzzer]>"
+            );
             Ok(())
         }
         other => bail!("unknown command {other:?}; try `cargo xtask help`"),

@@ -28,6 +28,15 @@ pub enum MsgpackError {
     TooDeep(usize),
     #[error("integer at byte {0} does not fit")]
     Overflow(usize),
+    /// A count that the rest of the frame cannot hold: callers size buffers
+    /// from counts, so one forged header must not become a 32 GiB
+    /// allocation.
+    #[error("container at byte {offset} claims {count} elements but only {remaining} bytes follow")]
+    ImplausibleLength {
+        offset: usize,
+        count: usize,
+        remaining: usize,
+    },
 }
 
 /// An integer as msgpack carries it: unsigned formats and non-negative
@@ -122,24 +131,51 @@ impl<'a> Reader<'a> {
         }
     }
 
-    pub fn array_len(&mut self) -> Result<usize, MsgpackError> {
-        let m = self.byte()?;
-        match m {
-            0x90..=0x9f => Ok((m & 0x0f) as usize),
-            0xdc => Ok(u16::from_be_bytes(self.be()?) as usize),
-            0xdd => Ok(u32::from_be_bytes(self.be()?) as usize),
-            _ => Err(self.unexpected("array", m)),
-        }
+    /// Bytes not yet read.
+    pub fn remaining(&self) -> usize {
+        self.buf.len().saturating_sub(self.pos)
     }
 
-    pub fn map_len(&mut self) -> Result<usize, MsgpackError> {
-        let m = self.byte()?;
-        match m {
-            0x80..=0x8f => Ok((m & 0x0f) as usize),
-            0xde => Ok(u16::from_be_bytes(self.be()?) as usize),
-            0xdf => Ok(u32::from_be_bytes(self.be()?) as usize),
-            _ => Err(self.unexpected("map", m)),
+    /// Refuses a count of items, each at least `min_bytes` long, that the
+    /// rest of the frame cannot hold.
+    fn plausible(&self, at: usize, count: usize, min_bytes: usize) -> Result<usize, MsgpackError> {
+        let remaining = self.remaining();
+        if count.saturating_mul(min_bytes) > remaining {
+            return Err(MsgpackError::ImplausibleLength {
+                offset: at,
+                count,
+                remaining,
+            });
         }
+        Ok(count)
+    }
+
+    /// The element count of an array; never more than the bytes left, since
+    /// every element takes at least one.
+    pub fn array_len(&mut self) -> Result<usize, MsgpackError> {
+        let at = self.pos;
+        let m = self.byte()?;
+        let n = match m {
+            0x90..=0x9f => (m & 0x0f) as usize,
+            0xdc => u16::from_be_bytes(self.be()?) as usize,
+            0xdd => u32::from_be_bytes(self.be()?) as usize,
+            _ => return Err(self.unexpected("array", m)),
+        };
+        self.plausible(at, n, 1)
+    }
+
+    /// The entry count of a map; never more than half the bytes left, since
+    /// every key and every value takes at least one.
+    pub fn map_len(&mut self) -> Result<usize, MsgpackError> {
+        let at = self.pos;
+        let m = self.byte()?;
+        let n = match m {
+            0x80..=0x8f => (m & 0x0f) as usize,
+            0xde => u16::from_be_bytes(self.be()?) as usize,
+            0xdf => u32::from_be_bytes(self.be()?) as usize,
+            _ => return Err(self.unexpected("map", m)),
+        };
+        self.plausible(at, n, 2)
     }
 
     pub fn is_array(&self) -> Result<bool, MsgpackError> {
@@ -244,6 +280,7 @@ impl<'a> Reader<'a> {
         if depth > MAX_DEPTH {
             return Err(MsgpackError::TooDeep(self.pos));
         }
+        let at = self.pos;
         let m = self.byte()?;
         let (skip_bytes, items) = match m {
             0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
@@ -275,6 +312,9 @@ impl<'a> Reader<'a> {
             _ => return Err(self.unexpected("any value", m)),
         };
         self.take(skip_bytes)?;
+        // Fails a forged count at once rather than after billions of
+        // truncated reads.
+        self.plausible(at, items, 1)?;
         for _ in 0..items {
             self.skip_depth(depth + 1)?;
         }
@@ -368,6 +408,41 @@ mod tests {
             Reader::new(&b).skip(),
             Err(MsgpackError::TooDeep(_))
         ));
+    }
+
+    #[test]
+    fn counts_beyond_the_bytes_left_are_refused() {
+        let implausible = |count: usize, remaining: usize| MsgpackError::ImplausibleLength {
+            offset: 0,
+            count,
+            remaining,
+        };
+        let a32 = [0xdd, 0xff, 0xff, 0xff, 0xff, 0x01];
+        assert_eq!(
+            Reader::new(&a32).array_len(),
+            Err(implausible(u32::MAX as usize, 1))
+        );
+        assert!(matches!(
+            Reader::new(&a32).skip(),
+            Err(MsgpackError::ImplausibleLength { .. })
+        ));
+        let a16 = [0xdc, 0x00, 0x03, 0x01, 0x02];
+        assert_eq!(Reader::new(&a16).array_len(), Err(implausible(3, 2)));
+        let m32 = [0xdf, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02];
+        assert_eq!(
+            Reader::new(&m32).map_len(),
+            Err(implausible(u32::MAX as usize, 2))
+        );
+        // Two bytes cannot hold two entries of a key and a value each.
+        let fixmap = [0x82, 0x01, 0x02, 0x03];
+        assert_eq!(Reader::new(&fixmap).map_len(), Err(implausible(2, 3)));
+        // Exactly enough bytes is fine.
+        let ok = [0x93, 0x01, 0x02, 0x03];
+        assert_eq!(Reader::new(&ok).array_len(), Ok(3));
+        let ok = [0x81, 0x01, 0x02];
+        assert_eq!(Reader::new(&ok).map_len(), Ok(1));
+        let empty = [0x90];
+        assert_eq!(Reader::new(&empty).array_len(), Ok(0));
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! silently starts at its oldest batch, so callers compare the first seq
 //! they get with the one they asked for.
 
+use crate::kv::subscriber::SocketLimits;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -41,10 +42,14 @@ pub fn replay(
     endpoint: &str,
     start: u64,
     timeout: Duration,
+    limits: &SocketLimits,
     mut on_batch: impl FnMut(u64, &[u8]),
 ) -> Result<ReplaySummary, ReplayError> {
     let sock = ctx.socket(zmq::DEALER)?;
     sock.set_linger(0)?;
+    // An oversized reply drops the connection; the replay then times out
+    // and counts as failed, which costs the slot a resync, not memory.
+    limits.apply(&sock)?;
     sock.connect(endpoint)?;
     sock.send_multipart([&b""[..], &start.to_be_bytes()[..]], 0)?;
     let deadline = Instant::now() + timeout;
@@ -63,35 +68,64 @@ pub fn replay(
             Err(zmq::Error::EAGAIN) => continue,
             Err(e) => return Err(e.into()),
         };
-        // The ROUTER's empty delimiter arrives first on a DEALER.
-        let body: &[Vec<u8>] = match frames.split_first() {
-            Some((first, rest)) if first.is_empty() => rest,
-            _ => &frames,
-        };
-        let (seq, payload) = match body {
-            [seq, payload] => (seq, payload),
-            [_topic, seq, payload] => {
-                summary.topic_shape = true;
+        let (seq, payload) = match parse_reply(&frames)? {
+            Reply::End { topic } => {
+                summary.topic_shape |= topic;
+                return Ok(summary);
+            }
+            Reply::Batch {
+                seq,
+                payload,
+                topic,
+            } => {
+                summary.topic_shape |= topic;
                 (seq, payload)
             }
-            _ => {
-                return Err(ReplayError::Malformed {
-                    frames: frames.len(),
-                });
-            }
         };
-        let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()) else {
-            return Err(ReplayError::Malformed {
-                frames: frames.len(),
-            });
-        };
-        if seq == END_SEQ && payload.is_empty() {
-            return Ok(summary);
-        }
-        let seq = u64::from_be_bytes(seq);
         summary.first_seq.get_or_insert(seq);
         summary.last_seq = Some(seq);
         summary.batches += 1;
         on_batch(seq, payload);
     }
+}
+
+/// One reply of a replay stream, borrowed from its frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply<'a> {
+    Batch {
+        seq: u64,
+        payload: &'a [u8],
+        /// The reply carried a topic frame (vLLM ≥ 0.26 shape).
+        topic: bool,
+    },
+    End {
+        topic: bool,
+    },
+}
+
+/// Reads one reply's frames as a DEALER receives them. Apart from
+/// [`replay`] so what a publisher sends can be fuzzed without sockets.
+pub fn parse_reply(frames: &[Vec<u8>]) -> Result<Reply<'_>, ReplayError> {
+    let malformed = || ReplayError::Malformed {
+        frames: frames.len(),
+    };
+    // The ROUTER's empty delimiter arrives first on a DEALER.
+    let body: &[Vec<u8>] = match frames.split_first() {
+        Some((first, rest)) if first.is_empty() => rest,
+        _ => frames,
+    };
+    let (seq, payload, topic) = match body {
+        [seq, payload] => (seq, payload, false),
+        [_topic, seq, payload] => (seq, payload, true),
+        _ => return Err(malformed()),
+    };
+    let seq = <[u8; 8]>::try_from(seq.as_slice()).map_err(|_| malformed())?;
+    if seq == END_SEQ && payload.is_empty() {
+        return Ok(Reply::End { topic });
+    }
+    Ok(Reply::Batch {
+        seq: u64::from_be_bytes(seq),
+        payload,
+        topic,
+    })
 }

@@ -58,6 +58,34 @@ pub enum Ingest {
     },
 }
 
+/// What one rank's sockets may hold: at most `queue_messages` messages of
+/// frames no larger than `max_message_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketLimits {
+    /// A peer sending a larger frame is disconnected by libzmq, never
+    /// buffered (the subscriber then connects again).
+    pub max_message_bytes: u64,
+    /// The receive high-water mark: messages past it are dropped.
+    pub queue_messages: u32,
+}
+
+impl Default for SocketLimits {
+    fn default() -> Self {
+        SocketLimits {
+            max_message_bytes: 8 << 20,
+            queue_messages: 1000,
+        }
+    }
+}
+
+impl SocketLimits {
+    /// Sets both on a socket; must come before it connects.
+    pub fn apply(&self, sock: &zmq::Socket) -> Result<(), zmq::Error> {
+        sock.set_maxmsgsize(i64::try_from(self.max_message_bytes).unwrap_or(i64::MAX))?;
+        sock.set_rcvhwm(i32::try_from(self.queue_messages).unwrap_or(i32::MAX))
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SubscriberSpec {
     pub slot: u16,
@@ -67,6 +95,7 @@ pub struct SubscriberSpec {
     pub replay_endpoint: Option<String>,
     pub topic: Vec<u8>,
     pub replay_timeout: Duration,
+    pub limits: SocketLimits,
 }
 
 /// Counters shared with the metrics endpoint.
@@ -79,6 +108,9 @@ pub struct SubscriberStats {
     pub replay_failures: AtomicU64,
     pub restarts: AtomicU64,
     pub resyncs: AtomicU64,
+    /// Connections to the publisher lost: it went away, or sent a frame
+    /// over the size limit.
+    pub disconnects: AtomicU64,
 }
 
 /// A running subscriber; dropping the handle does not stop it, `stop` does.
@@ -175,6 +207,7 @@ impl Ctx<'_> {
             endpoint,
             from,
             self.spec.replay_timeout,
+            &self.spec.limits,
             |seq, payload| {
                 if seq >= from && until.is_none_or(|u| seq < u) {
                     batches.push((seq, payload.to_vec()));
@@ -228,6 +261,49 @@ impl Ctx<'_> {
     }
 }
 
+/// Tells monitor endpoints apart: a restarted subscriber's slot may
+/// overlap with its predecessor still shutting down.
+static MONITORS: AtomicU64 = AtomicU64::new(0);
+
+/// The SUB socket's disconnections, as libzmq's socket monitor reports
+/// them. libzmq drops the connection of a peer that sends an oversized
+/// frame without telling the socket's user; this is how the subscriber
+/// learns of it, to count it and to connect again.
+struct Monitor {
+    pair: zmq::Socket,
+}
+
+impl Monitor {
+    fn attach(ctx: &zmq::Context, sock: &zmq::Socket, slot: u16) -> Result<Monitor, zmq::Error> {
+        let endpoint = format!(
+            "inproc://kvgate-kv-monitor-{slot}-{}",
+            MONITORS.fetch_add(1, Ordering::Relaxed)
+        );
+        sock.monitor(&endpoint, zmq::SocketEvent::DISCONNECTED as i32)?;
+        let pair = ctx.socket(zmq::PAIR)?;
+        pair.set_linger(0)?;
+        pair.connect(&endpoint)?;
+        Ok(Monitor { pair })
+    }
+
+    /// Disconnections reported since the last call; never blocks.
+    fn disconnects(&self) -> u64 {
+        let mut n = 0;
+        // Each event is two frames: six bytes (the event number as a
+        // native-endian u16, then a u32 value), and the peer's endpoint.
+        while let Ok(frames) = self.pair.recv_multipart(zmq::DONTWAIT) {
+            let event = frames
+                .first()
+                .and_then(|f| f.get(..2))
+                .map(|b| u16::from_ne_bytes([b[0], b[1]]));
+            if event == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
 fn run(
     zmq: &zmq::Context,
     spec: &SubscriberSpec,
@@ -237,8 +313,15 @@ fn run(
 ) -> Result<(), zmq::Error> {
     let sub = zmq.socket(zmq::SUB)?;
     sub.set_linger(0)?;
-    sub.set_rcvhwm(100_000)?;
+    spec.limits.apply(&sub)?;
     sub.set_rcvtimeo(POLL.as_millis() as i32)?;
+    // Attached before connecting so that no disconnection goes unseen; a
+    // subscriber without it still ingests, it only counts less.
+    let monitor = Monitor::attach(zmq, &sub, spec.slot)
+        .inspect_err(|e| {
+            tracing::warn!(slot = spec.slot, error = %e, "cannot monitor the KV event socket; disconnections go uncounted");
+        })
+        .ok();
     sub.connect(&spec.endpoint)?;
     sub.set_subscribe(&spec.topic)?;
     let mut cx = Ctx {
@@ -254,9 +337,29 @@ fn run(
         cx.deliver(batches);
     }
     while !stop.load(Ordering::Relaxed) {
-        let frames = match sub.recv_multipart(0) {
+        let received = sub.recv_multipart(0);
+        if let Some(lost) = monitor.as_ref().map(Monitor::disconnects)
+            && lost > 0
+        {
+            stats.disconnects.fetch_add(lost, Ordering::Relaxed);
+            tracing::warn!(
+                slot = spec.slot,
+                endpoint = %spec.endpoint,
+                max_message_bytes = spec.limits.max_message_bytes,
+                "lost the KV event connection (publisher gone, or a frame over kv.max_message_bytes); reconnecting"
+            );
+            // libzmq reconnects after an I/O error but gives the endpoint up
+            // for good after a protocol error, which an oversized frame is:
+            // one bad message would silence the rank until a restart.
+            // Starting the connection over covers both; the batches lost
+            // meanwhile are a gap, repaired like any other.
+            let _ = sub.disconnect(&spec.endpoint);
+            sub.connect(&spec.endpoint)?;
+        }
+        let frames = match received {
             Ok(f) => f,
-            Err(zmq::Error::EAGAIN) => continue,
+            // A signal interrupting the wait is no reason to stop ingesting.
+            Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => continue,
             Err(e) => return Err(e),
         };
         let [_topic, seq, payload] = frames.as_slice() else {
@@ -457,6 +560,7 @@ mod tests {
             replay_endpoint: replay.then(|| format!("inproc://{name}-replay")),
             topic: Vec::new(),
             replay_timeout: Duration::from_secs(2),
+            limits: SocketLimits::default(),
         }
     }
 

@@ -151,6 +151,9 @@ pub fn decode_batch(
         for _ in 0..n {
             match r.str()? {
                 "ts" => ts = r.f64()?,
+                // The events are applied as they decode, so a second list
+                // cannot replace the first: a batch has one or is refused.
+                "events" if events.is_some() => return Err(malformed("two \"events\" keys")),
                 "events" => events = Some(decode_events(&mut r, scratch, &mut visit)?),
                 "data_parallel_rank" | "attn_dp_rank" => dp_rank = opt_int(&mut r)?,
                 _ => r.skip()?,
@@ -210,6 +213,8 @@ fn decode_events(
 /// Reads a list of block hashes into `out`.
 fn hashes(r: &mut Reader<'_>, out: &mut Vec<EngineHash>) -> Result<(), MsgpackError> {
     out.clear();
+    // `array_len` bounds the count by the bytes left in the frame, so this
+    // reserves at most eight times the frame's size.
     let n = r.array_len()?;
     out.reserve(n);
     for _ in 0..n {
@@ -720,11 +725,71 @@ mod tests {
             decode(&bad),
             Err(WireError::Event { index: 0, .. })
         ));
+        // {"events": [], "events": []}: one list per batch.
+        let mut twice = vec![0x82];
+        for _ in 0..2 {
+            twice.push(0xa6);
+            twice.extend_from_slice(b"events");
+            twice.push(0x90);
+        }
+        assert!(matches!(decode(&twice), Err(WireError::Event { .. })));
         // Every truncation of a real batch is an error, never a panic.
         let full = fixture!("vllm_v033_tagged");
         for cut in 0..full.len() {
             assert!(decode(&full[..cut]).is_err(), "cut at {cut} decoded");
         }
+    }
+
+    /// `[ts, [{"type": "BlockStored", <field>: <array32 header>}]]`: 47
+    /// bytes whose one array claims 2^32-1 elements and holds none.
+    fn hostile_batch(field: &str) -> Vec<u8> {
+        let mut b = vec![0x92, 0xcb];
+        b.extend_from_slice(&1.5f64.to_be_bytes());
+        b.extend_from_slice(&[0x91, 0x82, 0xa4]);
+        b.extend_from_slice(b"type");
+        b.push(0xab);
+        b.extend_from_slice(b"BlockStored");
+        b.push(0xa0 | field.len() as u8);
+        b.extend_from_slice(field.as_bytes());
+        b.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff]);
+        b
+    }
+
+    fn implausible(e: &WireError) -> bool {
+        match e {
+            WireError::Event { why, .. } => why.contains("claims 4294967295"),
+            WireError::Msgpack(MsgpackError::ImplausibleLength { count, .. }) => {
+                *count == u32::MAX as usize
+            }
+            _ => false,
+        }
+    }
+
+    #[test]
+    fn a_count_beyond_the_frame_is_refused_before_allocating() {
+        // Reserving what these claim is 32 GiB (hashes) and 16 GiB (tokens):
+        // enough to abort the process.
+        for field in ["block_hashes", "token_ids"] {
+            let b = hostile_batch(field);
+            assert_eq!(b.len(), if field == "token_ids" { 44 } else { 47 });
+            let e = decode(&b).unwrap_err();
+            assert!(implausible(&e), "{field}: {e}");
+        }
+        // The same in the positional shape.
+        let mut b = vec![0x92, 0x01, 0x91, 0x92, 0xab];
+        b.extend_from_slice(b"BlockStored");
+        b.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff]);
+        let e = decode(&b).unwrap_err();
+        assert!(implausible(&e), "{e}");
+        // A batch map claiming 2^32-1 entries.
+        let e = decode(&[0xdf, 0xff, 0xff, 0xff, 0xff, 0xa2, b't', b's', 0x01]).unwrap_err();
+        assert!(implausible(&e), "{e}");
+        // A scratch reused after the hostile batch still decodes real ones.
+        let mut scratch = Scratch::default();
+        assert!(decode_batch(&hostile_batch("block_hashes"), &mut scratch, |_| {}).is_err());
+        let mut n = 0;
+        decode_batch(fixture!("vllm_v033_tagged"), &mut scratch, |_| n += 1).unwrap();
+        assert_eq!(n, 5);
     }
 
     proptest::proptest! {

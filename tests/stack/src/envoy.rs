@@ -12,6 +12,7 @@ pub struct Vars {
     pub wasm_path: String,
     pub plugin_config: String,
     pub fallback: Vec<String>,
+    pub tenant_jwks: String,
 }
 
 /// The plugin configuration for the stack: quick polling so tests see
@@ -53,6 +54,7 @@ pub fn render(template: &Path, v: &Vars) -> Result<String> {
         .replace("${CONTROL_PORT}", &v.control_port.to_string())
         .replace("${WASM_PATH}", &v.wasm_path)
         .replace("${PLUGIN_CONFIG}", &plugin)
+        .replace("${TENANT_JWKS}", &v.tenant_jwks.replace('\'', "''"))
         .replace("${FALLBACK_ENDPOINTS}\n", &endpoints);
     if let Some(at) = out.find("${") {
         bail!(

@@ -8,6 +8,7 @@
 
 mod envoy;
 pub mod http;
+mod jwt;
 mod paths;
 mod ports;
 mod process;
@@ -44,6 +45,8 @@ pub struct StackConfig {
     pub envoy_concurrency: u32,
     /// The bearer token the control API requires, if any.
     pub control_token: Option<String>,
+    /// Tenant of worker `i` (`default` where absent).
+    pub tenants: Vec<String>,
 }
 
 impl Default for StackConfig {
@@ -62,6 +65,7 @@ impl Default for StackConfig {
             down_after_ms: 600,
             envoy_concurrency: 2,
             control_token: None,
+            tenants: Vec::new(),
         }
     }
 }
@@ -94,6 +98,9 @@ pub struct Stack {
     pub control_port: u16,
     pub workers: Vec<Worker>,
     pub run_dir: PathBuf,
+    /// Signs the JWTs whose `tenant` claim Envoy turns into the tenant
+    /// header; made afresh for every stack.
+    tenant_key: Vec<u8>,
     envoy: Option<Proc>,
     sidecar: Option<Proc>,
 }
@@ -173,6 +180,7 @@ impl Stack {
             control_port,
             workers,
             run_dir,
+            tenant_key: jwt::new_key()?,
             envoy: None,
             sidecar: None,
         };
@@ -207,6 +215,12 @@ impl Stack {
     }
     pub fn admin_addr(&self) -> String {
         format!("127.0.0.1:{}", self.admin_port)
+    }
+
+    /// A bearer token Envoy accepts as proof of `tenant`, as an identity
+    /// provider would issue it.
+    pub fn tenant_token(&self, tenant: &str) -> String {
+        jwt::sign_hs256(&self.tenant_key, &serde_json::json!({"tenant": tenant}))
     }
 
     /// Envoy's resident memory in bytes, from `/proc`.
@@ -275,7 +289,7 @@ impl Stack {
             c.model,
             c.model_toml
         );
-        for w in &self.workers {
+        for (i, w) in self.workers.iter().enumerate() {
             toml.push_str(&format!(
                 "\n[[workers]]\nworker_id = {}\nmodel_name = \"{}\"\nendpoint = \"{}\"\nblock_size = {}\ndata_parallel_size = {}\n",
                 w.id,
@@ -284,6 +298,9 @@ impl Stack {
                 c.block_size,
                 c.dp_size
             ));
+            if let Some(t) = c.tenants.get(i) {
+                toml.push_str(&format!("tenant_id = \"{t}\"\n"));
+            }
             if let Some(e) = w.events_port {
                 if let Some(r) = w.replay_port {
                     toml.push_str(&format!("replay_endpoint = \"tcp://127.0.0.1:{r}\"\n"));
@@ -325,7 +342,13 @@ impl Stack {
     }
 
     fn start_envoy(&mut self) -> Result<()> {
-        let plugin = envoy::plugin_config(&self.config.plugin);
+        let mut overrides = self.config.plugin.clone();
+        // The snapshot service authenticates its bookings and reports.
+        if let (Some(token), Some(o)) = (&self.config.control_token, overrides.as_object_mut()) {
+            o.entry("sidecar_token")
+                .or_insert_with(|| serde_json::Value::String(token.clone()));
+        }
+        let plugin = envoy::plugin_config(&overrides);
         let endpoints: Vec<String> = self.workers.iter().map(Worker::endpoint).collect();
         let yaml = envoy::render(
             &self.paths.repo.join("envoy/envoy.yaml"),
@@ -338,6 +361,7 @@ impl Stack {
                 wasm_path: self.paths.wasm.display().to_string(),
                 plugin_config: plugin,
                 fallback: endpoints,
+                tenant_jwks: jwt::jwks(&self.tenant_key),
             },
         )?;
         let path = self.run_dir.join("envoy.yaml");
@@ -384,14 +408,53 @@ impl Stack {
             let served = self
                 .sidecar_metric("kvgate_sidecar_snapshot_polls_total{result=\"changed\"}")
                 .unwrap_or(0.0);
-            if up >= want && version > 0 && version == sidecar_version && served >= 1.0 {
+            let members = self.routed_members().unwrap_or(0);
+            if up >= want
+                && members >= self.workers.len()
+                && version > 0
+                && version == sidecar_version
+                && served >= 1.0
+            {
                 return Ok(());
             }
             if Instant::now() > deadline {
                 let e = anyhow::anyhow!(
-                    "routing not ready: sidecar reports {up}/{want} workers up, envoy snapshot version {version}, sidecar version {sidecar_version}, full polls served {served}"
+                    "routing not ready: sidecar reports {up}/{want} workers up, envoy's routed cluster has {members}/{} members, envoy snapshot version {version}, sidecar version {sidecar_version}, full polls served {served}",
+                    self.workers.len()
                 );
                 return Err(self.explain(e));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// How many workers Envoy's routed cluster holds (from the sidecar's
+    /// catalog, over EDS).
+    pub fn routed_members(&self) -> Result<usize> {
+        let (status, body) = http::get(
+            &self.admin_addr(),
+            "/stats?filter=^cluster\\.kvgate_workers\\.membership_total$",
+        )?;
+        if status != 200 {
+            bail!("envoy /stats answered {status}");
+        }
+        let text = String::from_utf8_lossy(&body);
+        Ok(text
+            .lines()
+            .find_map(|l| l.split_once(": ").and_then(|(_, v)| v.trim().parse().ok()))
+            .unwrap_or(0))
+    }
+
+    /// Waits until Envoy's routed cluster holds `n` workers.
+    pub fn wait_routed_members(&self, n: usize, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let have = self.routed_members().unwrap_or(0);
+            if have == n {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("envoy's routed cluster has {have} members, expected {n}");
             }
             std::thread::sleep(Duration::from_millis(50));
         }

@@ -1,0 +1,123 @@
+//! Helpers shared by the end-to-end test binaries.
+// Each test binary compiles this module and uses part of it.
+#![allow(dead_code)]
+
+use kvgate_stack::{Stack, StackConfig, http};
+use serde_json::{Value, json};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "body is not JSON ({e}): {}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+pub fn post(stack: &Stack, path: &str, body: &[u8], headers: &[(&str, &str)]) -> Reply {
+    let mut h = vec![("content-type", "application/json")];
+    h.extend_from_slice(headers);
+    let (status, headers, body) =
+        http::request_full(&stack.envoy_addr(), "POST", path, &h, Some(body))
+            .unwrap_or_else(|e| panic!("request failed: {e:#}\n{}", stack.log_tails()));
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+pub fn chat(stack: &Stack, model: &str, text: &str, max_tokens: u32) -> Reply {
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+    });
+    post(
+        stack,
+        "/v1/chat/completions",
+        body.to_string().as_bytes(),
+        &[],
+    )
+}
+
+pub fn start(config: StackConfig) -> Stack {
+    Stack::start(config).unwrap_or_else(|e| panic!("stack failed to start: {e:#}"))
+}
+
+/// Completions served by all workers, from their own metrics.
+pub fn served_total(stack: &Stack) -> u64 {
+    let mut total = 0;
+    for w in &stack.workers {
+        if let Ok((200, body)) = http::get(&w.endpoint(), "/sim/state") {
+            let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            total += v["requests_total"].as_u64().unwrap_or(0);
+        }
+    }
+    total
+}
+
+/// (worker, rank) that served a reply.
+pub fn served_by(r: &Reply) -> (String, String) {
+    assert_eq!(r.status, 200, "{}", r.text());
+    (
+        r.header("x-kvgate-sim-worker").unwrap().to_string(),
+        r.header("x-kvgate-sim-rank").unwrap().to_string(),
+    )
+}
+
+pub fn bookings_active(stack: &Stack) -> f64 {
+    stack
+        .sidecar_metric("kvgate_sidecar_bookings_active{model=\"demo-model\"}")
+        .unwrap_or(-1.0)
+}
+
+/// Waits until the gateway's bookings are all released and the sidecar's
+/// state shows no booked prefill anywhere.
+pub fn wait_bookings_drained(stack: &Stack) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let state = stack.sidecar_state().unwrap();
+        let prefill: u64 = state["models"][0]["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|w| w["ranks"].as_array().cloned().unwrap_or_default())
+            .map(|r| r["active_prefill_tokens"].as_u64().unwrap_or(0))
+            .sum();
+        let active = bookings_active(stack);
+        if active == 0.0 && prefill == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "bookings never drained: {active} active, {prefill} prefill tokens"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
