@@ -69,6 +69,27 @@ pub fn token_chunk_hashes(tokens: &[u32]) -> Vec<u64> {
     out
 }
 
+/// Moves a prompt's chunk hashes into the cache scope of its LoRA adapter
+/// and `cache_salt` (see [`crate::hash::CacheScope`]): the engine shares no
+/// KV blocks across adapters or salts, so a routed prefix must not draw a
+/// request of another scope either. The unscoped chunks are unchanged.
+pub fn scope_chunks(chunks: &mut [u64], scope: crate::hash::CacheScope<'_>) {
+    if scope.lora_name.is_none() && scope.cache_salt.is_none() {
+        return;
+    }
+    // Each part length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+    let mut key = Vec::new();
+    for part in [scope.lora_name, scope.cache_salt] {
+        let b = part.unwrap_or_default().as_bytes();
+        key.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        key.extend_from_slice(b);
+    }
+    let seed = xxh3_64_with_seed(&key, SEED);
+    for c in chunks {
+        *c = xxh3_64_with_seed(&c.to_le_bytes(), seed);
+    }
+}
+
 /// What a routing decision's chunks were cut from. The sidecar keeps them
 /// for different times: a text prefix is all kvgate will ever know of a
 /// text prompt, while a token prefix only bridges the moments until the
@@ -155,6 +176,33 @@ impl Routed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scopes_keep_routed_prefixes_apart() {
+        use crate::hash::CacheScope;
+        let text = "x".repeat(CHUNK_BYTES * 3);
+        let base = chunk_hashes(&text);
+        let scoped = |lora, salt| {
+            let mut c = chunk_hashes(&text);
+            scope_chunks(
+                &mut c,
+                CacheScope {
+                    lora_name: lora,
+                    cache_salt: salt,
+                },
+            );
+            c
+        };
+        assert_eq!(scoped(None, None), base);
+        let lora = scoped(Some("sql-lora"), None);
+        let salt = scoped(None, Some("sql-lora"));
+        for i in 0..base.len() {
+            assert_ne!(lora[i], base[i]);
+            assert_ne!(salt[i], base[i]);
+            assert_ne!(lora[i], salt[i], "an adapter and an equal salt differ");
+        }
+        assert_eq!(lora, scoped(Some("sql-lora"), None));
+    }
 
     #[test]
     fn token_chunks_chain_share_prefixes_and_differ_from_text() {

@@ -22,6 +22,51 @@ pub fn lora_seed(lora_name: Option<&str>) -> u64 {
     }
 }
 
+/// Seed of the hash that mixes a `cache_salt` into a chain's first block;
+/// distinct from [`XXH3_SEED`] so a salted root can never equal an unsalted
+/// block hash by construction of the input alone.
+const SALT_SEED: u64 = XXH3_SEED ^ 0x6b76_6761_7465_5f73;
+
+/// The first block's local hash under a `cache_salt`.
+///
+/// vLLM folds the salt into the first block's hash only, and every later
+/// block inherits it through the chain; kvgate does the same on its own
+/// hashes, so a salted prompt shares nothing with the same tokens unsalted
+/// (or salted differently), while chains without a salt keep Dynamo's
+/// values bit for bit. An empty salt is no salt (vLLM refuses one).
+pub fn salted_root(local: u64, salt: &str) -> u64 {
+    if salt.is_empty() {
+        return local;
+    }
+    let mut buf = Vec::with_capacity(8 + salt.len());
+    buf.extend_from_slice(&local.to_le_bytes());
+    buf.extend_from_slice(salt.as_bytes());
+    xxh3_64_with_seed(&buf, SALT_SEED)
+}
+
+/// What, besides its tokens, decides which cached blocks a prompt may
+/// reuse: the LoRA adapter (the hash seed, Dynamo's rule) and the
+/// `cache_salt` (mixed into the first block). The sidecar keys engine
+/// events and the filter keys requests with these same rules.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheScope<'a> {
+    pub lora_name: Option<&'a str>,
+    pub cache_salt: Option<&'a str>,
+}
+
+/// Sequence hashes of every full block of a prompt in `scope`.
+pub fn scoped_sequence_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    scope: CacheScope<'_>,
+) -> Vec<u64> {
+    let mut local = block_hashes(tokens, block_size, lora_seed(scope.lora_name));
+    if let (Some(first), Some(salt)) = (local.first_mut(), scope.cache_salt) {
+        *first = salted_root(*first, salt);
+    }
+    sequence_hashes(&local)
+}
+
 /// Hash of one block's tokens with the given seed.
 pub fn block_hash_with_seed(tokens: &[u32], seed: u64) -> u64 {
     // On little-endian targets (x86_64, aarch64, wasm32) a token slice already
@@ -134,6 +179,59 @@ mod tests {
     #[test]
     fn zero_block_size_yields_nothing() {
         assert!(block_hashes(&[1, 2, 3], 0, XXH3_SEED).is_empty());
+    }
+
+    // Dynamo's LoRA seed, restated from its definition rather than through
+    // `lora_seed`, so a change of formula fails here.
+    #[test]
+    fn adapter_seed_is_dynamos() {
+        let name = "sql-lora";
+        let dynamo = 1337u64.wrapping_add(xxhash_rust::xxh3::xxh3_64(name.as_bytes()));
+        assert_eq!(lora_seed(Some(name)), dynamo);
+        let tokens: Vec<u32> = (0..8).collect();
+        let scope = CacheScope {
+            lora_name: Some(name),
+            cache_salt: None,
+        };
+        let mut bytes = Vec::new();
+        for t in &tokens[..4] {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        let seq = scoped_sequence_hashes(&tokens, 4, scope);
+        assert_eq!(seq[0], xxh3_64_with_seed(&bytes, dynamo));
+        assert_ne!(
+            seq,
+            scoped_sequence_hashes(&tokens, 4, CacheScope::default()),
+            "an adapter's blocks never equal the base model's"
+        );
+    }
+
+    #[test]
+    fn salt_changes_only_the_chains_that_carry_it() {
+        let tokens: Vec<u32> = (0..12).collect();
+        let base = sequence_hashes(&block_hashes(&tokens, 4, XXH3_SEED));
+        assert_eq!(
+            scoped_sequence_hashes(&tokens, 4, CacheScope::default()),
+            base,
+            "no salt, no adapter: Dynamo's hashes unchanged"
+        );
+        let salt = |s| CacheScope {
+            lora_name: None,
+            cache_salt: Some(s),
+        };
+        let a = scoped_sequence_hashes(&tokens, 4, salt("tenant-a"));
+        let b = scoped_sequence_hashes(&tokens, 4, salt("tenant-b"));
+        for i in 0..3 {
+            assert_ne!(a[i], base[i], "block {i} salted equals unsalted");
+            assert_ne!(a[i], b[i], "block {i} equal under two salts");
+        }
+        assert_eq!(a, scoped_sequence_hashes(&tokens, 4, salt("tenant-a")));
+        assert_eq!(scoped_sequence_hashes(&tokens, 4, salt("")), base);
+        // The salt enters once, at the root: a later block's local hash is
+        // unsalted, and the chain alone carries the salt onward.
+        let local = block_hashes(&tokens, 4, XXH3_SEED);
+        assert_eq!(a[0], salted_root(local[0], "tenant-a"));
+        assert_eq!(a[1], chain(Some(a[0]), local[1]));
     }
 
     const VEC_1234: u64 = 14643705804678351452;

@@ -23,7 +23,7 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 2;
+pub const MINOR: u16 = 3;
 /// The tenant of workers and requests that name none (Dynamo's default).
 pub const DEFAULT_TENANT: &str = "default";
 /// Header: magic, major, minor, payload length, version, build time.
@@ -63,6 +63,9 @@ pub struct ModelState {
     /// Seconds until the first busy worker is expected to take work again,
     /// from the observed drain rate (minor 1); 0 when unknown.
     pub retry_after_s: u32,
+    /// LoRA adapters served by this model's workers (minor 3): a request
+    /// naming one routes to these workers and is hashed under the adapter.
+    pub lora_adapters: Vec<String>,
 }
 
 /// One worker (an engine process group behind one HTTP endpoint).
@@ -97,8 +100,14 @@ pub struct RankLoad {
 }
 
 impl Snapshot {
+    /// The model a request's `model` names: a served model, or the base
+    /// model of a LoRA adapter (then `name` differs from the result's).
     pub fn model(&self, name: &str) -> Option<&ModelState> {
-        self.models.iter().find(|m| m.name == name)
+        self.models.iter().find(|m| m.name == name).or_else(|| {
+            self.models
+                .iter()
+                .find(|m| m.lora_adapters.iter().any(|a| a == name))
+        })
     }
 }
 
@@ -232,6 +241,11 @@ impl Snapshot {
             }
             // Minor 1 fields follow the workers; older readers skip them.
             out.extend_from_slice(&m.retry_after_s.to_le_bytes());
+            // Minor 3: the adapters, a count and strings.
+            put_count(out, m.lora_adapters.len(), "lora adapters")?;
+            for a in &m.lora_adapters {
+                put_str(out, a, "lora adapter")?;
+            }
             end_record(out, rec, "model record")?;
         }
         put_count(out, self.applied.len(), "applied bookings")?;
@@ -306,12 +320,22 @@ impl Snapshot {
                 });
             }
             let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
+            let mut lora_adapters = Vec::new();
+            if m.remaining() >= 4 {
+                let count = m.u32()?;
+                m.plausible(count, 2, "lora adapters")?;
+                lora_adapters.reserve(count as usize);
+                for _ in 0..count {
+                    lora_adapters.push(m.string()?);
+                }
+            }
             models.push(ModelState {
                 name,
                 thresholds,
                 shard_count,
                 workers,
                 retry_after_s,
+                lora_adapters,
             });
         }
         // Minor 0 ends after the models.
@@ -558,6 +582,7 @@ mod tests {
                         ],
                     }],
                     retry_after_s: 4,
+                    lora_adapters: vec!["sql-lora".into(), "chat-lora".into()],
                 },
                 ModelState {
                     name: "empty".into(),
@@ -570,17 +595,26 @@ mod tests {
 
     /// What a minor-0 writer produced: no retry hint, no applied list.
     fn minor0(s: &Snapshot) -> Vec<u8> {
+        strip_model_tail(s, 8)
+    }
+
+    /// Cuts the last `by` bytes (the minor-1 and later fields, with no
+    /// adapters) off every model record, and the applied list.
+    fn strip_model_tail(s: &Snapshot, by: usize) -> Vec<u8> {
         let mut s = s.clone();
         s.applied.clear();
+        for m in &mut s.models {
+            m.lora_adapters.clear();
+        }
         let mut bytes = s.encode().unwrap();
         bytes.truncate(bytes.len() - 4); // the applied count
         let mut at = HEADER_LEN + 4;
         for _ in &s.models {
             let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
             let end = at + 4 + len;
-            bytes.drain(end - 4..end);
-            bytes[at..at + 4].copy_from_slice(&((len - 4) as u32).to_le_bytes());
-            at = end - 4;
+            bytes.drain(end - by..end);
+            bytes[at..at + 4].copy_from_slice(&((len - by) as u32).to_le_bytes());
+            at = end - by;
         }
         let payload = (bytes.len() - HEADER_LEN) as u32;
         bytes[8..12].copy_from_slice(&payload.to_le_bytes());
@@ -595,6 +629,22 @@ mod tests {
         assert!(old.applied.is_empty());
         assert_eq!(old.models[0].retry_after_s, 0);
         assert_eq!(old.models[0].workers, s.models[0].workers);
+    }
+
+    #[test]
+    fn minor_two_snapshots_have_no_adapters() {
+        let s = sample();
+        let old = Snapshot::decode(&strip_model_tail(&s, 4)).unwrap();
+        assert_eq!(old.models[0].retry_after_s, 4);
+        assert!(old.models[0].lora_adapters.is_empty());
+    }
+
+    #[test]
+    fn adapters_resolve_to_their_base_model() {
+        let s = sample();
+        assert_eq!(s.model("llama").map(|m| m.name.as_str()), Some("llama"));
+        assert_eq!(s.model("sql-lora").map(|m| m.name.as_str()), Some("llama"));
+        assert!(s.model("other-lora").is_none());
     }
 
     #[test]
@@ -741,13 +791,17 @@ mod tests {
             thresholds,
             any::<u32>(),
             prop::collection::vec(worker, 0..5),
+            prop::collection::vec("[a-z0-9-]{0,12}", 0..3),
         )
-            .prop_map(|(name, thresholds, shard_count, workers)| ModelState {
-                name,
-                thresholds,
-                shard_count,
-                workers,
-                retry_after_s: shard_count % 61,
+            .prop_map(|(name, thresholds, shard_count, workers, lora_adapters)| {
+                ModelState {
+                    name,
+                    thresholds,
+                    shard_count,
+                    workers,
+                    retry_after_s: shard_count % 61,
+                    lora_adapters,
+                }
             });
         let applied = (any::<u64>(), any::<u64>()).prop_map(|(vm, seq)| Applied { vm, seq });
         (

@@ -32,6 +32,9 @@ pub struct Config {
     /// Names the request's tenant (absent: `default`). Set it in Envoy from
     /// what authenticated the client; kvgate trusts it as given.
     pub tenant_header: String,
+    /// Response header naming the worker and DP rank that served a routed
+    /// request (engines return none); empty: not sent.
+    pub served_by_header: String,
     pub max_body_bytes: usize,
     pub stale_after_ms: u64,
     pub on_stale: OnStale,
@@ -51,6 +54,7 @@ impl Default for Config {
             rank_header: "x-data-parallel-rank".into(),
             fallback_header: "x-kvgate-fallback".into(),
             tenant_header: "x-kvgate-tenant".into(),
+            served_by_header: "x-kvgate-served-by".into(),
             max_body_bytes: 1 << 20,
             stale_after_ms: 5000,
             on_stale: OnStale::FailOpen,
@@ -90,7 +94,11 @@ impl Config {
             ("rank_header", &mut self.rank_header),
             ("fallback_header", &mut self.fallback_header),
             ("tenant_header", &mut self.tenant_header),
+            ("served_by_header", &mut self.served_by_header),
         ] {
+            if name == "served_by_header" && h.is_empty() {
+                continue;
+            }
             // Envoy keeps header names lower-case.
             *h = h.to_ascii_lowercase();
             if h.is_empty() || h.starts_with(':') || !h.bytes().all(|b| b.is_ascii_graphic()) {
@@ -144,6 +152,8 @@ mod tests {
         assert_eq!(c.on_stale, OnStale::FailClosed);
         assert_eq!(c.destination_header, "x-dest");
         assert_eq!(c.max_body_bytes, 10);
+        let c = Config::parse(Some(br#"{"served_by_header":""}"#)).unwrap();
+        assert_eq!(c.served_by_header, "", "empty turns the header off");
         let c = Config::parse(Some(br#"{"sidecar_token":"s3cret"}"#)).unwrap();
         assert_eq!(c.sidecar_token.as_deref(), Some("s3cret"));
     }

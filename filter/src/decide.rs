@@ -121,6 +121,7 @@ mod tests {
                     thresholds: Thresholds::default(),
                     shard_count: 0,
                     retry_after_s: 0,
+                    lora_adapters: Vec::new(),
                     workers: vec![
                         WorkerState {
                             id: 1,

@@ -8,6 +8,15 @@
 //! snapshot's watermark for this VM (`Snapshot::applied`) covers it. Other
 //! VMs' bookings arrive with the next snapshot; between two snapshots each
 //! VM spreads its own share of a burst, which spreads the whole.
+//!
+//! Releases take effect at once too. A release of a booking the snapshot
+//! already counts is subtracted from the view, and from every later
+//! snapshot until one shows the sidecar has heard it: events of one VM
+//! reach the sidecar in order, so a snapshot whose watermark covers a
+//! booking made after the release (its `fence`) counts the release too.
+//! Without this a finished request kept loading its rank until the release
+//! had gone through the sidecar and back, and the next request of its
+//! prefix group could be sent away from its cache.
 
 use kvgate_core::Snapshot;
 use kvgate_core::busy::rank_busy;
@@ -22,12 +31,42 @@ struct Entry {
     at_ms: u64,
 }
 
+/// Load released here that the sidecar's snapshots may still count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Released {
+    /// The booking: a snapshot counts it once its watermark reaches this.
+    seq: u64,
+    slot: u16,
+    prefill: u64,
+    decode: u64,
+    /// The first booking sequence issued after the release.
+    fence: u64,
+    at_ms: u64,
+}
+
+/// A release: what to take off a booking's rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Release {
+    pub seq: u64,
+    pub slot: u16,
+    pub prefill: u64,
+    pub decode: u64,
+    /// The request ended: nothing of the booking is left.
+    pub done: bool,
+    /// See [`Released::fence`].
+    pub fence: u64,
+}
+
+/// Releases remembered at most (a few seconds of a busy VM's traffic).
+const MAX_RELEASED: usize = 8192;
+
 /// Where a slot's rank sits in a decoded snapshot.
 type Place = (usize, usize, usize);
 
 #[derive(Debug, Default)]
 pub struct Fresh {
     entries: Vec<Entry>,
+    released: Vec<Released>,
     places: HashMap<u16, Place>,
 }
 
@@ -59,8 +98,18 @@ impl Fresh {
             .map_or(0, |a| a.seq);
         self.entries
             .retain(|e| e.seq > applied && now_ms.saturating_sub(e.at_ms) <= max_age_ms);
+        self.released
+            .retain(|r| r.fence > applied && now_ms.saturating_sub(r.at_ms) <= max_age_ms);
         for e in self.entries.clone() {
             self.add(snap, e.slot, e.prefill as i64, e.decode as i64);
+        }
+        // Only where the snapshot counts the booking but not yet its
+        // release; a booking it has not seen at all is in `entries`, already
+        // net of the release.
+        for r in self.released.clone() {
+            if r.seq <= applied {
+                self.add(snap, r.slot, -(r.prefill as i64), -(r.decode as i64));
+            }
         }
     }
 
@@ -84,25 +133,34 @@ impl Fresh {
         self.add(snap, slot, prefill as i64, decode as i64);
     }
 
-    /// The request's first byte arrived: its prefill is over.
-    pub fn first_byte(&mut self, snap: Option<&mut Snapshot>, seq: u64) {
-        let Some(e) = self.entries.iter_mut().find(|e| e.seq == seq) else {
-            return;
-        };
-        let (slot, prefill) = (e.slot, std::mem::take(&mut e.prefill));
-        if let Some(snap) = snap {
-            self.add(snap, slot, -(prefill as i64), 0);
+    /// Takes a release off the view at once, and off every later snapshot
+    /// that counts the booking before it counts the release.
+    pub fn release(&mut self, snap: Option<&mut Snapshot>, r: Release, now_ms: u64) {
+        if let Some(at) = self.entries.iter().position(|e| e.seq == r.seq) {
+            let e = &mut self.entries[at];
+            e.prefill = e.prefill.saturating_sub(r.prefill);
+            e.decode = e.decode.saturating_sub(r.decode);
+            if r.done {
+                self.entries.swap_remove(at);
+            }
         }
-    }
-
-    /// The request ended before any snapshot counted it.
-    pub fn done(&mut self, snap: Option<&mut Snapshot>, seq: u64) {
-        let Some(at) = self.entries.iter().position(|e| e.seq == seq) else {
-            return;
-        };
-        let e = self.entries.swap_remove(at);
+        if r.prefill > 0 || r.decode > 0 {
+            // Only a sidecar that stopped publishing leaves these unpruned;
+            // the oldest matter least.
+            if self.released.len() >= MAX_RELEASED {
+                self.released.remove(0);
+            }
+            self.released.push(Released {
+                seq: r.seq,
+                slot: r.slot,
+                prefill: r.prefill,
+                decode: r.decode,
+                fence: r.fence,
+                at_ms: now_ms,
+            });
+        }
         if let Some(snap) = snap {
-            self.add(snap, e.slot, -(e.prefill as i64), -(e.decode as i64));
+            self.add(snap, r.slot, -(r.prefill as i64), -(r.decode as i64));
         }
     }
 
@@ -185,11 +243,84 @@ mod tests {
         f.settle(&mut s, 9, 0, 1000);
         f.book(&mut s, 1, 5, 300, 20, 0);
         assert_eq!(load(&s, 1), (300, 20, false));
-        f.first_byte(Some(&mut s), 1);
+        f.release(Some(&mut s), first_byte(1, 5, 300, 2), 1);
         assert_eq!(load(&s, 1), (0, 20, false));
-        f.done(Some(&mut s), 1);
+        f.release(Some(&mut s), done(1, 5, 0, 20, 2), 2);
         assert_eq!(load(&s, 1), (0, 0, false));
         assert!(f.is_empty());
+    }
+
+    fn first_byte(seq: u64, slot: u16, prefill: u64, fence: u64) -> Release {
+        Release {
+            seq,
+            slot,
+            prefill,
+            decode: 0,
+            done: false,
+            fence,
+        }
+    }
+
+    fn done(seq: u64, slot: u16, prefill: u64, decode: u64, fence: u64) -> Release {
+        Release {
+            seq,
+            slot,
+            prefill,
+            decode,
+            done: true,
+            fence,
+        }
+    }
+
+    #[test]
+    fn no_snapshot_brings_back_a_release() {
+        let mut f = Fresh::default();
+        let mut s = snap(0);
+        f.settle(&mut s, 9, 0, 1000);
+        f.book(&mut s, 1, 5, 0, 20, 0);
+        // The sidecar counts booking 1: its snapshot carries the load.
+        let mut counted = snap(1);
+        counted.models[0].workers[0].ranks[1].active_decode_blocks = 20;
+        f.settle(&mut counted, 9, 10, 1000);
+        assert_eq!(load(&counted, 1), (0, 20, false));
+        // The request ends: the view drops its load at once...
+        f.release(Some(&mut counted), done(1, 5, 0, 20, 2), 20);
+        assert_eq!(load(&counted, 1), (0, 0, false));
+        // ...and a snapshot built before the sidecar heard of the release
+        // does not bring it back...
+        let mut before = snap(1);
+        before.models[0].workers[0].ranks[1].active_decode_blocks = 20;
+        f.settle(&mut before, 9, 30, 1000);
+        assert_eq!(load(&before, 1), (0, 0, false));
+        // ...while one that covers a later booking (the fence) has the
+        // release in it already: nothing is taken twice.
+        f.book(&mut before, 2, 4, 0, 7, 40);
+        let mut after = snap(2);
+        after.models[0].workers[0].ranks[0].active_decode_blocks = 7;
+        f.settle(&mut after, 9, 50, 1000);
+        assert_eq!(load(&after, 0), (0, 7, false));
+        assert_eq!(load(&after, 1), (0, 0, false));
+        assert!(f.released.is_empty());
+    }
+
+    #[test]
+    fn a_release_before_the_sidecar_saw_the_booking_stays_released() {
+        let mut f = Fresh::default();
+        let mut s = snap(0);
+        f.settle(&mut s, 9, 0, 1000);
+        f.book(&mut s, 1, 5, 100, 20, 0);
+        f.release(Some(&mut s), done(1, 5, 100, 20, 2), 5);
+        assert_eq!(load(&s, 1), (0, 0, false));
+        // A snapshot with neither the booking nor its release: unchanged.
+        let mut none = snap(0);
+        f.settle(&mut none, 9, 10, 1000);
+        assert_eq!(load(&none, 1), (0, 0, false));
+        // One with the booking but not yet the release: taken off.
+        let mut booked = snap(1);
+        booked.models[0].workers[0].ranks[1].active_prefill_tokens = 100;
+        booked.models[0].workers[0].ranks[1].active_decode_blocks = 20;
+        f.settle(&mut booked, 9, 20, 1000);
+        assert_eq!(load(&booked, 1), (0, 0, false));
     }
 
     #[test]
@@ -228,7 +359,7 @@ mod tests {
         f.book(&mut s, 2, 4, 0, 20, 0);
         assert!(load(&s, 0).2, "60 of 100 blocks is over 0.5");
         // Releasing does not clear it: the sidecar decides that.
-        f.done(Some(&mut s), 2);
+        f.release(Some(&mut s), done(2, 4, 0, 20, 3), 1);
         assert!(load(&s, 0).2);
     }
 
@@ -238,8 +369,8 @@ mod tests {
         let mut s = snap(0);
         f.settle(&mut s, 9, 0, 1000);
         f.book(&mut s, 1, 77, 10, 1, 0);
-        f.first_byte(Some(&mut s), 42);
-        f.done(None, 42);
+        f.release(Some(&mut s), first_byte(42, 77, 10, 2), 1);
+        f.release(None, done(42, 77, 0, 1, 2), 1);
         assert_eq!(load(&s, 0), (0, 0, false));
         assert_eq!(f.len(), 1);
     }

@@ -47,6 +47,10 @@ pub fn set_request_header(name: &str, value: &str) -> Result<(), Status> {
     hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value))
 }
 
+pub fn set_response_header(name: &str, value: &str) -> Result<(), Status> {
+    hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value))
+}
+
 pub fn remove_request_header(name: &str) -> Result<(), Status> {
     hostcalls::remove_map_value(MapType::HttpRequestHeaders, name)
 }

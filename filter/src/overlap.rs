@@ -8,18 +8,20 @@
 
 use kvgate_core::ModelState;
 use kvgate_core::approx;
-use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+use kvgate_core::hash::{CacheScope, scoped_sequence_hashes};
 use kvgate_core::select::Overlap;
 use kvgate_core::shard::{ShardView, SlotOverlap, overlaps, shard_of};
 use kvgate_core::update::shard_key;
 use std::collections::HashMap;
 
-/// Overlap of every slot of `model` with `tokens`, in blocks per tier.
-/// `read` fetches a shard's bytes by key. Returns the overlap table
-/// (indexed by slot) and the number of shards read.
+/// Overlap of every slot of `model` with `tokens` in `scope` (the adapter
+/// and salt the request names), in blocks per tier. `read` fetches a
+/// shard's bytes by key. Returns the overlap table (indexed by slot) and
+/// the number of shards read.
 pub fn compute(
     model: &ModelState,
     tokens: &[u32],
+    scope: CacheScope<'_>,
     mut read: impl FnMut(&str) -> Option<Vec<u8>>,
 ) -> (Vec<SlotOverlap>, usize) {
     let Some(slots) = slot_count(model).filter(|_| model.shard_count > 0) else {
@@ -31,7 +33,7 @@ pub fn compute(
     block_sizes.sort_unstable();
     block_sizes.dedup();
     for bs in block_sizes {
-        let seq = sequence_hashes(&block_hashes(tokens, bs as usize, XXH3_SEED));
+        let seq = scoped_sequence_hashes(tokens, bs as usize, scope);
         let part = search(
             &model.name,
             model.shard_count,
@@ -71,6 +73,20 @@ pub fn approximate(
         &mut HashMap::new(),
         &mut read,
     )
+}
+
+/// The cache scope of a request whose `model` field (`requested`)
+/// resolved to `model`: it names an adapter when it is not the model
+/// itself, and the salt is the body's `cache_salt`.
+pub fn scope<'a>(
+    model: &ModelState,
+    requested: &'a str,
+    cache_salt: Option<&'a str>,
+) -> CacheScope<'a> {
+    CacheScope {
+        lora_name: (model.name != requested).then_some(requested),
+        cache_salt,
+    }
 }
 
 fn slot_count(model: &ModelState) -> Option<usize> {
@@ -167,6 +183,7 @@ pub fn of(table: &[SlotOverlap], slot: u16) -> Overlap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
     use kvgate_core::shard::{Holder, TIER_DEVICE, encode};
     use kvgate_core::{RankLoad, WorkerState};
 
@@ -222,7 +239,9 @@ mod tests {
             .into_iter()
             .map(|(s, mut e)| (shard_key("m", s), encode(&mut e)))
             .collect();
-        let (table, reads) = compute(&m, &tokens, |k| store.get(k).cloned());
+        let (table, reads) = compute(&m, &tokens, CacheScope::default(), |k| {
+            store.get(k).cloned()
+        });
         assert_eq!(
             (table[0].device, table[1].device, table[2].device),
             (0, 6, 2)
@@ -230,6 +249,39 @@ mod tests {
         assert!(reads <= 8);
         assert_eq!(of(&table, 1).device, 6);
         assert_eq!(of(&table, 99), Overlap::default());
+    }
+
+    #[test]
+    fn adapter_and_salt_requests_read_their_own_chains() {
+        let mut m = model(8);
+        m.lora_adapters = vec!["sql-lora".into()];
+        let tokens: Vec<u32> = (0..16).collect();
+        let lora = scope(&m, "sql-lora", None);
+        assert_eq!(lora.lora_name, Some("sql-lora"));
+        assert_eq!(scope(&m, "m", None).lora_name, None);
+        // Slot 1 holds the prompt under the adapter and salt "s".
+        let held = CacheScope {
+            cache_salt: Some("s"),
+            ..lora
+        };
+        let mut per_shard: HashMap<u32, Vec<(u64, Vec<Holder>)>> = HashMap::new();
+        for h in scoped_sequence_hashes(&tokens, 4, held) {
+            per_shard.entry(shard_of(h, 8)).or_default().push((
+                h,
+                vec![Holder {
+                    slot: 1,
+                    tiers: TIER_DEVICE,
+                }],
+            ));
+        }
+        let store: HashMap<String, Vec<u8>> = per_shard
+            .into_iter()
+            .map(|(s, mut e)| (shard_key("m", s), encode(&mut e)))
+            .collect();
+        let device = |sc| compute(&m, &tokens, sc, |k| store.get(k).cloned()).0[1].device;
+        assert_eq!(device(held), 4);
+        assert_eq!(device(lora), 0, "unsalted never matches salted blocks");
+        assert_eq!(device(scope(&m, "m", Some("s"))), 0, "base model");
     }
 
     #[test]
@@ -287,7 +339,7 @@ mod tests {
 
     #[test]
     fn no_index_no_reads() {
-        let (t, reads) = compute(&model(0), &[1, 2, 3, 4], |_| {
+        let (t, reads) = compute(&model(0), &[1, 2, 3, 4], CacheScope::default(), |_| {
             panic!("no shard should be read")
         });
         assert!(t.is_empty());

@@ -32,6 +32,9 @@ pub struct Parsed {
     pub isl_tokens: u64,
     pub stream: bool,
     pub max_tokens: Option<u64>,
+    /// vLLM's `cache_salt`: the request may reuse only blocks cached
+    /// under the same salt.
+    pub cache_salt: Option<String>,
 }
 
 /// Why a body is refused with 400; the message names the field.
@@ -87,6 +90,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
             },
         }
     }
+    // vLLM refuses an empty or non-string salt; so does kvgate, rather
+    // than route a request the engine will reject.
+    let cache_salt = match obj.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => return bad("'cache_salt' must be a non-empty string"),
+    };
     let (tokens, text, isl_tokens) = match endpoint {
         Endpoint::Completions => prompt(obj.get("prompt"))?,
         Endpoint::Chat => messages(obj.get("messages"))?,
@@ -98,6 +108,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
         isl_tokens,
         stream,
         max_tokens,
+        cache_salt,
     })
 }
 
@@ -239,6 +250,21 @@ mod tests {
         );
         assert_eq!(p.text.as_deref(), Some("system\nbe brief\nuser\nhi\n"));
         assert_eq!(p.max_tokens, Some(7));
+    }
+
+    #[test]
+    fn cache_salt() {
+        let p = ok(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":[1],"cache_salt":"s1"}"#,
+        );
+        assert_eq!(p.cache_salt.as_deref(), Some("s1"));
+        let p = ok(Endpoint::Completions, r#"{"model":"m","prompt":[1]}"#);
+        assert_eq!(p.cache_salt, None);
+        for bad in ["\"\"", "3"] {
+            let body = format!(r#"{{"model":"m","prompt":[1],"cache_salt":{bad}}}"#);
+            assert!(err(Endpoint::Completions, &body).contains("'cache_salt'"));
+        }
     }
 
     #[test]

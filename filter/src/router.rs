@@ -11,7 +11,7 @@
 
 use crate::config::{Config, OnStale};
 use crate::decide::{Outcome, View, decide};
-use crate::fresh::Fresh;
+use crate::fresh::{Fresh, Release};
 use crate::host;
 use crate::manifest::{self, Manifest};
 use crate::metrics::{RouterMetrics, inc, record};
@@ -85,6 +85,9 @@ impl RouterState {
         }
         Booking {
             seq,
+            slot,
+            prefill,
+            decode,
             first_byte: false,
         }
     }
@@ -127,6 +130,9 @@ fn report(queue: &mut Option<u32>, vm_id: &str, metrics: &RouterMetrics, record:
 #[derive(Debug, Clone, Copy)]
 struct Booking {
     seq: u64,
+    slot: u16,
+    prefill: u64,
+    decode: u64,
     first_byte: bool,
 }
 
@@ -135,6 +141,8 @@ struct Booking {
 #[derive(Debug, Clone)]
 struct Fallback {
     endpoint: String,
+    /// The served-by header's value if the retry lands here.
+    served_by: String,
     slot: u16,
     prefill_tokens: u64,
     decode_blocks: u64,
@@ -157,6 +165,11 @@ fn booked_load(
     (prefill, decode)
 }
 
+/// The served-by header's value.
+fn served_by(worker_id: u64, rank: u32) -> String {
+    format!("worker_id={worker_id}; dp_rank={rank}")
+}
+
 pub struct Request {
     state: Rc<RefCell<RouterState>>,
     endpoint: Option<Endpoint>,
@@ -169,6 +182,8 @@ pub struct Request {
     fallback: Option<Fallback>,
     /// Whether the filter sent this request to a worker.
     routed: bool,
+    /// What the served-by response header says: engines name no worker.
+    served_by: Option<String>,
 }
 
 impl Request {
@@ -183,6 +198,7 @@ impl Request {
             booking: None,
             fallback: None,
             routed: false,
+            served_by: None,
         }
     }
 
@@ -240,6 +256,11 @@ impl Request {
             drop(guard);
             return self.reply(&Reply::stale());
         };
+        // An adapter's load and routing reports belong to its base model,
+        // the one the sidecar knows.
+        let served_model = snap
+            .model(&req.model)
+            .map_or_else(|| req.model.clone(), |m| m.name.clone());
         st.tie_break = st.tie_break.wrapping_add(1);
         let selecting = host::now_us();
         // Token prompts: exact overlap from the engines' events, plus the
@@ -254,7 +275,8 @@ impl Request {
             snap.model(&req.model),
         ) {
             (Some(tokens), _, Some(model)) => {
-                let precise = overlap::compute(model, tokens, host::get_shared).0;
+                let scope = overlap::scope(model, &req.model, req.cache_salt.as_deref());
+                let precise = overlap::compute(model, tokens, scope, host::get_shared).0;
                 // When the events show a rank holding the whole prompt there
                 // is nothing in flight to bridge: no routed lookup, and no
                 // report of this request's chunks.
@@ -262,6 +284,7 @@ impl Request {
                     (precise, Vec::new())
                 } else {
                     chunks = approx::token_chunk_hashes(tokens);
+                    approx::scope_chunks(&mut chunks, scope);
                     kind = approx::ChunkKind::Tokens;
                     let routed = overlap::approximate(model, &chunks, host::get_shared);
                     (precise, routed)
@@ -269,6 +292,8 @@ impl Request {
             }
             (None, Some(text), Some(model)) => {
                 chunks = approx::chunk_hashes(text);
+                let scope = overlap::scope(model, &req.model, req.cache_salt.as_deref());
+                approx::scope_chunks(&mut chunks, scope);
                 (
                     Vec::new(),
                     overlap::approximate(model, &chunks, host::get_shared),
@@ -312,6 +337,7 @@ impl Request {
                         booked_load(&req, w, cached_of(w, r.slot));
                     Fallback {
                         endpoint: w.endpoint.clone(),
+                        served_by: served_by(w.id, r.rank),
                         slot: r.slot,
                         prefill_tokens,
                         decode_blocks,
@@ -323,6 +349,9 @@ impl Request {
                     None => worker.endpoint.clone(),
                 };
                 self.routed = true;
+                if !st.config.served_by_header.is_empty() {
+                    self.served_by = Some(served_by(worker.id, rank.rank));
+                }
                 let c = &st.config;
                 let mut ok = host::set_request_header(&c.destination_header, &destination).is_ok();
                 ok &= if set_rank {
@@ -336,14 +365,14 @@ impl Request {
                 inc(st.metrics.routed);
                 if !chunks.is_empty() {
                     let record = Routed {
-                        model: req.model.clone(),
+                        model: served_model.clone(),
                         slot: rank.slot,
                         kind,
                         hashes: std::mem::take(&mut chunks),
                     };
                     report(&mut st.queue, &st.vm_id, &st.metrics, &record);
                 }
-                self.booking = Some(st.book(&req.model, slot, prefill, decode));
+                self.booking = Some(st.book(&served_model, slot, prefill, decode));
                 None
             }
             Outcome::Reply(r) => Some(r),
@@ -380,13 +409,23 @@ impl Request {
             vm: st.vm_tag,
             seq: b.seq,
         };
+        let release = Release {
+            seq: b.seq,
+            slot: b.slot,
+            prefill: if b.first_byte { 0 } else { b.prefill },
+            decode: if done { b.decode } else { 0 },
+            done,
+            // The next booking this VM makes follows the release to the
+            // sidecar: a snapshot that counts it counts the release.
+            fence: st.next_seq + 1,
+        };
+        st.fresh
+            .release(st.view.snapshot.as_mut(), release, host::now_ms());
         if done {
-            st.fresh.done(st.view.snapshot.as_mut(), b.seq);
             st.send(&Event::Done { key });
             self.booking = None;
         } else {
             b.first_byte = true;
-            st.fresh.first_byte(st.view.snapshot.as_mut(), b.seq);
             st.send(&Event::FirstByte { key });
         }
     }
@@ -404,6 +443,9 @@ impl Request {
             return;
         }
         self.release(true);
+        if self.served_by.is_some() {
+            self.served_by = Some(fb.served_by);
+        }
         let Ok(mut st) = self.state.try_borrow_mut() else {
             return;
         };
@@ -508,11 +550,20 @@ impl HttpContext for Request {
         if self.fallback.is_some() {
             self.follow_retry();
         }
+        if let Some(value) = self.served_by.take() {
+            let st = self.state.borrow();
+            let _ = host::set_response_header(&st.config.served_by_header, &value);
+        }
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
-        if body_size > 0 {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if end_of_stream {
+            // The whole answer is in Envoy's hands: the worker is done with
+            // it. Releasing here, not at `on_log`, frees the rank before the
+            // client can send its next request.
+            self.release(true);
+        } else if body_size > 0 {
             self.release(false);
         }
         Action::Continue

@@ -284,6 +284,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                     },
                 ],
                 retry_after_s: 3,
+                lora_adapters: vec!["sql-lora".into()],
             },
             ModelState {
                 name: "no-workers".into(),
@@ -295,6 +296,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 shard_count: 0,
                 workers: vec![],
                 retry_after_s: 0,
+                lora_adapters: Vec::new(),
             },
         ],
         applied: vec![

@@ -344,7 +344,7 @@ fn check_promtext(data: &[u8]) -> bool {
     let dp = 1 + u32::from(data.first().copied().unwrap_or(0) % 8);
     let start = u32::from(data.last().copied().unwrap_or(0));
     for (dp, start) in [(4, 0), (dp, start)] {
-        let ranks = promtext::extract(&parsed, dp, start);
+        let ranks = promtext::extract(&parsed, dp, start, 16);
         assert_eq!(ranks.len(), dp as usize);
         for r in &ranks {
             let _ = r.kv_used_blocks();

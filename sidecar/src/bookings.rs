@@ -22,6 +22,8 @@ pub struct SlotLoad {
     /// Observed release rates, per second (exponentially averaged).
     pub prefill_drain_per_s: f64,
     pub decode_drain_per_s: f64,
+    /// Requests the rank finished per second (exponentially averaged).
+    pub completions_per_s: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -38,7 +40,8 @@ struct Slot {
     /// Totals released since start, sampled for the drain rate.
     freed_prefill: u64,
     freed_decode: u64,
-    sampled: Option<(Instant, u64, u64)>,
+    finished: u64,
+    sampled: Option<(Instant, u64, u64, u64)>,
 }
 
 /// What applying an event means for the caller's metrics.
@@ -155,6 +158,7 @@ impl Bookings {
         if drained {
             s.freed_prefill += l.prefill;
             s.freed_decode += l.decode;
+            s.finished += 1;
         }
     }
 
@@ -209,8 +213,8 @@ impl Bookings {
 }
 
 fn sample_drain(s: &mut Slot, now: Instant) {
-    let Some((at, p0, d0)) = s.sampled else {
-        s.sampled = Some((now, s.freed_prefill, s.freed_decode));
+    let Some((at, p0, d0, f0)) = s.sampled else {
+        s.sampled = Some((now, s.freed_prefill, s.freed_decode, s.finished));
         return;
     };
     let dt = now.saturating_duration_since(at);
@@ -222,9 +226,11 @@ fn sample_drain(s: &mut Slot, now: Instant) {
     let alpha = 1.0 - (-secs / DRAIN_TAU.as_secs_f64()).exp();
     let p_rate = (s.freed_prefill - p0) as f64 / secs;
     let d_rate = (s.freed_decode - d0) as f64 / secs;
+    let f_rate = (s.finished - f0) as f64 / secs;
     s.load.prefill_drain_per_s += alpha * (p_rate - s.load.prefill_drain_per_s);
     s.load.decode_drain_per_s += alpha * (d_rate - s.load.decode_drain_per_s);
-    s.sampled = Some((now, s.freed_prefill, s.freed_decode));
+    s.load.completions_per_s += alpha * (f_rate - s.load.completions_per_s);
+    s.sampled = Some((now, s.freed_prefill, s.freed_decode, s.finished));
 }
 
 #[cfg(test)]
@@ -325,6 +331,8 @@ mod tests {
         }
         let rate = b.slot(2).decode_drain_per_s;
         assert!((150.0..=200.0).contains(&rate), "{rate}");
+        let done = b.slot(2).completions_per_s;
+        assert!((15.0..=20.0).contains(&done), "{done}");
     }
 
     #[test]

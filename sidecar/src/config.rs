@@ -235,6 +235,11 @@ pub struct ModelConfig {
     pub active_decode_blocks_threshold: Option<f64>,
     pub active_prefill_tokens_threshold: Option<u64>,
     pub active_prefill_tokens_threshold_frac: Option<f64>,
+    /// LoRA adapters every worker of this model serves (vLLM
+    /// `--lora-modules name=...`): a request whose `model` is one of them
+    /// goes to this model's workers, hashed under the adapter's seed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lora_adapters: Vec<String>,
 }
 
 impl ModelConfig {
@@ -297,6 +302,12 @@ pub struct WorkerSpec {
     /// Replay ROUTER endpoint of rank 0 (rank r: port + r).
     #[serde(default)]
     pub replay_endpoint: Option<String>,
+    /// ZMQ topic prefix to subscribe to on the event endpoints; empty
+    /// takes every topic. Engines publish under one (vLLM's
+    /// `KVEventsConfig.topic`, e.g. `kv-events`), so a publisher shared by
+    /// several streams can be narrowed to this worker's.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub kv_events_topic: String,
 }
 
 fn default_tenant() -> String {
@@ -350,7 +361,46 @@ impl WorkerSpec {
                 ));
             }
         }
-        Ok(())
+        self.check_port_layout()
+    }
+
+    /// vLLM adds the DP rank to both the event and the replay port, so a
+    /// replay base within `events base + data_parallel_size` makes one rank's
+    /// replay socket the next rank's publisher (the engine fails to bind).
+    fn check_port_layout(&self) -> Result<(), String> {
+        let dp = self.data_parallel_size;
+        let host_port = |ep: &str| -> Option<(String, u32)> {
+            let rest = ep.strip_prefix("tcp://")?;
+            let (host, port) = rest.rsplit_once(':')?;
+            Some((host.to_string(), port.parse().ok()?))
+        };
+        let events: Vec<_> = (0..dp)
+            .filter_map(|r| host_port(&self.events_endpoint(r)?))
+            .collect();
+        let replay: Vec<_> = (0..dp)
+            .filter_map(|r| host_port(&self.replay_endpoint_of(r)?))
+            .collect();
+        if !events.iter().any(|e| replay.contains(e)) {
+            return Ok(());
+        }
+        let range = |v: &[(String, u32)]| {
+            let lo = v.iter().map(|p| p.1).min().unwrap_or(0);
+            let hi = v.iter().map(|p| p.1).max().unwrap_or(0);
+            format!("{lo}-{hi}")
+        };
+        let (host, events_base) = events
+            .first()
+            .cloned()
+            .unwrap_or_else(|| (String::new(), 0));
+        Err(format!(
+            "worker {}: KV event ports {} and replay ports {} on {host} overlap \
+             (the engine adds the DP rank to both); put the replay base at or above \
+             the events base + data_parallel_size, e.g. replay_endpoint = \"tcp://{host}:{}\"",
+            self.worker_id,
+            range(&events),
+            range(&replay),
+            events_base + dp,
+        ))
     }
 
     pub fn metrics_url(&self) -> String {
@@ -406,6 +456,20 @@ impl Config {
                 return Err(format!("model {:?} is listed twice", m.name));
             }
             check_thresholds(&m.thresholds()).map_err(|e| format!("model {:?}: {e}", m.name))?;
+        }
+        // An adapter name is matched against requests' `model` after the
+        // served models: one that is also a model, or listed under two
+        // models, would route ambiguously.
+        let mut adapters = BTreeSet::new();
+        for m in &self.models {
+            for a in &m.lora_adapters {
+                if a.is_empty() || names.contains(a) || !adapters.insert(a.clone()) {
+                    return Err(format!(
+                        "model {:?}: lora adapter {a:?} is empty, a model name, or listed twice",
+                        m.name
+                    ));
+                }
+            }
         }
         let mut ids = BTreeSet::new();
         for w in &mut self.workers {
@@ -542,8 +606,61 @@ replay_endpoint = "tcp://127.0.0.1:5567"
         assert!(err("[kv]\nqueue_messages = 2147483648").contains("kv.queue_messages"));
     }
 
+    #[test]
+    fn overlapping_derived_dp_ports_are_rejected() {
+        let worker = |events: &str, replay: &str, dp: u32| {
+            format!(
+                "[[models]]\nname = \"m\"\n[[workers]]\nworker_id = 7\nmodel_name = \"m\"\n\
+                 endpoint = \"127.0.0.1:8001\"\ndata_parallel_size = {dp}\n\
+                 kv_events_endpoints = {{ \"0\" = \"{events}\" }}\nreplay_endpoint = \"{replay}\"\n"
+            )
+        };
+        // The README's old layout: rank 1 publishes on 5558, rank 0 replays there.
+        let e = err(&worker("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", 2));
+        assert!(e.contains("worker 7"), "{e}");
+        assert!(e.contains("5557-5558") && e.contains("5558-5559"), "{e}");
+        assert!(e.contains("tcp://10.0.0.5:5559"), "{e}");
+        assert!(err(&worker("tcp://h:5557", "tcp://h:5557", 1)).contains("overlap"));
+        // Working layouts: replay base at events base + DP size, another
+        // host, or one rank with adjacent ports.
+        for (ev, rp, dp) in [
+            ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5559", 2),
+            ("tcp://10.0.0.5:5557", "tcp://10.0.0.6:5558", 2),
+            ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", 1),
+            ("tcp://10.0.0.5:5560", "tcp://10.0.0.5:5557", 2),
+        ] {
+            Config::parse(&worker(ev, rp, dp)).unwrap_or_else(|e| panic!("{ev} {rp} {dp}: {e}"));
+        }
+    }
+
+    #[test]
+    fn kv_events_topic_defaults_to_every_topic() {
+        let c = Config::parse(GOOD).unwrap();
+        assert_eq!(c.workers[0].kv_events_topic, "");
+        let c = Config::parse(&format!("{GOOD}kv_events_topic = \"kv-events\"\n")).unwrap();
+        assert_eq!(c.workers[0].kv_events_topic, "kv-events");
+    }
+
     fn err(text: &str) -> String {
         Config::parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn lora_adapters_are_unique_and_not_models() {
+        let c = Config::parse(
+            "[[models]]\nname = \"m\"\nlora_adapters = [\"a\", \"b\"]\n[[models]]\nname = \"n\"",
+        )
+        .unwrap();
+        assert_eq!(c.models[0].lora_adapters, ["a", "b"]);
+        assert!(c.models[1].lora_adapters.is_empty());
+        for bad in [
+            "[[models]]\nname = \"m\"\nlora_adapters = [\"a\", \"a\"]",
+            "[[models]]\nname = \"m\"\nlora_adapters = [\"\"]",
+            "[[models]]\nname = \"m\"\nlora_adapters = [\"n\"]\n[[models]]\nname = \"n\"",
+            "[[models]]\nname = \"m\"\nlora_adapters = [\"a\"]\n[[models]]\nname = \"n\"\nlora_adapters = [\"a\"]",
+        ] {
+            assert!(err(bad).contains("lora adapter"), "{bad}");
+        }
     }
 
     #[test]

@@ -54,6 +54,7 @@ pub struct WorkerEntry {
 #[derive(Debug, Clone)]
 pub struct ModelEntry {
     pub thresholds: Thresholds,
+    pub lora_adapters: Vec<String>,
 }
 
 #[derive(Debug, Default)]
@@ -92,6 +93,7 @@ impl Fleet {
                         m.name.clone(),
                         ModelEntry {
                             thresholds: m.thresholds(),
+                            lora_adapters: m.lora_adapters.clone(),
                         },
                     )
                 })
@@ -226,6 +228,7 @@ impl Fleet {
                 active_decode_blocks_threshold: m.thresholds.active_decode_blocks,
                 active_prefill_tokens_threshold: m.thresholds.active_prefill_tokens,
                 active_prefill_tokens_threshold_frac: m.thresholds.active_prefill_tokens_frac,
+                lora_adapters: m.lora_adapters.clone(),
             })
             .collect()
     }
@@ -291,6 +294,7 @@ impl Fleet {
                         shard_count: 0,
                         workers: Vec::new(),
                         retry_after_s: 0,
+                        lora_adapters: m.lora_adapters.clone(),
                     },
                 )
             })
@@ -386,12 +390,24 @@ fn drain_time(load: &RankLoad, th: &Thresholds, booked: &SlotLoad) -> Option<f64
         && load.kv_total_blocks > 0
     {
         let clear_at = (limit - DECODE_CLEAR_MARGIN).max(0.0) * load.kv_total_blocks as f64;
-        let used = load.active_decode_blocks.max(load.kv_used_blocks) as f64;
+        let booked_used = load.active_decode_blocks as f64;
+        let engine_used = load.kv_used_blocks as f64;
+        let used = booked_used.max(engine_used);
         if used > clear_at {
-            if booked.decode_drain_per_s <= 0.0 {
+            // The rate of whichever count keeps the rank busy. The engine's
+            // usage (which holds shared prefixes and other gateways' work)
+            // falls as its running requests finish, each freeing its share;
+            // dividing it by the drain of this gateway's bookings alone made
+            // the estimate jump to its cap.
+            let rate = if engine_used > booked_used {
+                booked.completions_per_s * engine_used / f64::from(load.running.max(1))
+            } else {
+                booked.decode_drain_per_s
+            };
+            if rate <= 0.0 {
                 return None;
             }
-            worst = worst.max((used - clear_at) / booked.decode_drain_per_s);
+            worst = worst.max((used - clear_at) / rate);
         }
     }
     let mut prefill_limit: Option<f64> = th.active_prefill_tokens.map(|t| t as f64);
@@ -445,6 +461,15 @@ endpoint = "127.0.0.1:8002"
             running: 1,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_snapshot_names_each_models_adapters() {
+        let c = Config::parse("[[models]]\nname = \"m\"\nlora_adapters = [\"sql-lora\"]").unwrap();
+        let mut f = Fleet::new(&c).unwrap();
+        let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+        assert_eq!(s.models[0].lora_adapters, ["sql-lora"]);
+        assert_eq!(s.model("sql-lora").map(|m| m.name.as_str()), Some("m"));
     }
 
     #[test]
@@ -568,23 +593,29 @@ endpoint = "127.0.0.1:8002"
         assert_eq!(s.applied, vec![kvgate_core::Applied { vm: 1, seq: 2 }]);
     }
 
-    #[test]
-    fn retry_after_follows_the_drain_rate_of_the_first_worker_to_free() {
+    /// Worker 2's rank at `usage` of 100 blocks with `running` requests,
+    /// after 30 s of four `blocks`-block bookings finishing each second.
+    fn draining(usage: f64, running: u32, blocks: u32) -> (Fleet, Bookings) {
         use kvgate_core::booking::{Event, Key};
         let mut f = Fleet::new(&config()).unwrap();
         let t = Instant::now();
-        // Threshold 0.5 of 100 blocks: a rank clears under 48 blocks.
-        f.record_scrape(2, Ok(vec![metrics(0.78)]), t);
+        f.record_scrape(
+            2,
+            Ok(vec![RankMetrics {
+                running,
+                ..metrics(usage)
+            }]),
+            t,
+        );
         let slot = f.workers[&2].slots[0];
         let mut b = Bookings::new(Duration::from_secs(300));
         b.sweep(t);
-        // Four 5-block requests finish per second on that rank.
         let mut seq = 0;
         for s in 1..=30u64 {
             let now = t + Duration::from_secs(s);
             for _ in 0..4 {
                 seq += 1;
-                book(&mut b, seq, slot, 0, 5, now);
+                book(&mut b, seq, slot, 0, blocks, now);
                 b.apply(
                     Event::Done {
                         key: Key { vm: 1, seq },
@@ -595,10 +626,32 @@ endpoint = "127.0.0.1:8002"
             }
             b.sweep(now);
         }
+        (f, b)
+    }
+
+    #[test]
+    fn retry_after_follows_the_engine_when_its_usage_keeps_the_rank_busy() {
+        // 90 of 100 blocks in use by 16 running requests, most of them not
+        // this gateway's: its own requests are one block each.
+        let (mut f, b) = draining(0.9, 16, 1);
         let s = f.build_snapshot(&b, 30);
         let m = s.model("m").unwrap();
         assert!(m.workers[0].ranks[0].busy);
-        // 30 blocks over the clearing line at ~20 blocks/s: 1.5 s, rounded up.
+        // 42 blocks over the line; four requests of ~5.6 blocks finish a
+        // second: about 1.9 s. The bookings' own drain (4 blocks/s) would
+        // have said 11.
+        assert_eq!(m.retry_after_s, 2);
+    }
+
+    #[test]
+    fn retry_after_follows_the_drain_rate_of_the_first_worker_to_free() {
+        // Threshold 0.5 of 100 blocks: a rank clears under 48 blocks.
+        let (mut f, b) = draining(0.78, 12, 5);
+        let s = f.build_snapshot(&b, 30);
+        let m = s.model("m").unwrap();
+        assert!(m.workers[0].ranks[0].busy);
+        // 30 blocks over the clearing line; four of the twelve running
+        // requests (6.5 blocks each) finish a second: 1.15 s, rounded up.
         assert_eq!(m.retry_after_s, 2);
         // Nothing drains: the filter's default applies (0 here).
         let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);

@@ -189,7 +189,7 @@ impl Sidecar {
                     slot: *slot,
                     endpoint: endpoint.clone(),
                     replay_endpoint: spec.replay_endpoint_of(r),
-                    topic: Vec::new(),
+                    topic: spec.kv_events_topic.clone().into_bytes(),
                     replay_timeout: Duration::from_millis(self.config.kv.replay_timeout_ms),
                     limits: SocketLimits {
                         max_message_bytes: self.config.kv.max_message_bytes,
@@ -502,18 +502,56 @@ async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
     let timeout = Duration::from_millis(sc.config.scrape.timeout_ms);
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut warned_no_capacity, mut warned_no_batch) = (false, false);
     loop {
         tick.tick().await;
-        let Some((url, dp, start)) = sc.fleet().workers.get(&id).map(|w| {
-            (
-                w.spec.metrics_url(),
-                w.spec.data_parallel_size,
-                w.spec.data_parallel_start_rank,
-            )
+        let Some((url, dp, start, bs, needs_batch)) = ({
+            let f = sc.fleet();
+            f.workers.get(&id).map(|w| {
+                let frac = f
+                    .models
+                    .get(&w.spec.model_name)
+                    .is_some_and(|m| m.thresholds.active_prefill_tokens_frac.is_some());
+                (
+                    w.spec.metrics_url(),
+                    w.spec.data_parallel_size,
+                    w.spec.data_parallel_start_rank,
+                    w.spec.block_size,
+                    frac && w.spec.max_num_batched_tokens == 0,
+                )
+            })
         }) else {
             return;
         };
-        let result = scrape::scrape_once(&sc.client, &url, timeout, dp, start).await;
+        let result = scrape::scrape_once(&sc.client, &url, timeout, dp, start, bs).await;
+        if !warned_no_capacity
+            && let Ok((ranks, _)) = &result
+            && ranks
+                .iter()
+                .any(|r| r.kv_usage > 0.0 && r.kv_total_blocks == 0)
+        {
+            // Without a capacity the decode-blocks rule skips the worker:
+            // it would take work at any KV usage.
+            warned_no_capacity = true;
+            tracing::warn!(
+                worker = id,
+                url,
+                "the engine reports KV usage but no KV capacity (vLLM: cache_config_info num_gpu_blocks; SGLang: max_total_num_tokens, or num_pages and page_size): the decode-blocks threshold cannot make this worker busy"
+            );
+        }
+        if needs_batch
+            && !warned_no_batch
+            && let Ok((ranks, _)) = &result
+            && ranks.iter().any(|r| r.max_num_batched_tokens == 0)
+        {
+            // SGLang publishes no batch budget: the fractional prefill
+            // threshold has nothing to take a fraction of.
+            warned_no_batch = true;
+            tracing::warn!(
+                worker = id,
+                "active_prefill_tokens_threshold_frac is set but the engine publishes no max_num_batched_tokens: set max_num_batched_tokens in [[workers]] (SGLang: its --chunked-prefill-size)"
+            );
+        }
         sc.scraped(id, result.map(|(ranks, _)| ranks));
     }
 }
@@ -524,6 +562,9 @@ async fn publish_loop(sc: Arc<Sidecar>) {
     ));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut n = 0u64;
+    // Ranks already warned about a block size mismatch: once each is enough
+    // to be found in the log, the counter tells the rest.
+    let mut warned_block_size: std::collections::HashSet<(u64, u32)> = Default::default();
     loop {
         tick.tick().await;
         sc.publish_now();
@@ -549,6 +590,42 @@ async fn publish_loop(sc: Arc<Sidecar>) {
             sc.metrics
                 .kv_malformed_batches
                 .set(stats.malformed_batches as i64);
+            let subs = sc.subscribers.lock().unwrap_or_else(|p| p.into_inner());
+            for (slot, why, n) in &stats.unmatchable {
+                if let Some((worker, rank, _)) = subs.get(slot) {
+                    let (w, r) = (worker.to_string(), rank.to_string());
+                    set_counter(
+                        &sc.metrics.kv_unmatchable_blocks,
+                        &[w.as_str(), r.as_str(), why.as_str()],
+                        *n,
+                    );
+                }
+            }
+            for (slot, m) in &stats.block_size_mismatch {
+                let Some((worker, rank, _)) = subs.get(slot) else {
+                    continue;
+                };
+                let (w, r) = (worker.to_string(), rank.to_string());
+                set_counter(
+                    &sc.metrics.kv_block_size_mismatch,
+                    &[w.as_str(), r.as_str()],
+                    m.events,
+                );
+                if warned_block_size.insert((*worker, *rank)) {
+                    tracing::warn!(
+                        worker = worker,
+                        rank = rank,
+                        engine_block_size = m.engine_block_size,
+                        block_size = m.block_size,
+                        "KV events carry block size {} but the worker's block_size is {}: prefix routing cannot match these blocks; start the engine with blocks of {} tokens (SGLang --page-size {}, vLLM --block-size {}) or set the worker's block_size to the engine's",
+                        m.engine_block_size,
+                        m.block_size,
+                        m.block_size,
+                        m.block_size,
+                        m.block_size,
+                    );
+                }
+            }
         }
     }
 }

@@ -114,6 +114,13 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {},
         }
     };
+    // Long-poll answers and bookings are small writes; Nagle would hold
+    // them for the peer's delayed ACK.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+        }
+    });
     axum::serve(listener, api::router(sc))
         .with_graceful_shutdown(shutdown)
         .await?;

@@ -33,6 +33,8 @@ pub struct Metrics {
     pub kv_replayed: IntCounterVec,
     pub kv_disconnects: IntCounterVec,
     pub kv_indexed_blocks: IntGaugeVec,
+    pub kv_unmatchable_blocks: IntCounterVec,
+    pub kv_block_size_mismatch: IntCounterVec,
     pub kv_malformed_batches: IntGauge,
     pub approx_learned: IntCounter,
 }
@@ -242,6 +244,18 @@ impl Metrics {
                 &r,
                 "kvgate_sidecar_kv_disconnects_total",
                 "Connections to the rank's KV event publisher lost: the publisher went away, or sent a frame over kv.max_message_bytes.",
+                wr,
+            ),
+            kv_unmatchable_blocks: counter(
+                &r,
+                "kvgate_sidecar_kv_unmatchable_blocks_total",
+                "Stored blocks kept out of the prefix index because their engine hash covers what no request shows kvgate (multimodal inputs, prompt embeddings, unknown extra keys, an adapter without a name, or such a parent).",
+                &["worker_id", "dp_rank", "reason"],
+            ),
+            kv_block_size_mismatch: counter(
+                &r,
+                "kvgate_sidecar_kv_block_size_mismatch_total",
+                "Stored-block events whose block size is not the worker's block_size (e.g. SGLang's default --page-size 1): indexed at the engine's size, they never match a request.",
                 wr,
             ),
             kv_indexed_blocks: gauge_vec(

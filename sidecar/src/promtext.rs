@@ -160,6 +160,14 @@ impl RankMetrics {
     }
 }
 
+fn finite_u64(v: f64) -> u64 {
+    if v.is_finite() && v > 0.0 {
+        v.round().min(u64::MAX as f64) as u64
+    } else {
+        0
+    }
+}
+
 fn finite_u32(v: f64) -> u32 {
     if v.is_finite() && v > 0.0 {
         v.round().min(u32::MAX as f64) as u32
@@ -170,10 +178,25 @@ fn finite_u32(v: f64) -> u32 {
 
 /// Per-rank load from a scrape of vLLM (current and deprecated names) or
 /// SGLang. The rank is the `engine` label (vLLM's DP engine index), or the
-/// `dp_rank` label, relative to `start_rank` when the engine numbers ranks
-/// globally; samples without one belong to rank 0.
-pub fn extract(parsed: &Parsed, dp_size: u32, start_rank: u32) -> Vec<RankMetrics> {
+/// `dp_rank` label (SGLang's), relative to `start_rank` when the engine
+/// numbers ranks globally; samples without one belong to rank 0.
+///
+/// `block_size` is the worker's configured block size: SGLang reports its
+/// capacity in tokens (or pages of its own `--page-size`), and the busy
+/// rule compares it with bookings counted in kvgate blocks, so it is
+/// converted to those.
+pub fn extract(
+    parsed: &Parsed,
+    dp_size: u32,
+    start_rank: u32,
+    block_size: u32,
+) -> Vec<RankMetrics> {
     let mut ranks: BTreeMap<u32, RankMetrics> = BTreeMap::new();
+    // SGLang capacity per rank, in tokens: `num_pages × page_size` (0.5.11
+    // on, as gauges or as `cache_config_info` labels) when published, else
+    // `max_total_num_tokens` (every 0.5.x).
+    let mut sglang_pages: BTreeMap<u32, (u64, u32)> = BTreeMap::new();
+    let mut sglang_tokens: BTreeMap<u32, u64> = BTreeMap::new();
     for s in &parsed.samples {
         let label = s.label("engine").or_else(|| s.label("dp_rank"));
         let rank = match label.and_then(|l| l.parse::<u32>().ok()) {
@@ -213,8 +236,42 @@ pub fn extract(parsed: &Parsed, dp_size: u32, start_rank: u32) -> Vec<RankMetric
                     m.max_num_batched_tokens = b;
                 }
             }
+            "sglang:max_total_num_tokens" => {
+                sglang_tokens.insert(rank, finite_u64(s.value));
+            }
+            "sglang:num_pages" => sglang_pages.entry(rank).or_default().0 = finite_u64(s.value),
+            "sglang:page_size" => sglang_pages.entry(rank).or_default().1 = finite_u32(s.value),
+            "sglang:cache_config_info" => {
+                let p = sglang_pages.entry(rank).or_default();
+                if let Some(n) = s.label("num_pages").and_then(|v| v.parse().ok()) {
+                    p.0 = n;
+                }
+                if let Some(b) = s.label("page_size").and_then(|v| v.parse().ok()) {
+                    p.1 = b;
+                }
+            }
             _ => {}
         }
+    }
+    for (rank, m) in &mut ranks {
+        let (pages, page_size) = sglang_pages.get(rank).copied().unwrap_or_default();
+        let tokens = if pages > 0 && page_size > 0 {
+            pages.saturating_mul(u64::from(page_size))
+        } else {
+            sglang_tokens.get(rank).copied().unwrap_or(0)
+        };
+        if tokens == 0 {
+            continue;
+        }
+        if page_size > 0 {
+            m.block_size = page_size;
+        }
+        let bs = if block_size > 0 {
+            block_size
+        } else {
+            page_size.max(1)
+        };
+        m.kv_total_blocks = tokens / u64::from(bs);
     }
     (0..dp_size)
         .map(|r| ranks.get(&r).copied().unwrap_or_default())
@@ -261,7 +318,7 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
 
     #[test]
     fn vllm_ranks_by_engine_label() {
-        let r = extract(&parse(VLLM_DP2), 2, 0);
+        let r = extract(&parse(VLLM_DP2), 2, 0, 16);
         assert_eq!(
             (
                 r[0].running,
@@ -277,7 +334,7 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
     #[test]
     fn deprecated_name_and_global_rank_numbers() {
         let text = "vllm:gpu_cache_usage_perc{engine=\"4\"} 0.75\nvllm:cache_config_info{engine=\"4\",num_gpu_blocks=\"100\"} 1\nvllm:num_requests_running{engine=\"5\"} 2\n";
-        let r = extract(&parse(text), 2, 4);
+        let r = extract(&parse(text), 2, 4, 16);
         assert_eq!(r[0].kv_used_blocks(), 75);
         assert_eq!(r[1].running, 2);
         // Current name wins over the deprecated one.
@@ -285,6 +342,7 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
             &parse("vllm:kv_cache_usage_perc 0.1\nvllm:gpu_cache_usage_perc 0.9\n"),
             1,
             0,
+            16,
         );
         assert_eq!(r[0].kv_usage, 0.1);
     }
@@ -305,7 +363,7 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
         assert!(is_engine_page(&parse("sglang:num_queue_reqs 0\n")));
         // Every listed name is one `extract` reads: each alone moves a field.
         for name in LOAD_METRICS {
-            let r = extract(&parse(&format!("{name} 0.5\n")), 1, 0);
+            let r = extract(&parse(&format!("{name} 0.5\n")), 1, 0, 16);
             assert_ne!(r[0], RankMetrics::default(), "{name} is not read");
         }
     }
@@ -316,7 +374,55 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
             &parse("sglang:num_running_reqs 4\nsglang:num_queue_reqs 7\nsglang:token_usage 0.3\n"),
             1,
             0,
+            16,
         );
         assert_eq!((r[0].running, r[0].waiting, r[0].kv_usage), (4, 7, 0.3));
+    }
+
+    /// SGLang 0.5.x as a scheduler exports it with DP attention: capacity
+    /// in tokens, ranks by `dp_rank`, beside `tp_rank` and friends.
+    const SGLANG_DP2: &str = r#"
+# TYPE sglang:token_usage gauge
+sglang:token_usage{dp_rank="0",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 0.95
+sglang:token_usage{dp_rank="1",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="1"} 0.1
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{dp_rank="0",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 16000.0
+sglang:max_total_num_tokens{dp_rank="1",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="1"} 16000.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="1"} 2.0
+"#;
+
+    #[test]
+    fn sglang_capacity_in_configured_blocks() {
+        let r = extract(&parse(SGLANG_DP2), 2, 0, 16);
+        // 16000 tokens at kvgate's 16 per block, 95 % used: the decode
+        // threshold has something to compare with.
+        assert_eq!((r[0].kv_total_blocks, r[0].kv_used_blocks()), (1000, 950));
+        assert_eq!(
+            (r[1].kv_total_blocks, r[1].kv_used_blocks(), r[1].running),
+            (1000, 100, 2)
+        );
+        // Pages (newer SGLang) win over the token gauge, as gauges or as
+        // `cache_config_info` labels, and name the engine's page size.
+        for pages in [
+            "sglang:num_pages 100\nsglang:page_size 64\n",
+            "sglang:cache_config_info{num_pages=\"100\",page_size=\"64\"} 1\n",
+        ] {
+            let text = format!("sglang:token_usage 0.5\nsglang:max_total_num_tokens 7\n{pages}");
+            let r = extract(&parse(&text), 1, 0, 16);
+            assert_eq!(
+                (r[0].kv_total_blocks, r[0].kv_used_blocks()),
+                (400, 200),
+                "{pages}"
+            );
+            assert_eq!(r[0].block_size, 64);
+        }
+        // A global `dp_rank` is taken relative to the worker's start rank.
+        let r = extract(
+            &parse("sglang:max_total_num_tokens{dp_rank=\"5\"} 320\n"),
+            2,
+            4,
+            16,
+        );
+        assert_eq!((r[0].kv_total_blocks, r[1].kv_total_blocks), (0, 20));
     }
 }

@@ -29,6 +29,7 @@ pub async fn scrape_once(
     timeout: Duration,
     dp_size: u32,
     start_rank: u32,
+    block_size: u32,
 ) -> Result<(Vec<RankMetrics>, usize), String> {
     let uri: hyper::Uri = url
         .parse()
@@ -63,7 +64,7 @@ pub async fn scrape_once(
         ));
     }
     Ok((
-        promtext::extract(&parsed, dp_size, start_rank),
+        promtext::extract(&parsed, dp_size, start_rank, block_size),
         parsed.malformed_lines,
     ))
 }

@@ -248,3 +248,46 @@ async fn a_restarted_publisher_is_followed_on_one_connection() {
     assert_eq!(metric(&sc, &batches), b0 + 20.0);
     assert_eq!(metric(&sc, &resyncs), r0);
 }
+
+/// A sidecar whose one worker's `[[workers]]` entry ends with `extra`.
+fn sidecar_worker(events: &str, extra: &str) -> Arc<Sidecar> {
+    let toml = format!(
+        "[server]\npublish_interval_ms = 10\n[kv]\nshards = 64\n\
+         [[models]]\nname = \"m\"\n\
+         [[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"127.0.0.1:1\"\n\
+         kv_events_endpoints = {{ \"0\" = \"{events}\" }}\n{extra}\n"
+    );
+    Sidecar::start(Config::parse(&toml).unwrap()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn events_of_another_block_size_are_counted_per_rank() {
+    let ctx = zmq::Context::new();
+    let mut p = Publisher::bind(&ctx);
+    // The engine pages by 4 (as SGLang's default page size of 1 would),
+    // the worker is configured for 16: requests can never match.
+    let sc = sidecar_worker(&p.endpoint, "block_size = 16");
+    let series = "kvgate_sidecar_kv_block_size_mismatch_total{dp_rank=\"0\",worker_id=\"1\"}";
+    publish_until_indexed(&mut p, &sc, &stored(&[100]), 1).await;
+    // The counter mirrors the index thread's about once a second.
+    wait_until(series, async || metric(&sc, series) >= 1.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_the_configured_topic_is_taken() {
+    let ctx = zmq::Context::new();
+    let mut p = Publisher::bind(&ctx);
+    let other = sidecar_worker(&p.endpoint, "block_size = 4\nkv_events_topic = \"other\"");
+    let ours = sidecar_worker(
+        &p.endpoint,
+        "block_size = 4\nkv_events_topic = \"kv-events\"",
+    );
+    // The publisher's topic is `kv-events`: once the matching subscriber
+    // indexed its batch, the other has had every chance to.
+    publish_until_indexed(&mut p, &ours, &stored(&[100]), 1).await;
+    for _ in 0..5 {
+        p.publish(&stored(&[100]));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(indexed_blocks(&other).await, 0, "another topic was taken");
+}

@@ -161,6 +161,24 @@ fn error_replies_come_from_envoy_without_touching_workers() {
 
 #[test]
 fn sheds_with_503_when_every_worker_is_busy() {
+    sheds_when_every_worker_is_busy(["vllm", "vllm"]);
+}
+
+/// SGLang reports its capacity in tokens, not in blocks: the decode rule
+/// needs it converted to see these workers full at all.
+#[test]
+fn sheds_sglang_workers_with_503_when_every_worker_is_busy() {
+    sheds_when_every_worker_is_busy(["sglang", "sglang"]);
+}
+
+#[test]
+fn sheds_a_mixed_vllm_and_sglang_fleet_with_503_when_every_worker_is_busy() {
+    sheds_when_every_worker_is_busy(["vllm", "sglang"]);
+}
+
+/// `metrics_flavors`: whose metric names each worker speaks (`kvgate-sim
+/// --metrics-flavor`).
+fn sheds_when_every_worker_is_busy(metrics_flavors: [&str; 2]) {
     let _g = serial();
     // Tiny KV caches and slow decoding: one long request makes a worker busy
     // by the decode-blocks rule (threshold 10 % of 64 blocks).
@@ -178,6 +196,9 @@ fn sheds_with_503_when_every_worker_is_busy() {
         ]
         .map(String::from)
         .to_vec(),
+        worker_sim_args: metrics_flavors
+            .map(|f| vec!["--metrics-flavor".to_string(), f.to_string()])
+            .to_vec(),
         model_toml: "active_decode_blocks_threshold = 0.1".into(),
         ..StackConfig::default()
     });
@@ -478,6 +499,80 @@ fn prefix_routing_with_positional_events_and_legacy_replay() {
         "--engine-hash",
         "i64",
     ]);
+}
+
+/// A finished request stops loading its rank at once in the Envoy thread
+/// that routed it: back-to-back requests of one prefix group on one
+/// connection (as an OpenAI client's pool sends them) all stay with their
+/// cache, though each reaches Envoy before the sidecar has heard the last
+/// one end. Each books 20 blocks of its own, more than its 8-block cached
+/// prefix is worth, so a stale booking would send the next one elsewhere.
+#[test]
+fn back_to_back_requests_of_a_group_stay_on_their_cache() {
+    let _g = serial();
+    let stack = start(StackConfig {
+        workers: 3,
+        kv_events: true,
+        // Real time: each request runs ~70 ms, long enough for a snapshot
+        // to count its booking before it ends.
+        sim_args: vec!["--speedup".into(), "1".into()],
+        ..StackConfig::default()
+    });
+    let prompt = |i: u32| -> Vec<u32> {
+        let mut t: Vec<u32> = (0..128).map(|k| 7000 + k).collect();
+        t.extend((0..320).map(|k| 2_000_000 + i * 1000 + k));
+        t
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let served: Vec<String> = rt.block_on(async {
+        use http_body_util::{BodyExt, Full};
+        // One keep-alive connection: one Envoy worker thread.
+        let tcp = tokio::net::TcpStream::connect(stack.envoy_addr())
+            .await
+            .unwrap();
+        let (mut client, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let mut served = Vec::new();
+        for i in 0..8 {
+            let body = json!({"model": "demo-model", "prompt": prompt(i), "max_tokens": 30});
+            let req = hyper::Request::builder()
+                .method("POST")
+                .uri("/v1/completions")
+                .header("host", stack.envoy_addr())
+                .header("content-type", "application/json")
+                .body(Full::new(bytes::Bytes::from(body.to_string())))
+                .unwrap();
+            let resp = client.send_request(req).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            let worker = resp.headers()["x-kvgate-sim-worker"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            assert_eq!(
+                resp.headers()["x-kvgate-served-by"].to_str().unwrap(),
+                format!("worker_id={worker}; dp_rank=0"),
+                "the gateway's own account of where it routed"
+            );
+            resp.into_body().collect().await.unwrap();
+            served.push(worker);
+            if i == 0 {
+                // The group's prefix is in Envoy's index from now on; the
+                // requests that follow come back to back.
+                wait_indexed(&stack, 28.0);
+            }
+        }
+        served
+    });
+    assert!(
+        served.iter().all(|w| *w == served[0]),
+        "the group left its cache: {served:?}"
+    );
 }
 
 /// Requests follow their cached prefix across DP ranks, a sidecar restart

@@ -59,6 +59,7 @@ fn fleet(version: u64) -> Snapshot {
                 thresholds: Thresholds::default(),
                 shard_count: 0,
                 retry_after_s: 0,
+                lora_adapters: Vec::new(),
                 workers: vec![
                     worker(1, vec![rank(0, 40, false)]),
                     worker(2, vec![rank(0, 10, false)]),
@@ -622,6 +623,110 @@ fn token_prompts_go_where_their_prefix_is_cached() {
         &[other.as_bytes()],
     );
     assert_eq!(ex.destination(), Some("10.0.0.2:8000"));
+}
+
+/// The KV events of a LoRA adapter and of a salted prompt are indexed
+/// under their own hashes (the sidecar's rule, `kvgate_core::hash`); the
+/// filter must hash a request the same way: an adapter request finds the
+/// adapter's blocks, a salted one only its salt's, an unsalted one neither.
+#[test]
+fn adapter_and_salted_requests_match_only_their_own_cache() {
+    use kvgate_core::booking::Event;
+    use kvgate_core::hash::{CacheScope, scoped_sequence_hashes};
+    use kvgate_core::shard::{TIER_DEVICE, shard_of};
+    let mut e = Envoy::start("");
+    let tokens: Vec<u32> = (0..600).map(|t| 9000 + t).collect();
+    // Slot 0 (worker 1, 40 decode blocks) holds the prompt under the
+    // adapter; slot 2 (worker 3, 30 blocks) holds it salted "s1"; worker 2
+    // (10 blocks) holds nothing and is the least loaded.
+    let lora = CacheScope {
+        lora_name: Some("sql-lora"),
+        cache_salt: None,
+    };
+    let salted = CacheScope {
+        lora_name: None,
+        cache_salt: Some("s1"),
+    };
+    let mut per_shard: std::collections::BTreeMap<u32, Vec<(u64, Vec<Holder>)>> =
+        Default::default();
+    for (slot, scope) in [(0u16, lora), (2, salted)] {
+        for h in scoped_sequence_hashes(&tokens, 16, scope) {
+            per_shard.entry(shard_of(h, 8)).or_default().push((
+                h,
+                vec![Holder {
+                    slot,
+                    tiers: TIER_DEVICE,
+                }],
+            ));
+        }
+    }
+    let shards: Vec<(u32, Vec<u8>)> = per_shard
+        .into_iter()
+        .map(|(s, mut e)| (s, encode_shard(&mut e)))
+        .collect();
+    let mut snap = fleet(1);
+    snap.models[0].shard_count = 8;
+    snap.models[0].lora_adapters = vec!["sql-lora".into()];
+    for (i, w) in snap.models[0].workers.iter_mut().enumerate() {
+        w.ranks[0].slot = i as u16;
+    }
+    let bytes = snap.encode().unwrap();
+    let frame = update::encode(
+        1,
+        EPOCH,
+        true,
+        Some(&bytes),
+        shards.iter().map(|(s, b)| ("m", *s, b.as_slice())),
+    );
+    let c = e.service.pending().pop().unwrap();
+    e.service.respond(c.token, 200, &[], &frame).unwrap();
+    let route = |e: &mut Envoy, body: Value| {
+        let body = body.to_string();
+        let ex = e.routers[0].request(
+            &[(":method", "POST"), (":path", "/v1/completions")],
+            &[body.as_bytes()],
+        );
+        assert_eq!(ex.trapped, None);
+        assert!(ex.continued, "{:?}", ex.reply);
+        ex.destination().map(str::to_owned)
+    };
+    let cases = [
+        (
+            json!({"model": "sql-lora", "prompt": tokens}),
+            "10.0.0.1:8000",
+        ),
+        (
+            json!({"model": "m", "prompt": tokens, "cache_salt": "s1"}),
+            "10.0.0.3:8000",
+        ),
+        (json!({"model": "m", "prompt": tokens}), "10.0.0.2:8000"),
+        (
+            json!({"model": "m", "prompt": tokens, "cache_salt": "s2"}),
+            "10.0.0.2:8000",
+        ),
+        (
+            json!({"model": "sql-lora", "prompt": tokens, "cache_salt": "s1"}),
+            "10.0.0.2:8000",
+        ),
+    ];
+    for (body, want) in &cases {
+        assert_eq!(
+            route(&mut e, body.clone()).as_deref(),
+            Some(*want),
+            "model {} cache_salt {}",
+            body["model"],
+            body["cache_salt"]
+        );
+    }
+    // The adapter's load is the base model's, the one the sidecar knows.
+    let booked: Vec<String> = events(&e.routers[0].drain_queue("kvgate", "kvgate.bookings"))
+        .into_iter()
+        .filter_map(|ev| match ev {
+            Event::Book { model, .. } => Some(model),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(booked, vec!["m"; cases.len()]);
 }
 
 #[test]

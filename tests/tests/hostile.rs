@@ -272,6 +272,11 @@ fn a_refused_connection_is_retried_once_on_the_next_best_worker() {
         let r = chat_with(&stack, &[]);
         assert_eq!(r.status, 200, "request {i}: {}", r.text());
         assert_eq!(served_by(&r).0, "2");
+        // The gateway names who served it, retry or not.
+        assert_eq!(
+            r.header("x-kvgate-served-by"),
+            Some("worker_id=2; dp_rank=0")
+        );
     }
     assert!(
         stack

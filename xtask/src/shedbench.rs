@@ -8,12 +8,17 @@
 //!    capacity (open loop, Poisson arrivals, streaming), with shedding off
 //!    and then on, the thresholds switched through Envoy's control
 //!    listener between the two runs.
+//! 3. Whether `Retry-After` tells the truth: the same overload from clients
+//!    that retry once after the advertised delay, and the share of those
+//!    retries that are admitted.
 
 use crate::build;
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use kvgate_load::summary::percentile;
-use kvgate_load::{Outcome, RequestSpec, Target, run_closed_loop, run_open_loop};
+use kvgate_load::{
+    Outcome, RequestSpec, Target, run_closed_loop, run_open_loop, run_open_loop_retrying,
+};
 use kvgate_stack::{Stack, StackConfig, http};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -197,6 +202,35 @@ fn ttft_summary(outcomes: &[Outcome], secs: f64) -> Value {
     })
 }
 
+/// How the advertised `Retry-After` held up: the share of retries, made
+/// at the advertised time, that were admitted. Only retries sent while the
+/// overload still ran count: later ones meet an idle fleet.
+fn retry_summary(runs: &[(Outcome, Option<Outcome>)], secs: f64) -> Value {
+    let window_us = (secs * 1e6) as u64;
+    let mut advertised: Vec<u64> = Vec::new();
+    let (mut tried, mut admitted) = (0usize, 0usize);
+    for (first, retry) in runs {
+        let Some(r) = retry else { continue };
+        advertised.push(u64::from(first.retry_after_s.unwrap_or(0)));
+        if r.start_us > window_us {
+            continue;
+        }
+        tried += 1;
+        if r.status == 200 {
+            admitted += 1;
+        }
+    }
+    advertised.sort_unstable();
+    json!({
+        "shed_first": runs.iter().filter(|(f, _)| f.status == 503).count(),
+        "retries_in_overload": tried,
+        "retries_admitted": admitted,
+        "admitted_share": admitted as f64 / tried.max(1) as f64,
+        "retry_after_s_p50": percentile(&advertised, 50.0).unwrap_or(0),
+        "retry_after_s_max": advertised.last().copied().unwrap_or(0),
+    })
+}
+
 /// Admitted TTFT at about 2× capacity, shedding off then on.
 fn overload(quick: bool) -> Result<Value> {
     let secs = if quick { 6.0 } else { 15.0 };
@@ -242,11 +276,22 @@ fn overload(quick: bool) -> Result<Value> {
     );
     std::thread::sleep(Duration::from_millis(500));
     let on = rt.block_on(run_open_loop(&target, &specs, 1.0));
+    wait_drained(&stack)?;
+    // The same load from clients that honour Retry-After: each shed request
+    // is sent once more after the advertised delay. An honest Retry-After
+    // is one after which a retry is admitted.
+    let retried = rt.block_on(run_open_loop_retrying(
+        &target,
+        &specs,
+        1.0,
+        Duration::from_secs(60),
+    ));
     Ok(json!({
         "rate_per_s": rate, "estimated_capacity_per_s": capacity, "seconds": secs,
         "threshold_active_decode_blocks": 0.33,
         "baseline_shedding_off": ttft_summary(&off, secs),
         "shedding_on": ttft_summary(&on, secs),
+        "retry_after": retry_summary(&retried, secs),
     }))
 }
 
@@ -275,7 +320,8 @@ Busy 503 answered inside Envoy against a pass-through round trip to a worker tha
 Admitted requests at {:.0} req/s offered, about 2× the fleet's capacity (2 workers, streaming, 256-token prompts, 32 output tokens, {:.0} s, Poisson):\n\n\
 | shedding | admitted | shed | TTFT p50 | p90 | p99 | admitted/s offered |\n| --- | --- | --- | --- | --- | --- | --- |\n\
 | off (baseline) | {:.0} | {:.0} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} |\n\
-| on (decode blocks > 0.33) | {:.0} | {:.0} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} |\n",
+| on (decode blocks > 0.33) | {:.0} | {:.0} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} |\n\n\
+Retry-After, the same load from clients that honour it (each shed request sent once more after the advertised delay): {:.0} retries made while the overload ran, {:.0} admitted ({:.0} %; target ≥ 80 %); advertised p50 {:.0} s, max {:.0} s.\n",
         f(&["reply_latency", "concurrency"]),
         f(&["reply_latency", "runs"]),
         r("baseline_pass_through", "p50_us"),
@@ -298,5 +344,10 @@ Admitted requests at {:.0} req/s offered, about 2× the fleet's capacity (2 work
         o("shedding_on", "ttft_ms_p90"),
         o("shedding_on", "ttft_ms_p99"),
         o("shedding_on", "admitted_per_s"),
+        o("retry_after", "retries_in_overload"),
+        o("retry_after", "retries_admitted"),
+        100.0 * o("retry_after", "admitted_share"),
+        o("retry_after", "retry_after_s_p50"),
+        o("retry_after", "retry_after_s_max"),
     )
 }

@@ -50,6 +50,8 @@ pub struct Outcome {
     pub cached_tokens: Option<u64>,
     pub prompt_tokens: Option<u64>,
     pub reason: Option<String>,
+    /// `Retry-After` on a 503, in seconds.
+    pub retry_after_s: Option<u32>,
     pub chunks: u32,
     /// First bytes of an error body.
     pub error_body: Option<String>,
@@ -110,6 +112,7 @@ async fn send(
         cached_tokens: None,
         prompt_tokens: spec.prompt_tokens,
         reason: None,
+        retry_after_s: None,
         chunks: 0,
         error_body: None,
         start_us: start.duration_since(run_start).as_micros() as u64,
@@ -134,6 +137,7 @@ async fn send(
         out.cached_tokens =
             header(&resp, "x-kvgate-sim-cached-tokens").and_then(|v| v.parse().ok());
         out.reason = header(&resp, "x-kvgate-reason");
+        out.retry_after_s = header(&resp, "retry-after").and_then(|v| v.parse().ok());
         let mut body = resp.into_body();
         let mut error_body = Vec::new();
         let mut sse = SseScanner::default();
@@ -204,6 +208,53 @@ pub async fn run_open_loop(
     specs: &[RequestSpec],
     time_scale: f64,
 ) -> Vec<Outcome> {
+    open_loop(target, specs, time_scale, |client, target, spec, run_start| async move {
+        send(&client, &target, &spec, run_start).await
+    })
+    .await
+}
+
+/// Like [`run_open_loop`], as a client that honours `Retry-After` would
+/// behave: a 503 that carries one (at most `max_wait`) is sent once more
+/// after that long. Returns each spec's first outcome and its retry's.
+pub async fn run_open_loop_retrying(
+    target: &Target,
+    specs: &[RequestSpec],
+    time_scale: f64,
+    max_wait: Duration,
+) -> Vec<(Outcome, Option<Outcome>)> {
+    open_loop(
+        target,
+        specs,
+        time_scale,
+        move |client, target, spec, run_start| async move {
+            let first = send(&client, &target, &spec, run_start).await;
+            let wait = match (first.status, first.retry_after_s) {
+                (503, Some(s)) if Duration::from_secs(u64::from(s)) <= max_wait => {
+                    Duration::from_secs(u64::from(s))
+                }
+                _ => return (first, None),
+            };
+            tokio::time::sleep(wait).await;
+            let retry = send(&client, &target, &spec, run_start).await;
+            (first, Some(retry))
+        },
+    )
+    .await
+}
+
+/// Starts `one` for every spec at its offset; results in spec order.
+async fn open_loop<T, F, Fut>(
+    target: &Target,
+    specs: &[RequestSpec],
+    time_scale: f64,
+    one: F,
+) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(HttpClient, Arc<Target>, RequestSpec, Instant) -> Fut,
+    Fut: std::future::Future<Output = T> + Send + 'static,
+{
     let client = client();
     let target = Arc::new(target.clone());
     let run_start = Instant::now();
@@ -211,10 +262,12 @@ pub async fn run_open_loop(
     for spec in specs {
         let at = spec.at.mul_f64(time_scale.max(0.0));
         tokio::time::sleep_until(tokio::time::Instant::from_std(run_start + at)).await;
-        let (client, target, spec) = (client.clone(), target.clone(), spec.clone());
-        handles.push(tokio::spawn(async move {
-            send(&client, &target, &spec, run_start).await
-        }));
+        handles.push(tokio::spawn(one(
+            client.clone(),
+            target.clone(),
+            spec.clone(),
+            run_start,
+        )));
     }
     let mut out = Vec::with_capacity(handles.len());
     for h in handles {

@@ -169,6 +169,7 @@ mod tests {
             cached_tokens: Some(10),
             prompt_tokens: Some(40),
             reason: (status == 503).then(|| "all_workers_busy".into()),
+            retry_after_s: None,
             chunks: 1,
             error_body: None,
             start_us: 0,

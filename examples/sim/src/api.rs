@@ -25,6 +25,7 @@ pub struct Sim {
     pub block_size: usize,
     pub num_gpu_blocks: usize,
     pub max_num_batched_tokens: usize,
+    pub metrics_flavor: MetricsFlavor,
 }
 
 pub fn router(sim: Arc<Sim>) -> Router {
@@ -60,6 +61,9 @@ struct Job {
     tokens: Vec<u32>,
     max_tokens: usize,
     stream: bool,
+    /// `stream_options.include_usage`: as in vLLM, a stream carries usage
+    /// only when asked, in a final chunk of its own.
+    include_usage: bool,
 }
 
 fn parse_prompt(v: &Value) -> Result<Vec<u32>, String> {
@@ -136,6 +140,9 @@ fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Box<Response>> {
         tokens,
         max_tokens,
         stream: v["stream"].as_bool().unwrap_or(false),
+        include_usage: v["stream_options"]["include_usage"]
+            .as_bool()
+            .unwrap_or(false),
     })
 }
 
@@ -293,10 +300,17 @@ fn stream(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response {
             } else {
                 json!({"index": 0, "text": word(i), "logprobs": null, "finish_reason": finish})
             };
-            let mut chunk = json!({"id": format!("{idp}-{id}"), "object": object, "created": now_s(), "model": sim.model, "choices": [choice]});
-            if last {
-                chunk["usage"] = usage(&job, cached);
+            let chunk = json!({"id": format!("{idp}-{id}"), "object": object, "created": now_s(), "model": sim.model, "choices": [choice]});
+            if tx
+                .send(Ok(Bytes::from(format!("data: {chunk}\n\n"))))
+                .await
+                .is_err()
+            {
+                return;
             }
+        }
+        if job.include_usage {
+            let chunk = json!({"id": format!("{idp}-{id}"), "object": object, "created": now_s(), "model": sim.model, "choices": [], "usage": usage(&job, cached)});
             if tx
                 .send(Ok(Bytes::from(format!("data: {chunk}\n\n"))))
                 .await
@@ -374,7 +388,87 @@ async fn state(State(sim): State<Arc<Sim>>) -> Response {
     ([("content-type", "application/json")], body.to_string()).into_response()
 }
 
+/// The engine whose `/metrics` the simulator imitates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MetricsFlavor {
+    Vllm,
+    Sglang,
+}
+
+/// SGLang 0.5.x's scheduler gauges as `prometheus_client` writes them: one
+/// series per scheduler, ranked by `dp_rank` only under data parallelism,
+/// capacity in tokens and pages, usage as a fraction of tokens.
+fn sglang_metrics(sim: &Sim) -> String {
+    let mut out = String::new();
+    let m = &sim.model;
+    let dp = sim.ranks.len() > 1;
+    let family = |out: &mut String, name: &str, help: &str, value: &dyn Fn(&Rank) -> f64| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for r in &sim.ranks {
+            let dp_rank = if dp {
+                format!("dp_rank=\"{}\",", r.index)
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                out,
+                "{name}{{{dp_rank}engine_type=\"unified\",model_name=\"{m}\",moe_ep_rank=\"0\",pp_rank=\"0\",tp_rank=\"0\"}} {:?}",
+                value(r)
+            );
+        }
+    };
+    let tokens = (sim.num_gpu_blocks * sim.block_size) as f64;
+    family(
+        &mut out,
+        "sglang:num_running_reqs",
+        "The number of running requests.",
+        &|r| r.running.load(Ordering::Relaxed) as f64,
+    );
+    family(
+        &mut out,
+        "sglang:num_used_tokens",
+        "The number of used tokens.",
+        &|r| (r.cache().usage() * tokens).round(),
+    );
+    family(&mut out, "sglang:token_usage", "The token usage.", &|r| {
+        r.cache().usage()
+    });
+    family(
+        &mut out,
+        "sglang:num_queue_reqs",
+        "The number of requests in the waiting queue.",
+        &|r| r.waiting.load(Ordering::Relaxed) as f64,
+    );
+    family(
+        &mut out,
+        "sglang:max_total_num_tokens",
+        "Maximum total number of tokens in the KV cache pool.",
+        &|_| tokens,
+    );
+    family(
+        &mut out,
+        "sglang:page_size",
+        "KV cache page size in tokens.",
+        &|_| sim.block_size as f64,
+    );
+    family(
+        &mut out,
+        "sglang:num_pages",
+        "Number of KV cache pages.",
+        &|_| sim.num_gpu_blocks as f64,
+    );
+    out
+}
+
 async fn metrics(State(sim): State<Arc<Sim>>) -> Response {
+    if sim.metrics_flavor == MetricsFlavor::Sglang {
+        return (
+            [("content-type", "text/plain; version=0.0.4")],
+            sglang_metrics(&sim),
+        )
+            .into_response();
+    }
     let mut out = String::new();
     let m = &sim.model;
     let family =

@@ -77,6 +77,9 @@ pub struct Args {
     pub replay_buffer_steps: usize,
     #[arg(long, value_enum, default_value_t = wire::HashMode::U64)]
     pub engine_hash: wire::HashMode,
+    /// Whose metric names, types and labels `/metrics` speaks.
+    #[arg(long, value_enum, default_value_t = api::MetricsFlavor::Vllm)]
+    pub metrics_flavor: api::MetricsFlavor,
 }
 
 /// The endpoint of DP rank `rank`: TCP port plus the rank, as vLLM does.
@@ -144,11 +147,21 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
         block_size: args.block_size,
         num_gpu_blocks: args.num_gpu_blocks,
         max_num_batched_tokens: args.max_num_batched_tokens,
+        metrics_flavor: args.metrics_flavor,
     }))
 }
 
 /// Serves until the listener fails or the future is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, sim: Arc<api::Sim>) -> anyhow::Result<()> {
+    use axum::serve::ListenerExt;
+    // Without it a response written in two segments on a kept-alive
+    // connection waits for the client's delayed ACK (Nagle): a 40 ms TTFT
+    // tail that no vLLM shows.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+        }
+    });
     axum::serve(listener, api::router(sim)).await?;
     Ok(())
 }

@@ -173,6 +173,28 @@ async fn completions_cache_prefixes_and_publish_events() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn streamed_usage_comes_last_and_only_when_asked() {
+    let (addr, _) = start(&["--instant"]).await;
+    let body = r#"{"model":"demo-model","prompt":"a b c d","stream":true,"max_tokens":3,"stream_options":{"include_usage":true}}"#;
+    let (status, _, text) = post(&addr, "/v1/completions", body, &[]).await;
+    assert_eq!(status, 200);
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks.len(), 4, "three tokens, then usage: {text}");
+    assert!(chunks[..3].iter().all(|c| c.get("usage").is_none()));
+    let last = &chunks[3];
+    assert_eq!(last["choices"], serde_json::json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn streaming_and_dp_ranks_and_metrics() {
     let ev = free_port();
     let (addr, _) = start(&[
@@ -196,6 +218,7 @@ async fn streaming_and_dp_ranks_and_metrics() {
     assert_eq!(header(&hs, "x-kvgate-sim-rank"), Some("1"));
     assert!(text.contains("data: [DONE]"), "{text}");
     assert_eq!(text.matches("chat.completion.chunk").count(), 4);
+    assert!(!text.contains("usage"), "usage only when asked: {text}");
     let (_, batch) = recv_batch(&rank1);
     assert_eq!(
         batch.as_array().unwrap()[2],
@@ -246,4 +269,87 @@ async fn streaming_and_dp_ranks_and_metrics() {
         metrics.contains(r#"vllm:prefix_cache_queries_total{engine="1",model_name="demo-model"}"#)
     );
     assert!(metrics.contains(r#"num_gpu_blocks="4096""#));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_speak_sglang_when_asked() {
+    let (addr, _) = start(&[
+        "--instant",
+        "--dp-size",
+        "2",
+        "--num-gpu-blocks",
+        "100",
+        "--metrics-flavor",
+        "sglang",
+    ])
+    .await;
+    let metrics = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        raw
+    })
+    .await
+    .unwrap();
+    assert!(!metrics.contains("vllm:"), "{metrics}");
+    for name in [
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:num_used_tokens",
+        "sglang:page_size",
+        "sglang:num_pages",
+    ] {
+        assert!(
+            metrics.contains(&format!("# TYPE {name} gauge")),
+            "missing {name}"
+        );
+    }
+    // 100 pages of 16 tokens, per scheduler, ranked by `dp_rank`.
+    assert!(
+        metrics.contains(r#"sglang:max_total_num_tokens{dp_rank="1",engine_type="unified",model_name="demo-model",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 1600.0"#),
+        "{metrics}"
+    );
+}
+
+/// Streamed chunks on a kept-alive connection leave at once: with Nagle's
+/// algorithm each response's first chunk waited for the client's delayed
+/// ACK of the headers, about 40 ms on Linux, for every request.
+#[tokio::test(flavor = "multi_thread")]
+async fn kept_alive_streams_are_not_held_by_nagle() {
+    let (addr, _) = start(&["--speedup", "20"]).await;
+    let mut ttft_ms = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        let body = r#"{"model":"demo-model","prompt":"hello there, hello again","max_tokens":4,"stream":true}"#;
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let mut out = Vec::new();
+        for _ in 0..15 {
+            let t0 = std::time::Instant::now();
+            s.write_all(req.as_bytes()).unwrap();
+            let (mut raw, mut first) = (Vec::new(), None);
+            let mut buf = [0u8; 65536];
+            while !(raw.ends_with(b"0\r\n\r\n") && raw.windows(6).any(|w| w == b"[DONE]")) {
+                let n = s.read(&mut buf).unwrap();
+                assert!(n > 0, "connection closed");
+                raw.extend_from_slice(&buf[..n]);
+                if first.is_none() && raw.windows(5).any(|w| w == b"data:") {
+                    first = Some(t0.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            out.push(first.unwrap());
+        }
+        out
+    })
+    .await
+    .unwrap();
+    ttft_ms.sort_by(f64::total_cmp);
+    let median = ttft_ms[ttft_ms.len() / 2];
+    assert!(median < 20.0, "median TTFT {median:.1} ms: {ttft_ms:?}");
 }

@@ -16,7 +16,7 @@
 //! letting a flood of stores grow the sidecar without bound.
 
 use crate::kv::stage::{Op, Staged};
-use crate::kv::wire::{EngineHash, Medium};
+use crate::kv::wire::{EngineHash, Medium, Unmatchable};
 use kvgate_core::hash::chain;
 use kvgate_core::shard::{self, Holder, TIER_DEVICE, TIER_DISK, TIER_HOST};
 use std::collections::HashMap;
@@ -42,6 +42,11 @@ impl Hasher for MixHasher {
 }
 
 pub type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
+
+/// Marks a slot's entry for a block no request can match: it is kept so
+/// that removals and children resolve, but never enters the shards.
+const UNMATCHABLE: u8 = 0x80;
+const TIERS: u8 = TIER_DEVICE | TIER_HOST | TIER_DISK;
 
 fn tier_bit(m: Medium) -> u8 {
     match m {
@@ -83,6 +88,10 @@ pub struct IngestStats {
     pub overflows: u64,
 }
 
+/// Blocks stored unmatchable, per slot and reason (counted per tier
+/// they enter, like `stored_blocks`).
+pub type UnmatchableCounts = std::collections::BTreeMap<(u16, Unmatchable), u64>;
+
 #[derive(Debug)]
 pub struct Index {
     shards: Vec<FastMap<u64, Holders>>,
@@ -90,6 +99,7 @@ pub struct Index {
     slots: Vec<Slot>,
     max_blocks_per_slot: usize,
     pub stats: IngestStats,
+    pub unmatchable: UnmatchableCounts,
 }
 
 impl Index {
@@ -101,6 +111,7 @@ impl Index {
             slots: Vec::new(),
             max_blocks_per_slot,
             stats: IngestStats::default(),
+            unmatchable: UnmatchableCounts::new(),
         }
     }
 
@@ -135,6 +146,8 @@ impl Index {
     /// Drops everything a slot holds and forgets it (worker removed).
     pub fn remove_slot(&mut self, slot: u16) {
         self.clear_slot(slot);
+        // The slot number may go to another worker: its counts start over.
+        self.unmatchable.retain(|&(s, _), _| s != slot);
         if let Some(s) = self.slots.get_mut(slot as usize) {
             s.live = false;
         }
@@ -169,12 +182,14 @@ impl Index {
                     local,
                     parent,
                     medium,
+                    unmatchable_from,
                 } => self.store(
                     slot,
                     &staged.engine[engine.clone()],
                     &staged.local[local.clone()],
                     *parent,
                     *medium,
+                    *unmatchable_from,
                 ),
                 Op::Removed { engine, medium } => {
                     self.remove(slot, &staged.engine[engine.clone()], tier_bit(*medium))
@@ -196,14 +211,18 @@ impl Index {
         local: &[u64],
         parent: Option<EngineHash>,
         medium: Medium,
+        unmatchable_from: Option<(usize, Unmatchable)>,
     ) {
         let Some(s) = self.slots.get(slot as usize).filter(|s| s.live) else {
             return;
         };
-        let mut parent = match parent {
-            None => None,
+        let (mut parent, mut unmatchable) = match parent {
+            None => (None, None),
             Some(p) => match s.engine.get(&p) {
-                Some(&(seq, _)) => Some(seq),
+                Some(&(seq, flags)) => (
+                    Some(seq),
+                    (flags & UNMATCHABLE != 0).then_some(Unmatchable::Parent),
+                ),
                 None => {
                     self.stats.orphan_events += 1;
                     return;
@@ -211,9 +230,18 @@ impl Index {
             },
         };
         let tier = tier_bit(medium);
-        for (engine_hash, local) in engine.iter().zip(local) {
+        for (i, (engine_hash, local)) in engine.iter().zip(local).enumerate() {
+            if let Some((from, why)) = unmatchable_from
+                && i == from
+                && unmatchable.is_none()
+            {
+                unmatchable = Some(why);
+            }
             let seq = chain(parent, *local);
-            self.hold(slot, *engine_hash, seq, tier);
+            match unmatchable {
+                None => self.hold(slot, *engine_hash, seq, tier),
+                Some(why) => self.hold_unmatchable(slot, *engine_hash, seq, tier, why),
+            }
             parent = Some(seq);
         }
         if self.slot_len(slot) > self.max_blocks_per_slot {
@@ -225,7 +253,7 @@ impl Index {
     fn hold(&mut self, slot: u16, engine_hash: EngineHash, seq: u64, tier: u8) {
         let s = &mut self.slots[slot as usize];
         let entry = s.engine.entry(engine_hash).or_insert((seq, 0));
-        if entry.0 != seq {
+        if entry.0 != seq || entry.1 & UNMATCHABLE != 0 {
             // The engine reused a hash for different content (it restarted
             // without telling us): the old block is gone.
             let (old_seq, old_tiers) = *entry;
@@ -249,6 +277,30 @@ impl Index {
         self.mark(shard);
     }
 
+    /// Keeps a block the slot holds but no request can match: in the slot's
+    /// table (for removals and children), never in the shards.
+    fn hold_unmatchable(
+        &mut self,
+        slot: u16,
+        engine_hash: EngineHash,
+        seq: u64,
+        tier: u8,
+        why: Unmatchable,
+    ) {
+        let s = &mut self.slots[slot as usize];
+        let entry = s.engine.entry(engine_hash).or_insert((seq, UNMATCHABLE));
+        if entry.0 != seq || entry.1 & UNMATCHABLE == 0 {
+            let (old_seq, old_tiers) = *entry;
+            *entry = (seq, UNMATCHABLE | tier);
+            self.unhold_seq(slot, old_seq, old_tiers);
+        } else if entry.1 & tier == 0 {
+            entry.1 |= tier;
+        } else {
+            return;
+        }
+        *self.unmatchable.entry((slot, why)).or_default() += 1;
+    }
+
     fn remove(&mut self, slot: u16, hashes: &[EngineHash], tier: u8) {
         let Some(s) = self.slots.get_mut(slot as usize) else {
             return;
@@ -263,9 +315,12 @@ impl Index {
                 continue;
             }
             e.1 &= !tier;
-            let seq = e.0;
-            if e.1 == 0 {
+            let (seq, flags) = *e;
+            if flags & TIERS == 0 {
                 s.engine.remove(h);
+            }
+            if flags & UNMATCHABLE != 0 {
+                continue;
             }
             self.stats.removed_blocks += 1;
             Self::unhold(&mut self.shards, &mut self.dirty, slot, seq, tier);
@@ -273,6 +328,11 @@ impl Index {
     }
 
     fn unhold_seq(&mut self, slot: u16, seq: u64, tiers: u8) {
+        // An unmatchable entry never entered the shards; its sequence hash
+        // may equal a matchable block's that the slot holds.
+        if tiers & UNMATCHABLE != 0 || tiers & TIERS == 0 {
+            return;
+        }
         Self::unhold(&mut self.shards, &mut self.dirty, slot, seq, tiers);
     }
 
@@ -306,6 +366,9 @@ impl Index {
         };
         let entries = std::mem::take(&mut s.engine);
         for (_, (seq, tiers)) in entries {
+            if tiers & UNMATCHABLE != 0 {
+                continue;
+            }
             Self::unhold(&mut self.shards, &mut self.dirty, slot, seq, tiers);
         }
     }
@@ -366,7 +429,7 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+    use kvgate_core::hash::{CacheScope, scoped_sequence_hashes};
     use kvgate_core::shard::{ShardView, SlotOverlap, overlaps};
     use rmpv::Value;
 
@@ -427,10 +490,20 @@ mod tests {
     /// Overlap of `tokens` per slot, read back through encoded shards the
     /// way the filter does.
     fn overlap_via_shards(idx: &Index, tokens: &[u32], slots: usize) -> Vec<SlotOverlap> {
+        scoped_overlap(idx, tokens, slots, CacheScope::default())
+    }
+
+    /// The same for a request naming an adapter or a salt.
+    fn scoped_overlap(
+        idx: &Index,
+        tokens: &[u32],
+        slots: usize,
+        scope: CacheScope<'_>,
+    ) -> Vec<SlotOverlap> {
         let shards: Vec<Vec<u8>> = (0..idx.shard_count())
             .map(|s| idx.encode_shard(s))
             .collect();
-        let seq = sequence_hashes(&block_hashes(tokens, 4, XXH3_SEED));
+        let seq = scoped_sequence_hashes(tokens, 4, scope);
         let mut out = vec![SlotOverlap::default(); slots];
         overlaps(
             seq.len(),
@@ -573,6 +646,199 @@ mod tests {
         );
         assert_eq!(idx.len(), 1);
         assert_eq!(overlap_via_shards(&idx, &toks, 1)[0].device, 0);
+        assert_eq!(scoped_overlap(&idx, &toks, 1, lora("adapter"))[0].device, 1);
+        assert_eq!(scoped_overlap(&idx, &toks, 1, lora("other"))[0].device, 0);
+    }
+
+    fn lora(name: &str) -> CacheScope<'_> {
+        CacheScope {
+            lora_name: Some(name),
+            cache_salt: None,
+        }
+    }
+
+    fn key(kind: &str, field: &str, value: Value) -> Value {
+        Value::Map(vec![(v("type"), v(kind)), (v(field), value)])
+    }
+
+    fn extra(blocks: Vec<Option<Vec<Value>>>) -> Value {
+        Value::Array(
+            blocks
+                .into_iter()
+                .map(|b| b.map_or(Value::Nil, Value::Array))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn vllm_extra_keys_scope_blocks_by_adapter_and_salt() {
+        let mut idx = index(2, 1000);
+        let toks: Vec<u32> = (1..=12).collect();
+        let adapter = || key("lora", "name", v("sql-lora"));
+        let salted = with(
+            with(
+                stored(&[1, 2, 3], None, &toks, "GPU"),
+                "lora_name",
+                v("sql-lora"),
+            ),
+            "extra_keys",
+            extra(vec![
+                Some(vec![adapter(), key("cache_salt", "salt", v("s1"))]),
+                Some(vec![adapter()]),
+                Some(vec![adapter()]),
+            ]),
+        );
+        // `with` appends, and a map keeps its first `lora_name`: drop the
+        // nil one the base event carries.
+        let salted = match salted {
+            Value::Map(m) => Value::Map(
+                m.into_iter()
+                    .filter(|(k, val)| !(k.as_str() == Some("lora_name") && val.is_nil()))
+                    .collect(),
+            ),
+            other => other,
+        };
+        apply(&mut idx, 0, vec![salted]);
+        // The adapter named only in extra keys, on slot 1, unsalted.
+        apply(
+            &mut idx,
+            1,
+            vec![with(
+                stored(&[7, 8], None, &toks[..8], "GPU"),
+                "extra_keys",
+                extra(vec![Some(vec![adapter()]), Some(vec![adapter()])]),
+            )],
+        );
+        let both = CacheScope {
+            lora_name: Some("sql-lora"),
+            cache_salt: Some("s1"),
+        };
+        let o = scoped_overlap(&idx, &toks, 2, both);
+        assert_eq!((o[0].device, o[1].device), (3, 0));
+        let o = scoped_overlap(&idx, &toks, 2, lora("sql-lora"));
+        assert_eq!(
+            (o[0].device, o[1].device),
+            (0, 2),
+            "an unsalted request never matches salted blocks"
+        );
+        let o = overlap_via_shards(&idx, &toks, 2);
+        assert_eq!((o[0].device, o[1].device), (0, 0));
+        assert!(idx.unmatchable.is_empty());
+    }
+
+    #[test]
+    fn sglang_salt_scopes_the_whole_chain() {
+        let mut idx = index(1, 1000);
+        let toks: Vec<u32> = (1..=8).collect();
+        let salted = |ev| with(ev, "cache_salt", v("tenant-x"));
+        apply(
+            &mut idx,
+            0,
+            vec![
+                salted(stored(&[1], None, &toks[..4], "GPU")),
+                // SGLang repeats the salt on every page; the chain already
+                // carries it, so a child's salt adds nothing.
+                salted(stored(&[2], Some(1), &toks[4..], "GPU")),
+            ],
+        );
+        let scope = CacheScope {
+            lora_name: None,
+            cache_salt: Some("tenant-x"),
+        };
+        assert_eq!(scoped_overlap(&idx, &toks, 1, scope)[0].device, 2);
+        assert_eq!(overlap_via_shards(&idx, &toks, 1)[0].device, 0);
+        let other = CacheScope {
+            cache_salt: Some("tenant-y"),
+            ..scope
+        };
+        assert_eq!(scoped_overlap(&idx, &toks, 1, other)[0].device, 0);
+    }
+
+    #[test]
+    fn blocks_with_extra_keys_kvgate_cannot_compute_never_match() {
+        let mut idx = index(1, 1000);
+        let toks: Vec<u32> = (1..=12).collect();
+        let mm = key("mm", "hash", v("img-1"));
+        apply(
+            &mut idx,
+            0,
+            vec![
+                // Block 0 is text; the image starts in block 1.
+                with(
+                    stored(&[1, 2], None, &toks[..8], "GPU"),
+                    "extra_keys",
+                    extra(vec![None, Some(vec![mm])]),
+                ),
+                stored(&[3], Some(2), &toks[8..], "GPU"),
+            ],
+        );
+        assert_eq!(
+            overlap_via_shards(&idx, &toks, 1)[0].device,
+            1,
+            "only the text block before the image matches"
+        );
+        assert_eq!(idx.len(), 1);
+        assert_eq!(idx.slot_len(0), 3, "the slot still knows all three");
+        assert_eq!(idx.unmatchable.get(&(0, Unmatchable::Multimodal)), Some(&1));
+        assert_eq!(idx.unmatchable.get(&(0, Unmatchable::Parent)), Some(&1));
+        // Removing unmatchable blocks is no unknown removal, and leaves the
+        // matchable one alone.
+        apply(&mut idx, 0, vec![removed(&[3, 2], "GPU")]);
+        assert_eq!((idx.stats.unknown_removals, idx.slot_len(0)), (0, 1));
+        assert_eq!(overlap_via_shards(&idx, &toks, 1)[0].device, 1);
+
+        let others = [
+            (
+                with(stored(&[10], None, &[5, 5, 5, 5], "GPU"), "lora_id", v(3)),
+                Unmatchable::LoraIdWithoutName,
+            ),
+            (
+                with(
+                    stored(&[11], None, &[6, 6, 6, 6], "GPU"),
+                    "extra_keys",
+                    extra(vec![Some(vec![v("opaque")])]),
+                ),
+                Unmatchable::LegacyExtraKeys,
+            ),
+            (
+                with(
+                    stored(&[12], None, &[7, 7, 7, 7], "GPU"),
+                    "extra_keys",
+                    extra(vec![Some(vec![key("prompt_embeds", "hash", v("e"))])]),
+                ),
+                Unmatchable::PromptEmbeds,
+            ),
+            (
+                with(
+                    stored(&[13], None, &[8, 8, 8, 8], "GPU"),
+                    "extra_keys",
+                    extra(vec![Some(vec![key("novel", "x", v(1))])]),
+                ),
+                Unmatchable::UnknownExtraKey,
+            ),
+        ];
+        for (ev, why) in others {
+            apply(&mut idx, 0, vec![ev]);
+            assert_eq!(idx.unmatchable.get(&(0, why)), Some(&1), "{why:?}");
+        }
+        for t in [5, 6, 7, 8] {
+            assert_eq!(overlap_via_shards(&idx, &[t; 4], 1)[0].device, 0);
+        }
+        assert_eq!(idx.len(), 1);
+        // An old vLLM's untyped key that is just the adapter's name is fine.
+        apply(
+            &mut idx,
+            0,
+            vec![with(
+                with(stored(&[14], None, &[9, 9, 9, 9], "GPU"), "lora_id", v(1)),
+                "extra_keys",
+                extra(vec![Some(vec![v("a")])]),
+            )],
+        );
+        assert_eq!(idx.len(), 1, "a lora_id without a name stays unmatchable");
+        // Clearing the slot drops unmatchable entries too.
+        apply(&mut idx, 0, vec![cleared()]);
+        assert_eq!((idx.len(), idx.slot_len(0)), (0, 0));
     }
 
     #[test]

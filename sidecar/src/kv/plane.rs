@@ -10,6 +10,7 @@
 use crate::kv::index::{Index, IngestStats};
 use crate::kv::stage::Staged;
 use crate::kv::subscriber::{Ingest, ResyncReason};
+use crate::kv::wire::Unmatchable;
 use crate::versions::Versions;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -131,8 +132,20 @@ enum Control {
 #[derive(Debug, Clone, Default)]
 pub struct PlaneStats {
     pub per_model: Vec<(String, IngestStats, usize)>,
+    /// Blocks indexed as unmatchable, per slot and reason (running totals).
+    pub unmatchable: Vec<(u16, Unmatchable, u64)>,
     pub malformed_batches: u64,
     pub resyncs: Vec<(u16, ResyncReason)>,
+    /// Per slot: stored events whose block size is not the slot's (running
+    /// total), the last such size, and the slot's.
+    pub block_size_mismatch: std::collections::BTreeMap<u16, BlockSizeMismatch>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BlockSizeMismatch {
+    pub events: u64,
+    pub engine_block_size: u32,
+    pub block_size: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -269,6 +282,7 @@ impl State {
                     idx.remove_slot(slot);
                 }
                 self.slot_model.remove(&slot);
+                self.stats.block_size_mismatch.remove(&slot);
             }
             Control::Stats(tx) => {
                 let mut s = self.stats.clone();
@@ -276,6 +290,15 @@ impl State {
                     .models
                     .iter()
                     .map(|(k, i)| (k.clone(), i.stats, i.len()))
+                    .collect();
+                s.unmatchable = self
+                    .models
+                    .values()
+                    .flat_map(|i| {
+                        i.unmatchable
+                            .iter()
+                            .map(|(&(slot, why), &n)| (slot, why, n))
+                    })
                     .collect();
                 let _ = tx.send(s);
             }
@@ -291,9 +314,17 @@ impl State {
                 let Some(idx) = self.models.get_mut(model) else {
                     return;
                 };
-                match self.staged.stage(&payload, idx.block_size(slot)) {
+                let block_size = idx.block_size(slot);
+                match self.staged.stage(&payload, block_size) {
                     Ok(()) => {
                         idx.apply(slot, &self.staged);
+                        let (events, engine_block_size) = self.staged.foreign_block_size;
+                        if events > 0 {
+                            let m = self.stats.block_size_mismatch.entry(slot).or_default();
+                            m.events += events as u64;
+                            m.engine_block_size = engine_block_size;
+                            m.block_size = block_size;
+                        }
                         if self.staged.clears() {
                             self.note_cleared(slot);
                         }
@@ -555,5 +586,43 @@ mod tests {
         let stats = plane.stats().unwrap();
         assert_eq!(stats.malformed_batches, 1);
         assert_eq!(stats.per_model[0].2, 1, "the good block is still indexed");
+    }
+
+    #[test]
+    fn events_of_another_block_size_are_counted_per_slot() {
+        let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+        plane.add_slot(0, "m", 4, 0);
+        // An engine paging by 4 behind a worker configured for 16.
+        plane.add_slot(1, "m", 16, 0);
+        let tx = plane.sender();
+        for (slot, seq) in [(0, 0), (1, 0), (1, 1)] {
+            tx.send(Ingest::Batch {
+                slot,
+                seq,
+                payload: batch(&[100 + seq], &[1, 2, 3, 4]),
+            })
+            .unwrap();
+        }
+        let want = BlockSizeMismatch {
+            events: 2,
+            engine_block_size: 4,
+            block_size: 16,
+        };
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let stats = plane.stats().unwrap();
+            if stats.block_size_mismatch.get(&1) == Some(&want) {
+                assert!(
+                    !stats.block_size_mismatch.contains_key(&0),
+                    "slot 0 matches"
+                );
+                break;
+            }
+            assert!(Instant::now() < deadline, "{:?}", stats.block_size_mismatch);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // A reused slot starts its count over.
+        plane.remove_slot(1);
+        assert!(plane.stats().unwrap().block_size_mismatch.is_empty());
     }
 }

@@ -6,8 +6,10 @@
 //! and would be needed anyway — and applied only when the whole frame
 //! decoded. Buffers are reused from batch to batch.
 
-use crate::kv::wire::{BatchMeta, EngineHash, Event, Medium, Scratch, WireError, decode_batch};
-use kvgate_core::hash::{block_hash_with_seed, lora_seed};
+use crate::kv::wire::{
+    BatchMeta, EngineHash, Event, Medium, Scratch, Unmatchable, WireError, decode_batch,
+};
+use kvgate_core::hash::{block_hash_with_seed, lora_seed, salted_root};
 use std::ops::Range;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +21,9 @@ pub enum Op {
         local: Range<usize>,
         parent: Option<EngineHash>,
         medium: Medium,
+        /// From this block of the op on, nothing a request can produce
+        /// keys the blocks (see [`Unmatchable`]).
+        unmatchable_from: Option<(usize, Unmatchable)>,
     },
     Removed {
         engine: Range<usize>,
@@ -36,6 +41,10 @@ pub struct Staged {
     pub ops: Vec<Op>,
     pub engine: Vec<EngineHash>,
     pub local: Vec<u64>,
+    /// Stored events of the batch whose block size is not the worker's,
+    /// and the last such size: their blocks are hashed at the engine's
+    /// size, which no request hashed at the worker's can match.
+    pub foreign_block_size: (usize, u32),
     scratch: Scratch,
 }
 
@@ -52,7 +61,9 @@ impl Staged {
         self.ops.clear();
         self.engine.clear();
         self.local.clear();
+        self.foreign_block_size = (0, 0);
         let (ops, engine, local) = (&mut self.ops, &mut self.engine, &mut self.local);
+        let foreign = &mut self.foreign_block_size;
         let meta = decode_batch(payload, &mut self.scratch, |e| match e {
             Event::Stored(s) => {
                 let bs = if s.block_size > 0 {
@@ -60,6 +71,10 @@ impl Staged {
                 } else {
                     default_block_size
                 } as usize;
+                if s.block_size > 0 && default_block_size > 0 && s.block_size != default_block_size
+                {
+                    *foreign = (foreign.0 + 1, s.block_size);
+                }
                 if !s.indexable() || bs == 0 {
                     ops.push(Op::Skipped);
                     return;
@@ -72,11 +87,19 @@ impl Staged {
                     engine.push(*h);
                     local.push(block_hash_with_seed(toks, seed));
                 }
+                // The salt enters at the chain's root, as the filter mixes
+                // it into a request's first block; a child event inherits
+                // it through its parent's sequence hash.
+                if let (None, Some(salt), Some(root)) = (s.parent, s.cache_salt, local.get_mut(l0))
+                {
+                    *root = salted_root(*root, salt);
+                }
                 ops.push(Op::Stored {
                     engine: e0..engine.len(),
                     local: l0..local.len(),
                     parent: s.parent,
                     medium: s.medium,
+                    unmatchable_from: s.unmatchable_from,
                 });
             }
             Event::Removed {

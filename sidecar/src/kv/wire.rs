@@ -76,6 +76,40 @@ pub enum Event<'e> {
     },
 }
 
+/// Why a stored block cannot be keyed the way a request is: its engine
+/// hash covers something kvgate cannot compute from a request body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Unmatchable {
+    /// Multimodal inputs (`mm` extra keys): the engine hashed image or audio
+    /// content that kvgate never sees.
+    Multimodal,
+    /// Prompt embeddings given instead of tokens (`prompt_embeds`).
+    PromptEmbeds,
+    /// Untyped extra keys of older vLLM (a tuple of strings and bytes that
+    /// cannot be told apart), other than the event's own adapter name.
+    LegacyExtraKeys,
+    /// A typed extra key this build does not know, or one out of place.
+    UnknownExtraKey,
+    /// An adapter named only by `lora_id`: its seed needs the name.
+    LoraIdWithoutName,
+    /// The block's parent is itself unmatchable.
+    Parent,
+}
+
+impl Unmatchable {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unmatchable::Multimodal => "multimodal",
+            Unmatchable::PromptEmbeds => "prompt_embeds",
+            Unmatchable::LegacyExtraKeys => "legacy_extra_keys",
+            Unmatchable::UnknownExtraKey => "unknown_extra_key",
+            Unmatchable::LoraIdWithoutName => "lora_id_without_name",
+            Unmatchable::Parent => "unmatchable_parent",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Stored<'e> {
     pub hashes: &'e [EngineHash],
@@ -84,7 +118,13 @@ pub struct Stored<'e> {
     pub block_size: u32,
     pub medium: Medium,
     pub lora_name: Option<&'e str>,
+    /// The chain's salt: SGLang's `cache_salt`, or vLLM's `cache_salt`
+    /// extra key on the first block.
     pub cache_salt: Option<&'e str>,
+    /// The first block (index into this event's blocks) whose hash covers
+    /// something kvgate cannot compute, and why; it and every block after
+    /// it (they chain from it) must never match a request.
+    pub unmatchable_from: Option<(usize, Unmatchable)>,
     /// KV-cache group; only group 0 describes the full-attention cache.
     pub group_idx: i64,
     pub spec_kind: Option<&'e str>,
@@ -256,6 +296,15 @@ fn opt_str<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, MsgpackError> {
     }
 }
 
+/// Whether a value is there (not nil), skipping it.
+fn present(r: &mut Reader<'_>) -> Result<bool, MsgpackError> {
+    if r.nil()? {
+        return Ok(false);
+    }
+    r.skip()?;
+    Ok(true)
+}
+
 fn opt_i64(r: &mut Reader<'_>, default: i64) -> Result<i64, MsgpackError> {
     if r.nil()? {
         Ok(default)
@@ -283,13 +332,103 @@ fn lora_or_salt<'a>(r: &mut Reader<'a>, st: &mut StoredFields<'a>) -> Result<(),
     }
 }
 
+/// What vLLM's per-block `extra_keys` say, as far as kvgate can use it.
+#[derive(Default)]
+struct ExtraKeys<'a> {
+    lora_name: Option<&'a str>,
+    cache_salt: Option<&'a str>,
+    unmatchable_from: Option<(usize, Unmatchable)>,
+}
+
+/// Reads `extra_keys`: nil, or one entry per block, each nil or a list of
+/// keys — typed maps (`{"type": "lora" | "cache_salt" | "mm" |
+/// "prompt_embeds" | "legacy", ...}`) in current vLLM, bare values in
+/// older releases. Only the adapter name and a salt on the first block can
+/// be reproduced from a request; anything else makes that block, and the
+/// blocks chained after it, unmatchable. `lora_name` is the event's own
+/// (declared, and so encoded, before `extra_keys`).
+fn extra_keys<'a>(
+    r: &mut Reader<'a>,
+    lora_name: Option<&'a str>,
+) -> Result<ExtraKeys<'a>, MsgpackError> {
+    let mut out = ExtraKeys::default();
+    if r.nil()? {
+        return Ok(out);
+    }
+    let blocks = r.array_len()?;
+    for block in 0..blocks {
+        if r.nil()? {
+            continue;
+        }
+        if !r.is_array()? {
+            r.skip()?;
+            out.mark(block, Unmatchable::UnknownExtraKey);
+            continue;
+        }
+        let keys = r.array_len()?;
+        for _ in 0..keys {
+            if !r.is_map()? {
+                // An untyped key: only the adapter's own name is known.
+                let own = if r.is_str()? {
+                    let v = r.str()?;
+                    lora_name.is_some_and(|n| n == v)
+                } else {
+                    r.skip()?;
+                    false
+                };
+                if !own {
+                    out.mark(block, Unmatchable::LegacyExtraKeys);
+                }
+                continue;
+            }
+            let (mut kind, mut value) = (None, None);
+            let n = r.map_len()?;
+            for _ in 0..n {
+                if !r.is_str()? {
+                    r.skip()?;
+                    r.skip()?;
+                    continue;
+                }
+                match r.str()? {
+                    "type" => kind = Some(r.str()?),
+                    "name" | "salt" if r.is_str()? => value = Some(r.str()?),
+                    _ => r.skip()?,
+                }
+            }
+            match (kind, value) {
+                (Some("lora"), Some(name)) => {
+                    out.lora_name.get_or_insert(name);
+                }
+                // vLLM salts the first block only; elsewhere it would mean
+                // a hash rule kvgate does not follow.
+                (Some("cache_salt"), Some(salt)) if block == 0 => out.cache_salt = Some(salt),
+                (Some("mm"), _) => out.mark(block, Unmatchable::Multimodal),
+                (Some("prompt_embeds"), _) => out.mark(block, Unmatchable::PromptEmbeds),
+                (Some("legacy"), _) => out.mark(block, Unmatchable::LegacyExtraKeys),
+                _ => out.mark(block, Unmatchable::UnknownExtraKey),
+            }
+        }
+    }
+    Ok(out)
+}
+
+impl ExtraKeys<'_> {
+    fn mark(&mut self, block: usize, why: Unmatchable) {
+        if self.unmatchable_from.is_none_or(|(b, _)| block < b) {
+            self.unmatchable_from = Some((block, why));
+        }
+    }
+}
+
 #[derive(Default)]
 struct StoredFields<'a> {
     parent: Option<EngineHash>,
     block_size: u32,
     medium: Option<&'a str>,
     lora_name: Option<&'a str>,
+    lora_id: bool,
     cache_salt: Option<&'a str>,
+    extra: ExtraKeys<'a>,
     group_idx: i64,
     spec_kind: Option<&'a str>,
     local: bool,
@@ -325,11 +464,13 @@ fn positional(
                         f.have_tokens = true;
                     }
                     4 => f.block_size = r.u32()?,
+                    5 => f.lora_id = present(r)?,
                     6 => f.medium = opt_str(r)?,
                     7 => lora_or_salt(r, &mut f)?,
+                    8 => f.extra = extra_keys(r, f.lora_name)?,
                     9 => f.group_idx = opt_i64(r, 0)?,
                     10 => f.spec_kind = opt_str(r)?,
-                    _ => r.skip()?, // lora_id, extra_keys, sliding window, newer fields
+                    _ => r.skip()?, // sliding window, newer fields
                 }
             }
             emit_stored(f, s, visit)
@@ -405,7 +546,9 @@ fn tagged(
             "block_size" => f.block_size = r.u32()?,
             "medium" => f.medium = opt_str(r)?,
             "lora_name" => f.lora_name = opt_str(r)?,
+            "lora_id" => f.lora_id = present(r)?,
             "cache_salt" => f.cache_salt = opt_str(r)?,
+            "extra_keys" => f.extra = extra_keys(r, f.lora_name)?,
             "group_idx" => f.group_idx = opt_i64(r, 0)?,
             "kv_cache_spec_kind" => f.spec_kind = opt_str(r)?,
             "locality" => f.local = !matches!(opt_str(r)?, Some("REMOTE")),
@@ -445,14 +588,23 @@ fn emit_stored(
     if !f.have_hashes || !f.have_tokens {
         return Err(malformed("BlockStored without block_hashes or token_ids"));
     }
+    let lora_name = f.lora_name.or(f.extra.lora_name).filter(|n| !n.is_empty());
+    let mut unmatchable_from = f.extra.unmatchable_from;
+    if f.lora_id && lora_name.is_none() {
+        unmatchable_from = Some((0, Unmatchable::LoraIdWithoutName));
+    }
     visit(Event::Stored(Stored {
         hashes: &s.hashes,
         parent: f.parent,
         tokens: &s.tokens,
         block_size: f.block_size,
         medium: Medium::parse(f.medium),
-        lora_name: f.lora_name,
-        cache_salt: f.cache_salt,
+        lora_name,
+        cache_salt: f
+            .cache_salt
+            .or(f.extra.cache_salt)
+            .filter(|s| !s.is_empty()),
+        unmatchable_from,
         group_idx: f.group_idx,
         spec_kind: f.spec_kind,
         local: f.local,
@@ -688,6 +840,90 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(ev[2], Owned::Removed(vec![8], Medium::Device));
+    }
+
+    /// Decodes one event given as an rmpv value, returning what staging
+    /// needs to scope it.
+    fn scope_of(
+        event: rmpv::Value,
+    ) -> (Option<String>, Option<String>, Option<(usize, Unmatchable)>) {
+        let batch = rmpv::Value::Array(vec![1.0f64.into(), rmpv::Value::Array(vec![event])]);
+        let mut buf = Vec::new();
+        rmpv::encode::write_value(&mut buf, &batch).unwrap();
+        let mut out = None;
+        decode_batch(&buf, &mut Scratch::default(), |e| {
+            if let Event::Stored(s) = e {
+                out = Some((
+                    s.lora_name.map(str::to_owned),
+                    s.cache_salt.map(str::to_owned),
+                    s.unmatchable_from,
+                ));
+            }
+        })
+        .unwrap();
+        out.unwrap()
+    }
+
+    #[test]
+    fn extra_keys_scope_or_exclude_blocks() {
+        use rmpv::Value as V;
+        let typed = |kind: &str, field: &str, val: V| {
+            V::Map(vec![("type".into(), kind.into()), (field.into(), val)])
+        };
+        // Positional vLLM: lora_id 5, lora_name "a", untyped extra keys:
+        // the adapter's own name is fine, anything else is not.
+        let positional = V::Array(vec![
+            "BlockStored".into(),
+            V::Array(vec![1.into(), 2.into()]),
+            V::Nil,
+            V::Array((0..8).map(V::from).collect()),
+            4.into(),
+            5.into(),
+            "GPU".into(),
+            "a".into(),
+            V::Array(vec![
+                V::Array(vec!["a".into()]),
+                V::Array(vec!["img".into()]),
+            ]),
+        ]);
+        assert_eq!(
+            scope_of(positional),
+            (
+                Some("a".into()),
+                None,
+                Some((1, Unmatchable::LegacyExtraKeys))
+            )
+        );
+        // Tagged vLLM: the adapter named only in extra keys, a salt on the
+        // first block, an image from the second.
+        let tagged = V::Map(vec![
+            ("type".into(), "BlockStored".into()),
+            ("block_hashes".into(), V::Array(vec![1.into(), 2.into()])),
+            ("parent_block_hash".into(), V::Nil),
+            ("token_ids".into(), V::Array((0..8).map(V::from).collect())),
+            ("block_size".into(), 4.into()),
+            ("lora_id".into(), 5.into()),
+            ("medium".into(), "GPU".into()),
+            ("lora_name".into(), V::Nil),
+            (
+                "extra_keys".into(),
+                V::Array(vec![
+                    V::Array(vec![
+                        typed("lora", "name", "b".into()),
+                        typed("cache_salt", "salt", "s".into()),
+                    ]),
+                    V::Array(vec![typed("mm", "hash", "h".into())]),
+                ]),
+            ),
+        ]);
+        assert_eq!(
+            scope_of(tagged),
+            (
+                Some("b".into()),
+                Some("s".into()),
+                Some((1, Unmatchable::Multimodal))
+            )
+        );
     }
 
     #[test]

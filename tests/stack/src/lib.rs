@@ -29,6 +29,9 @@ pub struct StackConfig {
     pub block_size: u32,
     /// Extra `kvgate-sim` flags for every worker (time model, cache size...).
     pub sim_args: Vec<String>,
+    /// Extra `kvgate-sim` flags for worker `i` only, after `sim_args`: a
+    /// mixed fleet, e.g. `--metrics-flavor sglang` for some workers.
+    pub worker_sim_args: Vec<Vec<String>>,
     /// Whether workers publish KV events over ZMQ (ports are allocated).
     pub kv_events: bool,
     /// With `kv_events`: the sidecar subscribes to the allocated ports but
@@ -57,6 +60,7 @@ impl Default for StackConfig {
             dp_size: 1,
             block_size: 16,
             sim_args: vec!["--speedup".into(), "20".into()],
+            worker_sim_args: Vec::new(),
             kv_events: false,
             kv_external: false,
             plugin: serde_json::json!({}),
@@ -160,6 +164,7 @@ impl Stack {
                 ]);
             }
             args.extend(config.sim_args.iter().cloned());
+            args.extend(config.worker_sim_args.get(i).into_iter().flatten().cloned());
             workers.push(Worker {
                 id,
                 port,
