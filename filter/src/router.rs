@@ -349,6 +349,8 @@ impl Request {
                     None => worker.endpoint.clone(),
                 };
                 self.routed = true;
+                // A retry books under the same (base) model.
+                self.model.clone_from(&served_model);
                 if !st.config.served_by_header.is_empty() {
                     self.served_by = Some(served_by(worker.id, rank.rank));
                 }
