@@ -565,26 +565,23 @@ fn shards_are_written_and_cleared_on_reset() {
     );
 }
 
-#[test]
-fn token_prompts_go_where_their_prefix_is_cached() {
-    use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+/// Answers the service's poll with fleet 1 (worker i on slot i, 8 index
+/// shards, model `m` with `adapters`) and an index in which each slot holds
+/// its hashes on device.
+fn serve_index(e: &mut Envoy, held: &[(u16, Vec<u64>)], adapters: Vec<String>) {
     use kvgate_core::shard::{TIER_DEVICE, shard_of};
-    let mut e = Envoy::start("");
-    // Worker 1 (slot 0) carries 30 more decode blocks than worker 2 but
-    // holds the prompt's 37 blocks: credit 37 > 30, so it wins; with only a
-    // few blocks cached it would not (docs/selection.md).
-    let tokens: Vec<u32> = (0..600).map(|t| 5000 + t).collect();
-    let seq = sequence_hashes(&block_hashes(&tokens, 16, XXH3_SEED));
     let mut per_shard: std::collections::BTreeMap<u32, Vec<(u64, Vec<Holder>)>> =
         Default::default();
-    for h in &seq {
-        per_shard.entry(shard_of(*h, 8)).or_default().push((
-            *h,
-            vec![Holder {
-                slot: 0,
-                tiers: TIER_DEVICE,
-            }],
-        ));
+    for (slot, hashes) in held {
+        for &h in hashes {
+            per_shard.entry(shard_of(h, 8)).or_default().push((
+                h,
+                vec![Holder {
+                    slot: *slot,
+                    tiers: TIER_DEVICE,
+                }],
+            ));
+        }
     }
     let shards: Vec<(u32, Vec<u8>)> = per_shard
         .into_iter()
@@ -592,6 +589,7 @@ fn token_prompts_go_where_their_prefix_is_cached() {
         .collect();
     let mut snap = fleet(1);
     snap.models[0].shard_count = 8;
+    snap.models[0].lora_adapters = adapters;
     for (i, w) in snap.models[0].workers.iter_mut().enumerate() {
         w.ranks[0].slot = i as u16;
     }
@@ -605,6 +603,18 @@ fn token_prompts_go_where_their_prefix_is_cached() {
     );
     let c = e.service.pending().pop().unwrap();
     e.service.respond(c.token, 200, &[], &frame).unwrap();
+}
+
+#[test]
+fn token_prompts_go_where_their_prefix_is_cached() {
+    use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+    let mut e = Envoy::start("");
+    // Worker 1 (slot 0) carries 30 more decode blocks than worker 2 but
+    // holds the prompt's 37 blocks: credit 37 > 30, so it wins; with only a
+    // few blocks cached it would not (docs/selection.md).
+    let tokens: Vec<u32> = (0..600).map(|t| 5000 + t).collect();
+    let seq = sequence_hashes(&block_hashes(&tokens, 16, XXH3_SEED));
+    serve_index(&mut e, &[(0, seq)], Vec::new());
     let body = json!({"model": "m", "prompt": tokens}).to_string();
     let ex = e.routers[0].request(
         &[(":method", "POST"), (":path", "/v1/completions")],
@@ -633,7 +643,6 @@ fn token_prompts_go_where_their_prefix_is_cached() {
 fn adapter_and_salted_requests_match_only_their_own_cache() {
     use kvgate_core::booking::Event;
     use kvgate_core::hash::{CacheScope, scoped_sequence_hashes};
-    use kvgate_core::shard::{TIER_DEVICE, shard_of};
     let mut e = Envoy::start("");
     let tokens: Vec<u32> = (0..600).map(|t| 9000 + t).collect();
     // Slot 0 (worker 1, 40 decode blocks) holds the prompt under the
@@ -647,39 +656,14 @@ fn adapter_and_salted_requests_match_only_their_own_cache() {
         lora_name: None,
         cache_salt: Some("s1"),
     };
-    let mut per_shard: std::collections::BTreeMap<u32, Vec<(u64, Vec<Holder>)>> =
-        Default::default();
-    for (slot, scope) in [(0u16, lora), (2, salted)] {
-        for h in scoped_sequence_hashes(&tokens, 16, scope) {
-            per_shard.entry(shard_of(h, 8)).or_default().push((
-                h,
-                vec![Holder {
-                    slot,
-                    tiers: TIER_DEVICE,
-                }],
-            ));
-        }
-    }
-    let shards: Vec<(u32, Vec<u8>)> = per_shard
-        .into_iter()
-        .map(|(s, mut e)| (s, encode_shard(&mut e)))
-        .collect();
-    let mut snap = fleet(1);
-    snap.models[0].shard_count = 8;
-    snap.models[0].lora_adapters = vec!["sql-lora".into()];
-    for (i, w) in snap.models[0].workers.iter_mut().enumerate() {
-        w.ranks[0].slot = i as u16;
-    }
-    let bytes = snap.encode().unwrap();
-    let frame = update::encode(
-        1,
-        EPOCH,
-        true,
-        Some(&bytes),
-        shards.iter().map(|(s, b)| ("m", *s, b.as_slice())),
+    serve_index(
+        &mut e,
+        &[
+            (0, scoped_sequence_hashes(&tokens, 16, lora)),
+            (2, scoped_sequence_hashes(&tokens, 16, salted)),
+        ],
+        vec!["sql-lora".into()],
     );
-    let c = e.service.pending().pop().unwrap();
-    e.service.respond(c.token, 200, &[], &frame).unwrap();
     let route = |e: &mut Envoy, body: Value| {
         let body = body.to_string();
         let ex = e.routers[0].request(

@@ -245,17 +245,7 @@ async fn streaming_and_dp_ranks_and_metrics() {
     let (status, _, _) = post(&addr, "/v1/completions", "{", &[]).await;
     assert_eq!(status, 400);
 
-    let metrics = tokio::task::spawn_blocking(move || {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .unwrap();
-        let mut raw = String::new();
-        s.read_to_string(&mut raw).unwrap();
-        raw
-    })
-    .await
-    .unwrap();
+    let metrics = scrape(addr).await;
     for name in [
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -271,6 +261,21 @@ async fn streaming_and_dp_ranks_and_metrics() {
     assert!(metrics.contains(r#"num_gpu_blocks="4096""#));
 }
 
+/// The worker's `/metrics` page, raw response included.
+async fn scrape(addr: String) -> String {
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        raw
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_speak_sglang_when_asked() {
     let (addr, _) = start(&[
@@ -283,17 +288,7 @@ async fn metrics_speak_sglang_when_asked() {
         "sglang",
     ])
     .await;
-    let metrics = tokio::task::spawn_blocking(move || {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .unwrap();
-        let mut raw = String::new();
-        s.read_to_string(&mut raw).unwrap();
-        raw
-    })
-    .await
-    .unwrap();
+    let metrics = scrape(addr).await;
     assert!(!metrics.contains("vllm:"), "{metrics}");
     for name in [
         "sglang:num_running_reqs",

@@ -436,33 +436,7 @@ impl Stack {
     /// How many workers Envoy's routed cluster holds (from the sidecar's
     /// catalog, over EDS).
     pub fn routed_members(&self) -> Result<usize> {
-        let (status, body) = http::get(
-            &self.admin_addr(),
-            "/stats?filter=^cluster\\.kvgate_workers\\.membership_total$",
-        )?;
-        if status != 200 {
-            bail!("envoy /stats answered {status}");
-        }
-        let text = String::from_utf8_lossy(&body);
-        Ok(text
-            .lines()
-            .find_map(|l| l.split_once(": ").and_then(|(_, v)| v.trim().parse().ok()))
-            .unwrap_or(0))
-    }
-
-    /// Waits until Envoy's routed cluster holds `n` workers.
-    pub fn wait_routed_members(&self, n: usize, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let have = self.routed_members().unwrap_or(0);
-            if have == n {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("envoy's routed cluster has {have} members, expected {n}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        Ok(self.admin_stat("cluster.kvgate_workers.membership_total")? as usize)
     }
 
     /// One sample from the sidecar's `/metrics`, by its exact series name.
@@ -502,17 +476,20 @@ impl Stack {
 
     /// Reads one of the filter's metrics from Envoy's admin `/stats`.
     pub fn envoy_stat(&self, name: &str) -> Result<u64> {
-        let (status, body) = http::get(
-            &self.admin_addr(),
-            &format!("/stats?filter=wasmcustom\\.{name}$"),
-        )?;
+        self.admin_stat(&format!("wasmcustom.{name}"))
+    }
+
+    /// One of Envoy's stats by its full name; 0 while it does not exist.
+    fn admin_stat(&self, full: &str) -> Result<u64> {
+        let filter = format!("^{}$", full.replace('.', "\\."));
+        let (status, body) = http::get(&self.admin_addr(), &format!("/stats?filter={filter}"))?;
         if status != 200 {
             bail!("envoy /stats answered {status}");
         }
         let text = String::from_utf8_lossy(&body);
         for line in text.lines() {
             if let Some((k, v)) = line.split_once(": ")
-                && k.trim() == format!("wasmcustom.{name}")
+                && k.trim() == full
             {
                 return Ok(v.trim().parse().unwrap_or(0));
             }
