@@ -8,27 +8,7 @@
 //! and shedding on every snapshot. A worker is busy only when *all* its ranks
 //! are.
 
-use crate::snapshot::RankLoad;
-
-/// Per-model shedding thresholds. `None` disables that condition; all `None`
-/// means the model never sheds.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Thresholds {
-    /// Fraction of KV blocks (0–1) above which decode load makes a rank busy.
-    pub active_decode_blocks: Option<f64>,
-    /// Absolute active prefill tokens above which a rank is busy.
-    pub active_prefill_tokens: Option<u64>,
-    /// Multiple of `max_num_batched_tokens` above which a rank is busy.
-    pub active_prefill_tokens_frac: Option<f64>,
-}
-
-impl Thresholds {
-    pub fn is_enabled(&self) -> bool {
-        self.active_decode_blocks.is_some()
-            || self.active_prefill_tokens.is_some()
-            || self.active_prefill_tokens_frac.is_some()
-    }
-}
+use crate::state::{RankLoad, Thresholds};
 
 /// How far under the decode threshold both usage signals must fall before a
 /// latched rank takes work again. Engines report KV usage in coarse steps;

@@ -17,8 +17,12 @@ pub mod hash;
 pub mod select;
 pub mod shard;
 pub mod snapshot;
+pub mod state;
 pub mod update;
 
-pub use busy::Thresholds;
-pub use select::{Decision, Policy, RequestShape};
-pub use snapshot::{Applied, ModelState, RankLoad, Snapshot, SnapshotError, WorkerState};
+pub use select::{Decision, RequestShape};
+pub use snapshot::SnapshotError;
+pub use state::{
+    Applied, DEFAULT_TENANT, InvalidValue, ModelState, Policy, RankLoad, Snapshot, Thresholds,
+    WorkerState,
+};

@@ -26,33 +26,7 @@
 //! spreads a burst of identical requests instead of piling them onto the
 //! first worker, while the result stays a pure function of the inputs.
 
-use crate::snapshot::{ModelState, RankLoad, WorkerState};
-
-/// Cost weights, with Dynamo's defaults.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Policy {
-    pub overlap_credit: f64,
-    pub host_weight: f64,
-    pub disk_weight: f64,
-    pub prefill_load_scale: f64,
-    pub decode_active_request_weight: f64,
-    /// 0 picks the minimum; above 0 samples from a softmax over the
-    /// range-normalised, negated logits.
-    pub temperature: f64,
-}
-
-impl Default for Policy {
-    fn default() -> Self {
-        Policy {
-            overlap_credit: 1.0,
-            host_weight: 0.75,
-            disk_weight: 0.25,
-            prefill_load_scale: 1.0,
-            decode_active_request_weight: 0.0,
-            temperature: 0.0,
-        }
-    }
-}
+use crate::state::{ModelState, Policy, RankLoad, WorkerState};
 
 /// What the selector needs to know about the request itself.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -295,7 +269,7 @@ fn sample<'a>(pool: &[Choice<'a>], temperature: f64, u: f64) -> Option<Choice<'a
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::snapshot::DEFAULT_TENANT;
+    use crate::state::DEFAULT_TENANT;
 
     fn rank(rank: u32, prefill: u64, decode: u64, busy: bool) -> RankLoad {
         RankLoad {

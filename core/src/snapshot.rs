@@ -15,7 +15,9 @@
 //! Decoding never panics and never trusts a count: each count is checked
 //! against the bytes that remain before anything is allocated.
 
-use crate::busy::Thresholds;
+use crate::state::{
+    Applied, DEFAULT_TENANT, ModelState, Policy, RankLoad, Snapshot, Thresholds, WorkerState,
+};
 use thiserror::Error;
 
 /// Leading bytes of every snapshot.
@@ -23,93 +25,9 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 3;
-/// The tenant of workers and requests that name none (Dynamo's default).
-pub const DEFAULT_TENANT: &str = "default";
+pub const MINOR: u16 = 4;
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
-
-/// A decoded snapshot of the fleet.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Snapshot {
-    /// Monotonic per sidecar process; a change means "re-read me".
-    pub version: u64,
-    /// When the sidecar built it, Unix milliseconds.
-    pub built_at_ms: u64,
-    pub models: Vec<ModelState>,
-    /// Per router VM, the highest booking sequence this snapshot's load
-    /// includes (minor 1). A VM adds its own later bookings on top.
-    pub applied: Vec<Applied>,
-}
-
-/// The bookings of one router VM that a snapshot already counts.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Applied {
-    pub vm: u64,
-    pub seq: u64,
-}
-
-/// One served model: its shedding thresholds and its schedulable workers.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ModelState {
-    pub name: String,
-    pub thresholds: Thresholds,
-    /// Number of KV index shards published for this model; 0 when no worker
-    /// of the model publishes KV events (no prefix index).
-    pub shard_count: u32,
-    /// Only workers the sidecar considers up; a configured model with none is
-    /// still listed so the filter can tell "no workers" from "unknown model".
-    pub workers: Vec<WorkerState>,
-    /// Seconds until the first busy worker is expected to take work again,
-    /// from the observed drain rate (minor 1); 0 when unknown.
-    pub retry_after_s: u32,
-    /// LoRA adapters served by this model's workers (minor 3): a request
-    /// naming one routes to these workers and is hashed under the adapter.
-    pub lora_adapters: Vec<String>,
-}
-
-/// One worker (an engine process group behind one HTTP endpoint).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct WorkerState {
-    pub id: u64,
-    /// `ip:port`, exactly what the ORIGINAL_DST cluster connects to.
-    pub endpoint: String,
-    pub block_size: u32,
-    /// One entry per data-parallel rank, in rank order.
-    pub ranks: Vec<RankLoad>,
-    /// Selection scope within the model (minor 2): a request of one tenant
-    /// is only ever placed on that tenant's workers.
-    pub tenant: String,
-}
-
-/// Load of one data-parallel rank, merged from engine metrics and gateway
-/// bookings by the sidecar.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct RankLoad {
-    pub rank: u32,
-    /// The rank's number in the KV index shards of its model.
-    pub slot: u16,
-    pub active_prefill_tokens: u64,
-    pub active_decode_blocks: u64,
-    pub kv_used_blocks: u64,
-    pub kv_total_blocks: u64,
-    pub max_num_batched_tokens: u64,
-    pub running: u32,
-    pub waiting: u32,
-    pub busy: bool,
-}
-
-impl Snapshot {
-    /// The model a request's `model` names: a served model, or the base
-    /// model of a LoRA adapter (then `name` differs from the result's).
-    pub fn model(&self, name: &str) -> Option<&ModelState> {
-        self.models.iter().find(|m| m.name == name).or_else(|| {
-            self.models
-                .iter()
-                .find(|m| m.lora_adapters.iter().any(|a| a == name))
-        })
-    }
-}
 
 /// Why a byte string is not a snapshot this build can use.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -142,6 +60,9 @@ const MODEL_FIXED: usize = 2 + 1 + 8 + 8 + 8 + 4 + 4; // name len, threshold fla
 const WORKER_FIXED: usize = 8 + 2 + 4 + 4; // id, endpoint len, block size, rank count
 const RANK_FIXED: usize = 4 + 2 + 8 * 5 + 4 + 4 + 1;
 
+/// The cost weights, in their wire order.
+const POLICY_LEN: usize = 6 * 8;
+
 const FLAG_BUSY: u8 = 1;
 const TH_DECODE: u8 = 1;
 const TH_PREFILL: u8 = 2;
@@ -164,6 +85,8 @@ impl Snapshot {
                 .map(|m| {
                     4 + MODEL_FIXED
                         + m.name.len()
+                        + 8
+                        + POLICY_LEN
                         + m.workers
                             .iter()
                             .map(|w| {
@@ -245,6 +168,10 @@ impl Snapshot {
             put_count(out, m.lora_adapters.len(), "lora adapters")?;
             for a in &m.lora_adapters {
                 put_str(out, a, "lora adapter")?;
+            }
+            // Minor 4: the cost weights.
+            for w in policy_weights(&m.policy) {
+                out.extend_from_slice(&w.to_le_bytes());
             }
             end_record(out, rec, "model record")?;
         }
@@ -329,6 +256,12 @@ impl Snapshot {
                     lora_adapters.push(m.string()?);
                 }
             }
+            let mut policy = Policy::default();
+            if m.remaining() >= POLICY_LEN {
+                for w in policy_weights_mut(&mut policy) {
+                    *w = m.f64()?;
+                }
+            }
             models.push(ModelState {
                 name,
                 thresholds,
@@ -336,6 +269,7 @@ impl Snapshot {
                 workers,
                 retry_after_s,
                 lora_adapters,
+                policy,
             });
         }
         // Minor 0 ends after the models.
@@ -358,6 +292,28 @@ impl Snapshot {
             applied,
         })
     }
+}
+
+fn policy_weights(p: &Policy) -> [f64; POLICY_LEN / 8] {
+    [
+        p.overlap_credit,
+        p.host_weight,
+        p.disk_weight,
+        p.prefill_load_scale,
+        p.decode_active_request_weight,
+        p.temperature,
+    ]
+}
+
+fn policy_weights_mut(p: &mut Policy) -> [&mut f64; POLICY_LEN / 8] {
+    [
+        &mut p.overlap_credit,
+        &mut p.host_weight,
+        &mut p.disk_weight,
+        &mut p.prefill_load_scale,
+        &mut p.decode_active_request_weight,
+        &mut p.temperature,
+    ]
 }
 
 /// The fixed header, readable on its own: the filter peeks at it to learn a
@@ -583,6 +539,11 @@ mod tests {
                     }],
                     retry_after_s: 4,
                     lora_adapters: vec!["sql-lora".into(), "chat-lora".into()],
+                    policy: Policy {
+                        host_weight: 0.5,
+                        temperature: 0.2,
+                        ..Policy::default()
+                    },
                 },
                 ModelState {
                     name: "empty".into(),
@@ -595,7 +556,7 @@ mod tests {
 
     /// What a minor-0 writer produced: no retry hint, no applied list.
     fn minor0(s: &Snapshot) -> Vec<u8> {
-        strip_model_tail(s, 8)
+        strip_model_tail(s, 8 + POLICY_LEN)
     }
 
     /// Cuts the last `by` bytes (the minor-1 and later fields, with no
@@ -634,17 +595,19 @@ mod tests {
     #[test]
     fn minor_two_snapshots_have_no_adapters() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 4)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN)).unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert!(old.models[0].lora_adapters.is_empty());
     }
 
     #[test]
-    fn adapters_resolve_to_their_base_model() {
+    fn minor_three_snapshots_carry_the_default_policy() {
         let s = sample();
-        assert_eq!(s.model("llama").map(|m| m.name.as_str()), Some("llama"));
-        assert_eq!(s.model("sql-lora").map(|m| m.name.as_str()), Some("llama"));
-        assert!(s.model("other-lora").is_none());
+        assert_ne!(s.models[0].policy, Policy::default());
+        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN)).unwrap();
+        assert_eq!(old.models[0].retry_after_s, 4);
+        assert_eq!(old.models[0].policy, Policy::default());
+        assert_eq!(old.models[0].workers, s.models[0].workers);
     }
 
     #[test]
@@ -792,17 +755,25 @@ mod tests {
             any::<u32>(),
             prop::collection::vec(worker, 0..5),
             prop::collection::vec("[a-z0-9-]{0,12}", 0..3),
+            (0.0f64..4.0, 0.0f64..1.0),
         )
-            .prop_map(|(name, thresholds, shard_count, workers, lora_adapters)| {
-                ModelState {
-                    name,
-                    thresholds,
-                    shard_count,
-                    workers,
-                    retry_after_s: shard_count % 61,
-                    lora_adapters,
-                }
-            });
+            .prop_map(
+                |(name, thresholds, shard_count, workers, lora_adapters, (credit, temperature))| {
+                    ModelState {
+                        name,
+                        thresholds,
+                        shard_count,
+                        workers,
+                        retry_after_s: shard_count % 61,
+                        lora_adapters,
+                        policy: Policy {
+                            overlap_credit: credit,
+                            temperature,
+                            ..Policy::default()
+                        },
+                    }
+                },
+            );
         let applied = (any::<u64>(), any::<u64>()).prop_map(|(vm, seq)| Applied { vm, seq });
         (
             any::<u64>(),

@@ -4,7 +4,8 @@
 use crate::config::Config;
 use crate::reply::Reply;
 use crate::request::Parsed;
-use kvgate_core::select::{Choice, Decision, Overlap, Policy, RequestShape, select_with_runner_up};
+use kvgate_core::Policy;
+use kvgate_core::select::{Choice, Decision, Overlap, RequestShape, select_with_runner_up};
 use kvgate_core::{RankLoad, Snapshot, WorkerState};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -99,7 +100,7 @@ mod tests {
     use super::*;
     use crate::reply::Reason;
     use crate::request::{Endpoint, parse};
-    use kvgate_core::snapshot::DEFAULT_TENANT;
+    use kvgate_core::DEFAULT_TENANT;
     use kvgate_core::{ModelState, Thresholds};
 
     fn rank(rank: u32, decode: u64, busy: bool) -> RankLoad {
@@ -122,6 +123,7 @@ mod tests {
                     shard_count: 0,
                     retry_after_s: 0,
                     lora_adapters: Vec::new(),
+                    policy: Policy::default(),
                     workers: vec![
                         WorkerState {
                             id: 1,

@@ -8,7 +8,7 @@
 use kvgate_core::approx::{ChunkKind, Routed};
 use kvgate_core::booking::{Event, Key};
 use kvgate_core::shard::{self, Holder, TIER_DEVICE, TIER_DISK, TIER_HOST};
-use kvgate_core::snapshot::{Applied, ModelState, RankLoad, Snapshot, WorkerState};
+use kvgate_core::{Applied, ModelState, Policy, RankLoad, Snapshot, WorkerState};
 use kvgate_core::{Thresholds, update};
 use kvgate_fuzz::join_frames;
 use std::path::Path;
@@ -285,6 +285,10 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 ],
                 retry_after_s: 3,
                 lora_adapters: vec!["sql-lora".into()],
+                policy: Policy {
+                    decode_active_request_weight: 0.5,
+                    ..Policy::default()
+                },
             },
             ModelState {
                 name: "no-workers".into(),
@@ -297,6 +301,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 workers: vec![],
                 retry_after_s: 0,
                 lora_adapters: Vec::new(),
+                policy: Policy::default(),
             },
         ],
         applied: vec![

@@ -4,7 +4,7 @@
 //! Every key is checked: unknown keys are errors (a typo must not silently
 //! turn shedding off), and each error names the entry it is about.
 
-use kvgate_core::Thresholds;
+use kvgate_core::{Policy, Thresholds};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -232,43 +232,17 @@ fn default_inflight_ttl() -> u64 {
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     pub name: String,
-    pub active_decode_blocks_threshold: Option<f64>,
-    pub active_prefill_tokens_threshold: Option<u64>,
-    pub active_prefill_tokens_threshold_frac: Option<f64>,
+    /// Dynamo's threshold keys, directly in the model's table.
+    #[serde(flatten)]
+    pub thresholds: Thresholds,
+    /// `[models.policy]`: the cost weights; Dynamo's defaults when absent.
+    #[serde(default)]
+    pub policy: Policy,
     /// LoRA adapters every worker of this model serves (vLLM
     /// `--lora-modules name=...`): a request whose `model` is one of them
     /// goes to this model's workers, hashed under the adapter's seed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub lora_adapters: Vec<String>,
-}
-
-impl ModelConfig {
-    pub fn thresholds(&self) -> Thresholds {
-        Thresholds {
-            active_decode_blocks: self.active_decode_blocks_threshold,
-            active_prefill_tokens: self.active_prefill_tokens_threshold,
-            active_prefill_tokens_frac: self.active_prefill_tokens_threshold_frac,
-        }
-    }
-}
-
-/// Checks threshold ranges: decode in [0, 1], fraction above 0.
-pub fn check_thresholds(t: &Thresholds) -> Result<(), String> {
-    if let Some(d) = t.active_decode_blocks
-        && !(0.0..=1.0).contains(&d)
-    {
-        return Err(format!(
-            "active_decode_blocks_threshold must be within [0, 1], got {d}"
-        ));
-    }
-    if let Some(f) = t.active_prefill_tokens_frac
-        && !(f > 0.0 && f.is_finite())
-    {
-        return Err(format!(
-            "active_prefill_tokens_threshold_frac must be above 0, got {f}"
-        ));
-    }
-    Ok(())
 }
 
 /// A worker: one engine endpoint serving one model with one or more DP
@@ -455,7 +429,12 @@ impl Config {
             if !names.insert(m.name.clone()) {
                 return Err(format!("model {:?} is listed twice", m.name));
             }
-            check_thresholds(&m.thresholds()).map_err(|e| format!("model {:?}: {e}", m.name))?;
+            m.thresholds
+                .validate()
+                .map_err(|e| format!("model {:?}: {e}", m.name))?;
+            m.policy
+                .validate()
+                .map_err(|e| format!("model {:?}: policy: {e}", m.name))?;
         }
         // An adapter name is matched against requests' `model` after the
         // served models: one that is also a model, or listed under two
@@ -535,16 +514,9 @@ impl Config {
     /// Applies threshold flags to every model (flags beat the file).
     pub fn override_thresholds(&mut self, t: &Thresholds) -> Result<(), ConfigError> {
         for m in &mut self.models {
-            if t.active_decode_blocks.is_some() {
-                m.active_decode_blocks_threshold = t.active_decode_blocks;
-            }
-            if t.active_prefill_tokens.is_some() {
-                m.active_prefill_tokens_threshold = t.active_prefill_tokens;
-            }
-            if t.active_prefill_tokens_frac.is_some() {
-                m.active_prefill_tokens_threshold_frac = t.active_prefill_tokens_frac;
-            }
-            check_thresholds(&m.thresholds())
+            m.thresholds = m.thresholds.overridden_by(t);
+            m.thresholds
+                .validate()
                 .map_err(|e| ConfigError::Invalid(format!("model {:?}: {e}", m.name)))?;
         }
         Ok(())
@@ -590,7 +562,7 @@ replay_endpoint = "tcp://127.0.0.1:5567"
             w.replay_endpoint_of(1).as_deref(),
             Some("tcp://127.0.0.1:5568")
         );
-        assert_eq!(c.models[0].thresholds().active_decode_blocks, Some(0.85));
+        assert_eq!(c.models[0].thresholds.active_decode_blocks, Some(0.85));
         assert_eq!(
             (c.kv.max_message_bytes, c.kv.queue_messages),
             (8 << 20, 1000)
@@ -696,5 +668,34 @@ replay_endpoint = "tcp://127.0.0.1:5567"
                 .contains("above 0")
         );
         assert!(err("[[models]]\nname = \"m\"\n[[models]]\nname = \"m\"").contains("twice"));
+        assert!(
+            err("[[models]]\nname = \"m\"\nactive_decode_block_threshold = 0.5")
+                .contains("active_decode_block_threshold"),
+            "a misspelt threshold is an error, not a disabled condition"
+        );
+        assert!(
+            err("[[models]]\nname = \"m\"\n[models.policy]\nhost_weight = -1")
+                .contains("host_weight")
+        );
+        assert!(
+            err("[[models]]\nname = \"m\"\n[models.policy]\nhost_wieght = 1")
+                .contains("host_wieght")
+        );
+    }
+
+    #[test]
+    fn models_carry_their_policy() {
+        let c = Config::parse(
+            "[[models]]\nname = \"m\"\nactive_decode_blocks_threshold = 0.7\n[models.policy]\noverlap_credit = 2.0\ntemperature = 0.1",
+        )
+        .unwrap();
+        let m = &c.models[0];
+        assert_eq!(m.thresholds.active_decode_blocks, Some(0.7));
+        assert_eq!(m.policy.overlap_credit, 2.0);
+        assert_eq!(m.policy.temperature, 0.1);
+        assert_eq!(
+            m.policy.host_weight,
+            kvgate_core::Policy::default().host_weight
+        );
     }
 }

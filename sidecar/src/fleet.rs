@@ -7,7 +7,7 @@
 //! *slot*, the small number that names it in the KV index shards.
 
 use crate::bookings::{Bookings, SlotLoad};
-use crate::config::{Config, ModelConfig, WorkerSpec, check_thresholds};
+use crate::config::{Config, ModelConfig, WorkerSpec};
 use crate::promtext::RankMetrics;
 use kvgate_core::busy::{DECODE_CLEAR_MARGIN, rank_busy};
 use kvgate_core::{ModelState, RankLoad, Snapshot, Thresholds, WorkerState};
@@ -51,12 +51,6 @@ pub struct WorkerEntry {
     latches: Vec<bool>,
 }
 
-#[derive(Debug, Clone)]
-pub struct ModelEntry {
-    pub thresholds: Thresholds,
-    pub lora_adapters: Vec<String>,
-}
-
 #[derive(Debug, Default)]
 struct Slots {
     next: u32,
@@ -76,7 +70,7 @@ impl Slots {
 
 #[derive(Debug)]
 pub struct Fleet {
-    pub models: BTreeMap<String, ModelEntry>,
+    pub models: BTreeMap<String, ModelConfig>,
     pub workers: BTreeMap<u64, WorkerEntry>,
     slots: Slots,
     kv_shards: u32,
@@ -88,15 +82,7 @@ impl Fleet {
             models: config
                 .models
                 .iter()
-                .map(|m| {
-                    (
-                        m.name.clone(),
-                        ModelEntry {
-                            thresholds: m.thresholds(),
-                            lora_adapters: m.lora_adapters.clone(),
-                        },
-                    )
-                })
+                .map(|m| (m.name.clone(), m.clone()))
                 .collect(),
             workers: BTreeMap::new(),
             slots: Slots::default(),
@@ -211,26 +197,14 @@ impl Fleet {
 
     /// Sets a model's thresholds (live tuning); validates ranges.
     pub fn set_thresholds(&mut self, model: &str, t: Thresholds) -> Result<(), FleetError> {
-        check_thresholds(&t).map_err(FleetError::Invalid)?;
+        t.validate()
+            .map_err(|e| FleetError::Invalid(e.to_string()))?;
         let m = self
             .models
             .get_mut(model)
             .ok_or_else(|| FleetError::UnknownModel(model.into()))?;
         m.thresholds = t;
         Ok(())
-    }
-
-    pub fn model_configs(&self) -> Vec<ModelConfig> {
-        self.models
-            .iter()
-            .map(|(name, m)| ModelConfig {
-                name: name.clone(),
-                active_decode_blocks_threshold: m.thresholds.active_decode_blocks,
-                active_prefill_tokens_threshold: m.thresholds.active_prefill_tokens,
-                active_prefill_tokens_threshold_frac: m.thresholds.active_prefill_tokens_frac,
-                lora_adapters: m.lora_adapters.clone(),
-            })
-            .collect()
     }
 
     /// Records a scrape. Returns whether the worker's up state changed.
@@ -295,6 +269,7 @@ impl Fleet {
                         workers: Vec::new(),
                         retry_after_s: 0,
                         lora_adapters: m.lora_adapters.clone(),
+                        policy: m.policy,
                     },
                 )
             })

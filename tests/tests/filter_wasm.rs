@@ -4,7 +4,7 @@
 
 use kvgate_core::shard::{Holder, encode as encode_shard};
 use kvgate_core::update;
-use kvgate_core::{ModelState, RankLoad, Snapshot, Thresholds, WorkerState};
+use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState};
 use kvgate_tests::filter_wasm;
 use kvgate_tests::host::{Filter, Shared, SharedRef, Vm};
 use serde_json::{Value, json};
@@ -56,15 +56,12 @@ fn fleet(version: u64) -> Snapshot {
         models: vec![
             ModelState {
                 name: "m".into(),
-                thresholds: Thresholds::default(),
-                shard_count: 0,
-                retry_after_s: 0,
-                lora_adapters: Vec::new(),
                 workers: vec![
                     worker(1, vec![rank(0, 40, false)]),
                     worker(2, vec![rank(0, 10, false)]),
                     worker(3, vec![rank(0, 30, false)]),
                 ],
+                ..Default::default()
             },
             ModelState {
                 name: "dp".into(),

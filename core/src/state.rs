@@ -1,0 +1,322 @@
+//! The fleet state every part of kvgate reads: defined once here, encoded
+//! for Envoy by [`crate::snapshot`], read from configuration and served as
+//! JSON by the sidecar (with the `serde` feature).
+//!
+//! Validation lives on the types, so a threshold or a weight is checked the
+//! same way whether it comes from a file, a flag or the control API.
+
+#[cfg(feature = "serde")]
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// The tenant of workers and requests that name none (Dynamo's default).
+pub const DEFAULT_TENANT: &str = "default";
+
+/// A decoded snapshot of the fleet.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct Snapshot {
+    /// Monotonic per sidecar process; a change means "re-read me".
+    pub version: u64,
+    /// When the sidecar built it, Unix milliseconds.
+    pub built_at_ms: u64,
+    pub models: Vec<ModelState>,
+    /// Per router VM, the highest booking sequence this snapshot's load
+    /// includes (minor 1). A VM adds its own later bookings on top.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub applied: Vec<Applied>,
+}
+
+/// The bookings of one router VM that a snapshot already counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct Applied {
+    pub vm: u64,
+    pub seq: u64,
+}
+
+/// One served model: its shedding thresholds, its cost weights and its
+/// schedulable workers.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct ModelState {
+    pub name: String,
+    pub thresholds: Thresholds,
+    /// Number of KV index shards published for this model; 0 when no worker
+    /// of the model publishes KV events (no prefix index).
+    pub shard_count: u32,
+    /// Only workers the sidecar considers up; a configured model with none is
+    /// still listed so the filter can tell "no workers" from "unknown model".
+    pub workers: Vec<WorkerState>,
+    /// Seconds until the first busy worker is expected to take work again,
+    /// from the observed drain rate (minor 1); 0 when unknown.
+    pub retry_after_s: u32,
+    /// LoRA adapters served by this model's workers (minor 3): a request
+    /// naming one routes to these workers and is hashed under the adapter.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub lora_adapters: Vec<String>,
+    /// The cost weights requests of this model are placed with (minor 4;
+    /// older snapshots carry the defaults).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub policy: Policy,
+}
+
+/// One worker (an engine process group behind one HTTP endpoint).
+#[derive(Debug, Clone, Default, PartialEq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct WorkerState {
+    pub id: u64,
+    /// `ip:port`, exactly what the routed cluster connects to.
+    pub endpoint: String,
+    pub block_size: u32,
+    /// One entry per data-parallel rank, in rank order.
+    pub ranks: Vec<RankLoad>,
+    /// Selection scope within the model (minor 2): a request of one tenant
+    /// is only ever placed on that tenant's workers.
+    pub tenant: String,
+}
+
+/// Load of one data-parallel rank, merged from engine metrics and gateway
+/// bookings by the sidecar.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct RankLoad {
+    pub rank: u32,
+    /// The rank's number in the KV index shards of its model.
+    pub slot: u16,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub kv_used_blocks: u64,
+    pub kv_total_blocks: u64,
+    pub max_num_batched_tokens: u64,
+    pub running: u32,
+    pub waiting: u32,
+    pub busy: bool,
+}
+
+impl Snapshot {
+    /// The model a request's `model` names: a served model, or the base
+    /// model of a LoRA adapter (then `name` differs from the result's).
+    pub fn model(&self, name: &str) -> Option<&ModelState> {
+        self.models.iter().find(|m| m.name == name).or_else(|| {
+            self.models
+                .iter()
+                .find(|m| m.lora_adapters.iter().any(|a| a == name))
+        })
+    }
+}
+
+/// Per-model shedding thresholds. `None` disables that condition; all `None`
+/// means the model never sheds. The serialized names are Dynamo's, so its
+/// `busy_threshold` clients and configuration carry over.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct Thresholds {
+    /// Fraction of KV blocks (0–1) above which decode load makes a rank busy.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "active_decode_blocks_threshold", default)
+    )]
+    pub active_decode_blocks: Option<f64>,
+    /// Absolute active prefill tokens above which a rank is busy.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "active_prefill_tokens_threshold", default)
+    )]
+    pub active_prefill_tokens: Option<u64>,
+    /// Multiple of `max_num_batched_tokens` above which a rank is busy.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "active_prefill_tokens_threshold_frac", default)
+    )]
+    pub active_prefill_tokens_frac: Option<f64>,
+}
+
+/// A value outside the range its field allows.
+#[derive(Debug, Clone, Error, PartialEq)]
+#[error("{field} must be {rule}, got {value}")]
+pub struct InvalidValue {
+    pub field: &'static str,
+    pub rule: &'static str,
+    pub value: f64,
+}
+
+impl Thresholds {
+    pub fn is_enabled(&self) -> bool {
+        self.active_decode_blocks.is_some()
+            || self.active_prefill_tokens.is_some()
+            || self.active_prefill_tokens_frac.is_some()
+    }
+
+    /// Decode within [0, 1], fraction above 0.
+    pub fn validate(&self) -> Result<(), InvalidValue> {
+        if let Some(d) = self.active_decode_blocks
+            && !(0.0..=1.0).contains(&d)
+        {
+            return Err(InvalidValue {
+                field: "active_decode_blocks_threshold",
+                rule: "within [0, 1]",
+                value: d,
+            });
+        }
+        if let Some(f) = self.active_prefill_tokens_frac
+            && !(f > 0.0 && f.is_finite())
+        {
+            return Err(InvalidValue {
+                field: "active_prefill_tokens_threshold_frac",
+                rule: "above 0",
+                value: f,
+            });
+        }
+        Ok(())
+    }
+
+    /// `self` with every condition `over` sets replaced by it.
+    pub fn overridden_by(self, over: &Thresholds) -> Thresholds {
+        Thresholds {
+            active_decode_blocks: over.active_decode_blocks.or(self.active_decode_blocks),
+            active_prefill_tokens: over.active_prefill_tokens.or(self.active_prefill_tokens),
+            active_prefill_tokens_frac: over
+                .active_prefill_tokens_frac
+                .or(self.active_prefill_tokens_frac),
+        }
+    }
+}
+
+/// Cost weights of [`crate::select`], with Dynamo's defaults. Configured
+/// per model and published in the snapshot, so an operator tunes them in
+/// one place and every router uses the same ones.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "serde", serde(default, deny_unknown_fields))]
+pub struct Policy {
+    /// Credit per device-resident prefix block, in prefill blocks.
+    pub overlap_credit: f64,
+    /// Credit per block held only in host memory.
+    pub host_weight: f64,
+    /// Credit per block held only on disk.
+    pub disk_weight: f64,
+    /// Weight of the prefill term against the decode term.
+    pub prefill_load_scale: f64,
+    /// Cost per running request on the rank.
+    pub decode_active_request_weight: f64,
+    /// 0 picks the minimum; above 0 samples from a softmax over the
+    /// range-normalised, negated logits.
+    pub temperature: f64,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            overlap_credit: 1.0,
+            host_weight: 0.75,
+            disk_weight: 0.25,
+            prefill_load_scale: 1.0,
+            decode_active_request_weight: 0.0,
+            temperature: 0.0,
+        }
+    }
+}
+
+impl Policy {
+    /// Every weight finite and not negative: a negative weight would turn a
+    /// cached prefix or a loaded rank into an attraction.
+    pub fn validate(&self) -> Result<(), InvalidValue> {
+        for (field, value) in [
+            ("overlap_credit", self.overlap_credit),
+            ("host_weight", self.host_weight),
+            ("disk_weight", self.disk_weight),
+            ("prefill_load_scale", self.prefill_load_scale),
+            (
+                "decode_active_request_weight",
+                self.decode_active_request_weight,
+            ),
+            ("temperature", self.temperature),
+        ] {
+            if !(value >= 0.0 && value.is_finite()) {
+                return Err(InvalidValue {
+                    field,
+                    rule: "finite and not negative",
+                    value,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thresholds_validate_their_ranges() {
+        let t = |d, f| Thresholds {
+            active_decode_blocks: d,
+            active_prefill_tokens: None,
+            active_prefill_tokens_frac: f,
+        };
+        assert!(t(Some(0.0), Some(0.1)).validate().is_ok());
+        assert!(t(Some(1.0), None).validate().is_ok());
+        let e = t(Some(1.5), None).validate().unwrap_err();
+        assert_eq!(e.field, "active_decode_blocks_threshold");
+        assert_eq!(
+            e.to_string(),
+            "active_decode_blocks_threshold must be within [0, 1], got 1.5"
+        );
+        assert!(t(None, Some(0.0)).validate().is_err());
+        assert!(t(None, Some(f64::INFINITY)).validate().is_err());
+        assert!(t(Some(f64::NAN), None).validate().is_err());
+    }
+
+    #[test]
+    fn overrides_replace_only_what_they_set() {
+        let file = Thresholds {
+            active_decode_blocks: Some(0.9),
+            active_prefill_tokens: Some(100),
+            active_prefill_tokens_frac: None,
+        };
+        let flags = Thresholds {
+            active_decode_blocks: Some(0.5),
+            ..Default::default()
+        };
+        assert_eq!(
+            file.overridden_by(&flags),
+            Thresholds {
+                active_decode_blocks: Some(0.5),
+                active_prefill_tokens: Some(100),
+                active_prefill_tokens_frac: None,
+            }
+        );
+    }
+
+    #[test]
+    fn policy_weights_must_be_finite_and_not_negative() {
+        assert!(Policy::default().validate().is_ok());
+        let bad = Policy {
+            host_weight: -0.1,
+            ..Policy::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "host_weight");
+        let bad = Policy {
+            temperature: f64::NAN,
+            ..Policy::default()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "temperature");
+    }
+
+    #[test]
+    fn adapters_resolve_to_their_base_model() {
+        let snap = Snapshot {
+            models: vec![ModelState {
+                name: "base".into(),
+                lora_adapters: vec!["sql".into()],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        assert_eq!(snap.model("base").map(|m| m.name.as_str()), Some("base"));
+        assert_eq!(snap.model("sql").map(|m| m.name.as_str()), Some("base"));
+        assert!(snap.model("other").is_none());
+    }
+}
