@@ -14,13 +14,13 @@ pub mod approx;
 pub mod booking;
 pub mod busy;
 pub mod hash;
-pub mod select;
+pub mod plan;
 pub mod shard;
 pub mod snapshot;
 pub mod state;
 pub mod update;
 
-pub use select::{Decision, RequestShape};
+pub use plan::{Placement, Plan, Rejection, Route};
 pub use snapshot::SnapshotError;
 pub use state::{
     Applied, DEFAULT_TENANT, InvalidValue, ModelState, Policy, RankLoad, Snapshot, Thresholds,

@@ -8,26 +8,24 @@
 //! * `kvgate_router` ([`router`]): the HTTP filter on every worker thread
 //!   that, per request, routes to a worker or answers locally.
 //!
-//! Everything that decides is host-agnostic and tested natively
-//! ([`config`], [`request`], [`decide`], [`poller`], [`manifest`],
-//! [`reply`]); the rest is thin glue over host calls ([`host`]).
+//! The decision itself is `kvgate_core::plan`, shared with the sidecar's
+//! selection API. What is left here is host-agnostic and tested natively
+//! ([`config`], [`poller`], [`manifest`], [`reply`]) or thin glue over
+//! host calls ([`host`], [`router`], [`service`]).
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
 pub mod config;
-pub mod decide;
-pub mod fresh;
 pub mod host;
 pub mod manifest;
 pub mod metrics;
-pub mod overlap;
 pub mod poller;
 pub mod reply;
-pub mod request;
 pub mod router;
 pub mod service;
+mod view;
 
 use config::Config;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};

@@ -3,6 +3,7 @@
 //! Bodies follow OpenAI's error shape, except the busy 503, which is the
 //! exact body Dynamo documents so clients written for Dynamo keep working.
 
+use kvgate_core::Rejection;
 use serde_json::json;
 
 /// The busy body, byte for byte.
@@ -58,6 +59,18 @@ fn openai(status: u32, kind: &str, message: &str) -> String {
 }
 
 impl Reply {
+    /// The reply to a request the plan refused. `model` is the name the
+    /// request used; `retry_after_s` is the configured hint, used when the
+    /// snapshot has none.
+    pub fn rejected(r: Rejection, model: &str, retry_after_s: u32) -> Reply {
+        match r {
+            Rejection::UnknownModel => Reply::unknown_model(model),
+            Rejection::NoWorkers => Reply::no_workers(model),
+            Rejection::AllBusy { retry_after_s: 0 } => Reply::busy(retry_after_s),
+            Rejection::AllBusy { retry_after_s } => Reply::busy(retry_after_s),
+        }
+    }
+
     pub fn busy(retry_after_s: u32) -> Reply {
         Reply {
             status: 503,
@@ -143,6 +156,34 @@ mod tests {
         assert_eq!(v["type"], "service_unavailable");
         assert_eq!(v["code"], 503);
         assert_eq!(Reply::busy(3).retry_after_s, Some(3));
+    }
+
+    #[test]
+    fn rejections_map_to_their_replies() {
+        let busy = |hint| {
+            Reply::rejected(
+                Rejection::AllBusy {
+                    retry_after_s: hint,
+                },
+                "m",
+                2,
+            )
+        };
+        assert_eq!(
+            busy(0).retry_after_s,
+            Some(2),
+            "no estimate: the configured hint"
+        );
+        assert_eq!(
+            busy(7).retry_after_s,
+            Some(7),
+            "the sidecar's estimate wins"
+        );
+        assert_eq!(busy(7).body, BUSY_BODY);
+        let r = Reply::rejected(Rejection::UnknownModel, "x", 2);
+        assert_eq!((r.status, r.reason), (404, Reason::UnknownModel));
+        let r = Reply::rejected(Rejection::NoWorkers, "x", 2);
+        assert_eq!((r.status, r.reason), (503, Reason::NoWorkers));
     }
 
     #[test]

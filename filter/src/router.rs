@@ -10,19 +10,17 @@
 //! counts it, into this VM's own view ([`Fresh`]).
 
 use crate::config::{Config, OnStale};
-use crate::decide::{Outcome, View, decide};
-use crate::fresh::{Fresh, Release};
 use crate::host;
 use crate::manifest::{self, Manifest};
 use crate::metrics::{RouterMetrics, inc, record};
-use crate::overlap;
 use crate::reply::Reply;
-use crate::request::{Endpoint, parse};
+use crate::view::View;
 use kvgate_core::DEFAULT_TENANT;
-use kvgate_core::Policy;
-use kvgate_core::approx::{self, Routed};
+use kvgate_core::approx::Routed;
 use kvgate_core::booking::{Event, Key};
-use kvgate_core::select;
+use kvgate_core::plan::local::{LocalBookings, Release};
+use kvgate_core::plan::request::{Endpoint, parse};
+use kvgate_core::plan::{self, Placement, Plan};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
@@ -34,7 +32,6 @@ pub struct RouterState {
     /// Envoy's vm_id, where the routed-decisions queue lives.
     vm_id: String,
     queue: Option<u32>,
-    policy: Policy,
     view: View,
     metrics: RouterMetrics,
     tie_break: u64,
@@ -43,7 +40,7 @@ pub struct RouterState {
     vm_tag: u64,
     next_seq: u64,
     bookings_queue: Option<u32>,
-    fresh: Fresh,
+    local: LocalBookings,
 }
 
 impl RouterState {
@@ -52,7 +49,6 @@ impl RouterState {
             config,
             vm_id,
             queue: None,
-            policy: Policy::default(),
             view: View::default(),
             metrics: RouterMetrics::define(),
             // Each worker thread's VM starts at a different point, so two
@@ -61,7 +57,7 @@ impl RouterState {
             vm_tag: host::random_u64(),
             next_seq: 0,
             bookings_queue: None,
-            fresh: Fresh::default(),
+            local: LocalBookings::default(),
         }
     }
 
@@ -81,7 +77,7 @@ impl RouterState {
             decode_blocks: u32::try_from(decode).unwrap_or(u32::MAX),
         });
         if let Some(snap) = self.view.snapshot.as_mut() {
-            self.fresh
+            self.local
                 .book(snap, seq, slot, prefill, decode, host::now_ms());
         }
         Booking {
@@ -149,26 +145,21 @@ struct Fallback {
     decode_blocks: u64,
 }
 
-/// The prefill tokens and decode blocks a request books on a worker whose
-/// rank holds `cached` of its prefix. The cached prefix is already resident
-/// and shared with the requests that put it there: only the new blocks add
-/// KV load, exactly what the cost charged the rank. Counting the prefix
-/// again would make every request of a prefix group look like a fresh load
-/// on its holder and push the group away from its cache.
-fn booked_load(
-    req: &crate::request::Parsed,
-    worker: &kvgate_core::WorkerState,
-    cached: select::Overlap,
-) -> (u64, u64) {
-    let bs = u64::from(worker.block_size.max(1));
-    let prefill = req.isl_tokens.saturating_sub(u64::from(cached.device) * bs);
-    let decode = select::new_blocks(req.isl_tokens, worker.block_size, cached.device);
-    (prefill, decode)
+/// The served-by header's value.
+fn served_by(p: &Placement<'_>) -> String {
+    format!("worker_id={}; dp_rank={}", p.worker.id, p.rank.rank)
 }
 
-/// The served-by header's value.
-fn served_by(worker_id: u64, rank: u32) -> String {
-    format!("worker_id={worker_id}; dp_rank={rank}")
+impl Fallback {
+    fn new(p: &Placement<'_>) -> Fallback {
+        Fallback {
+            endpoint: p.worker.endpoint.clone(),
+            served_by: served_by(p),
+            slot: p.rank.slot,
+            prefill_tokens: p.prefill_tokens,
+            decode_blocks: p.decode_blocks,
+        }
+    }
 }
 
 pub struct Request {
@@ -240,7 +231,7 @@ impl Request {
         {
             Ok(true) => {
                 if let Some(snap) = st.view.snapshot.as_mut() {
-                    st.fresh
+                    st.local
                         .settle(snap, st.vm_tag, host::now_ms(), st.config.stale_after_ms);
                 }
             }
@@ -257,108 +248,39 @@ impl Request {
             drop(guard);
             return self.reply(&Reply::stale());
         };
-        // An adapter's load and routing reports belong to its base model,
-        // the one the sidecar knows.
-        let served_model = snap
-            .model(&req.model)
-            .map_or_else(|| req.model.clone(), |m| m.name.clone());
         st.tie_break = st.tie_break.wrapping_add(1);
         let selecting = host::now_us();
-        // Token prompts: exact overlap from the engines' events, plus the
-        // prefixes of requests routed moments ago whose events have not
-        // arrived yet (the routed-prefix index). Text prompts: the routed-
-        // prefix index alone.
-        let mut chunks = Vec::new();
-        let mut kind = approx::ChunkKind::Text;
-        let (precise, routed) = match (
-            req.tokens.as_deref(),
-            req.text.as_deref(),
-            snap.model(&req.model),
-        ) {
-            (Some(tokens), _, Some(model)) => {
-                let scope = overlap::scope(model, &req.model, req.cache_salt.as_deref());
-                let precise = overlap::compute(model, tokens, scope, host::get_shared).0;
-                // When the events show a rank holding the whole prompt there
-                // is nothing in flight to bridge: no routed lookup, and no
-                // report of this request's chunks.
-                if overlap::holds_whole_prompt(model, &self.tenant, &precise, tokens.len()) {
-                    (precise, Vec::new())
-                } else {
-                    chunks = approx::token_chunk_hashes(tokens);
-                    approx::scope_chunks(&mut chunks, scope);
-                    kind = approx::ChunkKind::Tokens;
-                    let routed = overlap::approximate(model, &chunks, host::get_shared);
-                    (precise, routed)
-                }
-            }
-            (None, Some(text), Some(model)) => {
-                chunks = approx::chunk_hashes(text);
-                let scope = overlap::scope(model, &req.model, req.cache_salt.as_deref());
-                approx::scope_chunks(&mut chunks, scope);
-                (
-                    Vec::new(),
-                    overlap::approximate(model, &chunks, host::get_shared),
-                )
-            }
-            _ => (Vec::new(), Vec::new()),
-        };
-        let token_prompt = req.tokens.is_some();
-        let cached_of = |w: &kvgate_core::WorkerState, slot: u16| {
-            let routed = overlap::chunks_as_blocks(overlap::of(&routed, slot), w.block_size);
-            if token_prompt {
-                overlap::with_in_flight(overlap::of(&precise, slot), routed)
-            } else {
-                routed
-            }
-        };
-        let outcome = decide(
-            &st.config,
-            &st.policy,
+        let planned = plan::plan(
             snap,
             &req,
             &self.tenant,
             st.tie_break,
-            |w, r| cached_of(w, r.slot),
+            &mut host::get_shared,
+            &[],
         );
         record(
             st.metrics.selection_us,
             host::now_us().saturating_sub(selecting),
         );
-        let action = match outcome {
-            Outcome::Route {
-                worker,
-                rank,
-                set_rank,
-                fallback,
-            } => {
-                let (prefill, decode) = booked_load(&req, worker, cached_of(worker, rank.slot));
-                let slot = rank.slot;
-                self.fallback = fallback.map(|(w, r)| {
-                    let (prefill_tokens, decode_blocks) =
-                        booked_load(&req, w, cached_of(w, r.slot));
-                    Fallback {
-                        endpoint: w.endpoint.clone(),
-                        served_by: served_by(w.id, r.rank),
-                        slot: r.slot,
-                        prefill_tokens,
-                        decode_blocks,
-                    }
-                });
+        let action = match planned {
+            Plan::Route(route) => {
+                let first = &route.first;
+                self.fallback = route.fallback.as_ref().map(Fallback::new);
                 // Envoy's override-host balancer tries the list in order.
                 let destination = match &self.fallback {
-                    Some(f) => format!("{},{}", worker.endpoint, f.endpoint),
-                    None => worker.endpoint.clone(),
+                    Some(f) => format!("{},{}", first.worker.endpoint, f.endpoint),
+                    None => first.worker.endpoint.clone(),
                 };
                 self.routed = true;
-                // A retry books under the same (base) model.
-                self.model.clone_from(&served_model);
+                // Bookings, a retry's included, go under the base model.
+                self.model.clone_from(&route.model.name);
                 if !st.config.served_by_header.is_empty() {
-                    self.served_by = Some(served_by(worker.id, rank.rank));
+                    self.served_by = Some(served_by(first));
                 }
                 let c = &st.config;
                 let mut ok = host::set_request_header(&c.destination_header, &destination).is_ok();
-                ok &= if set_rank {
-                    host::set_request_header(&c.rank_header, &rank.rank.to_string()).is_ok()
+                ok &= if route.set_rank {
+                    host::set_request_header(&c.rank_header, &first.rank.rank.to_string()).is_ok()
                 } else {
                     host::remove_request_header(&c.rank_header).is_ok()
                 };
@@ -366,19 +288,15 @@ impl Request {
                     host::log(LogLevel::Error, "kvgate: could not set routing headers");
                 }
                 inc(st.metrics.routed);
-                if !chunks.is_empty() {
-                    let record = Routed {
-                        model: served_model.clone(),
-                        slot: rank.slot,
-                        kind,
-                        hashes: std::mem::take(&mut chunks),
-                    };
-                    report(&mut st.queue, &st.vm_id, &st.metrics, &record);
+                if let Some(record) = &route.report {
+                    report(&mut st.queue, &st.vm_id, &st.metrics, record);
                 }
-                self.booking = Some(st.book(&served_model, slot, prefill, decode));
+                let (slot, prefill, decode) =
+                    (first.rank.slot, first.prefill_tokens, first.decode_blocks);
+                self.booking = Some(st.book(&self.model, slot, prefill, decode));
                 None
             }
-            Outcome::Reply(r) => Some(r),
+            Plan::Reject(r) => Some(Reply::rejected(r, &req.model, st.config.retry_after_s)),
         };
         record(
             st.metrics.decision_us,
@@ -422,7 +340,7 @@ impl Request {
             // sidecar: a snapshot that counts it counts the release.
             fence: st.next_seq + 1,
         };
-        st.fresh
+        st.local
             .release(st.view.snapshot.as_mut(), release, host::now_ms());
         if done {
             st.send(&Event::Done { key });

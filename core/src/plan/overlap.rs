@@ -1,24 +1,102 @@
-//! Prefix overlap per slot, read from the index shards in shared data.
+//! Prefix overlap per slot, read from the index shards.
 //!
 //! The request's token ids are hashed exactly as the sidecar hashes engine
-//! events (`kvgate_core::hash`), per block size in use by the model's
-//! workers. Then [`kvgate_core::shard::overlaps`] searches the chain,
-//! reading a shard only when the search asks for a position in it; a shard
-//! read twice in one request is read from shared data once.
+//! events ([`crate::hash`]), per block size in use by the model's workers.
+//! Then [`crate::shard::overlaps`] searches the chain, reading a shard only
+//! when the search asks for a position in it; a shard read twice in one
+//! request is read once.
 
-use kvgate_core::ModelState;
-use kvgate_core::approx;
-use kvgate_core::hash::{CacheScope, scoped_sequence_hashes};
-use kvgate_core::select::Overlap;
-use kvgate_core::shard::{ShardView, SlotOverlap, overlaps, shard_of};
-use kvgate_core::update::shard_key;
+use super::request::Parsed;
+use super::select::Overlap;
+use crate::approx::{self, ChunkKind};
+use crate::hash::{CacheScope, scoped_sequence_hashes};
+use crate::shard::{ShardView, SlotOverlap, overlaps, shard_of};
+use crate::state::{ModelState, WorkerState};
+use crate::update::shard_key;
 use std::collections::HashMap;
+
+/// Where index shards come from: shared data in the filter, the sidecar's
+/// own published shards in its selection API. A shard is named by its
+/// shared-data key ([`shard_key`]); `None` is an empty shard.
+pub trait ShardSource {
+    fn read(&mut self, key: &str) -> Option<Vec<u8>>;
+}
+
+impl<F: FnMut(&str) -> Option<Vec<u8>>> ShardSource for F {
+    fn read(&mut self, key: &str) -> Option<Vec<u8>> {
+        self(key)
+    }
+}
+
+/// What each slot holds of one request: the engines' events (token
+/// prompts) and the routed-prefix index (requests placed moments ago).
+#[derive(Debug, Clone, Default)]
+pub struct Cached {
+    precise: Vec<SlotOverlap>,
+    routed: Vec<SlotOverlap>,
+    token_prompt: bool,
+}
+
+impl Cached {
+    /// The overlap `worker`'s rank in `slot` is charged with, in blocks.
+    pub fn of(&self, worker: &WorkerState, slot: u16) -> Overlap {
+        let routed = chunks_as_blocks(of(&self.routed, slot), worker.block_size);
+        if self.token_prompt {
+            with_in_flight(of(&self.precise, slot), routed)
+        } else {
+            routed
+        }
+    }
+}
+
+/// Looks `req` up in the index. Token prompts: exact overlap from the
+/// engines' events, plus the prefixes of requests routed moments ago whose
+/// events have not arrived yet. Text prompts: the routed-prefix index
+/// alone. Also returns the chunks to report if the request is routed:
+/// none when the events already show a rank holding the whole prompt,
+/// since then nothing is in flight to bridge.
+pub fn gather(
+    model: &ModelState,
+    req: &Parsed,
+    tenant: &str,
+    shards: &mut impl ShardSource,
+) -> (Cached, Option<(ChunkKind, Vec<u64>)>) {
+    let scope = scope(model, &req.model, req.cache_salt.as_deref());
+    let mut read = |k: &str| shards.read(k);
+    match (req.tokens.as_deref(), req.text.as_deref()) {
+        (Some(tokens), _) => {
+            let precise = compute(model, tokens, scope, &mut read).0;
+            let mut cached = Cached {
+                precise,
+                routed: Vec::new(),
+                token_prompt: true,
+            };
+            if holds_whole_prompt(model, tenant, &cached.precise, tokens.len()) {
+                return (cached, None);
+            }
+            let mut chunks = approx::token_chunk_hashes(tokens);
+            approx::scope_chunks(&mut chunks, scope);
+            cached.routed = approximate(model, &chunks, &mut read);
+            (cached, Some((ChunkKind::Tokens, chunks)))
+        }
+        (None, Some(text)) => {
+            let mut chunks = approx::chunk_hashes(text);
+            approx::scope_chunks(&mut chunks, scope);
+            let cached = Cached {
+                routed: approximate(model, &chunks, &mut read),
+                ..Cached::default()
+            };
+            (cached, Some((ChunkKind::Text, chunks)))
+        }
+        (None, None) => (Cached::default(), None),
+    }
+}
 
 /// Overlap of every slot of `model` with `tokens` in `scope` (the adapter
 /// and salt the request names), in blocks per tier. `read` fetches a
 /// shard's bytes by key. Returns the overlap table (indexed by slot) and
 /// the number of shards read.
-pub fn compute(
+fn compute(
     model: &ModelState,
     tokens: &[u32],
     scope: CacheScope<'_>,
@@ -56,7 +134,7 @@ pub fn compute(
 
 /// Overlap of every slot of `model` with a text prompt's chunks, from the
 /// approximate index learned from routing decisions.
-pub fn approximate(
+fn approximate(
     model: &ModelState,
     chunks: &[u64],
     mut read: impl FnMut(&str) -> Option<Vec<u8>>,
@@ -78,7 +156,7 @@ pub fn approximate(
 /// The cache scope of a request whose `model` field (`requested`)
 /// resolved to `model`: it names an adapter when it is not the model
 /// itself, and the salt is the body's `cache_salt`.
-pub fn scope<'a>(
+fn scope<'a>(
     model: &ModelState,
     requested: &'a str,
     cache_salt: Option<&'a str>,
@@ -126,7 +204,7 @@ fn search(
 }
 
 /// An approximate overlap in chunks, converted to blocks of `block_size`.
-pub fn chunks_as_blocks(o: Overlap, block_size: u32) -> Overlap {
+fn chunks_as_blocks(o: Overlap, block_size: u32) -> Overlap {
     let per = approx::CHUNK_TOKENS / block_size.max(1);
     Overlap {
         device: o.device.saturating_mul(per),
@@ -139,7 +217,7 @@ pub fn chunks_as_blocks(o: Overlap, block_size: u32) -> Overlap {
 /// hold. A prefix known only from routing is credited like one in host
 /// memory (`host_weight`): probably there by the time the request runs,
 /// but not surely, so a rank whose events confirm the same prefix wins.
-pub fn with_in_flight(precise: Overlap, routed: Overlap) -> Overlap {
+fn with_in_flight(precise: Overlap, routed: Overlap) -> Overlap {
     let host = precise.host.max(routed.device);
     Overlap {
         device: precise.device,
@@ -150,7 +228,7 @@ pub fn with_in_flight(precise: Overlap, routed: Overlap) -> Overlap {
 
 /// Whether some rank of `tenant` holds every full block of a
 /// `tokens`-long prompt on its device, per the events.
-pub fn holds_whole_prompt(
+fn holds_whole_prompt(
     model: &ModelState,
     tenant: &str,
     precise: &[SlotOverlap],
@@ -170,7 +248,7 @@ pub fn holds_whole_prompt(
 }
 
 /// The overlap of one slot, in the selector's terms.
-pub fn of(table: &[SlotOverlap], slot: u16) -> Overlap {
+fn of(table: &[SlotOverlap], slot: u16) -> Overlap {
     table
         .get(slot as usize)
         .map_or(Overlap::default(), |o| Overlap {
@@ -183,9 +261,9 @@ pub fn of(table: &[SlotOverlap], slot: u16) -> Overlap {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
-    use kvgate_core::shard::{Holder, TIER_DEVICE, encode};
-    use kvgate_core::{RankLoad, WorkerState};
+    use crate::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+    use crate::shard::{Holder, TIER_DEVICE, encode};
+    use crate::state::RankLoad;
 
     fn model(shards: u32) -> ModelState {
         ModelState {

@@ -18,8 +18,8 @@
 //! had gone through the sidecar and back, and the next request of its
 //! prefix group could be sent away from its cache.
 
-use kvgate_core::Snapshot;
-use kvgate_core::busy::rank_busy;
+use crate::busy::rank_busy;
+use crate::state::Snapshot;
 use std::collections::HashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,13 +64,13 @@ const MAX_RELEASED: usize = 8192;
 type Place = (usize, usize, usize);
 
 #[derive(Debug, Default)]
-pub struct Fresh {
+pub struct LocalBookings {
     entries: Vec<Entry>,
     released: Vec<Released>,
     places: HashMap<u16, Place>,
 }
 
-impl Fresh {
+impl LocalBookings {
     /// Number of bookings not yet in a snapshot.
     pub fn len(&self) -> usize {
         self.entries.len()
@@ -177,7 +177,7 @@ impl Fresh {
         };
         rank.active_prefill_tokens = shift(rank.active_prefill_tokens, prefill);
         rank.active_decode_blocks = shift(rank.active_decode_blocks, decode);
-        // Fresh load can make a rank busy before the sidecar says so; only
+        // LocalBookings load can make a rank busy before the sidecar says so; only
         // the sidecar, with the engine's view, clears it.
         if !rank.busy {
             let mut latch = false;
@@ -197,7 +197,7 @@ fn shift(v: u64, by: i64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvgate_core::{Applied, ModelState, RankLoad, Thresholds, WorkerState};
+    use crate::state::{Applied, ModelState, RankLoad, Thresholds, WorkerState};
 
     fn snap(applied: u64) -> Snapshot {
         let rank = |rank: u32, slot: u16| RankLoad {
@@ -238,7 +238,7 @@ mod tests {
 
     #[test]
     fn bookings_show_at_once_and_leave_when_released() {
-        let mut f = Fresh::default();
+        let mut f = LocalBookings::default();
         let mut s = snap(0);
         f.settle(&mut s, 9, 0, 1000);
         f.book(&mut s, 1, 5, 300, 20, 0);
@@ -274,7 +274,7 @@ mod tests {
 
     #[test]
     fn no_snapshot_brings_back_a_release() {
-        let mut f = Fresh::default();
+        let mut f = LocalBookings::default();
         let mut s = snap(0);
         f.settle(&mut s, 9, 0, 1000);
         f.book(&mut s, 1, 5, 0, 20, 0);
@@ -305,7 +305,7 @@ mod tests {
 
     #[test]
     fn a_release_before_the_sidecar_saw_the_booking_stays_released() {
-        let mut f = Fresh::default();
+        let mut f = LocalBookings::default();
         let mut s = snap(0);
         f.settle(&mut s, 9, 0, 1000);
         f.book(&mut s, 1, 5, 100, 20, 0);
@@ -325,7 +325,7 @@ mod tests {
 
     #[test]
     fn a_new_snapshot_keeps_only_what_it_does_not_count() {
-        let mut f = Fresh::default();
+        let mut f = LocalBookings::default();
         let mut s = snap(0);
         f.settle(&mut s, 9, 0, 1000);
         f.book(&mut s, 1, 4, 100, 10, 0);
@@ -351,7 +351,7 @@ mod tests {
 
     #[test]
     fn fresh_load_can_make_a_rank_busy() {
-        let mut f = Fresh::default();
+        let mut f = LocalBookings::default();
         let mut s = snap(0);
         f.settle(&mut s, 9, 0, 1000);
         f.book(&mut s, 1, 4, 0, 40, 0);
@@ -365,7 +365,7 @@ mod tests {
 
     #[test]
     fn unknown_slots_and_sequences_are_ignored() {
-        let mut f = Fresh::default();
+        let mut f = LocalBookings::default();
         let mut s = snap(0);
         f.settle(&mut s, 9, 0, 1000);
         f.book(&mut s, 1, 77, 10, 1, 0);

@@ -50,6 +50,14 @@ pub struct Overlap {
     pub disk: u32,
 }
 
+/// An extra term of the cost, beside the load and cache terms of
+/// [`Policy::logit`] (Dynamo's `WorkerScorer` idea): state the formula does
+/// not know, such as a hot GPU or a worker the planner is draining, makes
+/// a candidate dearer here. Costs are in the logit's unit, blocks.
+pub trait Term {
+    fn cost(&self, worker: &WorkerState, rank: &RankLoad) -> f64;
+}
+
 /// The outcome of selection for one request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Decision<'a> {
@@ -123,7 +131,7 @@ pub fn select<'a>(
     policy: &Policy,
     overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
 ) -> Decision<'a> {
-    select_with_runner_up(model, tenant, req, policy, overlap).0
+    select_with_runner_up(model, tenant, req, policy, &[], overlap).0
 }
 
 /// [`select`], plus the cheapest candidate on another worker than the
@@ -134,6 +142,7 @@ pub fn select_with_runner_up<'a>(
     tenant: &str,
     req: &RequestShape,
     policy: &Policy,
+    terms: &[&dyn Term],
     mut overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
 ) -> (Decision<'a>, Option<Choice<'a>>) {
     let mut any_rank = false;
@@ -150,7 +159,8 @@ pub fn select_with_runner_up<'a>(
                 continue;
             }
             let ov = overlap(worker, rank);
-            let logit = policy.logit(req, worker.block_size, rank, ov);
+            let logit = policy.logit(req, worker.block_size, rank, ov)
+                + terms.iter().map(|t| t.cost(worker, rank)).sum::<f64>();
             let choice = Choice {
                 worker,
                 rank,
@@ -358,7 +368,7 @@ mod tests {
                 sample: 0.0,
             };
             let (d, r) =
-                select_with_runner_up(m, DEFAULT_TENANT, &req, &Policy::default(), |_, _| {
+                select_with_runner_up(m, DEFAULT_TENANT, &req, &Policy::default(), &[], |_, _| {
                     Overlap::default()
                 });
             let Decision::Route(best) = d else {
@@ -396,6 +406,41 @@ mod tests {
             vec![rank(0, 0, 0, false), rank(1, 0, 0, false)],
         )]);
         assert_eq!(runner_up(&one, 0), (1, None));
+    }
+
+    #[test]
+    fn extra_terms_add_to_the_cost() {
+        struct Hot(u64);
+        impl Term for Hot {
+            fn cost(&self, worker: &WorkerState, _: &RankLoad) -> f64 {
+                if worker.id == self.0 { 1000.0 } else { 0.0 }
+            }
+        }
+        let m = model(vec![
+            worker(1, vec![rank(0, 0, 0, false)]),
+            worker(2, vec![rank(0, 0, 50, false)]),
+        ]);
+        let req = RequestShape {
+            isl_tokens: 100,
+            ..Default::default()
+        };
+        let pick = |terms: &[&dyn Term]| match select_with_runner_up(
+            &m,
+            DEFAULT_TENANT,
+            &req,
+            &Policy::default(),
+            terms,
+            |_, _| Overlap::default(),
+        ) {
+            (Decision::Route(c), _) => (c.worker.id, c.logit),
+            other => panic!("{other:?}"),
+        };
+        let (id, plain) = pick(&[]);
+        assert_eq!(id, 1, "the idle worker wins on load alone");
+        let hot = Hot(1);
+        assert_eq!(pick(&[&hot]).0, 2, "a term can outweigh load");
+        let cold = Hot(99);
+        assert_eq!(pick(&[&cold]), (1, plain), "a zero term changes nothing");
     }
 
     #[test]

@@ -1,0 +1,411 @@
+//! The decision for one request, from its body to a placement or a
+//! rejection: the one selection pipeline both front doors use (the filter
+//! in Envoy, the sidecar's selection API).
+//!
+//! ```text
+//! request::parse ─► overlap::gather ─► select (Policy + terms) ─► Plan
+//!                     ▲ shards (caller's)     ▲ snapshot + local::LocalBookings
+//! ```
+//!
+//! The caller supplies what differs between hosts: the snapshot (with its
+//! own not-yet-counted bookings applied by [`local::LocalBookings`]), the
+//! index shards through a [`ShardSource`], and any extra cost [`Term`]s. The
+//! result says everything the caller acts on: the worker and rank, the load
+//! to book there, the runner-up to retry on, the prefix record to report,
+//! or why the request is refused.
+
+pub mod local;
+pub mod overlap;
+pub mod request;
+pub mod select;
+
+use crate::approx::Routed;
+use crate::state::{ModelState, RankLoad, Snapshot, WorkerState};
+use request::Parsed;
+use select::{Choice, Decision, RequestShape, select_with_runner_up};
+
+pub use overlap::ShardSource;
+pub use select::{Overlap, Term};
+
+/// What to do with a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Plan<'a> {
+    Route(Route<'a>),
+    Reject(Rejection),
+}
+
+/// Why a request is refused without reaching a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    /// No model or adapter of that name.
+    UnknownModel,
+    /// The model is known but none of the tenant's workers is up.
+    NoWorkers,
+    /// Every rank of the tenant's workers is over a busy threshold. The
+    /// hint is the snapshot's estimate, 0 when it has none.
+    AllBusy { retry_after_s: u32 },
+}
+
+/// A routed request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route<'a> {
+    /// The model the fleet knows the request by: the base model when the
+    /// request names an adapter. Bookings and reports go under this name.
+    pub model: &'a ModelState,
+    pub first: Placement<'a>,
+    /// The cheapest candidate on another worker that the same routing
+    /// headers suit: where a retry goes if the first refuses.
+    pub fallback: Option<Placement<'a>>,
+    /// The worker has several ranks: the rank must be named to it.
+    pub set_rank: bool,
+    /// The request's prefix chunks for the routed-prefix index, when the
+    /// engines' events cannot yet show where it went.
+    pub report: Option<Routed>,
+}
+
+/// One candidate placement and what it costs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Placement<'a> {
+    pub worker: &'a WorkerState,
+    pub rank: &'a RankLoad,
+    /// Leading blocks of the request the rank holds, per tier.
+    pub overlap: Overlap,
+    pub logit: f64,
+    /// The load the request adds there: its prompt minus the resident
+    /// prefix, and the blocks it adds.
+    pub prefill_tokens: u64,
+    pub decode_blocks: u64,
+}
+
+/// Decides where `req` goes. `tie_break` spreads ties and seeds sampling;
+/// any per-request value works.
+pub fn plan<'a>(
+    snap: &'a Snapshot,
+    req: &Parsed,
+    tenant: &str,
+    tie_break: u64,
+    shards: &mut impl ShardSource,
+    terms: &[&dyn Term],
+) -> Plan<'a> {
+    let Some(model) = snap.model(&req.model) else {
+        return Plan::Reject(Rejection::UnknownModel);
+    };
+    let (cached, report) = overlap::gather(model, req, tenant, shards);
+    let shape = RequestShape {
+        isl_tokens: req.isl_tokens,
+        tie_break,
+        sample: (tie_break % 1_000_003) as f64 / 1_000_003.0,
+    };
+    let (decision, runner_up) =
+        select_with_runner_up(model, tenant, &shape, &model.policy, terms, |w, r| {
+            cached.of(w, r.slot)
+        });
+    match decision {
+        Decision::Route(first) => {
+            let set_rank = first.worker.ranks.len() > 1;
+            // A fallback must take the same headers: with a rank header it
+            // needs a rank of that number.
+            let fallback = runner_up.filter(|r| {
+                !set_rank || (r.worker.ranks.len() > 1 && r.rank.rank == first.rank.rank)
+            });
+            Plan::Route(Route {
+                model,
+                first: placement(req, first),
+                fallback: fallback.map(|c| placement(req, c)),
+                set_rank,
+                report: report
+                    .filter(|(_, h)| !h.is_empty())
+                    .map(|(kind, hashes)| Routed {
+                        model: model.name.clone(),
+                        slot: first.rank.slot,
+                        kind,
+                        hashes,
+                    }),
+            })
+        }
+        Decision::AllBusy => Plan::Reject(Rejection::AllBusy {
+            retry_after_s: model.retry_after_s,
+        }),
+        Decision::NoWorkers => Plan::Reject(Rejection::NoWorkers),
+    }
+}
+
+/// The load a request books on a rank that holds `c.overlap` of it. The
+/// cached prefix is already resident and shared with the requests that put
+/// it there: only the new blocks add KV load, exactly what the cost charged
+/// the rank. Counting the prefix again would make every request of a
+/// prefix group look like a fresh load on its holder and push the group
+/// away from its cache.
+fn placement<'a>(req: &Parsed, c: Choice<'a>) -> Placement<'a> {
+    let bs = u64::from(c.worker.block_size.max(1));
+    Placement {
+        worker: c.worker,
+        rank: c.rank,
+        overlap: c.overlap,
+        logit: c.logit,
+        prefill_tokens: req
+            .isl_tokens
+            .saturating_sub(u64::from(c.overlap.device) * bs),
+        decode_blocks: select::new_blocks(req.isl_tokens, c.worker.block_size, c.overlap.device),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::{CacheScope, scoped_sequence_hashes};
+    use crate::shard::{Holder, TIER_DEVICE, encode, shard_of};
+    use crate::state::{DEFAULT_TENANT, Policy};
+    use crate::update::shard_key;
+    use request::{Endpoint, parse};
+    use std::collections::HashMap;
+
+    fn rank(rank: u32, slot: u16, decode: u64, busy: bool) -> RankLoad {
+        RankLoad {
+            rank,
+            slot,
+            active_decode_blocks: decode,
+            busy,
+            ..Default::default()
+        }
+    }
+
+    fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
+        WorkerState {
+            id,
+            endpoint: format!("10.0.0.{id}:8000"),
+            block_size: 16,
+            ranks,
+            tenant: DEFAULT_TENANT.into(),
+        }
+    }
+
+    fn snapshot() -> Snapshot {
+        Snapshot {
+            version: 5,
+            built_at_ms: 1,
+            models: vec![
+                ModelState {
+                    name: "m".into(),
+                    workers: vec![
+                        worker(1, vec![rank(0, 0, 50, false)]),
+                        worker(2, vec![rank(0, 1, 10, true), rank(1, 2, 20, false)]),
+                    ],
+                    lora_adapters: vec!["m-lora".into()],
+                    ..Default::default()
+                },
+                ModelState {
+                    name: "empty".into(),
+                    ..Default::default()
+                },
+                ModelState {
+                    name: "busy".into(),
+                    workers: vec![worker(3, vec![rank(0, 0, 0, true)])],
+                    retry_after_s: 7,
+                    ..Default::default()
+                },
+            ],
+            applied: Vec::new(),
+        }
+    }
+
+    fn no_shards(_: &str) -> Option<Vec<u8>> {
+        None
+    }
+
+    fn run<'a>(snap: &'a Snapshot, body: &str) -> Plan<'a> {
+        let req = parse(Endpoint::Completions, body.as_bytes()).unwrap();
+        plan(snap, &req, DEFAULT_TENANT, 0, &mut no_shards, &[])
+    }
+
+    fn text(model: &str) -> String {
+        format!(r#"{{"model":"{model}","prompt":"hello"}}"#)
+    }
+
+    fn route(p: Plan<'_>) -> Route<'_> {
+        match p {
+            Plan::Route(r) => r,
+            other => panic!("expected a route, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn routes_to_the_least_loaded_free_rank() {
+        let s = snapshot();
+        let r = route(run(&s, &text("m")));
+        assert_eq!(
+            (r.first.worker.id, r.first.rank.rank, r.set_rank),
+            (2, 1, true)
+        );
+        assert_eq!(r.model.name, "m");
+        assert_eq!(
+            r.fallback, None,
+            "worker 1 has no rank 1 to take the rank header"
+        );
+    }
+
+    #[test]
+    fn the_fallback_is_the_next_cheapest_worker_the_headers_suit() {
+        let mut s = snapshot();
+        s.models[0].workers[1].ranks.remove(0);
+        let mut third = worker(9, vec![rank(0, 3, 90, false)]);
+        third.endpoint = "10.0.0.9:8000".into();
+        s.models[0].workers.push(third);
+        let r = route(run(&s, &text("m")));
+        let fb = r.fallback.expect("two other workers are free");
+        assert_eq!((r.first.worker.id, r.set_rank, fb.worker.id), (2, false, 1));
+    }
+
+    #[test]
+    fn rejections_say_why() {
+        let s = snapshot();
+        assert_eq!(
+            run(&s, &text("nope")),
+            Plan::Reject(Rejection::UnknownModel)
+        );
+        assert_eq!(run(&s, &text("empty")), Plan::Reject(Rejection::NoWorkers));
+        assert_eq!(
+            run(&s, &text("busy")),
+            Plan::Reject(Rejection::AllBusy { retry_after_s: 7 })
+        );
+        let req = parse(Endpoint::Completions, text("m").as_bytes()).unwrap();
+        assert_eq!(
+            plan(&s, &req, "team-x", 0, &mut no_shards, &[]),
+            Plan::Reject(Rejection::NoWorkers),
+            "another tenant's workers are not this tenant's"
+        );
+    }
+
+    #[test]
+    fn single_rank_workers_get_no_rank_header() {
+        let mut s = snapshot();
+        s.models[0].workers.remove(1);
+        assert!(!route(run(&s, &text("m"))).set_rank);
+    }
+
+    #[test]
+    fn the_models_policy_prices_the_candidates() {
+        // Worker 1 is idle but far from the request's cache; worker 2 holds
+        // nothing either, but the policy weighs running requests.
+        let mut s = snapshot();
+        s.models[0].workers = vec![worker(1, vec![rank(0, 0, 0, false)])];
+        s.models[0].workers[0].ranks[0].running = 10;
+        s.models[0]
+            .workers
+            .push(worker(2, vec![rank(0, 1, 5, false)]));
+        assert_eq!(route(run(&s, &text("m"))).first.worker.id, 1);
+        s.models[0].policy = Policy {
+            decode_active_request_weight: 1.0,
+            ..Policy::default()
+        };
+        assert_eq!(route(run(&s, &text("m"))).first.worker.id, 2);
+    }
+
+    /// Shards in which slot 1 holds the first `held` blocks of `tokens`.
+    fn index(tokens: &[u32], held: usize, scope: CacheScope<'_>) -> HashMap<String, Vec<u8>> {
+        let mut per_shard: HashMap<u32, Vec<(u64, Vec<Holder>)>> = HashMap::new();
+        for h in scoped_sequence_hashes(tokens, 16, scope)
+            .into_iter()
+            .take(held)
+        {
+            per_shard.entry(shard_of(h, 8)).or_default().push((
+                h,
+                vec![Holder {
+                    slot: 1,
+                    tiers: TIER_DEVICE,
+                }],
+            ));
+        }
+        per_shard
+            .into_iter()
+            .map(|(s, mut e)| (shard_key("m", s), encode(&mut e)))
+            .collect()
+    }
+
+    fn indexed() -> Snapshot {
+        let mut s = snapshot();
+        s.models[0].shard_count = 8;
+        s.models[0].workers = vec![
+            worker(1, vec![rank(0, 0, 0, false)]),
+            worker(2, vec![rank(0, 1, 0, false)]),
+        ];
+        s
+    }
+
+    fn tokens_body(model: &str, tokens: &[u32]) -> String {
+        format!(r#"{{"model":"{model}","prompt":{tokens:?}}}"#)
+    }
+
+    #[test]
+    fn a_cached_prefix_wins_and_books_only_the_new_blocks() {
+        let s = indexed();
+        let tokens: Vec<u32> = (0..160).collect();
+        let store = index(&tokens, 6, CacheScope::default());
+        let req = parse(Endpoint::Completions, tokens_body("m", &tokens).as_bytes()).unwrap();
+        let mut read = |k: &str| store.get(k).cloned();
+        let r = route(plan(&s, &req, DEFAULT_TENANT, 0, &mut read, &[]));
+        assert_eq!(r.first.worker.id, 2, "the holder of the prefix");
+        assert_eq!(r.first.overlap.device, 6);
+        assert_eq!(r.first.prefill_tokens, 160 - 6 * 16);
+        assert_eq!(r.first.decode_blocks, 10 - 6);
+        let fb = r.fallback.expect("worker 1 is free");
+        assert_eq!((fb.prefill_tokens, fb.decode_blocks), (160, 10));
+        let report = r
+            .report
+            .expect("a partial holder leaves something to bridge");
+        assert_eq!((report.model.as_str(), report.slot), ("m", 1));
+        assert_eq!(report.kind, crate::approx::ChunkKind::Tokens);
+    }
+
+    #[test]
+    fn a_rank_holding_the_whole_prompt_needs_no_report() {
+        let s = indexed();
+        let tokens: Vec<u32> = (0..64).collect();
+        let store = index(&tokens, 4, CacheScope::default());
+        let req = parse(Endpoint::Completions, tokens_body("m", &tokens).as_bytes()).unwrap();
+        let mut read = |k: &str| store.get(k).cloned();
+        let r = route(plan(&s, &req, DEFAULT_TENANT, 0, &mut read, &[]));
+        assert_eq!((r.first.worker.id, r.first.overlap.device), (2, 4));
+        assert_eq!(r.report, None);
+    }
+
+    #[test]
+    fn an_adapter_reads_its_own_chain_and_books_under_its_base_model() {
+        let s = indexed();
+        let tokens: Vec<u32> = (0..64).collect();
+        let adapter = CacheScope {
+            lora_name: Some("m-lora"),
+            cache_salt: None,
+        };
+        let store = index(&tokens, 4, adapter);
+        let mut read = |k: &str| store.get(k).cloned();
+        let req = parse(
+            Endpoint::Completions,
+            tokens_body("m-lora", &tokens).as_bytes(),
+        )
+        .unwrap();
+        let r = route(plan(&s, &req, DEFAULT_TENANT, 0, &mut read, &[]));
+        assert_eq!((r.model.name.as_str(), r.first.overlap.device), ("m", 4));
+        let base = parse(Endpoint::Completions, tokens_body("m", &tokens).as_bytes()).unwrap();
+        let r = route(plan(&s, &base, DEFAULT_TENANT, 0, &mut read, &[]));
+        assert_eq!(
+            r.first.overlap.device, 0,
+            "the base model never matches adapter blocks"
+        );
+    }
+
+    #[test]
+    fn text_prompts_report_their_chunks() {
+        let s = snapshot();
+        let long = "a fairly long system prompt, repeated. ".repeat(20);
+        let r = route(run(&s, &format!(r#"{{"model":"m","prompt":"{long}"}}"#)));
+        let report = r.report.expect("text is reported");
+        assert_eq!(report.kind, crate::approx::ChunkKind::Text);
+        assert!(!report.hashes.is_empty());
+        assert_eq!(
+            route(run(&s, &text("m"))).report,
+            None,
+            "too short for one chunk"
+        );
+    }
+}
