@@ -10,6 +10,7 @@
 //! precise index. This is how SGLang's router and the Gateway API Inference
 //! Extension's approximate prefix scorer work.
 
+use crate::wire::{Reader, WireError};
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -111,10 +112,8 @@ pub struct Routed {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum RoutedError {
-    #[error("routed record truncated")]
-    Truncated,
-    #[error("routed record model name is not UTF-8")]
-    BadUtf8,
+    #[error("routed record {0}")]
+    Wire(#[from] WireError),
     #[error("routed record has unknown chunk kind {0}")]
     UnknownKind(u8),
 }
@@ -135,36 +134,23 @@ impl Routed {
     }
 
     /// Decodes a concatenation of records.
-    pub fn decode_all(mut b: &[u8]) -> Result<Vec<Routed>, RoutedError> {
+    pub fn decode_all(b: &[u8]) -> Result<Vec<Routed>, RoutedError> {
+        let mut r = Reader::new(b);
         let mut out = Vec::new();
-        let take = |b: &mut &[u8], n: usize| -> Result<Vec<u8>, RoutedError> {
-            let (head, rest) = b.split_at_checked(n).ok_or(RoutedError::Truncated)?;
-            *b = rest;
-            Ok(head.to_vec())
-        };
-        while !b.is_empty() {
-            let l = take(&mut b, 2)?;
-            let name = take(&mut b, u16::from_le_bytes([l[0], l[1]]) as usize)?;
-            let model = String::from_utf8(name).map_err(|_| RoutedError::BadUtf8)?;
-            let s = take(&mut b, 2)?;
-            let kind = match take(&mut b, 1)?[0] {
+        while !r.is_empty() {
+            let model = r.string16()?;
+            let slot = r.u16()?;
+            let kind = match r.u8()? {
                 0 => ChunkKind::Text,
                 1 => ChunkKind::Tokens,
                 k => return Err(RoutedError::UnknownKind(k)),
             };
-            let n = take(&mut b, 4)?;
-            let n = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
-            if n.saturating_mul(8) > b.len() {
-                return Err(RoutedError::Truncated);
-            }
-            let raw = take(&mut b, n * 8)?;
-            let hashes = raw
-                .chunks_exact(8)
-                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-                .collect();
+            let n = r.u32()?;
+            r.plausible(n, 8, "chunk hashes")?;
+            let hashes = (0..n).map(|_| r.u64()).collect::<Result<_, _>>()?;
             out.push(Routed {
                 model,
-                slot: u16::from_le_bytes([s[0], s[1]]),
+                slot,
                 kind,
                 hashes,
             });
@@ -268,13 +254,16 @@ mod tests {
         for cut in 1..b.len() {
             let _ = Routed::decode_all(&b[..cut]);
         }
-        assert_eq!(
+        assert!(matches!(
             Routed::decode_all(&b[..b.len() - 1]),
-            Err(RoutedError::Truncated)
-        );
+            Err(RoutedError::Wire(WireError::Truncated { .. }))
+        ));
         let mut huge = b.clone();
         huge[6..10].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(Routed::decode_all(&huge), Err(RoutedError::Truncated));
+        assert!(matches!(
+            Routed::decode_all(&huge),
+            Err(RoutedError::Wire(WireError::ImplausibleCount { .. }))
+        ));
         let mut odd = b.clone();
         odd[5] = 7;
         assert_eq!(Routed::decode_all(&odd), Err(RoutedError::UnknownKind(7)));

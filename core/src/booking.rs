@@ -18,6 +18,7 @@
 //! The wire form is a concatenation of records, each a tag byte and fixed
 //! little-endian fields, with strings as a u16 length and UTF-8 bytes.
 
+use crate::wire::{Reader, WireError};
 use thiserror::Error;
 
 /// Names one booking: unique per gateway VM, ordered within it.
@@ -55,12 +56,10 @@ const TAG_REJECTED: u8 = 4;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum BookingError {
-    #[error("booking record truncated at byte {0}")]
-    Truncated(usize),
+    #[error("booking record {0}")]
+    Wire(#[from] WireError),
     #[error("unknown booking record tag {tag} at byte {at}")]
     UnknownTag { tag: u8, at: usize },
-    #[error("booking record at byte {0} holds a string that is not UTF-8")]
-    BadUtf8(usize),
 }
 
 impl Event {
@@ -108,18 +107,18 @@ impl Event {
 /// Decodes a batch of concatenated records. A bad record fails the whole
 /// batch: its length is unknown, so nothing after it can be trusted.
 pub fn decode_batch(bytes: &[u8]) -> Result<Vec<Event>, BookingError> {
-    let mut r = Reader { buf: bytes, pos: 0 };
+    let mut r = Reader::new(bytes);
     let mut out = Vec::new();
-    while r.pos < bytes.len() {
-        let at = r.pos;
+    while !r.is_empty() {
+        let at = r.pos();
         let tag = r.u8()?;
         let ev = match tag {
             TAG_BOOK => {
-                let key = r.key()?;
+                let key = key(&mut r)?;
                 let slot = r.u16()?;
                 let prefill_tokens = r.u32()?;
                 let decode_blocks = r.u32()?;
-                let model = r.string()?;
+                let model = r.string16()?;
                 Event::Book {
                     key,
                     model,
@@ -128,11 +127,11 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<Event>, BookingError> {
                     decode_blocks,
                 }
             }
-            TAG_FIRST_BYTE => Event::FirstByte { key: r.key()? },
-            TAG_DONE => Event::Done { key: r.key()? },
+            TAG_FIRST_BYTE => Event::FirstByte { key: key(&mut r)? },
+            TAG_DONE => Event::Done { key: key(&mut r)? },
             TAG_REJECTED => {
-                let model = r.string()?;
-                let reason = r.string()?;
+                let model = r.string16()?;
+                let reason = r.string16()?;
                 Event::Rejected { model, reason }
             }
             tag => return Err(BookingError::UnknownTag { tag, at }),
@@ -156,55 +155,11 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&s.as_bytes()[..end]);
 }
 
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], BookingError> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .filter(|e| *e <= self.buf.len())
-            .ok_or(BookingError::Truncated(self.pos))?;
-        let s = &self.buf[self.pos..end];
-        self.pos = end;
-        Ok(s)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], BookingError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn u8(&mut self) -> Result<u8, BookingError> {
-        Ok(self.array::<1>()?[0])
-    }
-    fn u16(&mut self) -> Result<u16, BookingError> {
-        Ok(u16::from_le_bytes(self.array()?))
-    }
-    fn u32(&mut self) -> Result<u32, BookingError> {
-        Ok(u32::from_le_bytes(self.array()?))
-    }
-    fn u64(&mut self) -> Result<u64, BookingError> {
-        Ok(u64::from_le_bytes(self.array()?))
-    }
-    fn key(&mut self) -> Result<Key, BookingError> {
-        Ok(Key {
-            vm: self.u64()?,
-            seq: self.u64()?,
-        })
-    }
-    fn string(&mut self) -> Result<String, BookingError> {
-        let len = self.u16()? as usize;
-        let at = self.pos;
-        let bytes = self.take(len)?;
-        std::str::from_utf8(bytes)
-            .map(str::to_owned)
-            .map_err(|_| BookingError::BadUtf8(at))
-    }
+fn key(r: &mut Reader<'_>) -> Result<Key, WireError> {
+    Ok(Key {
+        vm: r.u64()?,
+        seq: r.u64()?,
+    })
 }
 
 #[cfg(test)]
@@ -245,7 +200,10 @@ mod tests {
     fn bad_input_is_an_error_naming_the_byte() {
         let mut bytes = Event::Done { key: key(3) }.encode();
         bytes.pop();
-        assert_eq!(decode_batch(&bytes), Err(BookingError::Truncated(9)));
+        assert!(matches!(
+            decode_batch(&bytes),
+            Err(BookingError::Wire(WireError::Truncated { offset: 9, .. }))
+        ));
         assert_eq!(
             decode_batch(&[9, 0, 0]),
             Err(BookingError::UnknownTag { tag: 9, at: 0 })
@@ -256,7 +214,10 @@ mod tests {
         }
         .encode();
         bad[3] = 0xff;
-        assert_eq!(decode_batch(&bad), Err(BookingError::BadUtf8(3)));
+        assert_eq!(
+            decode_batch(&bad),
+            Err(BookingError::Wire(WireError::BadUtf8 { offset: 3 }))
+        );
     }
 
     proptest! {

@@ -5,6 +5,16 @@
 //! filter decodes snapshots and picks a worker per request). Keeping it free of
 //! Envoy, tokio and ZMQ is what lets both hosts give the same answer for the
 //! same inputs.
+//!
+//! * [`state`]: the fleet state types, defined once (serde behind the
+//!   `serde` feature), with their validation;
+//! * [`plan`]: the decision for one request, from its body to a placement
+//!   or a rejection, with the cost in [`plan::select`];
+//! * [`busy`]: the shedding rules; [`hash`]: block and prefix hashes;
+//! * the binary formats between the parts, all read through one
+//!   bounds-checked reader: [`snapshot`], [`update`] frames, [`booking`]
+//!   events, [`approx`] routing reports and index [`shard`]s.
+#![forbid(unsafe_code)]
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
@@ -19,6 +29,7 @@ pub mod shard;
 pub mod snapshot;
 pub mod state;
 pub mod update;
+mod wire;
 
 pub use plan::{Placement, Plan, Rejection, Route};
 pub use snapshot::SnapshotError;
@@ -26,3 +37,4 @@ pub use state::{
     Applied, DEFAULT_TENANT, InvalidValue, ModelState, Policy, RankLoad, Snapshot, Thresholds,
     WorkerState,
 };
+pub use wire::WireError;

@@ -25,6 +25,7 @@
 //!
 //! Hashes are searched in place; a lookup copies nothing.
 
+use crate::wire::{Reader, WireError};
 use thiserror::Error;
 
 pub const SHARD_FORMAT: u8 = 1;
@@ -51,8 +52,8 @@ pub struct Holder {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ShardError {
-    #[error("shard truncated")]
-    Truncated,
+    #[error("shard {0}")]
+    Wire(#[from] WireError),
     #[error("shard format {0} is not supported")]
     Format(u8),
     #[error("shard offsets are inconsistent")]
@@ -109,25 +110,18 @@ impl<'a> ShardView<'a> {
                 holders: &[],
             });
         }
-        let format = bytes[0];
+        let mut r = Reader::new(bytes);
+        let format = r.u8()?;
         if format != SHARD_FORMAT {
             return Err(ShardError::Format(format));
         }
-        let count = bytes.get(1..5).ok_or(ShardError::Truncated)?;
-        let n = u32::from_le_bytes([count[0], count[1], count[2], count[3]]) as usize;
-        let hashes_end = n
-            .checked_mul(8)
-            .and_then(|x| x.checked_add(5))
-            .ok_or(ShardError::Truncated)?;
-        let offsets_end = (n + 1)
-            .checked_mul(4)
-            .and_then(|x| x.checked_add(hashes_end))
-            .ok_or(ShardError::Truncated)?;
-        let hashes = bytes.get(5..hashes_end).ok_or(ShardError::Truncated)?;
-        let offsets = bytes
-            .get(hashes_end..offsets_end)
-            .ok_or(ShardError::Truncated)?;
-        let holders = bytes.get(offsets_end..).ok_or(ShardError::Truncated)?;
+        let count = r.u32()?;
+        // Each entry is a hash and an offset (one more offset ends them).
+        r.plausible(count, 8 + 4, "shard entries")?;
+        let n = count as usize;
+        let hashes = r.take(n * 8)?;
+        let offsets = r.take((n + 1) * 4)?;
+        let holders = r.take(r.remaining())?;
         let view = ShardView {
             n,
             hashes,

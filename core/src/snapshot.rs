@@ -18,6 +18,7 @@
 use crate::state::{
     Applied, DEFAULT_TENANT, ModelState, Policy, RankLoad, Snapshot, Thresholds, WorkerState,
 };
+use crate::wire::{Reader, WireError};
 use thiserror::Error;
 
 /// Leading bytes of every snapshot.
@@ -32,12 +33,8 @@ pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 /// Why a byte string is not a snapshot this build can use.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum SnapshotError {
-    #[error("snapshot truncated: needed {needed} bytes at offset {offset}, {available} available")]
-    Truncated {
-        offset: usize,
-        needed: usize,
-        available: usize,
-    },
+    #[error("snapshot {0}")]
+    Wire(#[from] WireError),
     #[error("not a kvgate snapshot (bad magic)")]
     BadMagic,
     #[error("snapshot major version {found} is not supported (this build reads {supported})")]
@@ -46,10 +43,6 @@ pub enum SnapshotError {
     LengthMismatch { declared: usize, actual: usize },
     #[error("snapshot record at offset {offset} declares length {len}, shorter than its fields")]
     RecordTooShort { offset: usize, len: usize },
-    #[error("snapshot string at offset {offset} is not UTF-8")]
-    BadUtf8 { offset: usize },
-    #[error("snapshot has {count} {what}, more than its bytes can hold")]
-    ImplausibleCount { what: &'static str, count: u32 },
     #[error("snapshot field {field} is too large to encode")]
     TooLarge { field: &'static str },
 }
@@ -190,13 +183,13 @@ impl Snapshot {
     /// Decodes a snapshot, validating every length against the input.
     pub fn decode(bytes: &[u8]) -> Result<Snapshot, SnapshotError> {
         let header = Header::parse(bytes)?;
-        let mut r = Reader::new(bytes, HEADER_LEN);
+        let mut r = Reader::at(bytes, HEADER_LEN);
         let model_count = r.u32()?;
         r.plausible(model_count, 4 + MODEL_FIXED, "models")?;
         let mut models = Vec::with_capacity(model_count as usize);
         for _ in 0..model_count {
-            let mut m = r.record32(MODEL_FIXED)?;
-            let name = m.string()?;
+            let mut m = record32(&mut r, MODEL_FIXED)?;
+            let name = m.string16()?;
             let flags = m.u8()?;
             let decode_th = m.f64()?;
             let prefill_th = m.u64()?;
@@ -211,15 +204,15 @@ impl Snapshot {
             m.plausible(worker_count, 4 + WORKER_FIXED, "workers")?;
             let mut workers = Vec::with_capacity(worker_count as usize);
             for _ in 0..worker_count {
-                let mut w = m.record32(WORKER_FIXED)?;
+                let mut w = record32(&mut m, WORKER_FIXED)?;
                 let id = w.u64()?;
-                let endpoint = w.string()?;
+                let endpoint = w.string16()?;
                 let block_size = w.u32()?;
                 let rank_count = w.u32()?;
                 w.plausible(rank_count, 2 + RANK_FIXED, "ranks")?;
                 let mut ranks = Vec::with_capacity(rank_count as usize);
                 for _ in 0..rank_count {
-                    let mut k = w.record16(RANK_FIXED)?;
+                    let mut k = record16(&mut w, RANK_FIXED)?;
                     ranks.push(RankLoad {
                         rank: k.u32()?,
                         slot: k.u16()?,
@@ -234,7 +227,7 @@ impl Snapshot {
                     });
                 }
                 let tenant = if w.remaining() >= 2 {
-                    w.string()?
+                    w.string16()?
                 } else {
                     DEFAULT_TENANT.to_string()
                 };
@@ -253,7 +246,7 @@ impl Snapshot {
                 m.plausible(count, 2, "lora adapters")?;
                 lora_adapters.reserve(count as usize);
                 for _ in 0..count {
-                    lora_adapters.push(m.string()?);
+                    lora_adapters.push(m.string16()?);
                 }
             }
             let mut policy = Policy::default();
@@ -330,16 +323,16 @@ pub struct Header {
 impl Header {
     pub fn parse(bytes: &[u8]) -> Result<Header, SnapshotError> {
         if bytes.len() < 8 {
-            return Err(SnapshotError::Truncated {
+            return Err(SnapshotError::Wire(WireError::Truncated {
                 offset: 0,
                 needed: HEADER_LEN,
                 available: bytes.len(),
-            });
+            }));
         }
         if bytes[..4] != MAGIC {
             return Err(SnapshotError::BadMagic);
         }
-        let mut r = Reader::new(bytes, 4);
+        let mut r = Reader::at(bytes, 4);
         let major = r.u16()?;
         if major != MAJOR {
             return Err(SnapshotError::UnsupportedMajor {
@@ -393,105 +386,30 @@ fn end_record(out: &mut [u8], at: usize, field: &'static str) -> Result<(), Snap
     Ok(())
 }
 
-/// A bounds-checked cursor over a byte window.
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
+/// A record with a u32 length prefix that covers at least `fixed` bytes.
+fn record32<'a>(r: &mut Reader<'a>, fixed: usize) -> Result<Reader<'a>, SnapshotError> {
+    let offset = r.pos();
+    let len = r.u32()? as usize;
+    record(r, offset, len, fixed)
 }
 
-impl<'a> Reader<'a> {
-    fn new(buf: &'a [u8], pos: usize) -> Self {
-        Reader { buf, pos }
-    }
+/// A record with a u16 length prefix (rank records: small and numerous).
+fn record16<'a>(r: &mut Reader<'a>, fixed: usize) -> Result<Reader<'a>, SnapshotError> {
+    let offset = r.pos();
+    let len = r.u16()? as usize;
+    record(r, offset, len, fixed)
+}
 
-    fn remaining(&self) -> usize {
-        self.buf.len().saturating_sub(self.pos)
+fn record<'a>(
+    r: &mut Reader<'a>,
+    offset: usize,
+    len: usize,
+    fixed: usize,
+) -> Result<Reader<'a>, SnapshotError> {
+    if len < fixed {
+        return Err(SnapshotError::RecordTooShort { offset, len });
     }
-
-    fn take(&mut self, n: usize) -> Result<&'a [u8], SnapshotError> {
-        let available = self.buf.len().saturating_sub(self.pos);
-        if n > available {
-            return Err(SnapshotError::Truncated {
-                offset: self.pos,
-                needed: n,
-                available,
-            });
-        }
-        let s = &self.buf[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], SnapshotError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn u8(&mut self) -> Result<u8, SnapshotError> {
-        Ok(self.array::<1>()?[0])
-    }
-    fn u16(&mut self) -> Result<u16, SnapshotError> {
-        Ok(u16::from_le_bytes(self.array()?))
-    }
-    fn u32(&mut self) -> Result<u32, SnapshotError> {
-        Ok(u32::from_le_bytes(self.array()?))
-    }
-    fn u64(&mut self) -> Result<u64, SnapshotError> {
-        Ok(u64::from_le_bytes(self.array()?))
-    }
-    fn f64(&mut self) -> Result<f64, SnapshotError> {
-        Ok(f64::from_le_bytes(self.array()?))
-    }
-
-    fn string(&mut self) -> Result<String, SnapshotError> {
-        let len = self.u16()? as usize;
-        let offset = self.pos;
-        let bytes = self.take(len)?;
-        std::str::from_utf8(bytes)
-            .map(str::to_owned)
-            .map_err(|_| SnapshotError::BadUtf8 { offset })
-    }
-
-    /// Refuses a count that could not fit in the remaining bytes, so a
-    /// corrupted count cannot make us allocate gigabytes.
-    fn plausible(
-        &self,
-        count: u32,
-        min_each: usize,
-        what: &'static str,
-    ) -> Result<(), SnapshotError> {
-        let remaining = self.buf.len().saturating_sub(self.pos);
-        if (count as usize).saturating_mul(min_each) > remaining {
-            return Err(SnapshotError::ImplausibleCount { what, count });
-        }
-        Ok(())
-    }
-
-    fn sub(
-        &mut self,
-        len: usize,
-        fixed: usize,
-        offset: usize,
-    ) -> Result<Reader<'a>, SnapshotError> {
-        if len < fixed {
-            return Err(SnapshotError::RecordTooShort { offset, len });
-        }
-        let body = self.take(len)?;
-        Ok(Reader::new(body, 0))
-    }
-
-    fn record32(&mut self, fixed: usize) -> Result<Reader<'a>, SnapshotError> {
-        let offset = self.pos;
-        let len = self.u32()? as usize;
-        self.sub(len, fixed, offset)
-    }
-
-    fn record16(&mut self, fixed: usize) -> Result<Reader<'a>, SnapshotError> {
-        let offset = self.pos;
-        let len = self.u16()? as usize;
-        self.sub(len, fixed, offset)
-    }
+    Ok(r.window(len)?)
 }
 
 #[cfg(test)]
@@ -700,7 +618,10 @@ mod tests {
         bytes[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             Snapshot::decode(&bytes),
-            Err(SnapshotError::ImplausibleCount { what: "models", .. })
+            Err(SnapshotError::Wire(WireError::ImplausibleCount {
+                what: "models",
+                ..
+            }))
         ));
     }
 

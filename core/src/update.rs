@@ -17,6 +17,7 @@
 //! u32 shard count, per shard: u16 model_len, model, u32 shard, u32 len, bytes
 //! ```
 
+use crate::wire::{Reader, WireError};
 use thiserror::Error;
 
 pub const MAGIC: [u8; 4] = *b"KVGU";
@@ -45,18 +46,14 @@ pub struct ShardBytes<'a> {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum UpdateError {
-    #[error("update truncated at byte {0}")]
-    Truncated(usize),
+    #[error("update {0}")]
+    Wire(#[from] WireError),
     #[error("not a kvgate update (bad magic)")]
     BadMagic,
     #[error("update major version {0} is not supported (this build reads {MAJOR})")]
     UnsupportedMajor(u16),
     #[error("update length {declared} does not match the {actual} bytes present")]
     Length { declared: usize, actual: usize },
-    #[error("model name at byte {0} is not UTF-8")]
-    BadUtf8(usize),
-    #[error("update has {0} shards, more than its bytes can hold")]
-    ImplausibleCount(u32),
 }
 
 /// Encodes a frame. `shards` yields (model, shard, bytes).
@@ -96,42 +93,8 @@ pub fn encode<'a>(
     out
 }
 
-struct Cursor<'a> {
-    b: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], UpdateError> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .ok_or(UpdateError::Truncated(self.pos))?;
-        let s = self
-            .b
-            .get(self.pos..end)
-            .ok_or(UpdateError::Truncated(self.pos))?;
-        self.pos = end;
-        Ok(s)
-    }
-    fn u16(&mut self) -> Result<u16, UpdateError> {
-        let s = self.take(2)?;
-        Ok(u16::from_le_bytes([s[0], s[1]]))
-    }
-    fn u32(&mut self) -> Result<u32, UpdateError> {
-        let s = self.take(4)?;
-        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
-    }
-    fn u64(&mut self) -> Result<u64, UpdateError> {
-        let s = self.take(8)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(s);
-        Ok(u64::from_le_bytes(a))
-    }
-}
-
 pub fn decode(bytes: &[u8]) -> Result<Update<'_>, UpdateError> {
-    let mut c = Cursor { b: bytes, pos: 0 };
+    let mut c = Reader::new(bytes);
     if c.take(4)? != MAGIC {
         return Err(UpdateError::BadMagic);
     }
@@ -147,7 +110,7 @@ pub fn decode(bytes: &[u8]) -> Result<Update<'_>, UpdateError> {
     }
     let version = c.u64()?;
     let epoch = c.u64()?;
-    let flags = c.take(1)?[0];
+    let flags = c.u8()?;
     let snap_len = c.u32()? as usize;
     let snapshot = if snap_len == 0 {
         None
@@ -156,14 +119,10 @@ pub fn decode(bytes: &[u8]) -> Result<Update<'_>, UpdateError> {
     };
     let count = c.u32()?;
     // Each shard entry is at least 10 bytes.
-    if (count as usize).saturating_mul(10) > bytes.len() - c.pos {
-        return Err(UpdateError::ImplausibleCount(count));
-    }
+    c.plausible(count, 10, "shards")?;
     let mut shards = Vec::with_capacity(count as usize);
     for _ in 0..count {
-        let n = c.u16()? as usize;
-        let at = c.pos;
-        let model = std::str::from_utf8(c.take(n)?).map_err(|_| UpdateError::BadUtf8(at))?;
+        let model = c.str16()?;
         let shard = c.u32()?;
         let len = c.u32()? as usize;
         let bytes = c.take(len)?;

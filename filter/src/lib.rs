@@ -12,6 +12,7 @@
 //! selection API. What is left here is host-agnostic and tested natively
 //! ([`config`], [`poller`], [`manifest`], [`reply`]) or thin glue over
 //! host calls ([`host`], [`router`], [`service`]).
+#![forbid(unsafe_code)]
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)

@@ -25,9 +25,9 @@ pub mod mutate;
 pub mod run;
 
 use kvgate_core::approx::{self, Routed};
+use kvgate_core::plan::request::{self, Endpoint};
 use kvgate_core::shard::{self, Holder, ShardView, SlotOverlap};
 use kvgate_core::{Snapshot, booking, update};
-use kvgate_filter::request::{self, Endpoint};
 use kvgate_sidecar::kv::msgpack::Reader;
 use kvgate_sidecar::kv::replay::{self, Reply};
 use kvgate_sidecar::kv::stage::{Op, Staged};
