@@ -183,7 +183,7 @@ impl Thresholds {
     }
 }
 
-/// Cost weights of [`crate::select`], with Dynamo's defaults. Configured
+/// Cost weights of [`crate::plan::select`], with Dynamo's defaults. Configured
 /// per model and published in the snapshot, so an operator tunes them in
 /// one place and every router uses the same ones.
 #[derive(Debug, Clone, Copy, PartialEq)]

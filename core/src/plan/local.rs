@@ -53,7 +53,8 @@ pub struct Release {
     pub decode: u64,
     /// The request ended: nothing of the booking is left.
     pub done: bool,
-    /// See [`Released::fence`].
+    /// The next booking sequence this VM will make: a snapshot whose
+    /// watermark reaches it has heard this release too.
     pub fence: u64,
 }
 
