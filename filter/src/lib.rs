@@ -18,14 +18,14 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-pub mod config;
-pub mod host;
-pub mod manifest;
-pub mod metrics;
-pub mod poller;
-pub mod reply;
-pub mod router;
-pub mod service;
+mod config;
+mod host;
+mod manifest;
+mod metrics;
+mod poller;
+mod reply;
+mod router;
+mod service;
 mod view;
 
 use config::Config;

@@ -1,0 +1,132 @@
+//! The router: the HTTP filter on Envoy's worker threads.
+//!
+//! Per request it reads the 32-byte manifest from shared data, re-decodes the
+//! snapshot only when its version changed, and then decides from VM-local
+//! memory: route (write the destination and rank headers) or answer locally.
+//!
+//! A routed request books its load (see `kvgate_core::booking`): prefill
+//! tokens until its first response byte, decode blocks until it ends. The
+//! booking goes to the sidecar through a shared queue and, until a snapshot
+//! counts it, into this VM's own view (`kvgate_core::plan::local`).
+//!
+//! The decision itself is `kvgate_core::plan`; this module is the glue:
+//! host calls in, headers, replies and bookings out.
+
+mod request;
+
+use crate::config::Config;
+use crate::host;
+use crate::metrics::{RouterMetrics, inc};
+use crate::view::View;
+use kvgate_core::approx::Routed;
+use kvgate_core::booking::{Event, Key};
+use kvgate_core::plan::local::LocalBookings;
+
+pub(crate) use request::Request;
+
+/// State shared by the router root and its requests (one VM, one thread).
+pub struct RouterState {
+    pub config: Config,
+    /// Envoy's vm_id, where the routed-decisions queue lives.
+    vm_id: String,
+    queue: Option<u32>,
+    view: View,
+    metrics: RouterMetrics,
+    tie_break: u64,
+    /// Names this VM's bookings; random so that VMs of several Envoys
+    /// sharing a sidecar never collide.
+    vm_tag: u64,
+    next_seq: u64,
+    bookings_queue: Option<u32>,
+    local: LocalBookings,
+}
+
+impl RouterState {
+    pub fn new(config: Config, vm_id: String) -> RouterState {
+        RouterState {
+            config,
+            vm_id,
+            queue: None,
+            view: View::default(),
+            metrics: RouterMetrics::define(),
+            // Each worker thread's VM starts at a different point, so two
+            // VMs' first requests on an idle fleet do not pick the same rank.
+            tie_break: host::now_us().wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            vm_tag: host::random_u64(),
+            next_seq: 0,
+            bookings_queue: None,
+            local: LocalBookings::default(),
+        }
+    }
+
+    /// Books a routed request's load on `slot`: to the sidecar, and into
+    /// this VM's view until a snapshot counts it.
+    fn book(&mut self, model: &str, slot: u16, prefill: u64, decode: u64) -> Booking {
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        self.send(&Event::Book {
+            key: Key {
+                vm: self.vm_tag,
+                seq,
+            },
+            model: model.to_string(),
+            slot,
+            prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
+            decode_blocks: u32::try_from(decode).unwrap_or(u32::MAX),
+        });
+        if let Some(snap) = self.view.snapshot.as_mut() {
+            self.local
+                .book(snap, seq, slot, prefill, decode, host::now_ms());
+        }
+        Booking {
+            seq,
+            slot,
+            prefill,
+            decode,
+            first_byte: false,
+        }
+    }
+
+    /// Sends a booking event to the snapshot service. A failure costs
+    /// accuracy only: the sidecar expires what it never hears the end of.
+    fn send(&mut self, ev: &Event) {
+        if self.bookings_queue.is_none() {
+            self.bookings_queue = host::resolve_queue(&self.vm_id, host::BOOKINGS_QUEUE);
+        }
+        match self.bookings_queue.map(|q| host::enqueue(q, &ev.encode())) {
+            Some(Ok(())) => {}
+            _ => {
+                self.bookings_queue = None;
+                inc(self.metrics.booking_errors);
+            }
+        }
+    }
+
+    /// Hands a routing decision to the snapshot service, which forwards it
+    /// to the sidecar's routed-prefix index. The queue is resolved on first
+    /// use: the service registers it when it starts, possibly after this VM.
+    fn report(&mut self, record: &Routed) {
+        if self.queue.is_none() {
+            self.queue = host::resolve_queue(&self.vm_id, host::ROUTED_QUEUE);
+        }
+        let mut bytes = Vec::with_capacity(16 + record.hashes.len() * 8);
+        record.encode_into(&mut bytes);
+        match self.queue.map(|q| host::enqueue(q, &bytes)) {
+            Some(Ok(())) => {}
+            _ => {
+                self.queue = None;
+                inc(self.metrics.report_errors);
+            }
+        }
+    }
+}
+
+/// A routed request's booking, until it is released.
+#[derive(Debug, Clone, Copy)]
+struct Booking {
+    seq: u64,
+    slot: u16,
+    prefill: u64,
+    decode: u64,
+    first_byte: bool,
+}
