@@ -10,7 +10,7 @@
 
 use crate::build::{self};
 use anyhow::{Context, Result, bail};
-use kvgate_sim::cache::CacheEvent;
+use kvgate_sim::cache::{CacheEvent, Scope};
 use kvgate_sim::wire::{EventShape, HashMode, SimEvent, encode_batch};
 use kvgate_stack::{Stack, StackConfig, http};
 use serde_json::{Value, json};
@@ -54,6 +54,7 @@ impl Publisher {
                     hashes,
                     parent,
                     tokens: part.to_vec(),
+                    scope: Scope::default(),
                 }));
                 parent = last;
                 if events.len() == 64 {

@@ -1,6 +1,7 @@
 //! The simulator's HTTP surface: OpenAI-compatible completions (streaming
 //! and not), vLLM's `/metrics`, and a few admin endpoints for tests.
 
+use crate::cache::Scope;
 use crate::engine::{AdmitError, Admitted, Rank, TimeModel, admit};
 use crate::tokenizer::{render_chat, tokenize};
 use axum::Router;
@@ -18,6 +19,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub struct Sim {
     pub worker_id: u64,
     pub model: String,
+    /// LoRA adapters served besides the base model.
+    pub lora_modules: Vec<String>,
     pub default_max_tokens: usize,
     pub time: TimeModel,
     pub ranks: Vec<Arc<Rank>>,
@@ -58,6 +61,8 @@ fn bad(message: impl Into<String>) -> Response {
 /// A parsed request, whichever endpoint it came from.
 struct Job {
     chat: bool,
+    /// The adapter the request names and its salt.
+    scope: Scope,
     tokens: Vec<u32>,
     max_tokens: usize,
     stream: bool,
@@ -116,7 +121,8 @@ fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Box<Response>> {
     let model = v["model"]
         .as_str()
         .ok_or_else(|| bad("model is required"))?;
-    if model != sim.model {
+    let adapter = sim.lora_modules.iter().any(|a| a == model);
+    if model != sim.model && !adapter {
         return Err(Box::new(error(
             StatusCode::NOT_FOUND,
             "NotFoundError",
@@ -135,8 +141,17 @@ fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Box<Response>> {
         .or_else(|| v["max_completion_tokens"].as_u64())
         .map_or(sim.default_max_tokens, |m| m as usize)
         .max(1);
+    let cache_salt = match &v["cache_salt"] {
+        Value::Null => None,
+        Value::String(s) if !s.is_empty() => Some(s.clone()),
+        _ => return Err(Box::new(bad("cache_salt must be a non-empty string"))),
+    };
     Ok(Job {
         chat,
+        scope: Scope {
+            lora_name: adapter.then(|| model.to_string()),
+            cache_salt,
+        },
         tokens,
         max_tokens,
         stream: v["stream"].as_bool().unwrap_or(false),
@@ -197,7 +212,7 @@ async fn serve(sim: Arc<Sim>, headers: HeaderMap, body: Bytes, chat: bool) -> Re
         Ok(r) => r,
         Err(r) => return *r,
     };
-    let admitted = match admit(rank, &job.tokens, job.max_tokens).await {
+    let admitted = match admit(rank, &job.tokens, &job.scope, job.max_tokens).await {
         Ok(a) => a,
         Err(e @ AdmitError::TooLong { .. }) => return bad(e.to_string()),
     };

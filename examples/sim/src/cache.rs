@@ -38,6 +38,31 @@ struct Block {
     last_used: u64,
 }
 
+/// What besides its tokens a request's blocks are keyed by, as in vLLM:
+/// the LoRA adapter it names and its `cache_salt`. Requests of different
+/// scopes never share blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scope {
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+impl Scope {
+    /// The seed the scope puts under a chain's first block.
+    fn root(&self) -> Option<u64> {
+        if self.lora_name.is_none() && self.cache_salt.is_none() {
+            return None;
+        }
+        let mut bytes = Vec::new();
+        for part in [&self.lora_name, &self.cache_salt] {
+            let part = part.as_deref().unwrap_or_default();
+            bytes.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(part.as_bytes());
+        }
+        Some(xxh3_64_with_seed(&bytes, ENGINE_SEED))
+    }
+}
+
 /// A change to report as a KV event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CacheEvent {
@@ -45,6 +70,9 @@ pub enum CacheEvent {
         hashes: Vec<u64>,
         parent: Option<u64>,
         tokens: Vec<u32>,
+        /// The adapter, and the salt when the blocks start the chain (vLLM
+        /// names the salt on a sequence's first block only).
+        scope: Scope,
     },
     Removed {
         hashes: Vec<u64>,
@@ -112,9 +140,9 @@ impl PrefixCache {
         }
     }
 
-    /// Engine hashes of the full blocks of `tokens`, chained.
-    pub fn chain(&self, tokens: &[u32]) -> Vec<u64> {
-        let mut parent = None;
+    /// Engine hashes of the full blocks of `tokens` in `scope`, chained.
+    pub fn chain(&self, tokens: &[u32], scope: &Scope) -> Vec<u64> {
+        let mut parent = scope.root();
         tokens
             .chunks_exact(self.block_size)
             .map(|b| {
@@ -147,6 +175,7 @@ impl PrefixCache {
     pub fn allocate(
         &mut self,
         tokens: &[u32],
+        scope: &Scope,
         chain: &[u64],
         decode_blocks: usize,
         events: &mut Vec<CacheEvent>,
@@ -193,6 +222,10 @@ impl PrefixCache {
                 tokens: tokens[matched * bs..chain.len() * bs].to_vec(),
                 hashes: stored,
                 parent: first_parent,
+                scope: Scope {
+                    lora_name: scope.lora_name.clone(),
+                    cache_salt: scope.cache_salt.clone().filter(|_| first_parent.is_none()),
+                },
             });
         }
         // Output blocks come out of free space; evict for them too.
@@ -281,6 +314,10 @@ impl PrefixCache {
 mod tests {
     use super::*;
 
+    fn none() -> Scope {
+        Scope::default()
+    }
+
     fn toks(n: u32, salt: u32) -> Vec<u32> {
         (0..n).map(|i| i * 7 + salt).collect()
     }
@@ -289,17 +326,18 @@ mod tests {
     fn second_request_hits_the_cache() {
         let mut c = PrefixCache::new(4, 16);
         let t = toks(10, 1);
-        let chain = c.chain(&t);
+        let chain = c.chain(&t, &none());
         assert_eq!(chain.len(), 2, "partial blocks are not cached");
         let mut ev = Vec::new();
-        let a = c.allocate(&t, &chain, 1, &mut ev).unwrap();
+        let a = c.allocate(&t, &none(), &chain, 1, &mut ev).unwrap();
         assert_eq!(a.cached_blocks, 0);
         assert_eq!(
             ev,
             vec![CacheEvent::Stored {
                 hashes: chain.clone(),
                 parent: None,
-                tokens: t[..8].to_vec()
+                tokens: t[..8].to_vec(),
+                scope: none(),
             }]
         );
         assert_eq!(c.used_blocks(), 3);
@@ -307,7 +345,7 @@ mod tests {
         assert_eq!(c.used_blocks(), 0);
         assert_eq!(c.cached_blocks(), 2);
         ev.clear();
-        let b = c.allocate(&t, &chain, 0, &mut ev).unwrap();
+        let b = c.allocate(&t, &none(), &chain, 0, &mut ev).unwrap();
         assert_eq!(b.cached_blocks, 2);
         assert!(ev.is_empty());
     }
@@ -317,18 +355,63 @@ mod tests {
         let mut c = PrefixCache::new(4, 16);
         let t = toks(12, 1);
         let mut ev = Vec::new();
-        let a = c.allocate(&t[..4], &c.chain(&t[..4]), 0, &mut ev).unwrap();
+        let a = c
+            .allocate(&t[..4], &none(), &c.chain(&t[..4], &none()), 0, &mut ev)
+            .unwrap();
         c.release(&a);
         ev.clear();
-        let chain = c.chain(&t);
-        c.allocate(&t, &chain, 0, &mut ev).unwrap();
+        let chain = c.chain(&t, &none());
+        c.allocate(&t, &none(), &chain, 0, &mut ev).unwrap();
         assert_eq!(
             ev,
             vec![CacheEvent::Stored {
                 hashes: chain[1..].to_vec(),
                 parent: Some(chain[0]),
-                tokens: t[4..12].to_vec()
+                tokens: t[4..12].to_vec(),
+                scope: none(),
             }]
+        );
+    }
+
+    #[test]
+    fn scopes_never_share_blocks_and_the_salt_names_only_a_chains_start() {
+        let mut c = PrefixCache::new(4, 64);
+        let t = toks(8, 3);
+        let lora = Scope {
+            lora_name: Some("sql".into()),
+            cache_salt: None,
+        };
+        let salted = Scope {
+            lora_name: Some("sql".into()),
+            cache_salt: Some("s".into()),
+        };
+        let chains = [none(), lora.clone(), salted.clone()].map(|s| c.chain(&t, &s));
+        assert_ne!(chains[0], chains[1]);
+        assert_ne!(chains[1], chains[2]);
+        let mut ev = Vec::new();
+        let a = c
+            .allocate(&t[..4], &salted, &c.chain(&t[..4], &salted), 0, &mut ev)
+            .unwrap();
+        c.release(&a);
+        c.allocate(&t, &salted, &chains[2], 0, &mut ev).unwrap();
+        let scopes: Vec<Scope> = ev
+            .iter()
+            .map(|e| match e {
+                CacheEvent::Stored { scope, .. } => scope.clone(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            scopes,
+            [salted, lora],
+            "the continuation names the adapter, not the salt"
+        );
+        let b = c
+            .allocate(&t, &none(), &chains[0], 0, &mut Vec::new())
+            .unwrap();
+        assert_eq!(
+            b.cached_blocks, 0,
+            "unscoped requests do not match scoped blocks"
         );
     }
 
@@ -337,17 +420,17 @@ mod tests {
         let mut c = PrefixCache::new(4, 4);
         let (a, b) = (toks(8, 1), toks(8, 2));
         let mut ev = Vec::new();
-        let ca = c.chain(&a);
-        let x = c.allocate(&a, &ca, 0, &mut ev).unwrap();
+        let ca = c.chain(&a, &none());
+        let x = c.allocate(&a, &none(), &ca, 0, &mut ev).unwrap();
         c.release(&x);
-        let cb = c.chain(&b);
-        let y = c.allocate(&b, &cb, 0, &mut ev).unwrap();
+        let cb = c.chain(&b, &none());
+        let y = c.allocate(&b, &none(), &cb, 0, &mut ev).unwrap();
         c.release(&y);
         ev.clear();
         // A third chain needs two blocks: chain a goes, leaf first.
         let t = toks(8, 3);
-        let ct = c.chain(&t);
-        c.allocate(&t, &ct, 0, &mut ev).unwrap();
+        let ct = c.chain(&t, &none());
+        c.allocate(&t, &none(), &ct, 0, &mut ev).unwrap();
         assert_eq!(
             ev[0],
             CacheEvent::Removed {
@@ -368,11 +451,11 @@ mod tests {
         let mut c = PrefixCache::new(4, 3);
         let a = toks(8, 1);
         let mut ev = Vec::new();
-        let ca = c.chain(&a);
-        let _held = c.allocate(&a, &ca, 1, &mut ev).unwrap();
+        let ca = c.chain(&a, &none());
+        let _held = c.allocate(&a, &none(), &ca, 1, &mut ev).unwrap();
         let b = toks(8, 2);
-        let cb = c.chain(&b);
-        assert!(c.allocate(&b, &cb, 0, &mut ev).is_none());
+        let cb = c.chain(&b, &none());
+        assert!(c.allocate(&b, &none(), &cb, 0, &mut ev).is_none());
         assert_eq!(c.matched(&ca), 2);
         assert!(!c.reset(), "reset refuses while requests run");
     }
@@ -382,8 +465,8 @@ mod tests {
         let mut c = PrefixCache::new(4, 10);
         let t = toks(16, 1);
         let mut ev = Vec::new();
-        let ch = c.chain(&t);
-        let a = c.allocate(&t, &ch, 2, &mut ev).unwrap();
+        let ch = c.chain(&t, &none());
+        let a = c.allocate(&t, &none(), &ch, 2, &mut ev).unwrap();
         assert_eq!(c.usage(), 0.6);
         c.release(&a);
         assert_eq!(c.usage(), 0.0);

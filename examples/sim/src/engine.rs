@@ -12,7 +12,7 @@
 //! prefill tokens are what its next request waits behind — the load that
 //! routing weighs.
 
-use crate::cache::{Allocation, PrefixCache};
+use crate::cache::{Allocation, PrefixCache, Scope};
 use crate::events::Publisher;
 use crate::wire::SimEvent;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -172,12 +172,17 @@ impl Drop for Admitted {
 pub async fn admit(
     rank: Arc<Rank>,
     tokens: &[u32],
+    scope: &Scope,
     max_tokens: usize,
 ) -> Result<Admitted, AdmitError> {
     let (chain, decode_blocks, capacity) = {
         let c = rank.cache();
         let bs = c.block_size();
-        (c.chain(tokens), max_tokens.div_ceil(bs), c.capacity())
+        (
+            c.chain(tokens, scope),
+            max_tokens.div_ceil(bs),
+            c.capacity(),
+        )
     };
     if chain.len() + decode_blocks > capacity {
         return Err(AdmitError::TooLong {
@@ -198,7 +203,7 @@ pub async fn admit(
         let mut events = Vec::new();
         let got = rank
             .cache()
-            .allocate(tokens, &chain, decode_blocks, &mut events);
+            .allocate(tokens, scope, &chain, decode_blocks, &mut events);
         for e in events {
             rank.publish(SimEvent::Cache(e));
         }
@@ -247,17 +252,27 @@ mod tests {
     async fn admission_waits_for_space_and_release_wakes_it() {
         let rank = Arc::new(Rank::new(0, 4, 4, 8, 0, None));
         let a: Vec<u32> = (0..12).collect();
-        let first = admit(rank.clone(), &a, 4).await.unwrap();
+        let first = admit(rank.clone(), &a, &Scope::default(), 4).await.unwrap();
         assert_eq!(rank.cache().used_blocks(), 4);
         let b: Vec<u32> = (100..108).collect();
         let r2 = rank.clone();
-        let waiter = tokio::spawn(async move { admit(r2, &b, 0).await.map(|a| a.cached_tokens) });
+        let waiter = tokio::spawn(async move {
+            admit(r2, &b, &Scope::default(), 0)
+                .await
+                .map(|a| a.cached_tokens)
+        });
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(rank.waiting.load(Ordering::Relaxed), 1);
         drop(first);
         assert_eq!(waiter.await.unwrap().unwrap(), 0);
         assert!(matches!(
-            admit(rank.clone(), &(0..40).collect::<Vec<_>>(), 0).await,
+            admit(
+                rank.clone(),
+                &(0..40).collect::<Vec<_>>(),
+                &Scope::default(),
+                0
+            )
+            .await,
             Err(AdmitError::TooLong { .. })
         ));
     }
@@ -290,10 +305,15 @@ mod tests {
     #[tokio::test]
     async fn max_running_queues_requests() {
         let rank = Arc::new(Rank::new(0, 4, 100, 1, 0, None));
-        let first = admit(rank.clone(), &[1, 2, 3, 4], 1).await.unwrap();
+        let first = admit(rank.clone(), &[1, 2, 3, 4], &Scope::default(), 1)
+            .await
+            .unwrap();
         let r2 = rank.clone();
-        let waiter =
-            tokio::spawn(async move { admit(r2, &[1, 2, 3, 4], 1).await.map(|a| a.cached_tokens) });
+        let waiter = tokio::spawn(async move {
+            admit(r2, &[1, 2, 3, 4], &Scope::default(), 1)
+                .await
+                .map(|a| a.cached_tokens)
+        });
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(
             (

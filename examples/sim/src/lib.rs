@@ -30,6 +30,11 @@ pub struct Args {
     /// The served model name; others get 404.
     #[arg(long, default_value = "demo-model")]
     pub model: String,
+    /// LoRA adapters served besides `--model` (vLLM's `--lora-modules`,
+    /// names only): requests naming one are served, and their blocks are
+    /// keyed and published under the adapter.
+    #[arg(long, value_delimiter = ',')]
+    pub lora_modules: Vec<String>,
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
     /// KV blocks per DP rank.
@@ -134,6 +139,7 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
     Ok(Arc::new(api::Sim {
         worker_id: args.worker_id,
         model: args.model.clone(),
+        lora_modules: args.lora_modules.clone(),
         default_max_tokens: args.default_max_tokens,
         time: engine::TimeModel {
             prefill_us_per_token: args.prefill_us_per_token,

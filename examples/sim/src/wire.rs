@@ -7,7 +7,7 @@
 //! default), as signed int64 (SGLang), or as 32-byte binary digests (vLLM's
 //! bytes mode).
 
-use crate::cache::CacheEvent;
+use crate::cache::{CacheEvent, Scope};
 use rmp::encode;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -77,6 +77,44 @@ fn write_tokens(out: &mut Vec<u8>, t: &[u32]) {
     }
 }
 
+fn write_opt_str(out: &mut Vec<u8>, v: Option<&str>) {
+    match v {
+        Some(v) => w(encode::write_str(out, v)),
+        None => w(encode::write_nil(out)),
+    }
+}
+
+fn has_extra_keys(scope: &Scope) -> bool {
+    scope.lora_name.is_some() || scope.cache_salt.is_some()
+}
+
+/// vLLM's `extra_keys`: per block, the typed keys that entered its hash —
+/// the adapter on every block, the salt on the chain's first.
+fn write_extra_keys(out: &mut Vec<u8>, scope: &Scope, blocks: usize) {
+    w(encode::write_array_len(out, blocks as u32));
+    for block in 0..blocks {
+        let mut keys = Vec::new();
+        if let Some(name) = &scope.lora_name {
+            keys.push(("lora", "name", name));
+        }
+        if let Some(salt) = scope.cache_salt.as_ref().filter(|_| block == 0) {
+            keys.push(("cache_salt", "salt", salt));
+        }
+        if keys.is_empty() {
+            w(encode::write_nil(out));
+            continue;
+        }
+        w(encode::write_array_len(out, keys.len() as u32));
+        for (kind, field, value) in keys {
+            w(encode::write_map_len(out, 2));
+            w(encode::write_str(out, "type"));
+            w(encode::write_str(out, kind));
+            w(encode::write_str(out, field));
+            w(encode::write_str(out, value));
+        }
+    }
+}
+
 fn write_event(
     out: &mut Vec<u8>,
     ev: &SimEvent,
@@ -90,10 +128,12 @@ fn write_event(
                 hashes,
                 parent,
                 tokens,
+                scope,
             }),
             EventShape::Tagged,
         ) => {
-            w(encode::write_map_len(out, 8));
+            let extra = has_extra_keys(scope);
+            w(encode::write_map_len(out, 8 + u32::from(extra)));
             w(encode::write_str(out, "type"));
             w(encode::write_str(out, "BlockStored"));
             w(encode::write_str(out, "block_hashes"));
@@ -109,19 +149,25 @@ fn write_event(
             w(encode::write_str(out, "medium"));
             w(encode::write_str(out, "GPU"));
             w(encode::write_str(out, "lora_name"));
-            w(encode::write_nil(out));
+            write_opt_str(out, scope.lora_name.as_deref());
+            if extra {
+                w(encode::write_str(out, "extra_keys"));
+                write_extra_keys(out, scope, hashes.len());
+            }
         }
         (
             SimEvent::Cache(CacheEvent::Stored {
                 hashes,
                 parent,
                 tokens,
+                scope,
             }),
             EventShape::Positional,
         ) => {
             // lora_name has no default, so it is always present; later
             // defaulted fields are trimmed by omit_defaults.
-            w(encode::write_array_len(out, 8));
+            let extra = has_extra_keys(scope);
+            w(encode::write_array_len(out, 8 + u32::from(extra)));
             w(encode::write_str(out, "BlockStored"));
             write_hashes(out, hashes, mode);
             write_opt_hash(out, *parent, mode);
@@ -129,7 +175,10 @@ fn write_event(
             w(encode::write_uint(out, block_size as u64));
             w(encode::write_nil(out));
             w(encode::write_str(out, "GPU"));
-            w(encode::write_nil(out));
+            write_opt_str(out, scope.lora_name.as_deref());
+            if extra {
+                write_extra_keys(out, scope, hashes.len());
+            }
         }
         (SimEvent::Cache(CacheEvent::Removed { hashes }), EventShape::Tagged) => {
             w(encode::write_map_len(out, 3));
@@ -192,7 +241,55 @@ mod tests {
             hashes: vec![u64::MAX - 5, 2],
             parent: None,
             tokens: vec![1, 2, 3, 4, 300, 70000, 7, 8],
+            scope: Scope::default(),
         })
+    }
+
+    #[test]
+    fn adapters_and_salts_are_named_as_vllm_names_them() {
+        let scoped = SimEvent::Cache(CacheEvent::Stored {
+            hashes: vec![1, 2],
+            parent: None,
+            tokens: (0..8).collect(),
+            scope: Scope {
+                lora_name: Some("sql".into()),
+                cache_salt: Some("s".into()),
+            },
+        });
+        let key = |kind: &str, field: &str, v: &str| {
+            Value::Map(vec![("type".into(), kind.into()), (field.into(), v.into())])
+        };
+        let lora = key("lora", "name", "sql");
+        let want_extra = Value::Array(vec![
+            Value::Array(vec![lora.clone(), key("cache_salt", "salt", "s")]),
+            Value::Array(vec![lora]),
+        ]);
+        let b = encode_batch(
+            0.0,
+            std::slice::from_ref(&scoped),
+            0,
+            4,
+            EventShape::Tagged,
+            HashMode::U64,
+        );
+        let v = decode(&b);
+        let ev = &v.as_array().unwrap()[1].as_array().unwrap()[0];
+        let field = |k: &str| {
+            ev.as_map()
+                .unwrap()
+                .iter()
+                .find(|(key, _)| key.as_str() == Some(k))
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(field("lora_name"), Some("sql".into()));
+        assert_eq!(field("extra_keys"), Some(want_extra.clone()));
+        let b = encode_batch(0.0, &[scoped], 0, 4, EventShape::Positional, HashMode::U64);
+        let v = decode(&b);
+        let ev = v.as_array().unwrap()[1].as_array().unwrap()[0]
+            .as_array()
+            .unwrap()
+            .clone();
+        assert_eq!((ev.len(), &ev[7], &ev[8]), (9, &"sql".into(), &want_extra));
     }
 
     #[test]
