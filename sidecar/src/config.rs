@@ -391,11 +391,11 @@ impl WorkerSpec {
             return Some(ep.clone());
         }
         let base = self.kv_events_endpoints.get("0")?;
-        crate::kv::subscriber::offset_port(base, r)
+        crate::sources::kv::subscriber::offset_port(base, r)
     }
 
     pub fn replay_endpoint_of(&self, r: u32) -> Option<String> {
-        crate::kv::subscriber::offset_port(self.replay_endpoint.as_deref()?, r)
+        crate::sources::kv::subscriber::offset_port(self.replay_endpoint.as_deref()?, r)
     }
 }
 

@@ -15,26 +15,19 @@
 //!   routed cluster ([`eds`]).
 
 pub mod api;
-pub mod approx;
-pub mod bookings;
 pub mod config;
-pub mod eds;
 pub mod fleet;
-pub mod kv;
 pub mod metrics;
-pub mod promtext;
 pub mod publish;
-pub mod scrape;
-pub mod status;
-pub mod versions;
+pub mod sources;
 
 use crate::config::{Config, WorkerSpec};
 use crate::fleet::{Fleet, FleetError};
-use crate::kv::plane::{Plane, PlaneConfig};
-use crate::kv::subscriber::{SocketLimits, Subscriber, SubscriberSpec};
 use crate::metrics::Metrics;
 use crate::publish::SnapshotStore;
-use crate::versions::Versions;
+use crate::publish::Versions;
+use crate::sources::kv::plane::{Plane, PlaneConfig};
+use crate::sources::kv::subscriber::{SocketLimits, Subscriber, SubscriberSpec};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -48,12 +41,12 @@ pub struct Sidecar {
     pub store: SnapshotStore,
     pub plane: Plane,
     pub metrics: Metrics,
-    pub approx: Mutex<approx::ApproxIndex>,
-    pub bookings: Mutex<bookings::Bookings>,
+    pub approx: Mutex<sources::routed::ApproxIndex>,
+    pub bookings: Mutex<sources::bookings::Bookings>,
     /// Unix ms when a gateway's long poll was last answered.
     pub last_poll_ms: std::sync::atomic::AtomicU64,
     zmq: zmq::Context,
-    client: scrape::HttpClient,
+    client: sources::metrics::scrape::HttpClient,
     scrapers: Mutex<HashMap<u64, JoinHandle<()>>>,
     subscribers: Mutex<HashMap<u16, (u64, u32, Subscriber)>>,
 }
@@ -86,16 +79,16 @@ impl Sidecar {
             store: SnapshotStore::default(),
             plane,
             metrics: Metrics::new(),
-            approx: Mutex::new(approx::ApproxIndex::new(
+            approx: Mutex::new(sources::routed::ApproxIndex::new(
                 Duration::from_millis(config.kv.approx_ttl_ms),
                 Duration::from_millis(config.kv.inflight_ttl_ms),
             )),
-            bookings: Mutex::new(bookings::Bookings::new(Duration::from_millis(
+            bookings: Mutex::new(sources::bookings::Bookings::new(Duration::from_millis(
                 config.load.booking_ttl_ms,
             ))),
             last_poll_ms: std::sync::atomic::AtomicU64::new(now_ms()),
             zmq: zmq::Context::new(),
-            client: scrape::client(),
+            client: sources::metrics::scrape::client(),
             scrapers: Mutex::new(HashMap::new()),
             subscribers: Mutex::new(HashMap::new()),
             config,
@@ -249,7 +242,7 @@ impl Sidecar {
         Duration::from_millis(now_ms().saturating_sub(self.last_poll_ms.load(Ordering::Relaxed)))
     }
 
-    pub fn bookings(&self) -> MutexGuard<'_, bookings::Bookings> {
+    pub fn bookings(&self) -> MutexGuard<'_, sources::bookings::Bookings> {
         self.bookings.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -274,7 +267,7 @@ impl Sidecar {
                 owners.get(&slot).is_some_and(|(m, _)| m == model)
             });
             match effect {
-                bookings::Effect::Booked { model, slot } => {
+                sources::bookings::Effect::Booked { model, slot } => {
                     if let Some((_, worker)) = owners.get(&slot) {
                         self.metrics
                             .routed
@@ -282,7 +275,7 @@ impl Sidecar {
                             .inc();
                     }
                 }
-                bookings::Effect::Rejected { model, reason } => {
+                sources::bookings::Effect::Rejected { model, reason } => {
                     // Requests refused before their body named a model.
                     let model = if model.is_empty() {
                         "-"
@@ -294,10 +287,10 @@ impl Sidecar {
                         .with_label_values(&[model, reason.as_str()])
                         .inc();
                 }
-                bookings::Effect::Refused => {
+                sources::bookings::Effect::Refused => {
                     tracing::debug!("booking for a rank that is gone: ignored");
                 }
-                bookings::Effect::Released | bookings::Effect::Unknown => {}
+                sources::bookings::Effect::Released | sources::bookings::Effect::Unknown => {}
             }
         }
     }
@@ -387,7 +380,12 @@ impl Sidecar {
             .set(self.versions.current() as i64);
     }
 
-    fn refresh_gauges(&self, f: &Fleet, b: &bookings::Bookings, snap: &kvgate_core::Snapshot) {
+    fn refresh_gauges(
+        &self,
+        f: &Fleet,
+        b: &sources::bookings::Bookings,
+        snap: &kvgate_core::Snapshot,
+    ) {
         let m = &self.metrics;
         let mut per_model: HashMap<&str, i64> = f.models.keys().map(|k| (k.as_str(), 0)).collect();
         let mut booked: HashMap<&str, i64> = f.models.keys().map(|k| (k.as_str(), 0)).collect();
@@ -474,7 +472,11 @@ impl Sidecar {
 
     /// Marks the state changed after a scrape that moved a worker up or down,
     /// so the change goes out without waiting for the next tick.
-    fn scraped(&self, id: u64, result: Result<Vec<promtext::RankMetrics>, String>) {
+    fn scraped(
+        &self,
+        id: u64,
+        result: Result<Vec<sources::metrics::promtext::RankMetrics>, String>,
+    ) {
         let ids = id.to_string();
         self.metrics.scrapes.with_label_values(&[&ids]).inc();
         if let Err(e) = &result {
@@ -523,7 +525,8 @@ async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
         }) else {
             return;
         };
-        let result = scrape::scrape_once(&sc.client, &url, timeout, dp, start, bs).await;
+        let result =
+            sources::metrics::scrape::scrape_once(&sc.client, &url, timeout, dp, start, bs).await;
         if !warned_no_capacity
             && let Ok((ranks, _)) = &result
             && ranks

@@ -5,8 +5,9 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use http_body_util::BodyExt;
 use kvgate_core::Thresholds;
+use kvgate_sidecar::api::status;
 use kvgate_sidecar::config::Config;
-use kvgate_sidecar::{Sidecar, api, status};
+use kvgate_sidecar::{Sidecar, api};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -73,7 +74,7 @@ async fn print_status(url: &str) -> anyhow::Result<()> {
     let uri: hyper::Uri = format!("{}/v1/state", url.trim_end_matches('/'))
         .parse()
         .with_context(|| format!("bad --url {url:?}"))?;
-    let client = kvgate_sidecar::scrape::client();
+    let client = kvgate_sidecar::sources::metrics::scrape::client();
     let resp = client
         .get(uri.clone())
         .await

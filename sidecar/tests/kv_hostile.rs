@@ -4,7 +4,7 @@
 
 use kvgate_sidecar::Sidecar;
 use kvgate_sidecar::config::Config;
-use kvgate_sidecar::kv::plane::PlaneStats;
+use kvgate_sidecar::sources::kv::plane::PlaneStats;
 use rmpv::Value;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -7,11 +7,11 @@
 //! version, which is what the snapshot long poll serves: "every shard changed
 //! after version N".
 
-use crate::kv::index::{Index, IngestStats};
-use crate::kv::stage::Staged;
-use crate::kv::subscriber::{Ingest, ResyncReason};
-use crate::kv::wire::Unmatchable;
-use crate::versions::Versions;
+use crate::publish::Versions;
+use crate::sources::kv::index::{Index, IngestStats};
+use crate::sources::kv::stage::Staged;
+use crate::sources::kv::subscriber::{Ingest, ResyncReason};
+use crate::sources::kv::wire::Unmatchable;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, sync_channel};

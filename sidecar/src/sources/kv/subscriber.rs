@@ -14,8 +14,8 @@
 //!   replay could not cover them. The index drops the slot's entries, and
 //!   the batches that follow rebuild it.
 
-use crate::kv::replay::replay;
-use crate::kv::seq::{SeqCheck, SeqTracker};
+use crate::sources::kv::replay::replay;
+use crate::sources::kv::seq::{SeqCheck, SeqTracker};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -15,8 +15,8 @@
 //! its entries are dropped (and the caller resynchronises it) rather than
 //! letting a flood of stores grow the sidecar without bound.
 
-use crate::kv::stage::{Op, Staged};
-use crate::kv::wire::{EngineHash, Medium, Unmatchable};
+use crate::sources::kv::stage::{Op, Staged};
+use crate::sources::kv::wire::{EngineHash, Medium, Unmatchable};
 use kvgate_core::hash::chain;
 use kvgate_core::shard::{self, Holder, TIER_DEVICE, TIER_DISK, TIER_HOST};
 use std::collections::HashMap;

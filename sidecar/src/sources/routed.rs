@@ -16,7 +16,7 @@
 //! Shards are published under `kvgate_core::approx::model_key(model)`, in
 //! the same format and version stream as the precise index.
 
-use crate::kv::index::FastMap;
+use crate::sources::kv::index::FastMap;
 use kvgate_core::approx::{ChunkKind, Routed, SHARDS, model_key};
 use kvgate_core::shard::{self, Holder, TIER_DEVICE};
 use smallvec::SmallVec;

@@ -12,7 +12,7 @@
 //! Decoding is a visitor over one frame with caller-owned scratch buffers,
 //! so a steady stream of batches allocates nothing.
 
-use crate::kv::msgpack::{MsgpackError, Reader};
+use crate::sources::kv::msgpack::{MsgpackError, Reader};
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 

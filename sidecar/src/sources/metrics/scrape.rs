@@ -1,6 +1,6 @@
 //! Scraping each worker's Prometheus endpoint on an interval.
 
-use crate::promtext::{self, RankMetrics};
+use super::promtext::{self, RankMetrics};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;

@@ -6,7 +6,7 @@
 //! and would be needed anyway — and applied only when the whole frame
 //! decoded. Buffers are reused from batch to batch.
 
-use crate::kv::wire::{
+use crate::sources::kv::wire::{
     BatchMeta, EngineHash, Event, Medium, Scratch, Unmatchable, WireError, decode_batch,
 };
 use kvgate_core::hash::{block_hash_with_seed, lora_seed, salted_root};
