@@ -106,7 +106,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let guarded = config.control.token.is_some();
     let sc = Sidecar::start(config)?;
     let listener = tokio::net::TcpListener::bind(listen).await?;
-    tracing::info!(%listen, workers = sc.fleet().workers.len(), control_token = guarded, "kvgate-sidecar serving");
+    tracing::info!(%listen, workers = sc.worker_count(), control_token = guarded, "kvgate-sidecar serving");
     let shutdown = async {
         let mut term =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();

@@ -159,7 +159,7 @@ async fn snapshot_long_poll() {
     assert_eq!(status, 200);
     let u = update::decode(&body).unwrap();
     assert!(u.reset);
-    assert_eq!(u.epoch, sc.versions.epoch);
+    assert_eq!(u.epoch, sc.versions().epoch);
     let snap = Snapshot::decode(u.snapshot.unwrap()).unwrap();
     assert_eq!(snap.model("m").unwrap().workers[0].endpoint, w);
     assert!(
@@ -367,11 +367,11 @@ async fn busy_threshold_api_in_dynamos_shapes() {
     );
     // The published snapshot carries the change.
     wait_until("thresholds published", async || {
-        sc.store.snapshot().models[0]
+        sc.store().snapshot().models[0]
             .thresholds
             .active_prefill_tokens
             == Some(10000)
-            && sc.store.snapshot().models[0]
+            && sc.store().snapshot().models[0]
                 .thresholds
                 .active_decode_blocks
                 .is_none()
@@ -443,7 +443,7 @@ async fn bookings_load_ranks_until_released() {
     let (w, _page) = fake_worker().await;
     let (base, sc) = sidecar(&[&w]).await;
     wait_until("worker up", async || workers_up(&base).await == 1).await;
-    let slot = sc.store.snapshot().models[0].workers[0].ranks[0].slot;
+    let slot = sc.store().snapshot().models[0].workers[0].ranks[0].slot;
     let key = Key { vm: 77, seq: 1 };
     let mut batch = Vec::new();
     Event::Book {
@@ -477,7 +477,7 @@ async fn bookings_load_ranks_until_released() {
         (Some(200), Some(false))
     );
     assert_eq!(
-        sc.store.snapshot().applied,
+        sc.store().snapshot().applied,
         vec![kvgate_core::Applied { vm: 77, seq: 1 }]
     );
     let (_, _, m) = call("GET", &format!("{base}/metrics"), None).await;
@@ -506,7 +506,7 @@ async fn bookings_load_ranks_until_released() {
     // A malformed batch is refused whole and changes nothing.
     let (status, _, body) = post(vec![42, 1, 2]).await;
     assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
-    assert_eq!(sc.bookings().active(), 0);
+    assert_eq!(sc.active_bookings(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -516,7 +516,7 @@ async fn reports_require_the_token_when_one_is_set() {
     let (w, _page) = fake_worker().await;
     let (base, sc) = sidecar_with(&[&w], Some("s3cret")).await;
     wait_until("worker up", async || workers_up(&base).await == 1).await;
-    let slot = sc.store.snapshot().models[0].workers[0].ranks[0].slot;
+    let slot = sc.store().snapshot().models[0].workers[0].ranks[0].slot;
     // Enough prefill to make the rank busy for the booking TTL, were it
     // accepted from anyone.
     let booking = Event::Book {
@@ -569,9 +569,9 @@ async fn reports_require_the_token_when_one_is_set() {
         (Some(0), Some(0), Some(false)),
         "{r}"
     );
-    assert_eq!(sc.bookings().active(), 0);
-    assert!(sc.store.snapshot().applied.is_empty());
-    assert_eq!(sc.metrics.approx_learned.get(), 0);
+    assert_eq!(sc.active_bookings(), 0);
+    assert!(sc.store().snapshot().applied.is_empty());
+    assert_eq!(sc.metrics().approx_learned.get(), 0);
 
     let right = [("authorization", "Bearer s3cret")];
     assert_eq!(
@@ -583,8 +583,8 @@ async fn reports_require_the_token_when_one_is_set() {
         rank().await["active_prefill_tokens"] == 1_000_000
     })
     .await;
-    assert_eq!(sc.bookings().active(), 1);
-    assert_eq!(sc.metrics.approx_learned.get(), 2);
+    assert_eq!(sc.active_bookings(), 1);
+    assert_eq!(sc.metrics().approx_learned.get(), 2);
     // Reading stays open.
     for path in ["/v1/state", "/health", "/metrics", "/v1/snapshot?wait_ms=0"] {
         let (status, _, _) = call_raw("GET", &format!("{base}{path}"), &[], Vec::new()).await;
@@ -603,7 +603,7 @@ async fn a_worker_is_up_only_when_its_page_is_an_engines() {
     let (real, _page) = fake_worker().await;
     let (other, other_page) = fake_worker().await;
     other_page.not_an_engine();
-    let (base, sc) = sidecar(&[&real, &other]).await;
+    let (base, _sc) = sidecar(&[&real, &other]).await;
     let up_ids = async || {
         let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
         s["models"][0]["workers"]
@@ -627,7 +627,6 @@ async fn a_worker_is_up_only_when_its_page_is_an_engines() {
             .contains("none of vLLM's or SGLang's metrics"),
         "{w}"
     );
-    assert!(!sc.fleet().workers[&2].health.up);
     // The same worker serving the engine's page comes up.
     other_page.set(0, 0.0);
     wait_until("the second engine up", async || up_ids().await == [1, 2]).await;

@@ -15,7 +15,7 @@ pub(super) async fn require_token(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let Some(token) = sc.config.control.token.as_deref() else {
+    let Some(token) = sc.config().control.token.as_deref() else {
         return next.run(req).await;
     };
     let given = req

@@ -30,17 +30,17 @@ pub(super) async fn snapshot(
 ) -> Response {
     let wait = Duration::from_millis(q.wait_ms).min(MAX_WAIT);
     let deadline = tokio::time::Instant::now() + wait;
-    let mut rx = sc.versions.subscribe();
+    let mut rx = sc.versions().subscribe();
     loop {
         rx.borrow_and_update();
         if let Some(frame) = publish::frame::frame(
-            &sc.versions,
-            &sc.store,
-            Some(&sc.plane.log),
+            sc.versions(),
+            sc.store(),
+            Some(&sc.plane().log),
             q.after,
             q.epoch,
         ) {
-            sc.metrics
+            sc.metrics()
                 .snapshot_polls
                 .with_label_values(&["changed"])
                 .inc();
@@ -58,7 +58,7 @@ pub(super) async fn snapshot(
             .await
             .is_err()
         {
-            sc.metrics
+            sc.metrics()
                 .snapshot_polls
                 .with_label_values(&["timeout"])
                 .inc();
@@ -72,10 +72,10 @@ pub(super) async fn snapshot(
 
 fn version_headers(r: &mut Response, sc: &Sidecar) {
     let h = r.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&sc.versions.current().to_string()) {
+    if let Ok(v) = HeaderValue::from_str(&sc.versions().current().to_string()) {
         h.insert("x-kvgate-version", v);
     }
-    if let Ok(v) = HeaderValue::from_str(&sc.versions.epoch.to_string()) {
+    if let Ok(v) = HeaderValue::from_str(&sc.versions().epoch.to_string()) {
         h.insert("x-kvgate-epoch", v);
     }
 }

@@ -24,12 +24,15 @@ pub(super) async fn routed(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Respo
 pub(super) async fn bookings(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
     match kvgate_core::booking::decode_batch(&body) {
         Ok(events) => {
-            sc.metrics.booking_batches.with_label_values(&["ok"]).inc();
+            sc.metrics()
+                .booking_batches
+                .with_label_values(&["ok"])
+                .inc();
             sc.book(events);
             StatusCode::NO_CONTENT.into_response()
         }
         Err(e) => {
-            sc.metrics
+            sc.metrics()
                 .booking_batches
                 .with_label_values(&["malformed"])
                 .inc();

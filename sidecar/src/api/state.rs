@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 
 pub(super) async fn state(State(sc): State<Arc<Sidecar>>) -> Response {
-    let s = sc.store.snapshot();
+    let s = sc.store().snapshot();
     let models: Vec<Value> = s
         .models
         .iter()
@@ -50,6 +50,6 @@ pub(super) async fn state(State(sc): State<Arc<Sidecar>>) -> Response {
         .collect();
     json_response(
         StatusCode::OK,
-        json!({"version": s.version, "built_at_ms": s.built_at_ms, "epoch": sc.versions.epoch, "models": models}),
+        json!({"version": s.version, "built_at_ms": s.built_at_ms, "epoch": sc.versions().epoch, "models": models}),
     )
 }

@@ -44,7 +44,7 @@ pub(super) async fn add_worker(State(sc): State<Arc<Sidecar>>, body: Bytes) -> R
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid worker: {e}")),
     };
     match sc.add_worker(spec) {
-        Ok(v) => json_response(StatusCode::CREATED, v),
+        Ok(w) => json_response(StatusCode::CREATED, worker_json(&w)),
         Err(e) => fleet_error(e),
     }
 }
@@ -59,7 +59,7 @@ pub(super) async fn patch_worker(
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")),
     };
     match sc.patch_worker(id, &patch) {
-        Ok(v) => json_response(StatusCode::OK, v),
+        Ok(w) => json_response(StatusCode::OK, worker_json(&w)),
         Err(e) => fleet_error(e),
     }
 }

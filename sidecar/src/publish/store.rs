@@ -3,7 +3,8 @@
 use super::versions::Versions;
 use kvgate_core::Snapshot;
 use kvgate_core::snapshot::HEADER_LEN;
-use std::sync::{Arc, Mutex};
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::Arc;
 
 #[derive(Debug, Default)]
 struct Stored {
@@ -21,8 +22,8 @@ pub struct SnapshotStore {
 }
 
 impl SnapshotStore {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Stored> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Stored> {
+        self.inner.lock()
     }
 
     /// Publishes `snap` if its content differs from the current one.

@@ -7,7 +7,7 @@
 //! sees version V finds every item up to V stored (it may also see items of
 //! a publication still in progress, which it then gets again: harmless).
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::watch;
 
@@ -42,7 +42,7 @@ impl Versions {
 
     /// Runs `store(v)` with the next version and makes it current.
     pub fn publish<R>(&self, store: impl FnOnce(u64) -> R) -> R {
-        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _g = self.lock.lock();
         let v = self.current() + 1;
         let r = store(v);
         self.current.store(v, Ordering::Release);

@@ -12,10 +12,11 @@ use crate::sources::kv::index::{Index, IngestStats};
 use crate::sources::kv::stage::Staged;
 use crate::sources::kv::subscriber::{Ingest, ResyncReason};
 use crate::sources::kv::wire::Unmatchable;
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, sync_channel};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -49,9 +50,7 @@ pub struct ShardLog {
 
 impl ShardLog {
     fn lock(&self) -> MutexGuard<'_, LogInner> {
-        // A panic while holding the lock cannot leave the log half-written
-        // (every update is a single assignment), so poisoning is ignored.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.lock()
     }
 
     pub fn new(versions: Arc<Versions>) -> ShardLog {
@@ -222,7 +221,7 @@ impl Plane {
     /// Slots whose engine reported its cache emptied since the last call:
     /// whatever else kvgate believes they hold is gone too.
     pub fn take_cleared(&self) -> Vec<u16> {
-        std::mem::take(&mut *self.cleared.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *self.cleared.lock())
     }
 
     pub fn stats(&self) -> Option<PlaneStats> {
@@ -349,7 +348,7 @@ impl State {
     }
 
     fn note_cleared(&self, slot: u16) {
-        let mut c = self.cleared.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.cleared.lock();
         if !c.contains(&slot) {
             c.push(slot);
         }

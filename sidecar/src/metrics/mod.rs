@@ -1,5 +1,7 @@
 //! The sidecar's own Prometheus metrics.
 
+pub(crate) mod gauges;
+
 use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 pub struct Metrics {
