@@ -6,6 +6,7 @@ use clap::{Args, Parser, Subcommand};
 use http_body_util::BodyExt;
 use kvgate_core::Thresholds;
 use kvgate_sidecar::api::status;
+use kvgate_sidecar::api::views::StateView;
 use kvgate_sidecar::config::Config;
 use kvgate_sidecar::{Sidecar, api};
 use std::net::SocketAddr;
@@ -82,8 +83,8 @@ async fn print_status(url: &str) -> anyhow::Result<()> {
     let status = resp.status();
     let body = resp.into_body().collect().await?.to_bytes();
     anyhow::ensure!(status.is_success(), "{uri} answered {status}");
-    let state: serde_json::Value =
-        serde_json::from_slice(&body).with_context(|| format!("{uri} did not answer JSON"))?;
+    let state: StateView = serde_json::from_slice(&body)
+        .with_context(|| format!("{uri} did not answer the state as JSON"))?;
     print!("{}", status::render(&state));
     Ok(())
 }

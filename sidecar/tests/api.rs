@@ -5,6 +5,7 @@ use axum::Router;
 use axum::routing::get;
 use kvgate_core::Snapshot;
 use kvgate_core::update;
+use kvgate_sidecar::api::views;
 use kvgate_sidecar::config::Config;
 use kvgate_sidecar::{Sidecar, api};
 use serde_json::{Value, json};
@@ -633,4 +634,121 @@ async fn a_worker_is_up_only_when_its_page_is_an_engines() {
     // And goes down again when the page stops being the engine's.
     other_page.not_an_engine();
     wait_until("down again", async || up_ids().await == [1]).await;
+}
+
+/// The JSON bodies clients see, key for key: the typed views must keep
+/// them exactly as they were.
+#[tokio::test(flavor = "multi_thread")]
+async fn json_bodies_keep_their_shapes() {
+    let (w, page) = fake_worker().await;
+    page.break_it();
+    let (base, _sc) = sidecar(&[&w]).await;
+    let (status, mut ready) = json_of("GET", &format!("{base}/ready"), None).await;
+    assert_eq!(status, 503, "{ready}");
+    assert_eq!(
+        ready["workers"].as_array().map(Vec::len),
+        Some(1),
+        "{ready}"
+    );
+    assert!(ready["workers"][0]["reason"].is_string(), "{ready}");
+    ready["workers"][0]["reason"] = json!("-");
+    assert_eq!(
+        ready,
+        json!({"status": "not ready", "reason": "no schedulable worker",
+               "workers": [{"worker_id": 1, "reason": "-"}]})
+    );
+    page.set(2, 0.25);
+    wait_until("worker up", async || workers_up(&base).await == 1).await;
+
+    let (_, health) = json_of("GET", &format!("{base}/health"), None).await;
+    assert_eq!(health, json!({"status": "ok"}));
+    let (_, ready) = json_of("GET", &format!("{base}/ready"), None).await;
+    assert_eq!(ready, json!({"status": "ready", "workers_up": 1}));
+
+    let (_, state) = json_of("GET", &format!("{base}/v1/state"), None).await;
+    let keys = |v: &Value| -> Vec<String> {
+        let mut k: Vec<String> = v
+            .as_object()
+            .map(|o| o.keys().cloned().collect())
+            .unwrap_or_default();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(&state), ["built_at_ms", "epoch", "models", "version"]);
+    let m = &state["models"][0];
+    assert_eq!(
+        keys(m),
+        [
+            "mode",
+            "name",
+            "retry_after_s",
+            "shard_count",
+            "thresholds",
+            "workers"
+        ]
+    );
+    assert_eq!(m["mode"], "approximate");
+    assert_eq!(
+        m["thresholds"],
+        json!({"active_decode_blocks_threshold": 0.5,
+               "active_prefill_tokens_threshold": null,
+               "active_prefill_tokens_threshold_frac": null})
+    );
+    let wk = &m["workers"][0];
+    assert_eq!(
+        keys(wk),
+        ["block_size", "endpoint", "ranks", "tenant_id", "worker_id"]
+    );
+    assert_eq!(
+        wk["ranks"][0],
+        json!({"dp_rank": 0, "slot": 0, "active_prefill_tokens": 0, "active_decode_blocks": 0,
+               "kv_used_blocks": 250, "kv_total_blocks": 1000, "max_num_batched_tokens": 0,
+               "running": 2, "waiting": 0, "busy": false})
+    );
+
+    let (_, worker) = json_of("GET", &format!("{base}/workers/1"), None).await;
+    let mut shown = worker.clone();
+    let status = shown
+        .as_object_mut()
+        .and_then(|o| o.remove("status"))
+        .unwrap_or(Value::Null);
+    assert_eq!(
+        shown,
+        json!({"worker_id": 1, "model_name": "m", "tenant_id": "default", "endpoint": w,
+               "metrics_url": null, "block_size": 16, "data_parallel_start_rank": 0,
+               "data_parallel_size": 1, "max_num_batched_tokens": 0,
+               "kv_events_endpoints": {}, "replay_endpoint": null, "slots": [0]})
+    );
+    assert_eq!(
+        keys(&status),
+        ["last_error", "scrape_errors", "scrapes", "up"]
+    );
+    assert_eq!(
+        (&status["up"], &status["last_error"]),
+        (&json!(true), &Value::Null)
+    );
+    let (_, list) = json_of("GET", &format!("{base}/workers"), None).await;
+    assert_eq!(keys(&list), ["workers"]);
+    assert_eq!(keys(&list["workers"][0]), keys(&worker));
+
+    let (_, th) = json_of("GET", &format!("{base}/busy_threshold"), None).await;
+    assert_eq!(
+        th,
+        json!({"thresholds": [{"model": "m", "active_decode_blocks_threshold": 0.5}]})
+    );
+    let (status, err) = json_of("GET", &format!("{base}/workers/9"), None).await;
+    assert_eq!((status, keys(&err)), (404, vec!["error".to_string()]));
+
+    // The typed views read each body and write it back unchanged.
+    fn round_trip<T: serde::Serialize + serde::de::DeserializeOwned>(v: &Value) {
+        let typed: T = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(&serde_json::to_value(&typed).unwrap(), v);
+    }
+    round_trip::<views::StateView>(&state);
+    round_trip::<views::WorkerView>(&worker);
+    round_trip::<views::WorkerList>(&list);
+    round_trip::<views::ThresholdsList>(&th);
+    round_trip::<views::ReadyView>(&ready);
+    round_trip::<views::HealthView>(&health);
+    round_trip::<views::ErrorView>(&err);
 }

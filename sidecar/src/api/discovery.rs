@@ -21,7 +21,7 @@ pub(super) async fn endpoints(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Re
         }
     };
     match eds::discovery_response(&sc.fleet(), &req) {
-        Ok(v) => json_response(StatusCode::OK, v),
+        Ok(v) => json_response(StatusCode::OK, &v),
         Err(e) => error(StatusCode::BAD_REQUEST, e),
     }
 }

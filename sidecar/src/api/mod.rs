@@ -29,10 +29,10 @@ mod reports;
 mod state;
 pub mod status;
 mod thresholds;
+pub mod views;
 mod workers;
 
 pub use poll::MAX_WAIT;
-pub use workers::worker_json;
 
 use crate::Sidecar;
 use crate::fleet::FleetError;
@@ -40,8 +40,9 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use serde_json::{Value, json};
+use serde::Serialize;
 use std::sync::Arc;
+use views::{ErrorView, HealthView};
 
 pub fn router(sc: Arc<Sidecar>) -> Router {
     let token = axum::middleware::from_fn_with_state(sc.clone(), auth::require_token);
@@ -83,24 +84,37 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
         )
         .route(
             "/health",
-            get(|| async { json_response(StatusCode::OK, json!({"status": "ok"})) }),
+            get(|| async {
+                json_response(
+                    StatusCode::OK,
+                    &HealthView {
+                        status: "ok".into(),
+                    },
+                )
+            }),
         )
         .route("/ready", get(probes::ready))
         .route("/metrics", get(probes::metrics))
         .with_state(sc)
 }
 
-fn json_response(status: StatusCode, body: Value) -> Response {
-    (
-        status,
-        [("content-type", "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+fn json_response(status: StatusCode, body: &impl Serialize) -> Response {
+    match serde_json::to_string(body) {
+        Ok(text) => (status, [("content-type", "application/json")], text).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "answer does not serialize");
+            StatusCode::INTERNAL_SERVER_ERROR.into_response()
+        }
+    }
 }
 
 fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
-    json_response(status, json!({"error": message.to_string()}))
+    json_response(
+        status,
+        &ErrorView {
+            error: message.to_string(),
+        },
+    )
 }
 
 fn fleet_error(e: FleetError) -> Response {

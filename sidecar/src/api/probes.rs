@@ -1,11 +1,11 @@
 //! `GET /health`, `GET /ready`, `GET /metrics`.
 
 use super::json_response;
+use super::views::{NotReadyView, NotReadyWorker, ReadyView};
 use crate::Sidecar;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
 use std::sync::Arc;
 
 pub(super) async fn ready(State(sc): State<Arc<Sidecar>>) -> Response {
@@ -13,22 +13,31 @@ pub(super) async fn ready(State(sc): State<Arc<Sidecar>>) -> Response {
     if f.up_count() > 0 {
         return json_response(
             StatusCode::OK,
-            json!({"status": "ready", "workers_up": f.up_count()}),
+            &ReadyView {
+                status: "ready".into(),
+                workers_up: f.up_count(),
+            },
         );
     }
-    let why: Vec<Value> = f
+    let workers = f
         .workers
         .values()
-        .map(|w| {
-            json!({
-                "worker_id": w.spec.worker_id,
-                "reason": w.health.last_error.clone().unwrap_or_else(|| "no successful metrics scrape yet".into()),
-            })
+        .map(|w| NotReadyWorker {
+            worker_id: w.spec.worker_id,
+            reason: w
+                .health
+                .last_error
+                .clone()
+                .unwrap_or_else(|| "no successful metrics scrape yet".into()),
         })
         .collect();
     json_response(
         StatusCode::SERVICE_UNAVAILABLE,
-        json!({"status": "not ready", "reason": "no schedulable worker", "workers": why}),
+        &NotReadyView {
+            status: "not ready".into(),
+            reason: "no schedulable worker".into(),
+            workers,
+        },
     )
 }
 

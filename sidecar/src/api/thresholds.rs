@@ -1,39 +1,23 @@
 //! `GET/POST /busy_threshold`: shedding thresholds, in Dynamo's shapes.
 
+use super::views::{ModelThresholds, ThresholdsList};
 use super::{error, fleet_error, json_response};
 use crate::Sidecar;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::sync::Arc;
-
-/// One model's thresholds in Dynamo's shape; unset thresholds are omitted.
-fn thresholds_json(model: &str, t: &kvgate_core::Thresholds) -> Value {
-    let mut v = json!({"model": model});
-    if let Some(o) = v.as_object_mut() {
-        if let Some(d) = t.active_decode_blocks {
-            o.insert("active_decode_blocks_threshold".into(), json!(d));
-        }
-        if let Some(p) = t.active_prefill_tokens {
-            o.insert("active_prefill_tokens_threshold".into(), json!(p));
-        }
-        if let Some(f) = t.active_prefill_tokens_frac {
-            o.insert("active_prefill_tokens_threshold_frac".into(), json!(f));
-        }
-    }
-    v
-}
 
 pub(super) async fn get_thresholds(State(sc): State<Arc<Sidecar>>) -> Response {
     let f = sc.fleet();
-    let all: Vec<Value> = f
+    let thresholds = f
         .models
         .iter()
-        .map(|(name, m)| thresholds_json(name, &m.thresholds))
+        .map(|(name, m)| ModelThresholds::new(name, &m.thresholds))
         .collect();
-    json_response(StatusCode::OK, json!({"thresholds": all}))
+    json_response(StatusCode::OK, &ThresholdsList { thresholds })
 }
 
 /// `{"model": .., <threshold>: ..}`: only `model` reads that model's
@@ -91,5 +75,5 @@ pub(super) async fn post_thresholds(State(sc): State<Arc<Sidecar>>, body: Bytes)
     {
         return fleet_error(e);
     }
-    json_response(StatusCode::OK, thresholds_json(model, &t))
+    json_response(StatusCode::OK, &ModelThresholds::new(model, &t))
 }

@@ -1,39 +1,27 @@
 //! `/workers`: the catalog, read and changed.
 
+use super::views::{WorkerList, WorkerView};
 use super::{error, fleet_error, json_response};
 use crate::Sidecar;
 use crate::config::WorkerSpec;
-use crate::fleet::{FleetError, WorkerEntry};
+use crate::fleet::FleetError;
 use axum::body::Bytes;
 use axum::extract::Path;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::sync::Arc;
-
-/// A worker as the API shows it: its registration plus its status.
-pub fn worker_json(w: &WorkerEntry) -> Value {
-    let mut v = serde_json::to_value(&w.spec).unwrap_or(Value::Null);
-    if let Some(o) = v.as_object_mut() {
-        o.insert(
-            "status".into(),
-            serde_json::to_value(&w.health).unwrap_or(Value::Null),
-        );
-        o.insert("slots".into(), json!(w.slots));
-    }
-    v
-}
 
 pub(super) async fn list_workers(State(sc): State<Arc<Sidecar>>) -> Response {
     let f = sc.fleet();
-    let workers: Vec<Value> = f.workers.values().map(worker_json).collect();
-    json_response(StatusCode::OK, json!({"workers": workers}))
+    let workers = f.workers.values().map(WorkerView::from).collect();
+    json_response(StatusCode::OK, &WorkerList { workers })
 }
 
 pub(super) async fn get_worker(State(sc): State<Arc<Sidecar>>, Path(id): Path<u64>) -> Response {
     match sc.fleet().workers.get(&id) {
-        Some(w) => json_response(StatusCode::OK, worker_json(w)),
+        Some(w) => json_response(StatusCode::OK, &WorkerView::from(w)),
         None => fleet_error(FleetError::UnknownWorker(id)),
     }
 }
@@ -44,7 +32,7 @@ pub(super) async fn add_worker(State(sc): State<Arc<Sidecar>>, body: Bytes) -> R
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid worker: {e}")),
     };
     match sc.add_worker(spec) {
-        Ok(w) => json_response(StatusCode::CREATED, worker_json(&w)),
+        Ok(w) => json_response(StatusCode::CREATED, &WorkerView::from(&w)),
         Err(e) => fleet_error(e),
     }
 }
@@ -59,7 +47,7 @@ pub(super) async fn patch_worker(
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")),
     };
     match sc.patch_worker(id, &patch) {
-        Ok(w) => json_response(StatusCode::OK, worker_json(&w)),
+        Ok(w) => json_response(StatusCode::OK, &WorkerView::from(&w)),
         Err(e) => fleet_error(e),
     }
 }

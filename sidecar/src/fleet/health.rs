@@ -3,15 +3,13 @@
 
 use super::Fleet;
 use crate::sources::metrics::promtext::RankMetrics;
-use serde::Serialize;
 use std::time::{Duration, Instant};
 
-#[derive(Debug, Clone, Serialize)]
+/// A worker's scrape record.
+#[derive(Debug, Clone)]
 pub struct Health {
     pub up: bool,
-    #[serde(skip)]
     pub last_ok: Option<Instant>,
-    #[serde(skip)]
     pub added: Instant,
     pub last_error: Option<String>,
     pub scrapes: u64,
