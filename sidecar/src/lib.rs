@@ -18,10 +18,16 @@
 //! each worker's scraper and KV subscribers as the catalog changes, and
 //! the tick module runs the publish and scrape loops.
 
+#![forbid(unsafe_code)]
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
 pub mod api;
 pub mod config;
 mod control;
-pub mod fleet;
+pub(crate) mod fleet;
 mod ingest;
 mod lifecycle;
 pub mod metrics;

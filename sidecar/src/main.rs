@@ -1,6 +1,8 @@
 //! `kvgate-sidecar --config FILE`: runs the sidecar.
 //! `kvgate-sidecar status [--url URL]`: prints a running sidecar's fleet.
 
+#![forbid(unsafe_code)]
+
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use http_body_util::BodyExt;

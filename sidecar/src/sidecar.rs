@@ -58,7 +58,7 @@ impl Sidecar {
             versions,
             store: SnapshotStore::default(),
             plane,
-            metrics: Metrics::new(),
+            metrics: Metrics::new()?,
             routed: Mutex::new(ApproxIndex::new(
                 Duration::from_millis(config.kv.approx_ttl_ms),
                 Duration::from_millis(config.kv.inflight_ttl_ms),

@@ -8,8 +8,9 @@ use kvgate_core::update;
 use kvgate_sidecar::api::views;
 use kvgate_sidecar::config::Config;
 use kvgate_sidecar::{Sidecar, api};
+use parking_lot::Mutex;
 use serde_json::{Value, json};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A worker's metrics endpoint; `None` makes it answer 500.
@@ -18,7 +19,7 @@ struct Page(Arc<Mutex<Option<String>>>);
 
 impl Page {
     fn set(&self, running: u32, usage: f64) {
-        *self.0.lock().unwrap() = Some(format!(
+        *self.0.lock() = Some(format!(
             "vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {running}\n\
              vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} 0\n\
              vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {usage}\n\
@@ -26,11 +27,11 @@ impl Page {
         ));
     }
     fn break_it(&self) {
-        *self.0.lock().unwrap() = None;
+        *self.0.lock() = None;
     }
     /// Some other program's Prometheus page on the worker's metrics URL.
     fn not_an_engine(&self) {
-        *self.0.lock().unwrap() = Some(
+        *self.0.lock() = Some(
             "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n\
              # TYPE process_cpu_seconds_total counter\n\
              process_cpu_seconds_total 1\n\
@@ -49,7 +50,7 @@ async fn fake_worker() -> (String, Page) {
         get(move || {
             let p = p.clone();
             async move {
-                match p.0.lock().unwrap().clone() {
+                match p.0.lock().clone() {
                     Some(text) => (axum::http::StatusCode::OK, text),
                     None => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, String::new()),
                 }

@@ -32,8 +32,6 @@ mod thresholds;
 pub mod views;
 mod workers;
 
-pub use poll::MAX_WAIT;
-
 use crate::Sidecar;
 use crate::fleet::FleetError;
 use axum::Router;

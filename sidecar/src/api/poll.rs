@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The longest a long poll is held, whatever the client asks.
-pub const MAX_WAIT: Duration = Duration::from_secs(10);
+const MAX_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Deserialize)]
 pub(super) struct PollQuery {

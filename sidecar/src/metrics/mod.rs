@@ -2,7 +2,9 @@
 
 pub(crate) mod gauges;
 
+use prometheus::core::Collector;
 use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use thiserror::Error;
 
 pub struct Metrics {
     pub registry: Registry,
@@ -41,243 +43,261 @@ pub struct Metrics {
     pub approx_learned: IntCounter,
 }
 
-fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    let c = IntCounterVec::new(Opts::new(name, help), labels)
-        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
-    r.register(Box::new(c.clone()))
-        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
-    c
+/// A metric that could not be created or registered: a malformed or
+/// duplicate name or label, found at start-up.
+#[derive(Debug, Error)]
+#[error("metric {name}: {source}")]
+pub struct MetricsError {
+    name: String,
+    source: prometheus::Error,
 }
 
-fn plain_counter(r: &Registry, name: &str, help: &str) -> IntCounter {
-    let c = IntCounter::new(name, help).unwrap_or_else(|e| panic!("metric {name}: {e}"));
-    r.register(Box::new(c.clone()))
-        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
-    c
+fn register<C: Collector + Clone + 'static>(
+    r: &Registry,
+    name: &str,
+    made: prometheus::Result<C>,
+) -> Result<C, MetricsError> {
+    let fail = |source| MetricsError {
+        name: name.to_string(),
+        source,
+    };
+    let c = made.map_err(fail)?;
+    r.register(Box::new(c.clone())).map_err(fail)?;
+    Ok(c)
 }
 
-fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
-    let g = IntGaugeVec::new(Opts::new(name, help), labels)
-        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
-    r.register(Box::new(g.clone()))
-        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
-    g
+fn counter(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntCounterVec, MetricsError> {
+    register(r, name, IntCounterVec::new(Opts::new(name, help), labels))
 }
 
-fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
-    let g = IntGauge::new(name, help).unwrap_or_else(|e| panic!("metric {name}: {e}"));
-    r.register(Box::new(g.clone()))
-        .unwrap_or_else(|e| panic!("metric {name}: {e}"));
-    g
+fn plain_counter(r: &Registry, name: &str, help: &str) -> Result<IntCounter, MetricsError> {
+    register(r, name, IntCounter::new(name, help))
+}
+
+fn gauge_vec(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<IntGaugeVec, MetricsError> {
+    register(r, name, IntGaugeVec::new(Opts::new(name, help), labels))
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> Result<IntGauge, MetricsError> {
+    register(r, name, IntGauge::new(name, help))
+}
+
+fn float_gauge(r: &Registry, name: &str, help: &str) -> Result<Gauge, MetricsError> {
+    register(r, name, Gauge::new(name, help))
 }
 
 impl Metrics {
-    /// Registration only fails for duplicate or malformed names, which are
-    /// constants here: a failure is a programming error caught by tests.
-    pub fn new() -> Metrics {
+    /// Creates and registers every metric. Names are constants, so an
+    /// error is a programming mistake; it is reported at start-up.
+    pub fn new() -> Result<Metrics, MetricsError> {
         let r = Registry::new();
         let w = &["worker_id"];
         let wr = &["worker_id", "dp_rank"];
-        Metrics {
+        Ok(Metrics {
             scrapes: counter(
                 &r,
                 "kvgate_sidecar_scrapes_total",
                 "Metrics scrapes attempted, per worker.",
                 w,
-            ),
+            )?,
             scrape_errors: counter(
                 &r,
                 "kvgate_sidecar_scrape_errors_total",
                 "Metrics scrapes that failed, per worker.",
                 w,
-            ),
+            )?,
             worker_up: gauge_vec(
                 &r,
                 "kvgate_sidecar_worker_up",
                 "1 when the worker is schedulable.",
                 &["model", "worker_id"],
-            ),
+            )?,
             workers_up: gauge_vec(
                 &r,
                 "kvgate_sidecar_workers_up",
                 "Schedulable workers per model.",
                 &["model"],
-            ),
+            )?,
             snapshot_version: gauge(
                 &r,
                 "kvgate_sidecar_snapshot_version",
                 "Version of the latest published state.",
-            ),
+            )?,
             snapshot_bytes: gauge(
                 &r,
                 "kvgate_sidecar_snapshot_bytes",
                 "Size of the latest load snapshot.",
-            ),
+            )?,
             snapshot_polls: counter(
                 &r,
                 "kvgate_sidecar_snapshot_polls_total",
                 "Long polls answered, by result (changed, timeout).",
                 &["result"],
-            ),
+            )?,
             rank_running: gauge_vec(
                 &r,
                 "kvgate_sidecar_rank_running",
                 "Requests running on the rank, from the engine.",
                 wr,
-            ),
+            )?,
             rank_waiting: gauge_vec(
                 &r,
                 "kvgate_sidecar_rank_waiting",
                 "Requests queued on the rank, from the engine.",
                 wr,
-            ),
+            )?,
             rank_kv_used: gauge_vec(
                 &r,
                 "kvgate_sidecar_rank_kv_used_blocks",
                 "KV blocks in use on the rank.",
                 wr,
-            ),
+            )?,
             rank_kv_total: gauge_vec(
                 &r,
                 "kvgate_sidecar_rank_kv_total_blocks",
                 "KV blocks on the rank.",
                 wr,
-            ),
+            )?,
             rank_busy: gauge_vec(
                 &r,
                 "kvgate_sidecar_rank_busy",
                 "1 when the rank is over a busy threshold.",
                 wr,
-            ),
+            )?,
             rank_active_prefill: gauge_vec(
                 &r,
                 "kvgate_sidecar_rank_active_prefill_tokens",
                 "Prompt tokens routed to the rank and not yet answered (gateway bookings).",
                 wr,
-            ),
+            )?,
             rank_active_decode: gauge_vec(
                 &r,
                 "kvgate_sidecar_rank_active_decode_blocks",
                 "KV blocks the gateway has booked on the rank for requests in flight (cached prefix blocks count once).",
                 wr,
-            ),
+            )?,
             bookings_active: gauge_vec(
                 &r,
                 "kvgate_sidecar_bookings_active",
                 "Requests the gateway routed that have not ended, per model.",
                 &["model"],
-            ),
+            )?,
             bookings_expired: plain_counter(
                 &r,
                 "kvgate_sidecar_bookings_expired_total",
                 "Bookings dropped by the expiry because their end was never reported.",
-            ),
+            )?,
             booking_batches: counter(
                 &r,
                 "kvgate_sidecar_booking_batches_total",
                 "Booking batches received from the gateway, by result (ok, malformed).",
                 &["result"],
-            ),
+            )?,
             routed: counter(
                 &r,
                 "kvgate_sidecar_routed_total",
                 "Requests the gateway routed, by model and worker.",
                 &["model", "worker_id"],
-            ),
+            )?,
             rejected: counter(
                 &r,
                 "kvgate_sidecar_rejected_total",
                 "Requests the gateway answered itself, by model and reason (all_workers_busy, no_workers, ...).",
                 &["model", "reason"],
-            ),
+            )?,
             retry_after: gauge_vec(
                 &r,
                 "kvgate_sidecar_retry_after_seconds",
                 "Retry-After the gateway sends while every worker of the model is busy (0: the filter's default).",
                 &["model"],
-            ),
+            )?,
             threshold_changes: counter(
                 &r,
                 "kvgate_sidecar_threshold_changes_total",
                 "Busy thresholds changed through /busy_threshold, per model.",
                 &["model"],
-            ),
-            snapshot_age: {
-                let g = Gauge::new(
-                    "kvgate_sidecar_snapshot_age_seconds",
-                    "Seconds since the gateway last received a snapshot or was told its snapshot is current.",
-                )
-                .unwrap_or_else(|e| panic!("metric: {e}"));
-                r.register(Box::new(g.clone()))
-                    .unwrap_or_else(|e| panic!("metric: {e}"));
-                g
-            },
+            )?,
+            snapshot_age: float_gauge(
+                &r,
+                "kvgate_sidecar_snapshot_age_seconds",
+                "Seconds since the gateway last received a snapshot or was told its snapshot is current.",
+            )?,
             kv_batches: counter(
                 &r,
                 "kvgate_sidecar_kv_batches_total",
                 "KV event batches received, per rank.",
                 wr,
-            ),
+            )?,
             kv_malformed_frames: counter(
                 &r,
                 "kvgate_sidecar_kv_malformed_frames_total",
                 "ZMQ messages that were not a 3-frame KV event batch.",
                 wr,
-            ),
+            )?,
             kv_gaps: counter(
                 &r,
                 "kvgate_sidecar_kv_gaps_total",
                 "Sequence gaps detected, per rank.",
                 wr,
-            ),
+            )?,
             kv_resyncs: counter(
                 &r,
                 "kvgate_sidecar_kv_resyncs_total",
                 "Times a rank's index entries were dropped (restart, unreplayable gap).",
                 wr,
-            ),
+            )?,
             kv_replayed: counter(
                 &r,
                 "kvgate_sidecar_kv_replayed_batches_total",
                 "Batches recovered by replay.",
                 wr,
-            ),
+            )?,
             kv_disconnects: counter(
                 &r,
                 "kvgate_sidecar_kv_disconnects_total",
                 "Connections to the rank's KV event publisher lost: the publisher went away, or sent a frame over kv.max_message_bytes.",
                 wr,
-            ),
+            )?,
             kv_unmatchable_blocks: counter(
                 &r,
                 "kvgate_sidecar_kv_unmatchable_blocks_total",
                 "Stored blocks kept out of the prefix index because their engine hash covers what no request shows kvgate (multimodal inputs, prompt embeddings, unknown extra keys, an adapter without a name, or such a parent).",
                 &["worker_id", "dp_rank", "reason"],
-            ),
+            )?,
             kv_block_size_mismatch: counter(
                 &r,
                 "kvgate_sidecar_kv_block_size_mismatch_total",
                 "Stored-block events whose block size is not the worker's block_size (e.g. SGLang's default --page-size 1): indexed at the engine's size, they never match a request.",
                 wr,
-            ),
+            )?,
             kv_indexed_blocks: gauge_vec(
                 &r,
                 "kvgate_sidecar_kv_indexed_blocks",
                 "Distinct blocks in the prefix index.",
                 &["model"],
-            ),
+            )?,
             kv_malformed_batches: gauge(
                 &r,
                 "kvgate_sidecar_kv_malformed_batches",
                 "KV event batches that failed to decode (skipped whole).",
-            ),
+            )?,
             approx_learned: plain_counter(
                 &r,
                 "kvgate_sidecar_approx_learned_total",
                 "Chunk holders learned from routing decisions (routed-prefix index).",
-            ),
+            )?,
             registry: r,
-        }
+        })
     }
 
     pub fn render(&self) -> String {
@@ -287,21 +307,24 @@ impl Metrics {
     }
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #[test]
     fn all_metrics_register_with_help() {
-        let m = super::Metrics::new();
+        let m = super::Metrics::new().unwrap();
         m.scrapes.with_label_values(&["1"]).inc();
         m.snapshot_polls.with_label_values(&["changed"]).inc();
         let text = m.render();
         assert!(text.contains("# HELP kvgate_sidecar_scrapes_total"));
         assert!(text.contains("kvgate_sidecar_snapshot_polls_total{result=\"changed\"} 1"));
+    }
+
+    #[test]
+    fn a_bad_metric_is_an_error_naming_it() {
+        let r = prometheus::Registry::new();
+        super::counter(&r, "kvgate_x_total", "x", &["a"]).unwrap();
+        let dup = super::counter(&r, "kvgate_x_total", "x", &["a"]).unwrap_err();
+        assert!(dup.to_string().contains("kvgate_x_total"), "{dup}");
+        assert!(super::gauge(&r, "not a name", "x").is_err());
     }
 }

@@ -5,10 +5,10 @@
 //! * [`frame`]: the update frames Envoy's snapshot service long-polls for.
 //! * [`eds`]: the catalog as Envoy's routed cluster.
 
-pub mod eds;
-pub mod frame;
-pub mod store;
-pub mod versions;
+pub(crate) mod eds;
+pub(crate) mod frame;
+mod store;
+mod versions;
 
 pub use store::SnapshotStore;
 pub use versions::Versions;

@@ -28,7 +28,12 @@ impl SnapshotStore {
 
     /// Publishes `snap` if its content differs from the current one.
     /// Returns the new version when it did.
-    pub fn publish(&self, versions: &Versions, mut snap: Snapshot, now_ms: u64) -> Option<u64> {
+    pub(crate) fn publish(
+        &self,
+        versions: &Versions,
+        mut snap: Snapshot,
+        now_ms: u64,
+    ) -> Option<u64> {
         snap.version = 0;
         snap.built_at_ms = 0;
         let content = match snap.encode() {
@@ -58,11 +63,11 @@ impl SnapshotStore {
         }))
     }
 
-    pub fn version(&self) -> u64 {
+    pub(crate) fn version(&self) -> u64 {
         self.lock().version
     }
 
-    pub fn bytes(&self) -> Arc<Vec<u8>> {
+    pub(crate) fn bytes(&self) -> Arc<Vec<u8>> {
         self.lock().bytes.clone()
     }
 

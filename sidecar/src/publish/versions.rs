@@ -26,7 +26,7 @@ impl Default for Versions {
 }
 
 impl Versions {
-    pub fn new() -> Versions {
+    pub(crate) fn new() -> Versions {
         let (tx, _) = watch::channel(0);
         Versions {
             lock: Mutex::new(()),
@@ -41,7 +41,7 @@ impl Versions {
     }
 
     /// Runs `store(v)` with the next version and makes it current.
-    pub fn publish<R>(&self, store: impl FnOnce(u64) -> R) -> R {
+    pub(crate) fn publish<R>(&self, store: impl FnOnce(u64) -> R) -> R {
         let _g = self.lock.lock();
         let v = self.current() + 1;
         let r = store(v);
@@ -51,7 +51,7 @@ impl Versions {
     }
 
     /// Wakes when a new version is published.
-    pub fn subscribe(&self) -> watch::Receiver<u64> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
         self.tx.subscribe()
     }
 }

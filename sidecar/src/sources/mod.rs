@@ -8,7 +8,7 @@
 //! A new input (GPU temperatures from NVML or DCGM, say) gets its own
 //! module here; what it produces is recorded in [`crate::fleet`].
 
-pub mod bookings;
+pub(crate) mod bookings;
 pub mod kv;
 pub mod metrics;
-pub mod routed;
+pub(crate) mod routed;

@@ -34,7 +34,7 @@ struct LogInner {
 
 /// A changed shard, ready to send.
 #[derive(Debug, Clone)]
-pub struct ShardUpdate {
+pub(crate) struct ShardUpdate {
     /// The version that published it.
     pub version: u64,
     pub model: String,
@@ -53,20 +53,21 @@ impl ShardLog {
         self.inner.lock()
     }
 
-    pub fn new(versions: Arc<Versions>) -> ShardLog {
+    pub(crate) fn new(versions: Arc<Versions>) -> ShardLog {
         ShardLog {
             inner: Mutex::default(),
             versions,
         }
     }
 
-    pub fn version(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn version(&self) -> u64 {
         self.versions.current()
     }
 
     /// Shards changed after `since`; `since = 0` returns every non-empty
     /// shard (what a fresh reader needs).
-    pub fn changed_since(&self, since: u64) -> Vec<ShardUpdate> {
+    pub(crate) fn changed_since(&self, since: u64) -> Vec<ShardUpdate> {
         let inner = self.lock();
         let mut out = Vec::new();
         for (model, m) in &inner.models {
@@ -86,7 +87,8 @@ impl ShardLog {
     }
 
     /// Number of shards per model (models with an index).
-    pub fn shard_counts(&self) -> Vec<(String, u32)> {
+    #[cfg(test)]
+    pub(crate) fn shard_counts(&self) -> Vec<(String, u32)> {
         self.lock()
             .models
             .iter()
@@ -148,7 +150,7 @@ pub struct BlockSizeMismatch {
 }
 
 #[derive(Debug, Clone, Copy)]
-pub struct PlaneConfig {
+pub(crate) struct PlaneConfig {
     pub shard_count: u32,
     pub max_blocks_per_slot: usize,
     pub publish_interval: Duration,
@@ -169,7 +171,7 @@ impl Default for PlaneConfig {
 
 /// Handle to the index thread.
 pub struct Plane {
-    pub log: Arc<ShardLog>,
+    pub(crate) log: Arc<ShardLog>,
     /// Slots whose engine cache emptied (AllBlocksCleared, or a resync)
     /// since the last [`Plane::take_cleared`].
     cleared: Arc<Mutex<Vec<u16>>>,
@@ -180,7 +182,7 @@ pub struct Plane {
 }
 
 impl Plane {
-    pub fn start(config: PlaneConfig, versions: Arc<Versions>) -> std::io::Result<Plane> {
+    pub(crate) fn start(config: PlaneConfig, versions: Arc<Versions>) -> std::io::Result<Plane> {
         let log = Arc::new(ShardLog::new(versions));
         let (ingest, rx) = sync_channel(config.queue);
         let (control, crx) = channel();
@@ -201,11 +203,11 @@ impl Plane {
     }
 
     /// Where subscribers send batches.
-    pub fn sender(&self) -> SyncSender<Ingest> {
+    pub(crate) fn sender(&self) -> SyncSender<Ingest> {
         self.ingest.clone()
     }
 
-    pub fn add_slot(&self, slot: u16, model: &str, block_size: u32, expected_blocks: usize) {
+    pub(crate) fn add_slot(&self, slot: u16, model: &str, block_size: u32, expected_blocks: usize) {
         let _ = self.control.send(Control::AddSlot {
             slot,
             model: model.to_string(),
@@ -214,13 +216,13 @@ impl Plane {
         });
     }
 
-    pub fn remove_slot(&self, slot: u16) {
+    pub(crate) fn remove_slot(&self, slot: u16) {
         let _ = self.control.send(Control::RemoveSlot { slot });
     }
 
     /// Slots whose engine reported its cache emptied since the last call:
     /// whatever else kvgate believes they hold is gone too.
-    pub fn take_cleared(&self) -> Vec<u16> {
+    pub(crate) fn take_cleared(&self) -> Vec<u16> {
         std::mem::take(&mut *self.cleared.lock())
     }
 
@@ -306,7 +308,7 @@ impl State {
 
     fn ingest(&mut self, msg: Ingest) {
         match msg {
-            Ingest::Batch { slot, payload, .. } => {
+            Ingest::Batch { slot, seq, payload } => {
                 let Some(model) = self.slot_model.get(&slot) else {
                     return;
                 };
@@ -330,7 +332,8 @@ impl State {
                     }
                     Err(e) => {
                         self.stats.malformed_batches += 1;
-                        tracing::warn!(slot, error = %e, "skipping malformed KV event batch");
+                        // The sequence number finds the batch in the engine's log.
+                        tracing::warn!(slot, seq, error = %e, "skipping malformed KV event batch");
                     }
                 }
             }

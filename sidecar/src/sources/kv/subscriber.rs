@@ -113,9 +113,9 @@ pub struct SubscriberStats {
     pub disconnects: AtomicU64,
 }
 
-/// A running subscriber; dropping the handle does not stop it, `stop` does.
+/// A running subscriber; `stop`, or dropping it, stops its thread and
+/// waits for it.
 pub struct Subscriber {
-    pub spec: SubscriberSpec,
     pub stats: Arc<SubscriberStats>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -129,16 +129,15 @@ impl Subscriber {
     ) -> std::io::Result<Subscriber> {
         let stats = Arc::new(SubscriberStats::default());
         let stop = Arc::new(AtomicBool::new(false));
-        let (s2, st2, stop2) = (spec.clone(), stats.clone(), stop.clone());
+        let (st2, stop2) = (stats.clone(), stop.clone());
         let thread = std::thread::Builder::new()
             .name(format!("kv-sub-{}", spec.slot))
             .spawn(move || {
-                if let Err(e) = run(&ctx, &s2, &tx, &st2, &stop2) {
-                    tracing::error!(slot = s2.slot, endpoint = %s2.endpoint, error = %e, "kv event subscriber stopped");
+                if let Err(e) = run(&ctx, &spec, &tx, &st2, &stop2) {
+                    tracing::error!(slot = spec.slot, endpoint = %spec.endpoint, error = %e, "kv event subscriber stopped");
                 }
             })?;
         Ok(Subscriber {
-            spec,
             stats,
             stop,
             thread: Some(thread),

@@ -23,7 +23,7 @@ pub fn client() -> HttpClient {
 const MAX_PAGE: usize = 8 << 20;
 
 /// One scrape: fetch, parse, extract the per-rank load.
-pub async fn scrape_once(
+pub(crate) async fn scrape_once(
     client: &HttpClient,
     url: &str,
     timeout: Duration,
