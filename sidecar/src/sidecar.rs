@@ -47,7 +47,7 @@ impl Sidecar {
             PlaneConfig {
                 shard_count: config.kv.shards,
                 max_blocks_per_slot: config.kv.max_blocks_per_rank,
-                publish_interval: Duration::from_millis(config.kv.publish_interval_ms.max(1)),
+                publish_interval: config.kv.publish_interval.max(Duration::from_millis(1)),
                 ..Default::default()
             },
             versions.clone(),
@@ -60,16 +60,14 @@ impl Sidecar {
             plane,
             metrics: Metrics::new()?,
             routed: Mutex::new(ApproxIndex::new(
-                Duration::from_millis(config.kv.approx_ttl_ms),
-                Duration::from_millis(config.kv.inflight_ttl_ms),
+                config.kv.approx_ttl,
+                config.kv.inflight_ttl,
             )),
-            bookings: Mutex::new(Bookings::new(Duration::from_millis(
-                config.load.booking_ttl_ms,
-            ))),
+            bookings: Mutex::new(Bookings::new(config.load.booking_ttl)),
             last_poll_ms: AtomicU64::new(now_ms()),
             client: scrape::client(),
             workers: Lifecycle::new(
-                Duration::from_millis(config.kv.replay_timeout_ms),
+                config.kv.replay_timeout,
                 SocketLimits {
                     max_message_bytes: config.kv.max_message_bytes,
                     queue_messages: config.kv.queue_messages,

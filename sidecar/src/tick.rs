@@ -21,10 +21,7 @@ impl Sidecar {
                 self.metrics().bookings_expired.inc_by(expired as u64);
             }
             let mut f = self.fleet();
-            f.expire(
-                now,
-                Duration::from_millis(self.config().scrape.down_after_ms),
-            );
+            f.expire(now, self.config().scrape.down_after);
             let snap = f.build_snapshot(&b, self.config().load.max_retry_after_s);
             gauges::refresh(self.metrics(), &f, &b, &snap);
             snap
@@ -60,8 +57,16 @@ impl Sidecar {
 }
 
 pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
-    let interval_ms = sc.config().server.publish_interval_ms;
-    let mut tick = tokio::time::interval(Duration::from_millis(interval_ms.max(1)));
+    // At least 1 ms, as tokio requires; at most a second, so index
+    // statistics come once every `stats_every` ticks, at least.
+    let interval = sc
+        .config()
+        .server
+        .publish_interval
+        .max(Duration::from_millis(1));
+    let stats_every = (Duration::from_secs(1).as_nanos()
+        / interval.min(Duration::from_secs(1)).as_nanos()) as u64;
+    let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut n = 0u64;
     // Ranks already warned about a block size mismatch: once each is enough
@@ -74,7 +79,7 @@ pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
         n += 1;
         // Index statistics need a round trip to the index thread; once a
         // second is plenty for gauges.
-        if n.is_multiple_of(1000 / interval_ms.clamp(1, 1000))
+        if n.is_multiple_of(stats_every)
             && let Some(stats) = {
                 let sc = sc.clone();
                 tokio::task::spawn_blocking(move || sc.plane().stats())
@@ -104,9 +109,8 @@ pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
 }
 
 pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
-    let interval = Duration::from_millis(sc.config().scrape.interval_ms);
-    let timeout = Duration::from_millis(sc.config().scrape.timeout_ms);
-    let mut tick = tokio::time::interval(interval);
+    let timeout = sc.config().scrape.timeout;
+    let mut tick = tokio::time::interval(sc.config().scrape.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (mut warned_no_capacity, mut warned_no_batch) = (false, false);
     loop {
