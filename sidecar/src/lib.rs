@@ -6,8 +6,8 @@
 //! * [`sources`]: what comes in. Every worker's Prometheus page, scraped
 //!   for load ([`sources::metrics`]); every rank's ZMQ KV events, folded
 //!   into the prefix index ([`sources::kv`]); the gateways' bookings and
-//!   routing decisions ([`sources::bookings`], [`sources::routed`]).
-//! * [`fleet`]: the state kept from them. The worker catalog (from the
+//!   routing decisions (`sources::bookings`, `sources::routed`).
+//! * `fleet`: the state kept from them. The worker catalog (from the
 //!   config file and the `/workers` API), health, and the snapshot built
 //!   from all of it.
 //! * [`publish`] and [`api`]: what goes out. Versioned snapshots and index

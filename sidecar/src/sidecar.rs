@@ -16,6 +16,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// One sidecar process: its configuration, the fleet, what the sources
+/// feed in and what it publishes. Its tasks and HTTP handlers share it
+/// behind an `Arc`; each lock guards one part, and none is held while
+/// another is taken, except the bookings before the fleet when a snapshot
+/// is built.
 pub struct Sidecar {
     config: Config,
     fleet: Mutex<Fleet>,

@@ -20,6 +20,11 @@
 //! request for the booking TTL and forged routing decisions steer the
 //! approximate index. What only reads (`/v1/snapshot`, `/v1/state`,
 //! `/health`, `/ready`, `/metrics`) stays open.
+//!
+//! Each resource has its module; the bodies they answer are types in
+//! [`views`]. A new resource (a `/select` that places a request the way
+//! the filter would) is a new module beside them, registered in
+//! [`router`].
 
 mod auth;
 mod discovery;

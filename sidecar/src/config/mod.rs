@@ -5,12 +5,12 @@
 //! turn shedding off), and each error names the entry it is about.
 
 //!
-//! * [`sections`]: `[server]`, `[scrape]`, `[kv]`, `[load]`, `[control]`.
-//! * [`worker`]: `[[models]]` and `[[workers]]`, the latter also the shape
+//! * `sections`: `[server]`, `[scrape]`, `[kv]`, `[load]`, `[control]`.
+//! * `worker`: `[[models]]` and `[[workers]]`, the latter also the shape
 //!   of `POST /workers`.
 //!
 //! Durations are written in whole milliseconds under keys ending in `_ms`,
-//! and read into [`std::time::Duration`]s ([`millis`]).
+//! and read into [`std::time::Duration`]s (`millis`).
 
 mod millis;
 mod sections;

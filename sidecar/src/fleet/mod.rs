@@ -11,6 +11,11 @@
 //! * [`health`]: scrape results and the down-after rule.
 //! * [`snapshot`]: the snapshot Envoy reads, built from all of it.
 //! * [`drain`]: how long until a busy rank takes work again (`Retry-After`).
+//!
+//! State that a new source adds about a worker or a rank (GPU temperature,
+//! say) is recorded in its [`WorkerEntry`] as scrape results are, and
+//! reaches the snapshot in [`snapshot`]; state about a model (a planner's
+//! targets) sits beside `models`.
 
 mod catalog;
 mod drain;

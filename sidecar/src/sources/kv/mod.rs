@@ -4,7 +4,7 @@
 //! * [`wire`] / [`msgpack`]: decoding vLLM and SGLang batches, every shape.
 //! * [`stage`]: a whole batch decoded and hashed before it is applied.
 //! * [`index`]: which worker-rank slots hold which blocks, per tier.
-//! * [`seq`], [`replay`], [`subscriber`]: one subscriber per rank with gap
+//! * `seq`, [`replay`], `subscriber`: one subscriber per rank with gap
 //!   detection and replay.
 //! * [`plane`]: the index thread and the versioned shard log.
 
