@@ -89,7 +89,7 @@ impl Sidecar {
         Ok(sc)
     }
 
-    pub fn config(&self) -> &Config {
+    pub(crate) fn config(&self) -> &Config {
         &self.config
     }
 
