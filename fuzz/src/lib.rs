@@ -28,11 +28,11 @@ use kvgate_core::approx::{self, Routed};
 use kvgate_core::plan::request::{self, Endpoint};
 use kvgate_core::shard::{self, Holder, ShardView, SlotOverlap};
 use kvgate_core::{Snapshot, booking, update};
-use kvgate_sidecar::kv::msgpack::Reader;
-use kvgate_sidecar::kv::replay::{self, Reply};
-use kvgate_sidecar::kv::stage::{Op, Staged};
-use kvgate_sidecar::kv::wire::{self, Event, Scratch};
-use kvgate_sidecar::promtext;
+use kvgate_sidecar::sources::kv::msgpack::Reader;
+use kvgate_sidecar::sources::kv::replay::{self, Reply};
+use kvgate_sidecar::sources::kv::stage::{Op, Staged};
+use kvgate_sidecar::sources::kv::wire::{self, Event, Scratch};
+use kvgate_sidecar::sources::metrics::promtext;
 
 /// A target that also says whether the decoder accepted the input; the
 /// stable runner keeps accepted mutants as parents (its only feedback).

@@ -6,8 +6,8 @@
 //! Workload: 16 ranks × 100k blocks of 16 tokens (token ids up to 150k),
 //! 16 blocks per event, 64 events per batch, as vLLM 0.33 tagged maps.
 
-use kvgate_sidecar::kv::index::Index;
-use kvgate_sidecar::kv::stage::Staged;
+use kvgate_sidecar::sources::kv::index::Index;
+use kvgate_sidecar::sources::kv::stage::Staged;
 use rmpv::Value;
 use std::time::Instant;
 

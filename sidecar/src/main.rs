@@ -1,12 +1,16 @@
 //! `kvgate-sidecar --config FILE`: runs the sidecar.
 //! `kvgate-sidecar status [--url URL]`: prints a running sidecar's fleet.
 
+#![forbid(unsafe_code)]
+
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use http_body_util::BodyExt;
 use kvgate_core::Thresholds;
+use kvgate_sidecar::api::status;
+use kvgate_sidecar::api::views::StateView;
 use kvgate_sidecar::config::Config;
-use kvgate_sidecar::{Sidecar, api, status};
+use kvgate_sidecar::{Sidecar, api};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -73,7 +77,7 @@ async fn print_status(url: &str) -> anyhow::Result<()> {
     let uri: hyper::Uri = format!("{}/v1/state", url.trim_end_matches('/'))
         .parse()
         .with_context(|| format!("bad --url {url:?}"))?;
-    let client = kvgate_sidecar::scrape::client();
+    let client = kvgate_sidecar::sources::metrics::scrape::client();
     let resp = client
         .get(uri.clone())
         .await
@@ -81,8 +85,8 @@ async fn print_status(url: &str) -> anyhow::Result<()> {
     let status = resp.status();
     let body = resp.into_body().collect().await?.to_bytes();
     anyhow::ensure!(status.is_success(), "{uri} answered {status}");
-    let state: serde_json::Value =
-        serde_json::from_slice(&body).with_context(|| format!("{uri} did not answer JSON"))?;
+    let state: StateView = serde_json::from_slice(&body)
+        .with_context(|| format!("{uri} did not answer the state as JSON"))?;
     print!("{}", status::render(&state));
     Ok(())
 }
@@ -105,7 +109,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let guarded = config.control.token.is_some();
     let sc = Sidecar::start(config)?;
     let listener = tokio::net::TcpListener::bind(listen).await?;
-    tracing::info!(%listen, workers = sc.fleet().workers.len(), control_token = guarded, "kvgate-sidecar serving");
+    tracing::info!(%listen, workers = sc.worker_count(), control_token = guarded, "kvgate-sidecar serving");
     let shutdown = async {
         let mut term =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();

@@ -5,10 +5,12 @@ use axum::Router;
 use axum::routing::get;
 use kvgate_core::Snapshot;
 use kvgate_core::update;
+use kvgate_sidecar::api::views;
 use kvgate_sidecar::config::Config;
 use kvgate_sidecar::{Sidecar, api};
+use parking_lot::Mutex;
 use serde_json::{Value, json};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A worker's metrics endpoint; `None` makes it answer 500.
@@ -17,7 +19,7 @@ struct Page(Arc<Mutex<Option<String>>>);
 
 impl Page {
     fn set(&self, running: u32, usage: f64) {
-        *self.0.lock().unwrap() = Some(format!(
+        *self.0.lock() = Some(format!(
             "vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {running}\n\
              vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} 0\n\
              vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {usage}\n\
@@ -25,11 +27,11 @@ impl Page {
         ));
     }
     fn break_it(&self) {
-        *self.0.lock().unwrap() = None;
+        *self.0.lock() = None;
     }
     /// Some other program's Prometheus page on the worker's metrics URL.
     fn not_an_engine(&self) {
-        *self.0.lock().unwrap() = Some(
+        *self.0.lock() = Some(
             "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n\
              # TYPE process_cpu_seconds_total counter\n\
              process_cpu_seconds_total 1\n\
@@ -48,7 +50,7 @@ async fn fake_worker() -> (String, Page) {
         get(move || {
             let p = p.clone();
             async move {
-                match p.0.lock().unwrap().clone() {
+                match p.0.lock().clone() {
                     Some(text) => (axum::http::StatusCode::OK, text),
                     None => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, String::new()),
                 }
@@ -159,7 +161,7 @@ async fn snapshot_long_poll() {
     assert_eq!(status, 200);
     let u = update::decode(&body).unwrap();
     assert!(u.reset);
-    assert_eq!(u.epoch, sc.versions.epoch);
+    assert_eq!(u.epoch, sc.versions().epoch);
     let snap = Snapshot::decode(u.snapshot.unwrap()).unwrap();
     assert_eq!(snap.model("m").unwrap().workers[0].endpoint, w);
     assert!(
@@ -367,11 +369,11 @@ async fn busy_threshold_api_in_dynamos_shapes() {
     );
     // The published snapshot carries the change.
     wait_until("thresholds published", async || {
-        sc.store.snapshot().models[0]
+        sc.store().snapshot().models[0]
             .thresholds
             .active_prefill_tokens
             == Some(10000)
-            && sc.store.snapshot().models[0]
+            && sc.store().snapshot().models[0]
                 .thresholds
                 .active_decode_blocks
                 .is_none()
@@ -443,7 +445,7 @@ async fn bookings_load_ranks_until_released() {
     let (w, _page) = fake_worker().await;
     let (base, sc) = sidecar(&[&w]).await;
     wait_until("worker up", async || workers_up(&base).await == 1).await;
-    let slot = sc.store.snapshot().models[0].workers[0].ranks[0].slot;
+    let slot = sc.store().snapshot().models[0].workers[0].ranks[0].slot;
     let key = Key { vm: 77, seq: 1 };
     let mut batch = Vec::new();
     Event::Book {
@@ -477,7 +479,7 @@ async fn bookings_load_ranks_until_released() {
         (Some(200), Some(false))
     );
     assert_eq!(
-        sc.store.snapshot().applied,
+        sc.store().snapshot().applied,
         vec![kvgate_core::Applied { vm: 77, seq: 1 }]
     );
     let (_, _, m) = call("GET", &format!("{base}/metrics"), None).await;
@@ -506,7 +508,7 @@ async fn bookings_load_ranks_until_released() {
     // A malformed batch is refused whole and changes nothing.
     let (status, _, body) = post(vec![42, 1, 2]).await;
     assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
-    assert_eq!(sc.bookings().active(), 0);
+    assert_eq!(sc.active_bookings(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -516,7 +518,7 @@ async fn reports_require_the_token_when_one_is_set() {
     let (w, _page) = fake_worker().await;
     let (base, sc) = sidecar_with(&[&w], Some("s3cret")).await;
     wait_until("worker up", async || workers_up(&base).await == 1).await;
-    let slot = sc.store.snapshot().models[0].workers[0].ranks[0].slot;
+    let slot = sc.store().snapshot().models[0].workers[0].ranks[0].slot;
     // Enough prefill to make the rank busy for the booking TTL, were it
     // accepted from anyone.
     let booking = Event::Book {
@@ -569,9 +571,9 @@ async fn reports_require_the_token_when_one_is_set() {
         (Some(0), Some(0), Some(false)),
         "{r}"
     );
-    assert_eq!(sc.bookings().active(), 0);
-    assert!(sc.store.snapshot().applied.is_empty());
-    assert_eq!(sc.metrics.approx_learned.get(), 0);
+    assert_eq!(sc.active_bookings(), 0);
+    assert!(sc.store().snapshot().applied.is_empty());
+    assert_eq!(sc.metrics().approx_learned.get(), 0);
 
     let right = [("authorization", "Bearer s3cret")];
     assert_eq!(
@@ -583,8 +585,8 @@ async fn reports_require_the_token_when_one_is_set() {
         rank().await["active_prefill_tokens"] == 1_000_000
     })
     .await;
-    assert_eq!(sc.bookings().active(), 1);
-    assert_eq!(sc.metrics.approx_learned.get(), 2);
+    assert_eq!(sc.active_bookings(), 1);
+    assert_eq!(sc.metrics().approx_learned.get(), 2);
     // Reading stays open.
     for path in ["/v1/state", "/health", "/metrics", "/v1/snapshot?wait_ms=0"] {
         let (status, _, _) = call_raw("GET", &format!("{base}{path}"), &[], Vec::new()).await;
@@ -603,7 +605,7 @@ async fn a_worker_is_up_only_when_its_page_is_an_engines() {
     let (real, _page) = fake_worker().await;
     let (other, other_page) = fake_worker().await;
     other_page.not_an_engine();
-    let (base, sc) = sidecar(&[&real, &other]).await;
+    let (base, _sc) = sidecar(&[&real, &other]).await;
     let up_ids = async || {
         let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
         s["models"][0]["workers"]
@@ -627,11 +629,127 @@ async fn a_worker_is_up_only_when_its_page_is_an_engines() {
             .contains("none of vLLM's or SGLang's metrics"),
         "{w}"
     );
-    assert!(!sc.fleet().workers[&2].health.up);
     // The same worker serving the engine's page comes up.
     other_page.set(0, 0.0);
     wait_until("the second engine up", async || up_ids().await == [1, 2]).await;
     // And goes down again when the page stops being the engine's.
     other_page.not_an_engine();
     wait_until("down again", async || up_ids().await == [1]).await;
+}
+
+/// The JSON bodies clients see, key for key: the typed views must keep
+/// them exactly as they were.
+#[tokio::test(flavor = "multi_thread")]
+async fn json_bodies_keep_their_shapes() {
+    let (w, page) = fake_worker().await;
+    page.break_it();
+    let (base, _sc) = sidecar(&[&w]).await;
+    let (status, mut ready) = json_of("GET", &format!("{base}/ready"), None).await;
+    assert_eq!(status, 503, "{ready}");
+    assert_eq!(
+        ready["workers"].as_array().map(Vec::len),
+        Some(1),
+        "{ready}"
+    );
+    assert!(ready["workers"][0]["reason"].is_string(), "{ready}");
+    ready["workers"][0]["reason"] = json!("-");
+    assert_eq!(
+        ready,
+        json!({"status": "not ready", "reason": "no schedulable worker",
+               "workers": [{"worker_id": 1, "reason": "-"}]})
+    );
+    page.set(2, 0.25);
+    wait_until("worker up", async || workers_up(&base).await == 1).await;
+
+    let (_, health) = json_of("GET", &format!("{base}/health"), None).await;
+    assert_eq!(health, json!({"status": "ok"}));
+    let (_, ready) = json_of("GET", &format!("{base}/ready"), None).await;
+    assert_eq!(ready, json!({"status": "ready", "workers_up": 1}));
+
+    let (_, state) = json_of("GET", &format!("{base}/v1/state"), None).await;
+    let keys = |v: &Value| -> Vec<String> {
+        let mut k: Vec<String> = v
+            .as_object()
+            .map(|o| o.keys().cloned().collect())
+            .unwrap_or_default();
+        k.sort();
+        k
+    };
+    assert_eq!(keys(&state), ["built_at_ms", "epoch", "models", "version"]);
+    let m = &state["models"][0];
+    assert_eq!(
+        keys(m),
+        [
+            "mode",
+            "name",
+            "retry_after_s",
+            "shard_count",
+            "thresholds",
+            "workers"
+        ]
+    );
+    assert_eq!(m["mode"], "approximate");
+    assert_eq!(
+        m["thresholds"],
+        json!({"active_decode_blocks_threshold": 0.5,
+               "active_prefill_tokens_threshold": null,
+               "active_prefill_tokens_threshold_frac": null})
+    );
+    let wk = &m["workers"][0];
+    assert_eq!(
+        keys(wk),
+        ["block_size", "endpoint", "ranks", "tenant_id", "worker_id"]
+    );
+    assert_eq!(
+        wk["ranks"][0],
+        json!({"dp_rank": 0, "slot": 0, "active_prefill_tokens": 0, "active_decode_blocks": 0,
+               "kv_used_blocks": 250, "kv_total_blocks": 1000, "max_num_batched_tokens": 0,
+               "running": 2, "waiting": 0, "busy": false})
+    );
+
+    let (_, worker) = json_of("GET", &format!("{base}/workers/1"), None).await;
+    let mut shown = worker.clone();
+    let status = shown
+        .as_object_mut()
+        .and_then(|o| o.remove("status"))
+        .unwrap_or(Value::Null);
+    assert_eq!(
+        shown,
+        json!({"worker_id": 1, "model_name": "m", "tenant_id": "default", "endpoint": w,
+               "metrics_url": null, "block_size": 16, "data_parallel_start_rank": 0,
+               "data_parallel_size": 1, "max_num_batched_tokens": 0,
+               "kv_events_endpoints": {}, "replay_endpoint": null, "slots": [0]})
+    );
+    assert_eq!(
+        keys(&status),
+        ["last_error", "scrape_errors", "scrapes", "up"]
+    );
+    assert_eq!(
+        (&status["up"], &status["last_error"]),
+        (&json!(true), &Value::Null)
+    );
+    let (_, list) = json_of("GET", &format!("{base}/workers"), None).await;
+    assert_eq!(keys(&list), ["workers"]);
+    assert_eq!(keys(&list["workers"][0]), keys(&worker));
+
+    let (_, th) = json_of("GET", &format!("{base}/busy_threshold"), None).await;
+    assert_eq!(
+        th,
+        json!({"thresholds": [{"model": "m", "active_decode_blocks_threshold": 0.5}]})
+    );
+    let (status, err) = json_of("GET", &format!("{base}/workers/9"), None).await;
+    assert_eq!((status, keys(&err)), (404, vec!["error".to_string()]));
+
+    // The typed views read each body and write it back unchanged.
+    fn round_trip<T: serde::Serialize + serde::de::DeserializeOwned>(v: &Value) {
+        let typed: T = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(&serde_json::to_value(&typed).unwrap(), v);
+    }
+    round_trip::<views::StateView>(&state);
+    round_trip::<views::WorkerView>(&worker);
+    round_trip::<views::WorkerList>(&list);
+    round_trip::<views::ThresholdsList>(&th);
+    round_trip::<views::ReadyView>(&ready);
+    round_trip::<views::HealthView>(&health);
+    round_trip::<views::ErrorView>(&err);
 }

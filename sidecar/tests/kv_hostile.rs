@@ -4,7 +4,7 @@
 
 use kvgate_sidecar::Sidecar;
 use kvgate_sidecar::config::Config;
-use kvgate_sidecar::kv::plane::PlaneStats;
+use kvgate_sidecar::sources::kv::plane::PlaneStats;
 use rmpv::Value;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -89,7 +89,7 @@ fn sidecar(events: &str, kv: &str) -> Arc<Sidecar> {
 
 async fn plane_stats(sc: &Arc<Sidecar>) -> PlaneStats {
     let sc = sc.clone();
-    tokio::task::spawn_blocking(move || sc.plane.stats())
+    tokio::task::spawn_blocking(move || sc.plane().stats())
         .await
         .unwrap()
         .expect("the index thread answers")
@@ -106,7 +106,7 @@ async fn indexed_blocks(sc: &Arc<Sidecar>) -> usize {
 
 /// A sample's value on the sidecar's `/metrics` page, 0 when absent.
 fn metric(sc: &Sidecar, series: &str) -> f64 {
-    sc.metrics
+    sc.metrics()
         .render()
         .lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())

@@ -1,0 +1,47 @@
+//! The control token that guards every route changing state.
+
+use super::error;
+use crate::Sidecar;
+use axum::extract::State;
+use axum::http::HeaderValue;
+use axum::http::StatusCode;
+use axum::response::Response;
+use std::sync::Arc;
+
+/// Refuses requests without the configured bearer token; checked before
+/// the body is read.
+pub(super) async fn require_token(
+    State(sc): State<Arc<Sidecar>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(token) = sc.config().control.token.as_deref() else {
+        return next.run(req).await;
+    };
+    let given = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        return next.run(req).await;
+    }
+    let mut r = error(
+        StatusCode::UNAUTHORIZED,
+        "this endpoint requires Authorization: Bearer <the sidecar's control token>",
+    );
+    r.headers_mut()
+        .insert("www-authenticate", HeaderValue::from_static("Bearer"));
+    r
+}
+
+/// Compares without an early exit, so timing does not reveal how much of a
+/// guess was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = a.len() ^ b.len();
+    for (i, x) in a.iter().enumerate() {
+        diff |= usize::from(x ^ b.get(i).copied().unwrap_or(0));
+    }
+    diff == 0
+}

@@ -1,0 +1,117 @@
+//! `kvgate-sidecar status`: the fleet at a glance, from a running sidecar's
+//! `/v1/state`.
+
+use super::views::{ModelView, StateView, WorkerLoadView};
+use serde::Serialize;
+use std::fmt::Write as _;
+
+/// Renders `/v1/state` as a table: per model its thresholds and shedding
+/// state, per worker and rank the load the router sees.
+pub fn render(state: &StateView) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "snapshot version {}  epoch {:x}",
+        state.version, state.epoch
+    );
+    for m in &state.models {
+        model(&mut out, m);
+    }
+    out
+}
+
+fn model(out: &mut String, m: &ModelView) {
+    // As JSON writes numbers (1.0, not 1), the way the API shows them.
+    fn show<T: Serialize>(v: Option<T>) -> String {
+        v.and_then(|v| serde_json::to_string(&v).ok())
+            .unwrap_or_else(|| "-".into())
+    }
+    let th = &m.thresholds;
+    let busy = m.workers.iter().filter(|w| worker_busy(w)).count();
+    let shedding = !m.workers.is_empty() && busy == m.workers.len();
+    let _ = writeln!(
+        out,
+        "\nmodel {}  ({})\n  thresholds: decode blocks > {}  prefill tokens > {}  prefill > {} x batch\n  workers up {}, busy {}{}",
+        m.name,
+        m.mode.as_str(),
+        show(th.active_decode_blocks),
+        show(th.active_prefill_tokens),
+        show(th.active_prefill_tokens_frac),
+        m.workers.len(),
+        busy,
+        if shedding {
+            format!("  SHEDDING (Retry-After {}s)", m.retry_after_s)
+        } else {
+            String::new()
+        },
+    );
+    if m.workers.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "  {:>6}  {:<21} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  state",
+        "worker", "endpoint", "rank", "prefill", "decode", "kv used/total", "run", "wait",
+    );
+    for w in &m.workers {
+        for r in &w.ranks {
+            let kv = format!("{}/{}", r.kv_used_blocks, r.kv_total_blocks);
+            let _ = writeln!(
+                out,
+                "  {:>6}  {:<21} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  {}",
+                w.worker_id,
+                w.endpoint,
+                r.dp_rank,
+                r.active_prefill_tokens,
+                r.active_decode_blocks,
+                kv,
+                r.running,
+                r.waiting,
+                if r.busy { "BUSY" } else { "ok" },
+            );
+        }
+    }
+}
+
+fn worker_busy(w: &WorkerLoadView) -> bool {
+    !w.ranks.is_empty() && w.ranks.iter().all(|r| r.busy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn shows_load_busy_ranks_and_shedding() {
+        let state: StateView = serde_json::from_value(json!({
+            "version": 12, "built_at_ms": 1, "epoch": 255,
+            "models": [{
+                "name": "m", "mode": "approximate", "retry_after_s": 3, "shard_count": 0,
+                "thresholds": {"active_decode_blocks_threshold": 0.85,
+                               "active_prefill_tokens_threshold": null,
+                               "active_prefill_tokens_threshold_frac": null},
+                "workers": [{"worker_id": 1, "tenant_id": "default", "endpoint": "10.0.0.1:8000",
+                             "block_size": 16, "ranks": [
+                    {"dp_rank": 0, "slot": 0, "active_prefill_tokens": 512, "active_decode_blocks": 90,
+                     "kv_used_blocks": 90, "kv_total_blocks": 100, "max_num_batched_tokens": 0,
+                     "running": 4, "waiting": 2, "busy": true}
+                ]}]
+            }]
+        }))
+        .unwrap();
+        let text = render(&state);
+        assert!(text.contains("snapshot version 12  epoch ff"), "{text}");
+        assert!(text.contains("model m  (approximate)"), "{text}");
+        assert!(
+            text.contains("decode blocks > 0.85  prefill tokens > -"),
+            "{text}"
+        );
+        let mut one = state.clone();
+        one.models[0].thresholds.active_decode_blocks = Some(1.0);
+        assert!(render(&one).contains("decode blocks > 1.0 "));
+        assert!(text.contains("SHEDDING (Retry-After 3s)"), "{text}");
+        assert!(text.contains("90/100"), "{text}");
+        assert!(text.contains("BUSY"), "{text}");
+    }
+}

@@ -1,0 +1,247 @@
+//! The JSON bodies of the HTTP API, as types: the handlers serialize them,
+//! `kvgate-sidecar status` and tests deserialize them.
+
+use crate::config::WorkerSpec;
+use crate::fleet::WorkerEntry;
+use kvgate_core::{ModelState, RankLoad, Snapshot, Thresholds, WorkerState};
+use serde::{Deserialize, Serialize};
+
+/// `GET /v1/state`: the current snapshot, for people and tests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StateView {
+    pub version: u64,
+    pub built_at_ms: u64,
+    pub epoch: u64,
+    pub models: Vec<ModelView>,
+}
+
+/// One model in [`StateView`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelView {
+    pub name: String,
+    /// All three, `null` when unset.
+    pub thresholds: Thresholds,
+    pub shard_count: u32,
+    pub retry_after_s: u32,
+    pub mode: Mode,
+    /// Only the workers that are up.
+    pub workers: Vec<WorkerLoadView>,
+}
+
+/// Which prefix index a model's requests are placed with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Mode {
+    /// Token prompts use the engines' events, since the model's workers
+    /// publish them; text prompts the index learned from routing decisions.
+    #[serde(rename = "precise for token prompts, approximate for text")]
+    Precise,
+    /// Only the index learned from routing decisions.
+    #[serde(rename = "approximate")]
+    Approximate,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Precise => "precise for token prompts, approximate for text",
+            Mode::Approximate => "approximate",
+        }
+    }
+}
+
+/// One up worker in [`ModelView`], with the load of each of its ranks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerLoadView {
+    pub worker_id: u64,
+    pub tenant_id: String,
+    pub endpoint: String,
+    pub block_size: u32,
+    pub ranks: Vec<RankView>,
+}
+
+/// One DP rank's load in [`WorkerLoadView`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankView {
+    pub dp_rank: u32,
+    pub slot: u16,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub kv_used_blocks: u64,
+    pub kv_total_blocks: u64,
+    pub max_num_batched_tokens: u64,
+    pub running: u32,
+    pub waiting: u32,
+    pub busy: bool,
+}
+
+impl StateView {
+    pub fn new(s: &Snapshot, epoch: u64) -> StateView {
+        StateView {
+            version: s.version,
+            built_at_ms: s.built_at_ms,
+            epoch,
+            models: s.models.iter().map(ModelView::from).collect(),
+        }
+    }
+}
+
+impl From<&ModelState> for ModelView {
+    fn from(m: &ModelState) -> ModelView {
+        ModelView {
+            name: m.name.clone(),
+            thresholds: m.thresholds,
+            shard_count: m.shard_count,
+            retry_after_s: m.retry_after_s,
+            mode: if m.shard_count > 0 {
+                Mode::Precise
+            } else {
+                Mode::Approximate
+            },
+            workers: m.workers.iter().map(WorkerLoadView::from).collect(),
+        }
+    }
+}
+
+impl From<&WorkerState> for WorkerLoadView {
+    fn from(w: &WorkerState) -> WorkerLoadView {
+        WorkerLoadView {
+            worker_id: w.id,
+            tenant_id: w.tenant.clone(),
+            endpoint: w.endpoint.clone(),
+            block_size: w.block_size,
+            ranks: w.ranks.iter().map(RankView::from).collect(),
+        }
+    }
+}
+
+impl From<&RankLoad> for RankView {
+    fn from(r: &RankLoad) -> RankView {
+        RankView {
+            dp_rank: r.rank,
+            slot: r.slot,
+            active_prefill_tokens: r.active_prefill_tokens,
+            active_decode_blocks: r.active_decode_blocks,
+            kv_used_blocks: r.kv_used_blocks,
+            kv_total_blocks: r.kv_total_blocks,
+            max_num_batched_tokens: r.max_num_batched_tokens,
+            running: r.running,
+            waiting: r.waiting,
+            busy: r.busy,
+        }
+    }
+}
+
+/// A worker as `/workers` shows it: its registration, its status and the
+/// slots of its ranks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerView {
+    #[serde(flatten)]
+    pub spec: WorkerSpec,
+    pub status: WorkerStatus,
+    pub slots: Vec<u16>,
+}
+
+/// A worker's scrape health in [`WorkerView`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    pub up: bool,
+    pub last_error: Option<String>,
+    pub scrapes: u64,
+    pub scrape_errors: u64,
+}
+
+impl From<&WorkerEntry> for WorkerView {
+    fn from(w: &WorkerEntry) -> WorkerView {
+        WorkerView {
+            spec: w.spec.clone(),
+            status: WorkerStatus {
+                up: w.health.up,
+                last_error: w.health.last_error.clone(),
+                scrapes: w.health.scrapes,
+                scrape_errors: w.health.scrape_errors,
+            },
+            slots: w.slots.clone(),
+        }
+    }
+}
+
+/// `GET /workers`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerList {
+    pub workers: Vec<WorkerView>,
+}
+
+/// One model's thresholds in Dynamo's `busy_threshold` shape: unset ones
+/// are left out, not `null`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelThresholds {
+    pub model: String,
+    #[serde(
+        rename = "active_decode_blocks_threshold",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub active_decode_blocks: Option<f64>,
+    #[serde(
+        rename = "active_prefill_tokens_threshold",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub active_prefill_tokens: Option<u64>,
+    #[serde(
+        rename = "active_prefill_tokens_threshold_frac",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub active_prefill_tokens_frac: Option<f64>,
+}
+
+impl ModelThresholds {
+    pub fn new(model: &str, t: &Thresholds) -> ModelThresholds {
+        ModelThresholds {
+            model: model.to_string(),
+            active_decode_blocks: t.active_decode_blocks,
+            active_prefill_tokens: t.active_prefill_tokens,
+            active_prefill_tokens_frac: t.active_prefill_tokens_frac,
+        }
+    }
+}
+
+/// `GET /busy_threshold`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ThresholdsList {
+    pub thresholds: Vec<ModelThresholds>,
+}
+
+/// `GET /health`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthView {
+    pub status: String,
+}
+
+/// `GET /ready` with a schedulable worker (200).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadyView {
+    pub status: String,
+    pub workers_up: usize,
+}
+
+/// `GET /ready` without one (503): why each worker is not schedulable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NotReadyView {
+    pub status: String,
+    pub reason: String,
+    pub workers: Vec<NotReadyWorker>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NotReadyWorker {
+    pub worker_id: u64,
+    pub reason: String,
+}
+
+/// Every error answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorView {
+    pub error: String,
+}

@@ -1,0 +1,60 @@
+//! `/workers`: the catalog, read and changed.
+
+use super::views::{WorkerList, WorkerView};
+use super::{error, fleet_error, json_response};
+use crate::Sidecar;
+use crate::config::WorkerSpec;
+use crate::fleet::FleetError;
+use axum::body::Bytes;
+use axum::extract::Path;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use std::sync::Arc;
+
+pub(super) async fn list_workers(State(sc): State<Arc<Sidecar>>) -> Response {
+    let f = sc.fleet();
+    let workers = f.workers.values().map(WorkerView::from).collect();
+    json_response(StatusCode::OK, &WorkerList { workers })
+}
+
+pub(super) async fn get_worker(State(sc): State<Arc<Sidecar>>, Path(id): Path<u64>) -> Response {
+    match sc.fleet().workers.get(&id) {
+        Some(w) => json_response(StatusCode::OK, &WorkerView::from(w)),
+        None => fleet_error(FleetError::UnknownWorker(id)),
+    }
+}
+
+pub(super) async fn add_worker(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    let spec: WorkerSpec = match serde_json::from_slice(&body) {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid worker: {e}")),
+    };
+    match sc.add_worker(spec) {
+        Ok(w) => json_response(StatusCode::CREATED, &WorkerView::from(&w)),
+        Err(e) => fleet_error(e),
+    }
+}
+
+pub(super) async fn patch_worker(
+    State(sc): State<Arc<Sidecar>>,
+    Path(id): Path<u64>,
+    body: Bytes,
+) -> Response {
+    let patch: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")),
+    };
+    match sc.patch_worker(id, &patch) {
+        Ok(w) => json_response(StatusCode::OK, &WorkerView::from(&w)),
+        Err(e) => fleet_error(e),
+    }
+}
+
+pub(super) async fn delete_worker(State(sc): State<Arc<Sidecar>>, Path(id): Path<u64>) -> Response {
+    match sc.remove_worker(id) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => fleet_error(e),
+    }
+}

@@ -1,0 +1,187 @@
+//! The sidecar's configuration file (TOML) and the worker shape shared with
+//! the `/workers` API.
+//!
+//! Every key is checked: unknown keys are errors (a typo must not silently
+//! turn shedding off), and each error names the entry it is about.
+
+//!
+//! * `sections`: `[server]`, `[scrape]`, `[kv]`, `[load]`, `[control]`.
+//! * `worker`: `[[models]]` and `[[workers]]`, the latter also the shape
+//!   of `POST /workers`.
+//!
+//! Durations are written in whole milliseconds under keys ending in `_ms`,
+//! and read into [`std::time::Duration`]s (`millis`).
+
+mod millis;
+mod sections;
+#[cfg(test)]
+mod tests;
+mod worker;
+
+pub use sections::{Control, Kv, Load, Scrape, Server};
+pub use worker::{ModelConfig, WorkerSpec};
+
+use kvgate_core::Thresholds;
+use serde::Deserialize;
+use std::collections::BTreeSet;
+use std::path::Path;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {source}")]
+    Parse {
+        path: String,
+        source: Box<toml::de::Error>,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: Server,
+    #[serde(default)]
+    pub scrape: Scrape,
+    #[serde(default)]
+    pub kv: Kv,
+    #[serde(default)]
+    pub load: Load,
+    #[serde(default)]
+    pub control: Control,
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
+    #[serde(default)]
+    pub workers: Vec<WorkerSpec>,
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { source, .. } => ConfigError::Parse {
+                path: path.display().to_string(),
+                source,
+            },
+            other => other,
+        })
+    }
+
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let mut c: Config = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: "<config>".into(),
+            source: Box::new(source),
+        })?;
+        c.validate().map_err(ConfigError::Invalid)?;
+        Ok(c)
+    }
+
+    fn validate(&mut self) -> Result<(), String> {
+        let mut names = BTreeSet::new();
+        for m in &self.models {
+            if !names.insert(m.name.clone()) {
+                return Err(format!("model {:?} is listed twice", m.name));
+            }
+            m.thresholds
+                .validate()
+                .map_err(|e| format!("model {:?}: {e}", m.name))?;
+            m.policy
+                .validate()
+                .map_err(|e| format!("model {:?}: policy: {e}", m.name))?;
+        }
+        // An adapter name is matched against requests' `model` after the
+        // served models: one that is also a model, or listed under two
+        // models, would route ambiguously.
+        let mut adapters = BTreeSet::new();
+        for m in &self.models {
+            for a in &m.lora_adapters {
+                if a.is_empty() || names.contains(a) || !adapters.insert(a.clone()) {
+                    return Err(format!(
+                        "model {:?}: lora adapter {a:?} is empty, a model name, or listed twice",
+                        m.name
+                    ));
+                }
+            }
+        }
+        let mut ids = BTreeSet::new();
+        for w in &mut self.workers {
+            if !ids.insert(w.worker_id) {
+                return Err(format!("worker {} is listed twice", w.worker_id));
+            }
+            if !names.contains(&w.model_name) {
+                return Err(format!(
+                    "worker {} serves model {:?}, which is not in [[models]]",
+                    w.worker_id, w.model_name
+                ));
+            }
+            w.normalize()?;
+        }
+        if self.scrape.interval.is_zero() || self.scrape.timeout.is_zero() {
+            return Err("scrape.interval_ms and scrape.timeout_ms must be above 0".into());
+        }
+        if self.kv.shards == 0 {
+            return Err("kv.shards must be above 0".into());
+        }
+        // libzmq takes both as signed integers; 0 would mean "no limit".
+        if !(1..=i64::MAX as u64).contains(&self.kv.max_message_bytes) {
+            return Err(format!(
+                "kv.max_message_bytes must be within [1, {}], got {}",
+                i64::MAX,
+                self.kv.max_message_bytes
+            ));
+        }
+        if !(1..=i32::MAX as u32).contains(&self.kv.queue_messages) {
+            return Err(format!(
+                "kv.queue_messages must be within [1, {}], got {}",
+                i32::MAX,
+                self.kv.queue_messages
+            ));
+        }
+        if self.load.booking_ttl.is_zero() || self.load.max_retry_after_s == 0 {
+            return Err("load.booking_ttl_ms and load.max_retry_after_s must be above 0".into());
+        }
+        Ok(())
+    }
+
+    /// Reads the control token from `control.token_file`, else from
+    /// `KVGATE_CONTROL_TOKEN`. Surrounding whitespace is not part of it.
+    pub fn resolve_token(&mut self) -> Result<(), ConfigError> {
+        let token = match &self.control.token_file {
+            Some(p) => Some(
+                std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.display().to_string(),
+                    source,
+                })?,
+            ),
+            None => std::env::var("KVGATE_CONTROL_TOKEN").ok(),
+        };
+        self.control.token = match token.map(|t| t.trim().to_string()) {
+            Some(t) if t.is_empty() => {
+                return Err(ConfigError::Invalid("the control token is empty".into()));
+            }
+            other => other,
+        };
+        Ok(())
+    }
+
+    /// Applies threshold flags to every model (flags beat the file).
+    pub fn override_thresholds(&mut self, t: &Thresholds) -> Result<(), ConfigError> {
+        for m in &mut self.models {
+            m.thresholds = m.thresholds.overridden_by(t);
+            m.thresholds
+                .validate()
+                .map_err(|e| ConfigError::Invalid(format!("model {:?}: {e}", m.name)))?;
+        }
+        Ok(())
+    }
+}

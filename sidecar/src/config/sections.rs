@@ -1,0 +1,224 @@
+//! The sections of the configuration file besides the catalog.
+
+use super::millis;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Server {
+    /// APIs, `/metrics` and `/v1/snapshot`.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Snapshots are rebuilt at most this often after a change.
+    #[serde(
+        rename = "publish_interval_ms",
+        default = "default_publish_interval",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub publish_interval: Duration,
+}
+
+impl Default for Server {
+    fn default() -> Self {
+        Server {
+            listen: default_listen(),
+            publish_interval: default_publish_interval(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scrape {
+    #[serde(
+        rename = "interval_ms",
+        default = "default_interval",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub interval: Duration,
+    #[serde(
+        rename = "timeout_ms",
+        default = "default_timeout",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub timeout: Duration,
+    /// A worker with no successful scrape for this long is down.
+    #[serde(
+        rename = "down_after_ms",
+        default = "default_down_after",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub down_after: Duration,
+}
+
+impl Default for Scrape {
+    fn default() -> Self {
+        Scrape {
+            interval: default_interval(),
+            timeout: default_timeout(),
+            down_after: default_down_after(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Kv {
+    /// Index shards per model, as the filter reads them.
+    #[serde(default = "default_shards")]
+    pub shards: u32,
+    /// A rank indexing more blocks than this has missed removals and is
+    /// resynchronised; bounds the sidecar's memory.
+    #[serde(default = "default_max_blocks")]
+    pub max_blocks_per_rank: usize,
+    /// Changed shards are published at most this often.
+    #[serde(
+        rename = "publish_interval_ms",
+        default = "default_kv_publish",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub publish_interval: Duration,
+    #[serde(
+        rename = "replay_timeout_ms",
+        default = "default_replay_timeout",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub replay_timeout: Duration,
+    /// How long a routing decision keeps its text prefix in the
+    /// approximate index.
+    #[serde(
+        rename = "approx_ttl_ms",
+        default = "default_approx_ttl",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub approx_ttl: Duration,
+    /// How long a routing decision credits its rank with a token prompt's
+    /// prefix before the engine's KV events must confirm it.
+    #[serde(
+        rename = "inflight_ttl_ms",
+        default = "default_inflight_ttl",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub inflight_ttl: Duration,
+    /// Largest frame a KV-event or replay socket accepts. libzmq drops the
+    /// connection of a peer that sends a larger one (it reconnects), so a
+    /// confused or hostile publisher cannot make the sidecar buffer it.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: u64,
+    /// Messages each rank's sockets queue before dropping (the receive
+    /// high-water mark). With `max_message_bytes` it bounds what one
+    /// subscriber holds; a drop is a gap that replay repairs.
+    #[serde(default = "default_queue_messages")]
+    pub queue_messages: u32,
+}
+
+impl Default for Kv {
+    fn default() -> Self {
+        Kv {
+            shards: default_shards(),
+            max_blocks_per_rank: default_max_blocks(),
+            publish_interval: default_kv_publish(),
+            replay_timeout: default_replay_timeout(),
+            approx_ttl: default_approx_ttl(),
+            inflight_ttl: default_inflight_ttl(),
+            max_message_bytes: default_max_message_bytes(),
+            queue_messages: default_queue_messages(),
+        }
+    }
+}
+
+/// Gateway bookings and the 503's `Retry-After`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Load {
+    /// A booking whose request never reported its end is dropped after
+    /// this long (a gateway lost it).
+    #[serde(
+        rename = "booking_ttl_ms",
+        default = "default_booking_ttl",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub booking_ttl: Duration,
+    /// `Retry-After` is the expected time until the first busy worker
+    /// drains under its threshold, capped at this.
+    #[serde(default = "default_max_retry_after")]
+    pub max_retry_after_s: u32,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Load {
+            booking_ttl: default_booking_ttl(),
+            max_retry_after_s: default_max_retry_after(),
+        }
+    }
+}
+
+/// Who may change state: the control API (`/busy_threshold`, `/workers`)
+/// and the filter's reports (`/v1/bookings`, `/v1/routed`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Control {
+    /// A file holding the bearer token those routes require; no file and
+    /// no `KVGATE_CONTROL_TOKEN` means no token is required.
+    #[serde(default)]
+    pub token_file: Option<std::path::PathBuf>,
+    /// Resolved at load time from `token_file` or the environment.
+    #[serde(skip)]
+    pub token: Option<String>,
+}
+
+fn default_booking_ttl() -> Duration {
+    Duration::from_millis(300_000)
+}
+fn default_max_retry_after() -> u32 {
+    30
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9190))
+}
+fn default_publish_interval() -> Duration {
+    Duration::from_millis(50)
+}
+fn default_interval() -> Duration {
+    Duration::from_millis(500)
+}
+fn default_timeout() -> Duration {
+    Duration::from_millis(400)
+}
+fn default_down_after() -> Duration {
+    Duration::from_millis(2000)
+}
+fn default_shards() -> u32 {
+    16384
+}
+fn default_max_blocks() -> usize {
+    4 << 20
+}
+fn default_kv_publish() -> Duration {
+    Duration::from_millis(5)
+}
+fn default_replay_timeout() -> Duration {
+    Duration::from_millis(2000)
+}
+fn default_approx_ttl() -> Duration {
+    Duration::from_millis(120_000)
+}
+
+/// A batch is one engine step's events: a few KiB, a few hundred KiB when
+/// a long prompt's blocks are stored with their token ids.
+fn default_max_message_bytes() -> u64 {
+    8 << 20
+}
+fn default_queue_messages() -> u32 {
+    1000
+}
+
+/// Covers a request's wait in the engine's queue and its prefill under
+/// ordinary load, after which its blocks are in the events.
+fn default_inflight_ttl() -> Duration {
+    Duration::from_millis(10_000)
+}

@@ -1,0 +1,211 @@
+use super::*;
+use std::time::Duration;
+
+const GOOD: &str = r#"
+[server]
+listen = "127.0.0.1:9999"
+
+[[models]]
+name = "m"
+active_decode_blocks_threshold = 0.85
+
+[[workers]]
+worker_id = 1
+model_name = "m"
+endpoint = "http://127.0.0.1:8001/"
+data_parallel_size = 2
+kv_events_endpoints = { "0" = "tcp://127.0.0.1:5557" }
+replay_endpoint = "tcp://127.0.0.1:5567"
+"#;
+
+#[test]
+fn parses_with_defaults_and_normalises() {
+    let c = Config::parse(GOOD).unwrap();
+    assert_eq!(c.server.listen.port(), 9999);
+    assert_eq!(c.scrape.down_after, Duration::from_millis(2000));
+    let w = &c.workers[0];
+    assert_eq!(w.endpoint, "127.0.0.1:8001");
+    assert_eq!(w.metrics_url(), "http://127.0.0.1:8001/metrics");
+    assert_eq!(w.tenant_id, "default");
+    assert_eq!(w.block_size, 16);
+    assert_eq!(
+        w.events_endpoint(1).as_deref(),
+        Some("tcp://127.0.0.1:5558")
+    );
+    assert_eq!(
+        w.replay_endpoint_of(1).as_deref(),
+        Some("tcp://127.0.0.1:5568")
+    );
+    assert_eq!(c.models[0].thresholds.active_decode_blocks, Some(0.85));
+    assert_eq!(
+        (c.kv.max_message_bytes, c.kv.queue_messages),
+        (8 << 20, 1000)
+    );
+}
+
+#[test]
+fn kv_socket_bounds_are_checked() {
+    let c = Config::parse("[kv]\nmax_message_bytes = 65536\nqueue_messages = 10").unwrap();
+    assert_eq!((c.kv.max_message_bytes, c.kv.queue_messages), (65536, 10));
+    assert!(err("[kv]\nmax_message_bytes = 0").contains("kv.max_message_bytes"));
+    assert!(err("[kv]\nqueue_messages = 0").contains("kv.queue_messages"));
+    assert!(err("[kv]\nqueue_messages = 2147483648").contains("kv.queue_messages"));
+}
+
+#[test]
+fn overlapping_derived_dp_ports_are_rejected() {
+    let worker = |events: &str, replay: &str, dp: u32| {
+        format!(
+            "[[models]]\nname = \"m\"\n[[workers]]\nworker_id = 7\nmodel_name = \"m\"\n\
+                 endpoint = \"127.0.0.1:8001\"\ndata_parallel_size = {dp}\n\
+                 kv_events_endpoints = {{ \"0\" = \"{events}\" }}\nreplay_endpoint = \"{replay}\"\n"
+        )
+    };
+    // The README's old layout: rank 1 publishes on 5558, rank 0 replays there.
+    let e = err(&worker("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", 2));
+    assert!(e.contains("worker 7"), "{e}");
+    assert!(e.contains("5557-5558") && e.contains("5558-5559"), "{e}");
+    assert!(e.contains("tcp://10.0.0.5:5559"), "{e}");
+    assert!(err(&worker("tcp://h:5557", "tcp://h:5557", 1)).contains("overlap"));
+    // Working layouts: replay base at events base + DP size, another
+    // host, or one rank with adjacent ports.
+    for (ev, rp, dp) in [
+        ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5559", 2),
+        ("tcp://10.0.0.5:5557", "tcp://10.0.0.6:5558", 2),
+        ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", 1),
+        ("tcp://10.0.0.5:5560", "tcp://10.0.0.5:5557", 2),
+    ] {
+        Config::parse(&worker(ev, rp, dp)).unwrap_or_else(|e| panic!("{ev} {rp} {dp}: {e}"));
+    }
+}
+
+#[test]
+fn kv_events_topic_defaults_to_every_topic() {
+    let c = Config::parse(GOOD).unwrap();
+    assert_eq!(c.workers[0].kv_events_topic, "");
+    let c = Config::parse(&format!("{GOOD}kv_events_topic = \"kv-events\"\n")).unwrap();
+    assert_eq!(c.workers[0].kv_events_topic, "kv-events");
+}
+
+fn err(text: &str) -> String {
+    Config::parse(text).unwrap_err().to_string()
+}
+
+#[test]
+fn lora_adapters_are_unique_and_not_models() {
+    let c = Config::parse(
+        "[[models]]\nname = \"m\"\nlora_adapters = [\"a\", \"b\"]\n[[models]]\nname = \"n\"",
+    )
+    .unwrap();
+    assert_eq!(c.models[0].lora_adapters, ["a", "b"]);
+    assert!(c.models[1].lora_adapters.is_empty());
+    for bad in [
+        "[[models]]\nname = \"m\"\nlora_adapters = [\"a\", \"a\"]",
+        "[[models]]\nname = \"m\"\nlora_adapters = [\"\"]",
+        "[[models]]\nname = \"m\"\nlora_adapters = [\"n\"]\n[[models]]\nname = \"n\"",
+        "[[models]]\nname = \"m\"\nlora_adapters = [\"a\"]\n[[models]]\nname = \"n\"\nlora_adapters = [\"a\"]",
+    ] {
+        assert!(err(bad).contains("lora adapter"), "{bad}");
+    }
+}
+
+#[test]
+fn each_mistake_is_named() {
+    assert!(err("[server]\nlisten = 5").contains("listen"));
+    assert!(err("bogus = 1").contains("bogus"));
+    let worker = |extra: &str| {
+        format!(
+            "[[models]]\nname = \"m\"\n[[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"127.0.0.1:1\"\n{extra}"
+        )
+    };
+    assert!(err(&worker("block_size = 0")).contains("block_size"));
+    assert!(err(&worker("data_parallel_size = 0")).contains("data_parallel_size"));
+    assert!(err(&worker("kv_events_endpoints = { \"3\" = \"tcp://x:1\" }")).contains("rank 3"));
+    assert!(
+        err(&format!(
+            "{}\n[[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"127.0.0.1:2\"",
+            worker("")
+        ))
+        .contains("listed twice")
+    );
+    assert!(
+        err("[[workers]]\nworker_id = 1\nmodel_name = \"x\"\nendpoint = \"127.0.0.1:1\"")
+            .contains("not in [[models]]")
+    );
+    assert!(err(&worker("").replace("127.0.0.1:1", "worker-a:8000")).contains("ip:port"));
+    assert!(
+        err("[[models]]\nname = \"m\"\nactive_decode_blocks_threshold = 1.5").contains("[0, 1]")
+    );
+    assert!(
+        err("[[models]]\nname = \"m\"\nactive_prefill_tokens_threshold_frac = 0")
+            .contains("above 0")
+    );
+    assert!(err("[[models]]\nname = \"m\"\n[[models]]\nname = \"m\"").contains("twice"));
+    assert!(
+        err("[[models]]\nname = \"m\"\nactive_decode_block_threshold = 0.5")
+            .contains("active_decode_block_threshold"),
+        "a misspelt threshold is an error, not a disabled condition"
+    );
+    assert!(
+        err("[[models]]\nname = \"m\"\n[models.policy]\nhost_weight = -1").contains("host_weight")
+    );
+    assert!(
+        err("[[models]]\nname = \"m\"\n[models.policy]\nhost_wieght = 1").contains("host_wieght")
+    );
+}
+
+#[test]
+fn models_carry_their_policy() {
+    let c = Config::parse(
+            "[[models]]\nname = \"m\"\nactive_decode_blocks_threshold = 0.7\n[models.policy]\noverlap_credit = 2.0\ntemperature = 0.1",
+        )
+        .unwrap();
+    let m = &c.models[0];
+    assert_eq!(m.thresholds.active_decode_blocks, Some(0.7));
+    assert_eq!(m.policy.overlap_credit, 2.0);
+    assert_eq!(m.policy.temperature, 0.1);
+    assert_eq!(
+        m.policy.host_weight,
+        kvgate_core::Policy::default().host_weight
+    );
+}
+
+#[test]
+fn durations_are_read_in_milliseconds_under_their_ms_keys() {
+    let c = Config::parse(
+        "[server]\npublish_interval_ms = 20\n[scrape]\ninterval_ms = 50\ntimeout_ms = 40\n\
+         down_after_ms = 300\n[kv]\npublish_interval_ms = 2\nreplay_timeout_ms = 7\n\
+         approx_ttl_ms = 1000\ninflight_ttl_ms = 9\n[load]\nbooking_ttl_ms = 60000",
+    )
+    .unwrap();
+    let ms = Duration::from_millis;
+    assert_eq!(c.server.publish_interval, ms(20));
+    assert_eq!(
+        (c.scrape.interval, c.scrape.timeout, c.scrape.down_after),
+        (ms(50), ms(40), ms(300))
+    );
+    assert_eq!(
+        (
+            c.kv.publish_interval,
+            c.kv.replay_timeout,
+            c.kv.approx_ttl,
+            c.kv.inflight_ttl
+        ),
+        (ms(2), ms(7), ms(1000), ms(9))
+    );
+    assert_eq!(c.load.booking_ttl, ms(60_000));
+    let d = Config::parse("").unwrap();
+    assert_eq!(
+        (
+            d.server.publish_interval,
+            d.kv.approx_ttl,
+            d.load.booking_ttl
+        ),
+        (ms(50), ms(120_000), ms(300_000))
+    );
+    assert!(err("[scrape]\ninterval_ms = 0").contains("scrape.interval_ms"));
+    assert!(err("[load]\nbooking_ttl_ms = 0").contains("load.booking_ttl_ms"));
+    assert!(err("[scrape]\ntimeout_ms = -1").contains("timeout_ms"));
+    assert!(err("[scrape]\ntimeout_ms = \"1s\"").contains("timeout_ms"));
+    assert!(err("[scrape]\ntimeout = 1").contains("timeout"));
+}

@@ -1,0 +1,178 @@
+//! Models and workers: the catalog as the configuration file and the
+//! `/workers` API write it.
+
+use kvgate_core::{Policy, Thresholds};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub name: String,
+    /// Dynamo's threshold keys, directly in the model's table.
+    #[serde(flatten)]
+    pub thresholds: Thresholds,
+    /// `[models.policy]`: the cost weights; Dynamo's defaults when absent.
+    #[serde(default)]
+    pub policy: Policy,
+    /// LoRA adapters every worker of this model serves (vLLM
+    /// `--lora-modules name=...`): a request whose `model` is one of them
+    /// goes to this model's workers, hashed under the adapter's seed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lora_adapters: Vec<String>,
+}
+
+/// A worker: one engine endpoint serving one model with one or more DP
+/// ranks. The same shape comes from the config file and from `POST /workers`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    pub worker_id: u64,
+    pub model_name: String,
+    #[serde(default = "default_tenant", alias = "routing_group")]
+    pub tenant_id: String,
+    /// `ip:port` (an `http://` prefix is accepted and dropped): what Envoy's
+    /// ORIGINAL_DST cluster connects to.
+    pub endpoint: String,
+    /// Defaults to `http://{endpoint}/metrics`.
+    #[serde(default)]
+    pub metrics_url: Option<String>,
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    #[serde(default)]
+    pub data_parallel_start_rank: u32,
+    #[serde(default = "default_dp")]
+    pub data_parallel_size: u32,
+    /// The engine's `max_num_batched_tokens`, for the fractional prefill
+    /// threshold (0 = unknown; then read from metrics when published).
+    #[serde(default)]
+    pub max_num_batched_tokens: u64,
+    /// DP rank → ZMQ PUB endpoint of its KV events.
+    #[serde(default)]
+    pub kv_events_endpoints: BTreeMap<String, String>,
+    /// Replay ROUTER endpoint of rank 0 (rank r: port + r).
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    /// ZMQ topic prefix to subscribe to on the event endpoints; empty
+    /// takes every topic. Engines publish under one (vLLM's
+    /// `KVEventsConfig.topic`, e.g. `kv-events`), so a publisher shared by
+    /// several streams can be narrowed to this worker's.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub kv_events_topic: String,
+}
+
+fn default_tenant() -> String {
+    "default".into()
+}
+fn default_block_size() -> u32 {
+    16
+}
+fn default_dp() -> u32 {
+    1
+}
+
+impl WorkerSpec {
+    /// Normalises and validates in place.
+    pub fn normalize(&mut self) -> Result<(), String> {
+        let id = self.worker_id;
+        let ep = self
+            .endpoint
+            .trim()
+            .trim_start_matches("http://")
+            .trim_end_matches('/');
+        let addr: SocketAddr = ep.parse().map_err(|_| {
+            format!(
+                "worker {id}: endpoint {:?} must be ip:port (Envoy connects to it directly)",
+                self.endpoint
+            )
+        })?;
+        self.endpoint = addr.to_string();
+        if self.block_size == 0 {
+            return Err(format!("worker {id}: block_size must be above 0"));
+        }
+        if self.data_parallel_size == 0 {
+            return Err(format!("worker {id}: data_parallel_size must be above 0"));
+        }
+        if self.model_name.is_empty() {
+            return Err(format!("worker {id}: model_name is empty"));
+        }
+        for (rank, ep) in &self.kv_events_endpoints {
+            let r: u32 = rank.parse().map_err(|_| {
+                format!("worker {id}: kv_events_endpoints key {rank:?} is not a rank number")
+            })?;
+            if r >= self.data_parallel_size {
+                return Err(format!(
+                    "worker {id}: kv_events_endpoints has rank {r} but data_parallel_size is {}",
+                    self.data_parallel_size
+                ));
+            }
+            if !ep.contains("://") {
+                return Err(format!(
+                    "worker {id}: kv event endpoint {ep:?} needs a scheme, e.g. tcp://host:5557"
+                ));
+            }
+        }
+        self.check_port_layout()
+    }
+
+    /// vLLM adds the DP rank to both the event and the replay port, so a
+    /// replay base within `events base + data_parallel_size` makes one rank's
+    /// replay socket the next rank's publisher (the engine fails to bind).
+    fn check_port_layout(&self) -> Result<(), String> {
+        let dp = self.data_parallel_size;
+        let host_port = |ep: &str| -> Option<(String, u32)> {
+            let rest = ep.strip_prefix("tcp://")?;
+            let (host, port) = rest.rsplit_once(':')?;
+            Some((host.to_string(), port.parse().ok()?))
+        };
+        let events: Vec<_> = (0..dp)
+            .filter_map(|r| host_port(&self.events_endpoint(r)?))
+            .collect();
+        let replay: Vec<_> = (0..dp)
+            .filter_map(|r| host_port(&self.replay_endpoint_of(r)?))
+            .collect();
+        if !events.iter().any(|e| replay.contains(e)) {
+            return Ok(());
+        }
+        let range = |v: &[(String, u32)]| {
+            let lo = v.iter().map(|p| p.1).min().unwrap_or(0);
+            let hi = v.iter().map(|p| p.1).max().unwrap_or(0);
+            format!("{lo}-{hi}")
+        };
+        let (host, events_base) = events
+            .first()
+            .cloned()
+            .unwrap_or_else(|| (String::new(), 0));
+        Err(format!(
+            "worker {}: KV event ports {} and replay ports {} on {host} overlap \
+             (the engine adds the DP rank to both); put the replay base at or above \
+             the events base + data_parallel_size, e.g. replay_endpoint = \"tcp://{host}:{}\"",
+            self.worker_id,
+            range(&events),
+            range(&replay),
+            events_base + dp,
+        ))
+    }
+
+    pub fn metrics_url(&self) -> String {
+        self.metrics_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{}/metrics", self.endpoint))
+    }
+
+    /// The KV event endpoint of DP rank `r` (0-based within this worker):
+    /// listed explicitly, or derived from rank 0's by the engines' port
+    /// offset.
+    pub fn events_endpoint(&self, r: u32) -> Option<String> {
+        if let Some(ep) = self.kv_events_endpoints.get(&r.to_string()) {
+            return Some(ep.clone());
+        }
+        let base = self.kv_events_endpoints.get("0")?;
+        crate::sources::kv::subscriber::offset_port(base, r)
+    }
+
+    pub fn replay_endpoint_of(&self, r: u32) -> Option<String> {
+        crate::sources::kv::subscriber::offset_port(self.replay_endpoint.as_deref()?, r)
+    }
+}

@@ -1,0 +1,114 @@
+//! Building the snapshot Envoy reads from the fleet and the bookings.
+
+use super::Fleet;
+use super::drain::drain_time;
+use crate::sources::bookings::Bookings;
+use kvgate_core::busy::rank_busy;
+use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState};
+use std::collections::BTreeMap;
+
+impl Fleet {
+    /// Builds the snapshot: engine metrics merged with gateway bookings,
+    /// busy flags (with their latches) and each model's `Retry-After` hint.
+    /// Version and build time are left 0 for the publisher. Updates each
+    /// rank's decode latch, so call it once per publish tick.
+    pub fn build_snapshot(&mut self, bookings: &Bookings, max_retry_after_s: u32) -> Snapshot {
+        let mut models: BTreeMap<&str, ModelState> = self
+            .models
+            .iter()
+            .map(|(name, m)| {
+                (
+                    name.as_str(),
+                    ModelState {
+                        name: name.clone(),
+                        thresholds: m.thresholds,
+                        shard_count: 0,
+                        workers: Vec::new(),
+                        retry_after_s: 0,
+                        lora_adapters: m.lora_adapters.clone(),
+                        policy: m.policy,
+                    },
+                )
+            })
+            .collect();
+        for w in self.workers.values_mut() {
+            let Some(model) = models.get_mut(w.spec.model_name.as_str()) else {
+                continue;
+            };
+            if !w.spec.kv_events_endpoints.is_empty() {
+                model.shard_count = self.kv_shards;
+            }
+            if !w.health.up {
+                continue;
+            }
+            let th = model.thresholds;
+            let mut drain_s: Option<f64> = None;
+            let ranks: Vec<RankLoad> = w
+                .ranks
+                .iter()
+                .zip(&w.slots)
+                .zip(w.latches.iter_mut())
+                .enumerate()
+                .map(|(r, ((m, slot), latch))| {
+                    let booked = bookings.slot(*slot);
+                    let mut load = RankLoad {
+                        rank: w.spec.data_parallel_start_rank + r as u32,
+                        slot: *slot,
+                        // Engines do not report queued prefill; only the
+                        // gateway knows what it sent and not yet heard back.
+                        active_prefill_tokens: booked.prefill_tokens,
+                        // What this gateway has in flight there, as Dynamo's
+                        // router counts it. Not the engine's KV usage: that
+                        // includes the shared prefix blocks of running
+                        // requests, and counting them as load would push
+                        // every request away from the cache it could reuse.
+                        // Usage still makes a rank busy (`rank_busy` checks
+                        // both).
+                        active_decode_blocks: booked.decode_blocks,
+                        kv_used_blocks: m.kv_used_blocks(),
+                        kv_total_blocks: m.kv_total_blocks,
+                        max_num_batched_tokens: if w.spec.max_num_batched_tokens > 0 {
+                            w.spec.max_num_batched_tokens
+                        } else {
+                            m.max_num_batched_tokens
+                        },
+                        running: m.running,
+                        waiting: m.waiting,
+                        busy: false,
+                    };
+                    load.busy = rank_busy(&load, &th, latch).is_some();
+                    if load.busy
+                        && let Some(t) = drain_time(&load, &th, &booked)
+                    {
+                        drain_s = Some(drain_s.map_or(t, |d| d.min(t)));
+                    }
+                    load
+                })
+                .collect();
+            // A worker takes work again when its first rank does; the model,
+            // when its first worker does.
+            if ranks.iter().all(|r| r.busy)
+                && let Some(t) = drain_s
+            {
+                let secs = (t.ceil() as u32).clamp(1, max_retry_after_s.max(1));
+                model.retry_after_s = match model.retry_after_s {
+                    0 => secs,
+                    s => s.min(secs),
+                };
+            }
+            model.workers.push(WorkerState {
+                id: w.spec.worker_id,
+                endpoint: w.spec.endpoint.clone(),
+                block_size: w.spec.block_size,
+                ranks,
+                tenant: w.spec.tenant_id.clone(),
+            });
+        }
+        Snapshot {
+            version: 0,
+            built_at_ms: 0,
+            models: models.into_values().collect(),
+            applied: bookings.applied(),
+        }
+    }
+}

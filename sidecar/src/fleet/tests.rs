@@ -1,0 +1,259 @@
+use super::*;
+use crate::sources::bookings::Bookings;
+use kvgate_core::Thresholds;
+use std::time::{Duration, Instant};
+
+fn config() -> Config {
+    Config::parse(
+        r#"
+[[models]]
+name = "m"
+active_decode_blocks_threshold = 0.5
+[[models]]
+name = "idle"
+[[workers]]
+worker_id = 1
+model_name = "m"
+endpoint = "127.0.0.1:8001"
+data_parallel_size = 2
+[[workers]]
+worker_id = 2
+model_name = "m"
+endpoint = "127.0.0.1:8002"
+"#,
+    )
+    .unwrap()
+}
+
+fn metrics(usage: f64) -> RankMetrics {
+    RankMetrics {
+        kv_usage: usage,
+        kv_total_blocks: 100,
+        running: 1,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn the_snapshot_names_each_models_adapters() {
+    let c = Config::parse("[[models]]\nname = \"m\"\nlora_adapters = [\"sql-lora\"]").unwrap();
+    let mut f = Fleet::new(&c).unwrap();
+    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    assert_eq!(s.models[0].lora_adapters, ["sql-lora"]);
+    assert_eq!(s.model("sql-lora").map(|m| m.name.as_str()), Some("m"));
+}
+
+#[test]
+fn only_scraped_workers_are_listed_and_every_model_is() {
+    let mut f = Fleet::new(&config()).unwrap();
+    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    assert_eq!(s.models.len(), 2);
+    assert!(s.models.iter().all(|m| m.workers.is_empty()));
+    let now = Instant::now();
+    f.record_scrape(1, Ok(vec![metrics(0.1), metrics(0.9)]), now);
+    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    let m = s.model("m").unwrap();
+    assert_eq!(m.workers.len(), 1);
+    let w = &m.workers[0];
+    assert_eq!(w.ranks.len(), 2);
+    assert_eq!((w.ranks[0].kv_used_blocks, w.ranks[0].busy), (10, false));
+    assert_eq!((w.ranks[1].kv_used_blocks, w.ranks[1].busy), (90, true));
+    assert_ne!(w.ranks[0].slot, w.ranks[1].slot);
+}
+
+#[test]
+fn down_after_bound_and_back() {
+    let mut f = Fleet::new(&config()).unwrap();
+    let t0 = Instant::now();
+    assert!(f.record_scrape(2, Ok(vec![metrics(0.0)]), t0));
+    assert!(
+        f.expire(t0 + Duration::from_millis(500), Duration::from_secs(1))
+            .is_empty()
+    );
+    assert!(!f.record_scrape(
+        2,
+        Err("connection refused".into()),
+        t0 + Duration::from_millis(600)
+    ));
+    assert_eq!(
+        f.expire(t0 + Duration::from_millis(1500), Duration::from_secs(1)),
+        vec![2]
+    );
+    assert_eq!(f.up_count(), 0);
+    assert!(f.record_scrape(2, Ok(vec![metrics(0.0)]), t0 + Duration::from_secs(2)));
+    assert_eq!(f.up_count(), 1);
+}
+
+#[test]
+fn catalog_changes_and_slot_reuse() {
+    let mut f = Fleet::new(&config()).unwrap();
+    let now = Instant::now();
+    let spec = |id: u64, model: &str| -> WorkerSpec {
+        serde_json::from_value(
+            serde_json::json!({"worker_id": id, "model_name": model, "endpoint": "127.0.0.1:9000"}),
+        )
+        .unwrap()
+    };
+    assert_eq!(
+        f.add_worker(spec(1, "m"), now).unwrap_err(),
+        FleetError::Duplicate(1)
+    );
+    assert_eq!(
+        f.add_worker(spec(9, "x"), now).unwrap_err(),
+        FleetError::UnknownModel("x".into())
+    );
+    let slot_of_2 = f.workers[&2].slots[0];
+    f.remove_worker(2).unwrap();
+    assert_eq!(
+        f.remove_worker(2).unwrap_err(),
+        FleetError::UnknownWorker(2)
+    );
+    assert_eq!(
+        f.add_worker(spec(3, "idle"), now).unwrap().slots,
+        vec![slot_of_2],
+        "freed slots are reused"
+    );
+    let w = f
+        .patch_worker(3, &serde_json::json!({"data_parallel_size": 2}), now)
+        .unwrap();
+    assert_eq!(w.slots.len(), 2);
+    assert!(
+        f.patch_worker(3, &serde_json::json!({"block_size": 0}), now)
+            .is_err()
+    );
+    assert_eq!(
+        f.workers[&3].spec.block_size, 16,
+        "a rejected patch changes nothing"
+    );
+    assert!(
+        f.patch_worker(3, &serde_json::json!({"worker_id": 4}), now)
+            .is_err()
+    );
+}
+
+fn book(b: &mut Bookings, seq: u64, slot: u16, prefill: u32, decode: u32, at: Instant) {
+    use kvgate_core::booking::{Event, Key};
+    let ev = Event::Book {
+        key: Key { vm: 1, seq },
+        model: "m".into(),
+        slot,
+        prefill_tokens: prefill,
+        decode_blocks: decode,
+    };
+    b.apply(ev, at, |_, _| true);
+}
+
+#[test]
+fn bookings_merge_with_engine_load() {
+    let mut f = Fleet::new(&config()).unwrap();
+    let now = Instant::now();
+    f.record_scrape(1, Ok(vec![metrics(0.1), metrics(0.1)]), now);
+    let slots = f.workers[&1].slots.clone();
+    let mut b = Bookings::new(Duration::from_secs(300));
+    book(&mut b, 1, slots[0], 700, 30, now);
+    book(&mut b, 2, slots[1], 50, 4, now);
+    let s = f.build_snapshot(&b, 30);
+    let r = &s.model("m").unwrap().workers[0].ranks;
+    // Booked load is the active load; the engine's usage stays beside it.
+    assert_eq!(
+        (r[0].active_prefill_tokens, r[0].active_decode_blocks),
+        (700, 30)
+    );
+    assert_eq!(
+        (r[1].active_prefill_tokens, r[1].active_decode_blocks),
+        (50, 4)
+    );
+    assert_eq!((r[0].kv_used_blocks, r[1].kv_used_blocks), (10, 10));
+    assert_eq!(s.applied, vec![kvgate_core::Applied { vm: 1, seq: 2 }]);
+}
+
+/// Worker 2's rank at `usage` of 100 blocks with `running` requests,
+/// after 30 s of four `blocks`-block bookings finishing each second.
+fn draining(usage: f64, running: u32, blocks: u32) -> (Fleet, Bookings) {
+    use kvgate_core::booking::{Event, Key};
+    let mut f = Fleet::new(&config()).unwrap();
+    let t = Instant::now();
+    f.record_scrape(
+        2,
+        Ok(vec![RankMetrics {
+            running,
+            ..metrics(usage)
+        }]),
+        t,
+    );
+    let slot = f.workers[&2].slots[0];
+    let mut b = Bookings::new(Duration::from_secs(300));
+    b.sweep(t);
+    let mut seq = 0;
+    for s in 1..=30u64 {
+        let now = t + Duration::from_secs(s);
+        for _ in 0..4 {
+            seq += 1;
+            book(&mut b, seq, slot, 0, blocks, now);
+            b.apply(
+                Event::Done {
+                    key: Key { vm: 1, seq },
+                },
+                now,
+                |_, _| true,
+            );
+        }
+        b.sweep(now);
+    }
+    (f, b)
+}
+
+#[test]
+fn retry_after_follows_the_engine_when_its_usage_keeps_the_rank_busy() {
+    // 90 of 100 blocks in use by 16 running requests, most of them not
+    // this gateway's: its own requests are one block each.
+    let (mut f, b) = draining(0.9, 16, 1);
+    let s = f.build_snapshot(&b, 30);
+    let m = s.model("m").unwrap();
+    assert!(m.workers[0].ranks[0].busy);
+    // 42 blocks over the line; four requests of ~5.6 blocks finish a
+    // second: about 1.9 s. The bookings' own drain (4 blocks/s) would
+    // have said 11.
+    assert_eq!(m.retry_after_s, 2);
+}
+
+#[test]
+fn retry_after_follows_the_drain_rate_of_the_first_worker_to_free() {
+    // Threshold 0.5 of 100 blocks: a rank clears under 48 blocks.
+    let (mut f, b) = draining(0.78, 12, 5);
+    let s = f.build_snapshot(&b, 30);
+    let m = s.model("m").unwrap();
+    assert!(m.workers[0].ranks[0].busy);
+    // 30 blocks over the clearing line; four of the twelve running
+    // requests (6.5 blocks each) finish a second: 1.15 s, rounded up.
+    assert_eq!(m.retry_after_s, 2);
+    // Nothing drains: the filter's default applies (0 here).
+    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    assert_eq!(s.model("m").unwrap().retry_after_s, 0);
+}
+
+#[test]
+fn thresholds_are_validated() {
+    let mut f = Fleet::new(&config()).unwrap();
+    let bad = Thresholds {
+        active_decode_blocks: Some(2.0),
+        ..Default::default()
+    };
+    assert!(matches!(
+        f.set_thresholds("m", bad),
+        Err(FleetError::Invalid(_))
+    ));
+    assert_eq!(
+        f.set_thresholds("zz", Thresholds::default()),
+        Err(FleetError::UnknownModel("zz".into()))
+    );
+    f.set_thresholds(
+        "idle",
+        Thresholds {
+            active_prefill_tokens: Some(5),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(f.models["idle"].thresholds.active_prefill_tokens, Some(5));
+}

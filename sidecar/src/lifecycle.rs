@@ -1,0 +1,239 @@
+//! Worker lifecycle: what runs for each worker in the catalog. A worker
+//! gets a scrape task and, per DP rank that publishes KV events, a
+//! subscriber feeding the index; both go when it leaves the catalog or is
+//! changed.
+
+use crate::config::WorkerSpec;
+use crate::sources::kv::plane::Plane;
+use crate::sources::kv::subscriber::{SocketLimits, Subscriber, SubscriberSpec, SubscriberStats};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+
+/// One rank's KV event subscription.
+struct Subscription {
+    worker: u64,
+    /// The rank's index within its worker.
+    rank: u32,
+    subscriber: Subscriber,
+}
+
+/// The tasks and threads running for the workers in the catalog.
+pub(crate) struct Lifecycle {
+    zmq: zmq::Context,
+    replay_timeout: Duration,
+    limits: SocketLimits,
+    scrapers: Mutex<HashMap<u64, JoinHandle<()>>>,
+    /// By slot.
+    subscriptions: Mutex<HashMap<u16, Subscription>>,
+}
+
+impl Lifecycle {
+    pub(crate) fn new(replay_timeout: Duration, limits: SocketLimits) -> Lifecycle {
+        Lifecycle {
+            zmq: zmq::Context::new(),
+            replay_timeout,
+            limits,
+            scrapers: Mutex::new(HashMap::new()),
+            subscriptions: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes `scraper` as the worker's scrape task (aborting one already
+    /// running) and subscribes each of its ranks (on `slots`) to its KV
+    /// events, registering the slots with the index.
+    pub(crate) fn start(
+        &self,
+        spec: &WorkerSpec,
+        slots: &[u16],
+        scraper: JoinHandle<()>,
+        plane: &Plane,
+    ) {
+        let id = spec.worker_id;
+        if let Some(old) = self.scrapers.lock().insert(id, scraper) {
+            old.abort();
+        }
+        if spec.kv_events_endpoints.is_empty() {
+            return;
+        }
+        let mut subs = self.subscriptions.lock();
+        for (r, slot) in slots.iter().enumerate() {
+            let r = r as u32;
+            let Some(endpoint) = spec.events_endpoint(r) else {
+                tracing::warn!(worker = id, rank = r, "no KV event endpoint for this rank");
+                continue;
+            };
+            plane.add_slot(*slot, &spec.model_name, spec.block_size, 0);
+            let sub = Subscriber::spawn(
+                self.zmq.clone(),
+                SubscriberSpec {
+                    slot: *slot,
+                    endpoint: endpoint.clone(),
+                    replay_endpoint: spec.replay_endpoint_of(r),
+                    topic: spec.kv_events_topic.clone().into_bytes(),
+                    replay_timeout: self.replay_timeout,
+                    limits: self.limits,
+                },
+                plane.sender(),
+            );
+            match sub {
+                Ok(subscriber) => {
+                    tracing::info!(worker = id, rank = r, slot, %endpoint, "subscribed to KV events");
+                    subs.insert(
+                        *slot,
+                        Subscription {
+                            worker: id,
+                            rank: r,
+                            subscriber,
+                        },
+                    );
+                }
+                Err(e) => {
+                    tracing::error!(worker = id, rank = r, error = %e, "could not start KV event subscriber")
+                }
+            }
+        }
+    }
+
+    /// Stops a worker's scraper and subscribers and drops its slots from
+    /// the index.
+    pub(crate) fn stop(&self, id: u64, plane: &Plane) {
+        if let Some(t) = self.scrapers.lock().remove(&id) {
+            t.abort();
+        }
+        let mut subs = self.subscriptions.lock();
+        let slots: Vec<u16> = subs
+            .iter()
+            .filter(|(_, s)| s.worker == id)
+            .map(|(slot, _)| *slot)
+            .collect();
+        for slot in slots {
+            if let Some(mut s) = subs.remove(&slot) {
+                // Stopping joins the thread (up to one receive timeout);
+                // keep that off the async runtime.
+                std::thread::spawn(move || s.subscriber.stop());
+            }
+            plane.remove_slot(slot);
+        }
+    }
+
+    /// The worker and rank subscribed on `slot`.
+    pub(crate) fn owner(&self, slot: u16) -> Option<(u64, u32)> {
+        self.subscriptions
+            .lock()
+            .get(&slot)
+            .map(|s| (s.worker, s.rank))
+    }
+
+    /// Calls `f` with each subscription's worker, rank and counters.
+    pub(crate) fn for_each_subscription(&self, mut f: impl FnMut(u64, u32, &SubscriberStats)) {
+        for s in self.subscriptions.lock().values() {
+            f(s.worker, s.rank, &s.subscriber.stats);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::publish::Versions;
+    use crate::sources::kv::plane::PlaneConfig;
+    use serde_json::json;
+    use std::sync::Arc;
+    use tokio::task::AbortHandle;
+
+    fn worker(extra: serde_json::Value) -> WorkerSpec {
+        let mut v = json!({"worker_id": 7, "model_name": "m", "endpoint": "127.0.0.1:8000"});
+        if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+            o.extend(e.clone());
+        }
+        let mut spec: WorkerSpec = serde_json::from_value(v).unwrap();
+        spec.normalize().unwrap();
+        spec
+    }
+
+    fn plane() -> Plane {
+        Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap()
+    }
+
+    fn lifecycle() -> Lifecycle {
+        Lifecycle::new(Duration::from_millis(100), SocketLimits::default())
+    }
+
+    /// A scrape task that runs until aborted.
+    fn scraper() -> (JoinHandle<()>, AbortHandle) {
+        let t = tokio::spawn(std::future::pending());
+        let a = t.abort_handle();
+        (t, a)
+    }
+
+    async fn ended(task: &AbortHandle) -> bool {
+        for _ in 0..100 {
+            if task.is_finished() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    fn subscribed(l: &Lifecycle) -> Vec<(u64, u32)> {
+        let mut seen = Vec::new();
+        l.for_each_subscription(|w, r, _| seen.push((w, r)));
+        seen.sort();
+        seen
+    }
+
+    #[tokio::test]
+    async fn each_rank_with_events_is_subscribed_until_the_worker_stops() {
+        let (l, p) = (lifecycle(), plane());
+        let spec = worker(json!({
+            "data_parallel_size": 2,
+            "kv_events_endpoints": {"0": "tcp://127.0.0.1:1"},
+        }));
+        let (task, running) = scraper();
+        l.start(&spec, &[4, 5], task, &p);
+        assert_eq!((l.owner(4), l.owner(5)), (Some((7, 0)), Some((7, 1))));
+        assert_eq!(subscribed(&l), [(7, 0), (7, 1)]);
+        assert!(!running.is_finished());
+
+        l.stop(7, &p);
+        assert_eq!((l.owner(4), l.owner(5)), (None, None));
+        assert!(subscribed(&l).is_empty());
+        assert!(ended(&running).await, "the scraper is aborted");
+        l.stop(7, &p);
+    }
+
+    #[tokio::test]
+    async fn a_restart_replaces_the_scraper_and_a_worker_without_events_only_scrapes() {
+        let (l, p) = (lifecycle(), plane());
+        let spec = worker(json!({}));
+        let (first, first_running) = scraper();
+        l.start(&spec, &[0], first, &p);
+        assert_eq!(l.owner(0), None, "no KV events, no subscriber");
+        let (second, second_running) = scraper();
+        l.start(&spec, &[0], second, &p);
+        assert!(ended(&first_running).await, "the old scraper is aborted");
+        assert!(!second_running.is_finished());
+        l.stop(7, &p);
+        assert!(ended(&second_running).await);
+    }
+
+    #[tokio::test]
+    async fn stopping_one_worker_leaves_the_others() {
+        let (l, p) = (lifecycle(), plane());
+        let events = json!({"kv_events_endpoints": {"0": "tcp://127.0.0.1:1"}});
+        let a = worker(events.clone());
+        let mut b = worker(events);
+        b.worker_id = 8;
+        let (ta, a_running) = scraper();
+        let (tb, b_running) = scraper();
+        l.start(&a, &[0], ta, &p);
+        l.start(&b, &[1], tb, &p);
+        l.stop(8, &p);
+        assert_eq!(subscribed(&l), [(7, 0)]);
+        assert!(ended(&b_running).await);
+        assert!(!a_running.is_finished());
+    }
+}

@@ -1,0 +1,151 @@
+//! The sidecar's state, shared by its tasks and its HTTP handlers.
+
+use crate::config::Config;
+use crate::fleet::Fleet;
+use crate::lifecycle::Lifecycle;
+use crate::metrics::Metrics;
+use crate::publish::{SnapshotStore, Versions};
+use crate::sources::bookings::Bookings;
+use crate::sources::kv::plane::{Plane, PlaneConfig};
+use crate::sources::kv::subscriber::SocketLimits;
+use crate::sources::metrics::scrape::{self, HttpClient};
+use crate::sources::routed::ApproxIndex;
+use crate::tick;
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// One sidecar process: its configuration, the fleet, what the sources
+/// feed in and what it publishes. Its tasks and HTTP handlers share it
+/// behind an `Arc`; each lock guards one part, and none is held while
+/// another is taken, except the bookings before the fleet when a snapshot
+/// is built.
+pub struct Sidecar {
+    config: Config,
+    fleet: Mutex<Fleet>,
+    versions: Arc<Versions>,
+    store: SnapshotStore,
+    plane: Plane,
+    metrics: Metrics,
+    routed: Mutex<ApproxIndex>,
+    bookings: Mutex<Bookings>,
+    /// Unix ms when a gateway's long poll was last answered.
+    last_poll_ms: AtomicU64,
+    client: HttpClient,
+    workers: Lifecycle,
+}
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Sidecar {
+    /// Builds the sidecar and starts its background work on the current
+    /// tokio runtime. Call [`crate::api::router`] to serve it.
+    pub fn start(config: Config) -> anyhow::Result<Arc<Sidecar>> {
+        let versions = Arc::new(Versions::new());
+        let plane = Plane::start(
+            PlaneConfig {
+                shard_count: config.kv.shards,
+                max_blocks_per_slot: config.kv.max_blocks_per_rank,
+                publish_interval: config.kv.publish_interval.max(Duration::from_millis(1)),
+                ..Default::default()
+            },
+            versions.clone(),
+        )?;
+        let fleet = Fleet::new(&config)?;
+        let sc = Arc::new(Sidecar {
+            fleet: Mutex::new(fleet),
+            versions,
+            store: SnapshotStore::default(),
+            plane,
+            metrics: Metrics::new()?,
+            routed: Mutex::new(ApproxIndex::new(
+                config.kv.approx_ttl,
+                config.kv.inflight_ttl,
+            )),
+            bookings: Mutex::new(Bookings::new(config.load.booking_ttl)),
+            last_poll_ms: AtomicU64::new(now_ms()),
+            client: scrape::client(),
+            workers: Lifecycle::new(
+                config.kv.replay_timeout,
+                SocketLimits {
+                    max_message_bytes: config.kv.max_message_bytes,
+                    queue_messages: config.kv.queue_messages,
+                },
+            ),
+            config,
+        });
+        let ids: Vec<u64> = sc.fleet().workers.keys().copied().collect();
+        for id in ids {
+            sc.worker_started(id);
+        }
+        sc.publish_now();
+        tokio::spawn(tick::publish_loop(sc.clone()));
+        Ok(sc)
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub(crate) fn fleet(&self) -> MutexGuard<'_, Fleet> {
+        self.fleet.lock()
+    }
+
+    /// Workers in the catalog, up or not.
+    pub fn worker_count(&self) -> usize {
+        self.fleet().workers.len()
+    }
+
+    pub fn versions(&self) -> &Versions {
+        &self.versions
+    }
+
+    pub fn store(&self) -> &SnapshotStore {
+        &self.store
+    }
+
+    pub fn plane(&self) -> &Plane {
+        &self.plane
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    pub(crate) fn bookings(&self) -> MutexGuard<'_, Bookings> {
+        self.bookings.lock()
+    }
+
+    /// Requests the gateways routed that have not ended.
+    pub fn active_bookings(&self) -> usize {
+        self.bookings().active()
+    }
+
+    pub(crate) fn routed(&self) -> MutexGuard<'_, ApproxIndex> {
+        self.routed.lock()
+    }
+
+    pub(crate) fn client(&self) -> &HttpClient {
+        &self.client
+    }
+
+    pub(crate) fn workers(&self) -> &Lifecycle {
+        &self.workers
+    }
+
+    /// Notes that a gateway's long poll was answered.
+    pub(crate) fn polled(&self) {
+        self.last_poll_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
+    /// How long since a gateway last heard from us.
+    pub(crate) fn poll_age(&self) -> Duration {
+        Duration::from_millis(now_ms().saturating_sub(self.last_poll_ms.load(Ordering::Relaxed)))
+    }
+}

@@ -1,0 +1,359 @@
+//! The KV event plane: subscribers feed one index thread, which applies
+//! batches to each model's index and publishes the shards they changed.
+//!
+//! One thread owns every index, so applying a batch takes no lock; the
+//! subscribers only decode frames off the socket. Changed shards are encoded
+//! at most once per `publish_interval` and put in the [`ShardLog`] with a
+//! version, which is what the snapshot long poll serves: "every shard changed
+//! after version N".
+
+mod shard_log;
+
+pub use shard_log::ShardLog;
+
+use crate::publish::Versions;
+use crate::sources::kv::index::{Index, IngestStats};
+use crate::sources::kv::stage::Staged;
+use crate::sources::kv::subscriber::{Ingest, ResyncReason};
+use crate::sources::kv::wire::Unmatchable;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, sync_channel};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Commands from the catalog to the index thread.
+#[derive(Debug)]
+enum Control {
+    AddSlot {
+        slot: u16,
+        model: String,
+        block_size: u32,
+        expected_blocks: usize,
+    },
+    RemoveSlot {
+        slot: u16,
+    },
+    Stats(Sender<PlaneStats>),
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct PlaneStats {
+    pub per_model: Vec<(String, IngestStats, usize)>,
+    /// Blocks indexed as unmatchable, per slot and reason (running totals).
+    pub unmatchable: Vec<(u16, Unmatchable, u64)>,
+    pub malformed_batches: u64,
+    pub resyncs: Vec<(u16, ResyncReason)>,
+    /// Per slot: stored events whose block size is not the slot's (running
+    /// total), the last such size, and the slot's.
+    pub block_size_mismatch: std::collections::BTreeMap<u16, BlockSizeMismatch>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BlockSizeMismatch {
+    pub events: u64,
+    pub engine_block_size: u32,
+    pub block_size: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PlaneConfig {
+    pub shard_count: u32,
+    pub max_blocks_per_slot: usize,
+    pub publish_interval: Duration,
+    /// Batches buffered between subscribers and the index thread.
+    pub queue: usize,
+}
+
+impl Default for PlaneConfig {
+    fn default() -> Self {
+        PlaneConfig {
+            shard_count: 16384,
+            max_blocks_per_slot: 4 << 20,
+            publish_interval: Duration::from_millis(5),
+            queue: 4096,
+        }
+    }
+}
+
+/// Handle to the index thread.
+pub struct Plane {
+    pub(crate) log: Arc<ShardLog>,
+    /// Slots whose engine cache emptied (AllBlocksCleared, or a resync)
+    /// since the last [`Plane::take_cleared`].
+    cleared: Arc<Mutex<Vec<u16>>>,
+    ingest: SyncSender<Ingest>,
+    control: Sender<Control>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Plane {
+    pub(crate) fn start(config: PlaneConfig, versions: Arc<Versions>) -> std::io::Result<Plane> {
+        let log = Arc::new(ShardLog::new(versions));
+        let (ingest, rx) = sync_channel(config.queue);
+        let (control, crx) = channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let cleared = Arc::new(Mutex::new(Vec::new()));
+        let (l2, s2, c2) = (log.clone(), stop.clone(), cleared.clone());
+        let thread = std::thread::Builder::new()
+            .name("kv-index".into())
+            .spawn(move || run(config, rx, crx, &l2, &s2, c2))?;
+        Ok(Plane {
+            log,
+            cleared,
+            ingest,
+            control,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Where subscribers send batches.
+    pub(crate) fn sender(&self) -> SyncSender<Ingest> {
+        self.ingest.clone()
+    }
+
+    pub(crate) fn add_slot(&self, slot: u16, model: &str, block_size: u32, expected_blocks: usize) {
+        let _ = self.control.send(Control::AddSlot {
+            slot,
+            model: model.to_string(),
+            block_size,
+            expected_blocks,
+        });
+    }
+
+    pub(crate) fn remove_slot(&self, slot: u16) {
+        let _ = self.control.send(Control::RemoveSlot { slot });
+    }
+
+    /// Slots whose engine reported its cache emptied since the last call:
+    /// whatever else kvgate believes they hold is gone too.
+    pub(crate) fn take_cleared(&self) -> Vec<u16> {
+        std::mem::take(&mut *self.cleared.lock())
+    }
+
+    pub fn stats(&self) -> Option<PlaneStats> {
+        let (tx, rx) = channel();
+        self.control.send(Control::Stats(tx)).ok()?;
+        rx.recv_timeout(Duration::from_secs(2)).ok()
+    }
+}
+
+impl Drop for Plane {
+    fn drop(&mut self) {
+        // Subscribers may still hold senders, so the thread is told to stop
+        // rather than waiting for its channel to close.
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct State {
+    config: PlaneConfig,
+    models: HashMap<String, Index>,
+    slot_model: HashMap<u16, String>,
+    staged: Staged,
+    stats: PlaneStats,
+    cleared: Arc<Mutex<Vec<u16>>>,
+}
+
+impl State {
+    fn index_of(&mut self, slot: u16) -> Option<&mut Index> {
+        let model = self.slot_model.get(&slot)?;
+        self.models.get_mut(model)
+    }
+
+    fn control(&mut self, c: Control) {
+        match c {
+            Control::AddSlot {
+                slot,
+                model,
+                block_size,
+                expected_blocks,
+            } => {
+                let (shards, max) = (self.config.shard_count, self.config.max_blocks_per_slot);
+                let idx = self
+                    .models
+                    .entry(model.clone())
+                    .or_insert_with(|| Index::new(shards, max));
+                idx.add_slot(slot, block_size);
+                if expected_blocks > 0 {
+                    idx.reserve(slot, expected_blocks);
+                }
+                self.slot_model.insert(slot, model);
+            }
+            Control::RemoveSlot { slot } => {
+                if let Some(idx) = self.index_of(slot) {
+                    idx.remove_slot(slot);
+                }
+                self.slot_model.remove(&slot);
+                self.stats.block_size_mismatch.remove(&slot);
+            }
+            Control::Stats(tx) => {
+                let mut s = self.stats.clone();
+                s.per_model = self
+                    .models
+                    .iter()
+                    .map(|(k, i)| (k.clone(), i.stats, i.len()))
+                    .collect();
+                s.unmatchable = self
+                    .models
+                    .values()
+                    .flat_map(|i| {
+                        i.unmatchable
+                            .iter()
+                            .map(|(&(slot, why), &n)| (slot, why, n))
+                    })
+                    .collect();
+                let _ = tx.send(s);
+            }
+        }
+    }
+
+    fn ingest(&mut self, msg: Ingest) {
+        match msg {
+            Ingest::Batch { slot, seq, payload } => {
+                let Some(model) = self.slot_model.get(&slot) else {
+                    return;
+                };
+                let Some(idx) = self.models.get_mut(model) else {
+                    return;
+                };
+                let block_size = idx.block_size(slot);
+                match self.staged.stage(&payload, block_size) {
+                    Ok(()) => {
+                        idx.apply(slot, &self.staged);
+                        let (events, engine_block_size) = self.staged.foreign_block_size;
+                        if events > 0 {
+                            let m = self.stats.block_size_mismatch.entry(slot).or_default();
+                            m.events += events as u64;
+                            m.engine_block_size = engine_block_size;
+                            m.block_size = block_size;
+                        }
+                        if self.staged.clears() {
+                            self.note_cleared(slot);
+                        }
+                    }
+                    Err(e) => {
+                        self.stats.malformed_batches += 1;
+                        // The sequence number finds the batch in the engine's log.
+                        tracing::warn!(slot, seq, error = %e, "skipping malformed KV event batch");
+                    }
+                }
+            }
+            Ingest::Resync { slot, reason } => {
+                self.stats.resyncs.push((slot, reason));
+                if self.stats.resyncs.len() > 256 {
+                    self.stats.resyncs.remove(0);
+                }
+                if let Some(idx) = self.index_of(slot) {
+                    idx.clear_slot(slot);
+                }
+                self.note_cleared(slot);
+            }
+        }
+    }
+
+    fn note_cleared(&self, slot: u16) {
+        let mut c = self.cleared.lock();
+        if !c.contains(&slot) {
+            c.push(slot);
+        }
+    }
+
+    /// Publishes changed shards, at most `MAX_SHARDS_PER_VERSION` per
+    /// version so that readers can take them in bounded frames. Returns the
+    /// bytes published.
+    fn publish(&mut self, log: &ShardLog) -> usize {
+        let mut updates = Vec::new();
+        let mut bytes = 0;
+        for (model, idx) in &mut self.models {
+            let count = idx.shard_count() as usize;
+            for shard in idx.take_dirty() {
+                let b = idx.encode_shard(shard);
+                bytes += b.len();
+                updates.push((model.clone(), shard, count, b));
+            }
+        }
+        while !updates.is_empty() {
+            let rest = updates.split_off(updates.len().min(MAX_SHARDS_PER_VERSION));
+            log.publish(std::mem::replace(&mut updates, rest));
+        }
+        bytes
+    }
+}
+
+/// Shards per published version: bounds the smallest frame a reader must
+/// take whole.
+const MAX_SHARDS_PER_VERSION: usize = 64;
+
+/// Bytes per second of shard updates the plane publishes at most. In steady
+/// state a publish is a few shards and goes out every interval; during a
+/// bulk load every round touches nearly every shard, and re-sending the
+/// whole index every 5 ms would only burn CPU and Envoy memory.
+const PUBLISH_BUDGET_BYTES_PER_S: f64 = 32.0 * 1024.0 * 1024.0;
+
+fn run(
+    config: PlaneConfig,
+    rx: Receiver<Ingest>,
+    crx: Receiver<Control>,
+    log: &ShardLog,
+    stop: &AtomicBool,
+    cleared: Arc<Mutex<Vec<u16>>>,
+) {
+    let mut st = State {
+        config,
+        models: HashMap::new(),
+        slot_model: HashMap::new(),
+        staged: Staged::default(),
+        stats: PlaneStats::default(),
+        cleared,
+    };
+    let mut last_publish = Instant::now();
+    let mut interval = config.publish_interval;
+    while !stop.load(Ordering::Relaxed) {
+        while let Ok(c) = crx.try_recv() {
+            st.control(c);
+        }
+        let wait = interval.saturating_sub(last_publish.elapsed());
+        match rx.recv_timeout(wait.max(Duration::from_micros(100))) {
+            Ok(msg) => {
+                // A slot is announced before its subscriber starts, but the
+                // announcement may still be queued behind this batch.
+                if let Ingest::Batch { slot, .. } = &msg
+                    && !st.slot_model.contains_key(slot)
+                {
+                    while let Ok(c) = crx.try_recv() {
+                        st.control(c);
+                    }
+                }
+                st.ingest(msg)
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                st.publish(log);
+                return;
+            }
+        }
+        if last_publish.elapsed() >= interval {
+            // Control messages (new slots) must land before their batches'
+            // effects are published.
+            while let Ok(c) = crx.try_recv() {
+                st.control(c);
+            }
+            let bytes = st.publish(log);
+            last_publish = Instant::now();
+            interval = config.publish_interval.max(Duration::from_secs_f64(
+                bytes as f64 / PUBLISH_BUDGET_BYTES_PER_S,
+            ));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,179 @@
+use super::*;
+use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+use kvgate_core::shard::{ShardView, shard_of};
+use rmpv::Value;
+
+fn batch(hashes: &[u64], tokens: &[u32]) -> Vec<u8> {
+    let ev = Value::Map(vec![
+        ("type".into(), "BlockStored".into()),
+        (
+            "block_hashes".into(),
+            Value::Array(hashes.iter().map(|h| Value::from(*h)).collect()),
+        ),
+        ("parent_block_hash".into(), Value::Nil),
+        (
+            "token_ids".into(),
+            Value::Array(tokens.iter().map(|t| Value::from(*t)).collect()),
+        ),
+        ("block_size".into(), 4.into()),
+        ("lora_id".into(), Value::Nil),
+        ("medium".into(), "GPU".into()),
+        ("lora_name".into(), Value::Nil),
+    ]);
+    let mut buf = Vec::new();
+    rmpv::encode::write_value(
+        &mut buf,
+        &Value::Array(vec![1.0f64.into(), Value::Array(vec![ev]), 0.into()]),
+    )
+    .unwrap();
+    buf
+}
+
+fn wait_version(log: &ShardLog, above: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while log.version() <= above {
+        assert!(Instant::now() < deadline, "nothing published");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    log.version()
+}
+
+fn holders_of(log: &ShardLog, model: &str, since: u64, tokens: &[u32]) -> Vec<u16> {
+    let seq = sequence_hashes(&block_hashes(tokens, 4, XXH3_SEED));
+    let last = *seq.last().unwrap();
+    let updates = log.changed_since(since);
+    let count = log
+        .shard_counts()
+        .into_iter()
+        .find(|(m, _)| m == model)
+        .unwrap()
+        .1;
+    let want = shard_of(last, count);
+    updates
+        .iter()
+        .filter(|u| u.model == model && u.shard == want)
+        .flat_map(|u| {
+            ShardView::parse(&u.bytes)
+                .unwrap()
+                .holders(last)
+                .map(|h| h.slot)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn batches_become_published_shards_and_removal_republishes() {
+    let plane = Plane::start(
+        PlaneConfig {
+            shard_count: 64,
+            ..Default::default()
+        },
+        Arc::new(Versions::new()),
+    )
+    .unwrap();
+    plane.add_slot(1, "m", 4, 0);
+    plane.add_slot(2, "m", 4, 0);
+    let tx = plane.sender();
+    let toks = [1, 2, 3, 4, 5, 6, 7, 8];
+    tx.send(Ingest::Batch {
+        slot: 1,
+        seq: 0,
+        payload: batch(&[10, 11], &toks),
+    })
+    .unwrap();
+    tx.send(Ingest::Batch {
+        slot: 2,
+        seq: 0,
+        payload: batch(&[20, 21], &toks),
+    })
+    .unwrap();
+    let v1 = wait_version(&plane.log, 0);
+    // Both batches may land in one publish or two.
+    let v1 = if holders_of(&plane.log, "m", 0, &toks).len() < 2 {
+        wait_version(&plane.log, v1)
+    } else {
+        v1
+    };
+    assert_eq!(holders_of(&plane.log, "m", 0, &toks), vec![1, 2]);
+
+    plane.remove_slot(1);
+    // Give the index thread a batch to notice the control message.
+    tx.send(Ingest::Batch {
+        slot: 2,
+        seq: 1,
+        payload: batch(&[22], &[9, 9, 9, 9]),
+    })
+    .unwrap();
+    let v2 = wait_version(&plane.log, v1);
+    assert_eq!(
+        holders_of(&plane.log, "m", v1, &toks),
+        vec![2],
+        "slot 1's blocks are gone from the republished shard"
+    );
+    assert!(v2 > v1);
+    let none = plane.log.changed_since(plane.log.version());
+    assert!(none.is_empty());
+}
+
+#[test]
+fn malformed_batches_are_counted_and_the_index_kept() {
+    let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+    plane.add_slot(0, "m", 4, 0);
+    let tx = plane.sender();
+    tx.send(Ingest::Batch {
+        slot: 0,
+        seq: 0,
+        payload: batch(&[1], &[1, 2, 3, 4]),
+    })
+    .unwrap();
+    tx.send(Ingest::Batch {
+        slot: 0,
+        seq: 1,
+        payload: vec![0x93, 0xc1],
+    })
+    .unwrap();
+    wait_version(&plane.log, 0);
+    std::thread::sleep(Duration::from_millis(20));
+    let stats = plane.stats().unwrap();
+    assert_eq!(stats.malformed_batches, 1);
+    assert_eq!(stats.per_model[0].2, 1, "the good block is still indexed");
+}
+
+#[test]
+fn events_of_another_block_size_are_counted_per_slot() {
+    let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+    plane.add_slot(0, "m", 4, 0);
+    // An engine paging by 4 behind a worker configured for 16.
+    plane.add_slot(1, "m", 16, 0);
+    let tx = plane.sender();
+    for (slot, seq) in [(0, 0), (1, 0), (1, 1)] {
+        tx.send(Ingest::Batch {
+            slot,
+            seq,
+            payload: batch(&[100 + seq], &[1, 2, 3, 4]),
+        })
+        .unwrap();
+    }
+    let want = BlockSizeMismatch {
+        events: 2,
+        engine_block_size: 4,
+        block_size: 16,
+    };
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let stats = plane.stats().unwrap();
+        if stats.block_size_mismatch.get(&1) == Some(&want) {
+            assert!(
+                !stats.block_size_mismatch.contains_key(&0),
+                "slot 0 matches"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "{:?}", stats.block_size_mismatch);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A reused slot starts its count over.
+    plane.remove_slot(1);
+    assert!(plane.stats().unwrap().block_size_mismatch.is_empty());
+}

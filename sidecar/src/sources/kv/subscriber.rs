@@ -1,0 +1,408 @@
+//! One subscriber per worker rank: a ZMQ SUB socket on the engine's KV-event
+//! endpoint, sequence checking, and replay to fill gaps.
+//!
+//! Each subscriber runs on its own OS thread (ZMQ sockets are not `Sync`)
+//! and hands raw batches to the index thread over a bounded channel. When the
+//! index falls behind, the channel fills, the SUB socket's high-water mark
+//! drops batches, and the resulting gap is repaired by replay — so a slow
+//! index costs freshness, never memory.
+//!
+//! What the index is told:
+//! * `Batch` for every batch in sequence order, replayed or live;
+//! * `Resync` when the subscriber can no longer vouch for the slot's state:
+//!   the engine restarted (its cache is empty), or batches were lost and
+//!   replay could not cover them. The index drops the slot's entries, and
+//!   the batches that follow rebuild it.
+
+mod monitor;
+
+use crate::sources::kv::replay::replay;
+use crate::sources::kv::seq::{SeqCheck, SeqTracker};
+use monitor::Monitor;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::SyncSender;
+use std::thread::JoinHandle;
+use std::time::Duration;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Why a slot's index entries were dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResyncReason {
+    /// The publisher's sequence went backwards: a new engine process.
+    Restart,
+    /// Batches were lost and the replay buffer no longer held them.
+    GapNotReplayable,
+    /// Batches were lost and the worker has no replay endpoint.
+    GapNoReplay,
+}
+
+impl ResyncReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResyncReason::Restart => "restart",
+            ResyncReason::GapNotReplayable => "gap_not_replayable",
+            ResyncReason::GapNoReplay => "gap_no_replay",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub enum Ingest {
+    Batch {
+        slot: u16,
+        seq: u64,
+        payload: Vec<u8>,
+    },
+    Resync {
+        slot: u16,
+        reason: ResyncReason,
+    },
+}
+
+/// What one rank's sockets may hold: at most `queue_messages` messages of
+/// frames no larger than `max_message_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketLimits {
+    /// A peer sending a larger frame is disconnected by libzmq, never
+    /// buffered (the subscriber then connects again).
+    pub max_message_bytes: u64,
+    /// The receive high-water mark: messages past it are dropped.
+    pub queue_messages: u32,
+}
+
+impl Default for SocketLimits {
+    fn default() -> Self {
+        SocketLimits {
+            max_message_bytes: 8 << 20,
+            queue_messages: 1000,
+        }
+    }
+}
+
+impl SocketLimits {
+    /// Sets both on a socket; must come before it connects.
+    pub fn apply(&self, sock: &zmq::Socket) -> Result<(), zmq::Error> {
+        sock.set_maxmsgsize(i64::try_from(self.max_message_bytes).unwrap_or(i64::MAX))?;
+        sock.set_rcvhwm(i32::try_from(self.queue_messages).unwrap_or(i32::MAX))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SubscriberSpec {
+    pub slot: u16,
+    /// The rank's PUB endpoint, e.g. `tcp://10.0.0.5:5557`.
+    pub endpoint: String,
+    /// The rank's replay ROUTER endpoint, if the engine has one.
+    pub replay_endpoint: Option<String>,
+    pub topic: Vec<u8>,
+    pub replay_timeout: Duration,
+    pub limits: SocketLimits,
+}
+
+/// Counters shared with the metrics endpoint.
+#[derive(Debug, Default)]
+pub struct SubscriberStats {
+    pub batches: AtomicU64,
+    pub malformed_frames: AtomicU64,
+    pub gaps: AtomicU64,
+    pub replayed_batches: AtomicU64,
+    pub replay_failures: AtomicU64,
+    pub restarts: AtomicU64,
+    pub resyncs: AtomicU64,
+    /// Connections to the publisher lost: it went away, or sent a frame
+    /// over the size limit.
+    pub disconnects: AtomicU64,
+}
+
+/// A running subscriber; `stop`, or dropping it, stops its thread and
+/// waits for it.
+pub struct Subscriber {
+    pub stats: Arc<SubscriberStats>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Subscriber {
+    pub fn spawn(
+        ctx: zmq::Context,
+        spec: SubscriberSpec,
+        tx: SyncSender<Ingest>,
+    ) -> std::io::Result<Subscriber> {
+        let stats = Arc::new(SubscriberStats::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (st2, stop2) = (stats.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("kv-sub-{}", spec.slot))
+            .spawn(move || {
+                if let Err(e) = run(&ctx, &spec, &tx, &st2, &stop2) {
+                    tracing::error!(slot = spec.slot, endpoint = %spec.endpoint, error = %e, "kv event subscriber stopped");
+                }
+            })?;
+        Ok(Subscriber {
+            stats,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread and waits for it (at most one receive timeout).
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A replayed batch: sequence number and payload.
+type Batch = (u64, Vec<u8>);
+
+/// How long a receive waits before checking for shutdown.
+const POLL: Duration = Duration::from_millis(100);
+
+struct Ctx<'a> {
+    zmq: &'a zmq::Context,
+    spec: &'a SubscriberSpec,
+    tx: &'a SyncSender<Ingest>,
+    stats: &'a SubscriberStats,
+    tracker: SeqTracker,
+    /// seq → payload hash of the batches the last replay delivered.
+    recent: HashMap<u64, u64>,
+}
+
+impl Ctx<'_> {
+    fn send(&self, msg: Ingest) -> bool {
+        self.tx.send(msg).is_ok()
+    }
+
+    fn resync(&mut self, reason: ResyncReason) -> bool {
+        self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            slot = self.spec.slot,
+            endpoint = %self.spec.endpoint,
+            reason = reason.as_str(),
+            "dropping this rank's KV index entries"
+        );
+        self.send(Ingest::Resync {
+            slot: self.spec.slot,
+            reason,
+        })
+    }
+
+    /// Fetches `[from, until)` (`until = None`: everything buffered) from
+    /// the replay socket. Returns whether the publisher still had `from`
+    /// (nothing in the range is missing) and the batches; `None` when the
+    /// worker has no replay endpoint or the replay failed.
+    fn fetch_replay(&mut self, from: u64, until: Option<u64>) -> Option<(bool, Vec<Batch>)> {
+        let endpoint = self.spec.replay_endpoint.as_deref()?;
+        let mut batches = Vec::new();
+        let result = replay(
+            self.zmq,
+            endpoint,
+            from,
+            self.spec.replay_timeout,
+            &self.spec.limits,
+            |seq, payload| {
+                if seq >= from && until.is_none_or(|u| seq < u) {
+                    batches.push((seq, payload.to_vec()));
+                }
+            },
+        );
+        match result {
+            Ok(summary) => Some((summary.first_seq.is_some_and(|f| f <= from), batches)),
+            Err(e) => {
+                self.stats.replay_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(slot = self.spec.slot, endpoint, error = %e, "kv event replay failed");
+                None
+            }
+        }
+    }
+
+    /// Hands replayed batches to the index in order, remembering them so
+    /// that their live copies, still queued on the SUB socket, are skipped.
+    fn deliver(&mut self, batches: Vec<Batch>) {
+        self.stats
+            .replayed_batches
+            .fetch_add(batches.len() as u64, Ordering::Relaxed);
+        self.recent.clear();
+        for (seq, payload) in batches {
+            if self.tracker.last().is_some_and(|l| seq <= l) {
+                continue;
+            }
+            self.recent.insert(seq, xxh3_64(&payload));
+            self.send(Ingest::Batch {
+                slot: self.spec.slot,
+                seq,
+                payload,
+            });
+            self.tracker.applied(seq);
+        }
+    }
+
+    /// Whether a live batch is one the last replay already delivered: live
+    /// batches queue on the SUB socket while a replay runs. Equal sequence
+    /// numbers alone could also be a restarted engine, so the payload must
+    /// match too.
+    fn is_replayed_duplicate(&mut self, seq: u64, payload: &[u8]) -> bool {
+        if self.recent.is_empty() {
+            return false;
+        }
+        if self.tracker.last().is_some_and(|l| seq > l) {
+            self.recent.clear();
+            return false;
+        }
+        self.recent.get(&seq) == Some(&xxh3_64(payload))
+    }
+}
+
+fn run(
+    zmq: &zmq::Context,
+    spec: &SubscriberSpec,
+    tx: &SyncSender<Ingest>,
+    stats: &SubscriberStats,
+    stop: &AtomicBool,
+) -> Result<(), zmq::Error> {
+    let sub = zmq.socket(zmq::SUB)?;
+    sub.set_linger(0)?;
+    spec.limits.apply(&sub)?;
+    sub.set_rcvtimeo(POLL.as_millis() as i32)?;
+    // Attached before connecting so that no disconnection goes unseen; a
+    // subscriber without it still ingests, it only counts less.
+    let monitor = Monitor::attach(zmq, &sub, spec.slot)
+        .inspect_err(|e| {
+            tracing::warn!(slot = spec.slot, error = %e, "cannot monitor the KV event socket; disconnections go uncounted");
+        })
+        .ok();
+    sub.connect(&spec.endpoint)?;
+    sub.set_subscribe(&spec.topic)?;
+    let mut cx = Ctx {
+        zmq,
+        spec,
+        tx,
+        stats,
+        tracker: SeqTracker::default(),
+        recent: HashMap::new(),
+    };
+    // Learn what the engine cached before we connected.
+    if let Some((_, batches)) = cx.fetch_replay(0, None) {
+        cx.deliver(batches);
+    }
+    while !stop.load(Ordering::Relaxed) {
+        let received = sub.recv_multipart(0);
+        if let Some(lost) = monitor.as_ref().map(Monitor::disconnects)
+            && lost > 0
+        {
+            stats.disconnects.fetch_add(lost, Ordering::Relaxed);
+            tracing::warn!(
+                slot = spec.slot,
+                endpoint = %spec.endpoint,
+                max_message_bytes = spec.limits.max_message_bytes,
+                "lost the KV event connection (publisher gone, or a frame over kv.max_message_bytes); reconnecting"
+            );
+            // libzmq reconnects after an I/O error but gives the endpoint up
+            // for good after a protocol error, which an oversized frame is:
+            // one bad message would silence the rank until a restart.
+            // Starting the connection over covers both; the batches lost
+            // meanwhile are a gap, repaired like any other.
+            let _ = sub.disconnect(&spec.endpoint);
+            sub.connect(&spec.endpoint)?;
+        }
+        let frames = match received {
+            Ok(f) => f,
+            // A signal interrupting the wait is no reason to stop ingesting.
+            Err(zmq::Error::EAGAIN | zmq::Error::EINTR) => continue,
+            Err(e) => return Err(e),
+        };
+        let [_topic, seq, payload] = frames.as_slice() else {
+            stats.malformed_frames.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()) else {
+            stats.malformed_frames.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let seq = u64::from_be_bytes(seq);
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        if cx.is_replayed_duplicate(seq, payload) {
+            continue;
+        }
+        match cx.tracker.check(seq) {
+            SeqCheck::InOrder => {}
+            SeqCheck::Gap { from, to } => {
+                stats.gaps.fetch_add(1, Ordering::Relaxed);
+                let reason = if spec.replay_endpoint.is_some() {
+                    ResyncReason::GapNotReplayable
+                } else {
+                    ResyncReason::GapNoReplay
+                };
+                match cx.fetch_replay(from, Some(to)) {
+                    Some((true, batches)) => cx.deliver(batches),
+                    // What the buffer still has comes after what was lost:
+                    // drop the slot first, then rebuild from those batches.
+                    Some((false, batches)) => {
+                        if !cx.resync(reason) {
+                            return Ok(());
+                        }
+                        cx.deliver(batches);
+                    }
+                    None => {
+                        if !cx.resync(reason) {
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+            SeqCheck::Restart => {
+                stats.restarts.fetch_add(1, Ordering::Relaxed);
+                if !cx.resync(ResyncReason::Restart) {
+                    return Ok(());
+                }
+                cx.tracker.reset();
+                // The new process may have published before this batch; what
+                // its buffer still holds rebuilds the slot.
+                if seq > 0
+                    && let Some((_, batches)) = cx.fetch_replay(0, Some(seq))
+                {
+                    cx.deliver(batches);
+                }
+            }
+        }
+        if !cx.send(Ingest::Batch {
+            slot: spec.slot,
+            seq,
+            payload: payload.clone(),
+        }) {
+            return Ok(()); // the index is gone: shutting down
+        }
+        cx.tracker.applied(seq);
+    }
+    Ok(())
+}
+
+/// The endpoint of DP rank `rank`, as engines derive it: the port after the
+/// last colon plus the rank for TCP, a `_dp{rank}` suffix for inproc.
+pub fn offset_port(endpoint: &str, rank: u32) -> Option<String> {
+    if rank == 0 {
+        return Some(endpoint.to_string());
+    }
+    if let Some(name) = endpoint.strip_prefix("inproc://") {
+        return Some(format!("inproc://{name}_dp{rank}"));
+    }
+    if !endpoint.starts_with("tcp://") {
+        return None;
+    }
+    let (host, port) = endpoint.rsplit_once(':')?;
+    let port: u32 = port.parse().ok()?;
+    Some(format!("{host}:{}", port + rank))
+}
+
+#[cfg(test)]
+mod tests;

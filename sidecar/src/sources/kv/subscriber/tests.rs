@@ -1,0 +1,266 @@
+use super::*;
+use std::sync::mpsc::{Receiver, Sender, channel, sync_channel};
+use std::time::Instant;
+
+enum Cmd {
+    /// Publish the next batch (live too unless `drop`).
+    Publish { payload: Vec<u8>, drop: bool },
+    /// A new process: sequence and buffer start over.
+    Restart,
+    /// Send a raw multipart message on the PUB socket.
+    Raw(Vec<Vec<u8>>),
+}
+
+/// A stand-in engine publisher speaking the engines' protocol: PUB with
+/// 3-frame messages and a ROUTER replay buffer.
+struct FakeEngine {
+    tx: Sender<Cmd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl FakeEngine {
+    fn start(ctx: &zmq::Context, name: &str, buffer: usize, topic_shape: bool) -> FakeEngine {
+        let pub_sock = ctx.socket(zmq::PUB).unwrap();
+        pub_sock.bind(&format!("inproc://{name}")).unwrap();
+        let router = ctx.socket(zmq::ROUTER).unwrap();
+        router.bind(&format!("inproc://{name}-replay")).unwrap();
+        router.set_rcvtimeo(5).unwrap();
+        let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel();
+        let thread = std::thread::spawn(move || {
+            let mut seq = 0u64;
+            let mut buf: Vec<(u64, Vec<u8>)> = Vec::new();
+            loop {
+                match rx.try_recv() {
+                    Ok(Cmd::Publish { payload, drop }) => {
+                        if !drop {
+                            pub_sock
+                                .send_multipart([&b"kv"[..], &seq.to_be_bytes(), &payload], 0)
+                                .unwrap();
+                        }
+                        buf.push((seq, payload));
+                        if buf.len() > buffer {
+                            buf.remove(0);
+                        }
+                        seq += 1;
+                    }
+                    Ok(Cmd::Restart) => {
+                        seq = 0;
+                        buf.clear();
+                    }
+                    Ok(Cmd::Raw(frames)) => pub_sock.send_multipart(frames, 0).unwrap(),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => {}
+                    Err(_) => return,
+                }
+                if let Ok(req) = router.recv_multipart(0) {
+                    let [id, empty, start] = req.as_slice() else {
+                        continue;
+                    };
+                    assert!(empty.is_empty());
+                    let start = u64::from_be_bytes(start.as_slice().try_into().unwrap());
+                    for (s, p) in buf.iter().filter(|(s, _)| *s >= start) {
+                        let sb = s.to_be_bytes();
+                        if topic_shape {
+                            router
+                                .send_multipart([&id[..], b"", b"kv", &sb, p], 0)
+                                .unwrap();
+                        } else {
+                            router.send_multipart([&id[..], b"", &sb, p], 0).unwrap();
+                        }
+                    }
+                    let end = [0xFFu8; 8];
+                    if topic_shape {
+                        router
+                            .send_multipart([&id[..], b"", b"", &end, b""], 0)
+                            .unwrap();
+                    } else {
+                        router.send_multipart([&id[..], b"", &end, b""], 0).unwrap();
+                    }
+                }
+            }
+        });
+        FakeEngine {
+            tx,
+            thread: Some(thread),
+        }
+    }
+
+    fn publish(&self, tag: u8, drop: bool) {
+        self.tx
+            .send(Cmd::Publish {
+                payload: vec![tag],
+                drop,
+            })
+            .unwrap();
+    }
+}
+
+impl Drop for FakeEngine {
+    fn drop(&mut self) {
+        let (tx, _) = channel();
+        self.tx = tx; // closes the command channel
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn spec(name: &str, replay: bool) -> SubscriberSpec {
+    SubscriberSpec {
+        slot: 3,
+        endpoint: format!("inproc://{name}"),
+        replay_endpoint: replay.then(|| format!("inproc://{name}-replay")),
+        topic: Vec::new(),
+        replay_timeout: Duration::from_secs(2),
+        limits: SocketLimits::default(),
+    }
+}
+
+/// Collects ingest messages until `n` batches arrived, as
+/// (seq, payload tag) or ("resync", reason).
+fn collect(rx: &Receiver<Ingest>, n: usize) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut out = Vec::new();
+    let mut batches = 0;
+    while batches < n && Instant::now() < deadline {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(Ingest::Batch { slot, seq, payload }) => {
+                assert_eq!(slot, 3);
+                out.push(format!("{seq}:{}", payload[0]));
+                batches += 1;
+            }
+            Ok(Ingest::Resync { reason, .. }) => out.push(format!("resync:{}", reason.as_str())),
+            Err(_) => {}
+        }
+    }
+    out
+}
+
+fn settle() {
+    // Lets the SUB connection and subscription reach the PUB socket.
+    std::thread::sleep(Duration::from_millis(150));
+}
+
+#[test]
+fn initial_replay_then_live_in_order() {
+    let ctx = zmq::Context::new();
+    let eng = FakeEngine::start(&ctx, "e1", 100, false);
+    eng.publish(10, false);
+    eng.publish(11, false);
+    let (tx, rx) = sync_channel(64);
+    let sub = Subscriber::spawn(ctx.clone(), spec("e1", true), tx).unwrap();
+    settle();
+    eng.publish(12, false);
+    eng.publish(13, false);
+    assert_eq!(collect(&rx, 4), ["0:10", "1:11", "2:12", "3:13"]);
+    assert_eq!(sub.stats.resyncs.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_gap_is_filled_by_replay_in_both_reply_shapes() {
+    for (name, topic_shape) in [("e2", false), ("e3", true)] {
+        let ctx = zmq::Context::new();
+        let eng = FakeEngine::start(&ctx, name, 100, topic_shape);
+        let (tx, rx) = sync_channel(64);
+        let sub = Subscriber::spawn(ctx.clone(), spec(name, true), tx).unwrap();
+        settle();
+        eng.publish(1, false);
+        eng.publish(2, true); // lost on the live socket, kept for replay
+        eng.publish(3, true);
+        eng.publish(4, false);
+        assert_eq!(
+            collect(&rx, 4),
+            ["0:1", "1:2", "2:3", "3:4"],
+            "topic shape {topic_shape}"
+        );
+        assert_eq!(sub.stats.gaps.load(Ordering::Relaxed), 1);
+        assert_eq!(sub.stats.resyncs.load(Ordering::Relaxed), 0);
+    }
+}
+
+#[test]
+fn a_gap_beyond_the_replay_buffer_resyncs() {
+    let ctx = zmq::Context::new();
+    let eng = FakeEngine::start(&ctx, "e4", 2, false);
+    let (tx, rx) = sync_channel(64);
+    let _sub = Subscriber::spawn(ctx.clone(), spec("e4", true), tx).unwrap();
+    settle();
+    eng.publish(1, false);
+    for t in 2..6 {
+        eng.publish(t, true);
+    }
+    eng.publish(6, false);
+    let got = collect(&rx, 3);
+    assert_eq!(got[..2], ["0:1", "resync:gap_not_replayable"]);
+    assert_eq!(got.last().map(String::as_str), Some("5:6"));
+}
+
+#[test]
+fn a_gap_without_replay_resyncs() {
+    let ctx = zmq::Context::new();
+    let eng = FakeEngine::start(&ctx, "e5", 10, false);
+    let (tx, rx) = sync_channel(64);
+    let _sub = Subscriber::spawn(ctx.clone(), spec("e5", false), tx).unwrap();
+    settle();
+    eng.publish(1, false);
+    eng.publish(2, true);
+    eng.publish(3, false);
+    assert_eq!(collect(&rx, 2), ["0:1", "resync:gap_no_replay", "2:3"]);
+}
+
+#[test]
+fn a_restart_resyncs_and_recovers_from_zero() {
+    let ctx = zmq::Context::new();
+    let eng = FakeEngine::start(&ctx, "e6", 10, true);
+    let (tx, rx) = sync_channel(64);
+    let sub = Subscriber::spawn(ctx.clone(), spec("e6", true), tx).unwrap();
+    settle();
+    eng.publish(1, false);
+    eng.publish(2, false);
+    eng.tx.send(Cmd::Restart).unwrap();
+    eng.publish(7, true); // the new process's first batch, missed live
+    eng.publish(8, false);
+    assert_eq!(
+        collect(&rx, 4),
+        ["0:1", "1:2", "resync:restart", "0:7", "1:8"]
+    );
+    assert_eq!(sub.stats.restarts.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn malformed_messages_are_counted_and_skipped() {
+    let ctx = zmq::Context::new();
+    let eng = FakeEngine::start(&ctx, "e7", 10, false);
+    let (tx, rx) = sync_channel(64);
+    let sub = Subscriber::spawn(ctx.clone(), spec("e7", true), tx).unwrap();
+    settle();
+    eng.tx
+        .send(Cmd::Raw(vec![b"kv".to_vec(), vec![1, 2, 3]]))
+        .unwrap();
+    eng.tx
+        .send(Cmd::Raw(vec![b"kv".to_vec(), vec![0; 4], vec![1]]))
+        .unwrap();
+    eng.publish(1, false);
+    assert_eq!(collect(&rx, 1), ["0:1"]);
+    assert_eq!(sub.stats.malformed_frames.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn rank_endpoints_follow_the_engines_port_offsets() {
+    assert_eq!(
+        offset_port("tcp://10.0.0.1:5557", 0).as_deref(),
+        Some("tcp://10.0.0.1:5557")
+    );
+    assert_eq!(
+        offset_port("tcp://10.0.0.1:5557", 3).as_deref(),
+        Some("tcp://10.0.0.1:5560")
+    );
+    assert_eq!(
+        offset_port("tcp://*:5557", 1).as_deref(),
+        Some("tcp://*:5558")
+    );
+    assert_eq!(
+        offset_port("inproc://kv", 2).as_deref(),
+        Some("inproc://kv_dp2")
+    );
+    assert_eq!(offset_port("ipc:///tmp/kv", 1), None);
+}

@@ -1,0 +1,14 @@
+//! Everything the sidecar learns from outside.
+//!
+//! * [`metrics`]: each worker's Prometheus page, scraped for load.
+//! * [`kv`]: the engines' ZMQ KV events, folded into the prefix index.
+//! * `bookings`: what the gateways routed and what finished.
+//! * `routed`: the gateways' routing decisions, as a routed-prefix index.
+//!
+//! A new input (GPU temperatures from NVML or DCGM, say) gets its own
+//! module here; what it produces is recorded in `crate::fleet`.
+
+pub(crate) mod bookings;
+pub mod kv;
+pub mod metrics;
+pub(crate) mod routed;
