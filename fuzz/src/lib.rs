@@ -127,6 +127,17 @@ fn check_kv_batch(data: &[u8]) -> bool {
                 assert_eq!(engine.len(), local.len());
                 assert!(engine.end <= staged.engine.len() && local.end <= staged.local.len());
             }
+            Op::Pages {
+                engine,
+                tokens,
+                page_size,
+                salt,
+                ..
+            } => {
+                assert_eq!(tokens.len(), engine.len() * *page_size as usize);
+                assert!(engine.end <= staged.engine.len() && tokens.end <= staged.tokens.len());
+                assert!(salt.as_ref().is_none_or(|r| r.end <= staged.text.len()));
+            }
             Op::Removed { engine, .. } => assert!(engine.end <= staged.engine.len()),
             Op::Cleared | Op::Skipped | Op::Unknown => {}
         }

@@ -69,7 +69,7 @@ pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut n = 0u64;
-    // Ranks already warned about a block size mismatch: once each is enough
+    // Ranks already logged for a block size mismatch: once each is enough
     // to be found in the log, the counter tells the rest.
     let mut warned_block_size: HashSet<(u64, u32)> = HashSet::new();
     loop {
@@ -90,12 +90,12 @@ pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
         {
             for (worker, rank, m) in gauges::mirror_index(sc.metrics(), &stats, sc.workers()) {
                 if warned_block_size.insert((worker, rank)) {
-                    tracing::warn!(
+                    tracing::info!(
                         worker = worker,
                         rank = rank,
                         engine_block_size = m.engine_block_size,
                         block_size = m.block_size,
-                        "KV events carry block size {} but the worker's block_size is {}: prefix routing cannot match these blocks; start the engine with blocks of {} tokens (SGLang --page-size {}, vLLM --block-size {}) or set the worker's block_size to the engine's",
+                        "KV events carry pages of {} tokens and the worker's block_size is {}: kvgate re-chunks them into blocks of {} along their chains, keeping an index entry per page; start the engine with pages of {} tokens (SGLang --page-size {}) to save that memory",
                         m.engine_block_size,
                         m.block_size,
                         m.block_size,

@@ -716,6 +716,72 @@ fn prefix_routing(event_args: &[&str]) {
     );
 }
 
+/// SGLang's default page size is one token: the events carry one-token
+/// pages while requests are hashed in blocks of 16. kvgate re-chunks the
+/// pages along their chains, so a group's requests still find the worker
+/// holding their prefix.
+#[test]
+fn one_token_pages_are_rechunked_and_route_by_prefix() {
+    let _g = serial();
+    let mut stack = start(StackConfig {
+        workers: 3,
+        kv_events: true,
+        engine_block_size: Some(1),
+        sim_args: [
+            "--speedup",
+            "50",
+            "--num-gpu-blocks",
+            "16384",
+            "--metrics-flavor",
+            "sglang",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..StackConfig::default()
+    });
+    let mut home = Vec::new();
+    for g in 0..4 {
+        home.push(served_by(&complete(&stack, &grouped(g, 0, 16))).0);
+    }
+    // Only the engines' events count: a restarted sidecar has no memory of
+    // where it routed, and rebuilds its index from the workers' replay.
+    stack.restart_sidecar().unwrap();
+    stack.wait_routing_ready(Duration::from_secs(20)).unwrap();
+    // 16 blocks of 16 per group, from one-token pages.
+    wait_indexed(&stack, 64.0);
+    std::thread::sleep(Duration::from_millis(200));
+    for round in 1..3 {
+        for g in 0..4u32 {
+            let r = complete(&stack, &grouped(g, round, 16));
+            assert_eq!(
+                served_by(&r).0,
+                home[g as usize],
+                "group {g} left its cache"
+            );
+            assert_eq!(r.header("x-kvgate-sim-cached-tokens"), Some("256"));
+        }
+    }
+    assert!(
+        stack
+            .sidecar_metric(
+                "kvgate_sidecar_kv_block_size_mismatch_total{dp_rank=\"0\",worker_id=\"1\"}"
+            )
+            .unwrap_or(0.0)
+            + stack
+                .sidecar_metric(
+                    "kvgate_sidecar_kv_block_size_mismatch_total{dp_rank=\"0\",worker_id=\"2\"}"
+                )
+                .unwrap_or(0.0)
+            + stack
+                .sidecar_metric(
+                    "kvgate_sidecar_kv_block_size_mismatch_total{dp_rank=\"0\",worker_id=\"3\"}"
+                )
+                .unwrap_or(0.0)
+            > 0.0,
+        "the page size is reported"
+    );
+}
+
 /// A completion under an adapter or a salt (`model` may name either the
 /// base model or an adapter).
 fn complete_scoped(stack: &Stack, model: &str, salt: Option<&str>, tokens: &[u32]) -> Reply {

@@ -277,7 +277,7 @@ impl Metrics {
             kv_block_size_mismatch: counter(
                 &r,
                 "kvgate_sidecar_kv_block_size_mismatch_total",
-                "Stored-block events whose block size is not the worker's block_size (e.g. SGLang's default --page-size 1): indexed at the engine's size, they never match a request.",
+                "Stored-block events whose block size is not the worker's block_size (e.g. SGLang's default --page-size 1): re-chunked into the worker's blocks along their chains, at the cost of an index entry per page.",
                 wr,
             )?,
             kv_indexed_blocks: gauge_vec(

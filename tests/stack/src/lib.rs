@@ -27,6 +27,9 @@ pub struct StackConfig {
     pub workers: usize,
     pub dp_size: u32,
     pub block_size: u32,
+    /// The block (page) size workers cache and publish at, when it is not
+    /// the catalog's `block_size` (SGLang's default page size is 1).
+    pub engine_block_size: Option<u32>,
     /// Extra `kvgate-sim` flags for every worker (time model, cache size...).
     pub sim_args: Vec<String>,
     /// Extra `kvgate-sim` flags for worker `i` only, after `sim_args`: a
@@ -59,6 +62,7 @@ impl Default for StackConfig {
             workers: 4,
             dp_size: 1,
             block_size: 16,
+            engine_block_size: None,
             sim_args: vec!["--speedup".into(), "20".into()],
             worker_sim_args: Vec::new(),
             kv_events: false,
@@ -151,7 +155,10 @@ impl Stack {
                 "--model".into(),
                 config.model.clone(),
                 "--block-size".into(),
-                config.block_size.to_string(),
+                config
+                    .engine_block_size
+                    .unwrap_or(config.block_size)
+                    .to_string(),
                 "--dp-size".into(),
                 config.dp_size.to_string(),
             ];

@@ -63,6 +63,8 @@ struct Slot {
     block_size: u32,
     /// engine hash → (sequence hash, tier bits)
     engine: FastMap<EngineHash, (u64, u8)>,
+    /// Pages of chains stored at a page size other than `block_size`.
+    pages: FastMap<EngineHash, pages::Page>,
 }
 
 /// Holders of one block, sorted by slot. Most blocks have one or two
@@ -160,7 +162,9 @@ impl Index {
 
     /// Number of blocks (engine entries) a slot holds, all tiers.
     pub fn slot_len(&self, slot: u16) -> usize {
-        self.slots.get(slot as usize).map_or(0, |s| s.engine.len())
+        self.slots
+            .get(slot as usize)
+            .map_or(0, |s| s.engine.len() + s.pages.len())
     }
 
     /// Distinct blocks in the index.
@@ -190,6 +194,28 @@ impl Index {
                     *parent,
                     *medium,
                     *unmatchable_from,
+                ),
+                Op::Pages {
+                    engine,
+                    tokens,
+                    page_size,
+                    parent,
+                    medium,
+                    seed,
+                    salt,
+                    unmatchable_from,
+                } => self.store_pages(
+                    slot,
+                    pages::Stored {
+                        engine: &staged.engine[engine.clone()],
+                        tokens: &staged.tokens[tokens.clone()],
+                        page_size: *page_size as usize,
+                        parent: *parent,
+                        tier: tier_bit(*medium),
+                        seed: *seed,
+                        salt: salt.clone().map(|r| &staged.text[r]),
+                        unmatchable_from: *unmatchable_from,
+                    },
                 ),
                 Op::Removed { engine, medium } => {
                     self.remove(slot, &staged.engine[engine.clone()], tier_bit(*medium))
@@ -267,6 +293,11 @@ impl Index {
         } else {
             return; // already known in this tier
         }
+        self.enter(slot, seq, tier);
+    }
+
+    /// Adds `slot` as a holder of block `seq` in `tier`.
+    fn enter(&mut self, slot: u16, seq: u64, tier: u8) {
         self.stats.stored_blocks += 1;
         let shard = shard::shard_of(seq, self.shards.len() as u32) as usize;
         let holders = self.shards[shard].entry(seq).or_default();
@@ -307,7 +338,15 @@ impl Index {
         };
         for h in hashes {
             let Some(e) = s.engine.get_mut(h) else {
-                self.stats.unknown_removals += 1;
+                match pages::remove(&mut s.pages, h, tier) {
+                    None => self.stats.unknown_removals += 1,
+                    Some(owned) => {
+                        for seq in owned {
+                            self.stats.removed_blocks += 1;
+                            Self::unhold(&mut self.shards, &mut self.dirty, slot, seq, tier);
+                        }
+                    }
+                }
                 continue;
             };
             if e.1 & tier == 0 {
@@ -365,10 +404,14 @@ impl Index {
             return;
         };
         let entries = std::mem::take(&mut s.engine);
+        let pages = std::mem::take(&mut s.pages);
         for (_, (seq, tiers)) in entries {
             if tiers & UNMATCHABLE != 0 {
                 continue;
             }
+            Self::unhold(&mut self.shards, &mut self.dirty, slot, seq, tiers);
+        }
+        for (seq, tiers) in pages.into_values().flat_map(pages::Page::owned) {
             Self::unhold(&mut self.shards, &mut self.dirty, slot, seq, tiers);
         }
     }
@@ -420,11 +463,15 @@ impl Index {
         let slot_bytes: usize = self
             .slots
             .iter()
-            .map(|s| s.engine.capacity() * (8 + 16 + 1))
+            .map(|s| {
+                s.engine.capacity() * (8 + 16 + 1)
+                    + s.pages.values().map(pages::Page::heap_bytes).sum::<usize>()
+            })
             .sum();
         shard_bytes + slot_bytes
     }
 }
 
+mod pages;
 #[cfg(test)]
 mod tests;

@@ -25,6 +25,21 @@ pub enum Op {
         /// keys the blocks (see [`Unmatchable`]).
         unmatchable_from: Option<(usize, Unmatchable)>,
     },
+    /// Pages stored at the engine's page size where it is not the
+    /// worker's block size (SGLang's default page size is 1): the index
+    /// re-chunks their tokens into the worker's blocks along the parent
+    /// chain. `tokens` indexes the staged tokens, `page_size` per engine
+    /// hash; `salt` indexes the staged text.
+    Pages {
+        engine: Range<usize>,
+        tokens: Range<usize>,
+        page_size: u32,
+        parent: Option<EngineHash>,
+        medium: Medium,
+        seed: u64,
+        salt: Option<Range<usize>>,
+        unmatchable_from: Option<(usize, Unmatchable)>,
+    },
     Removed {
         engine: Range<usize>,
         medium: Medium,
@@ -41,9 +56,13 @@ pub struct Staged {
     pub ops: Vec<Op>,
     pub engine: Vec<EngineHash>,
     pub local: Vec<u64>,
+    /// Token ids of [`Op::Pages`].
+    pub tokens: Vec<u32>,
+    /// Salts of [`Op::Pages`].
+    pub text: String,
     /// Stored events of the batch whose block size is not the worker's,
-    /// and the last such size: their blocks are hashed at the engine's
-    /// size, which no request hashed at the worker's can match.
+    /// and the last such size: re-chunked, at a cost in memory (the index
+    /// keeps every page's unfinished block).
     pub foreign_block_size: (usize, u32),
     scratch: Scratch,
 }
@@ -61,8 +80,11 @@ impl Staged {
         self.ops.clear();
         self.engine.clear();
         self.local.clear();
+        self.tokens.clear();
+        self.text.clear();
         self.foreign_block_size = (0, 0);
         let (ops, engine, local) = (&mut self.ops, &mut self.engine, &mut self.local);
+        let (page_tokens, text) = (&mut self.tokens, &mut self.text);
         let foreign = &mut self.foreign_block_size;
         let meta = decode_batch(payload, &mut self.scratch, |e| match e {
             Event::Stored(s) => {
@@ -71,8 +93,10 @@ impl Staged {
                 } else {
                     default_block_size
                 } as usize;
-                if s.block_size > 0 && default_block_size > 0 && s.block_size != default_block_size
-                {
+                let foreign_size = s.block_size > 0
+                    && default_block_size > 0
+                    && s.block_size != default_block_size;
+                if foreign_size {
                     *foreign = (foreign.0 + 1, s.block_size);
                 }
                 if !s.indexable() || bs == 0 {
@@ -80,6 +104,29 @@ impl Staged {
                     return;
                 }
                 let seed = lora_seed(s.lora_name);
+                if foreign_size {
+                    let (e0, t0) = (engine.len(), page_tokens.len());
+                    for (h, toks) in s.hashes.iter().zip(s.tokens.chunks_exact(bs)) {
+                        engine.push(*h);
+                        page_tokens.extend_from_slice(toks);
+                    }
+                    let salt = s.cache_salt.filter(|_| s.parent.is_none()).map(|salt| {
+                        let at = text.len();
+                        text.push_str(salt);
+                        at..text.len()
+                    });
+                    ops.push(Op::Pages {
+                        engine: e0..engine.len(),
+                        tokens: t0..page_tokens.len(),
+                        page_size: s.block_size,
+                        parent: s.parent,
+                        medium: s.medium,
+                        seed,
+                        salt,
+                        unmatchable_from: s.unmatchable_from,
+                    });
+                    return;
+                }
                 let (e0, l0) = (engine.len(), local.len());
                 // Only blocks with all their tokens: a trailing partial block,
                 // or hashes beyond the tokens given, end the event.

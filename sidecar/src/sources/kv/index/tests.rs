@@ -450,3 +450,145 @@ fn a_malformed_batch_changes_nothing() {
         "nothing applied from a batch that failed to stage"
     );
 }
+
+/// A store of `pages` pages of `page` tokens each, as SGLang publishes with
+/// a page size other than the worker's block size (4 here).
+fn stored_pages(hashes: &[u64], parent: Option<u64>, tokens: &[u32], page: u32) -> Value {
+    let ev = stored(hashes, parent, tokens, "GPU");
+    match ev {
+        Value::Map(m) => Value::Map(
+            m.into_iter()
+                .map(|(k, val)| {
+                    if k.as_str() == Some("block_size") {
+                        (k, v(page))
+                    } else {
+                        (k, val)
+                    }
+                })
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
+#[test]
+fn one_token_pages_are_rechunked_into_the_workers_blocks() {
+    let mut idx = index(2, 1000);
+    let toks: Vec<u32> = (1..=14).collect();
+    // Ten one-token pages, then four more continuing the chain.
+    let first: Vec<u64> = (100..110).collect();
+    apply(
+        &mut idx,
+        0,
+        vec![stored_pages(&first, None, &toks[..10], 1)],
+    );
+    assert_eq!(idx.len(), 2, "two whole blocks of 4 in 10 tokens");
+    apply(
+        &mut idx,
+        0,
+        vec![stored_pages(
+            &[110, 111, 112, 113],
+            Some(109),
+            &toks[10..],
+            1,
+        )],
+    );
+    assert_eq!(idx.len(), 3);
+    assert_eq!(overlap_via_shards(&idx, &toks, 2)[0].device, 3);
+    assert_eq!(idx.slot_len(0), 14, "an entry per page");
+    // The same chain at the worker's own size on slot 1 is the same blocks.
+    apply(
+        &mut idx,
+        1,
+        vec![stored(&[7, 8, 9], None, &toks[..12], "GPU")],
+    );
+    let o = overlap_via_shards(&idx, &toks, 2);
+    assert_eq!((o[0].device, o[1].device), (3, 3));
+    assert_eq!(idx.len(), 3, "same content, same sequence hashes");
+
+    // Leaf first, as engines evict: the last block goes with the page that
+    // completed it (token 12), not before.
+    apply(&mut idx, 0, vec![removed(&[113, 112], "GPU")]);
+    assert_eq!(overlap_via_shards(&idx, &toks, 2)[0].device, 3);
+    apply(&mut idx, 0, vec![removed(&[111], "GPU")]);
+    assert_eq!(overlap_via_shards(&idx, &toks, 2)[0].device, 2);
+    let rest: Vec<u64> = (100..111).rev().collect();
+    apply(&mut idx, 0, vec![removed(&rest, "GPU")]);
+    assert_eq!(overlap_via_shards(&idx, &toks, 2)[0].device, 0);
+    assert_eq!(idx.slot_len(0), 0);
+    assert_eq!(idx.stats.unknown_removals, 0);
+}
+
+#[test]
+fn pages_larger_than_blocks_complete_several_and_take_other_tiers() {
+    let mut idx = index(1, 1000);
+    let toks: Vec<u32> = (1..=16).collect();
+    apply(&mut idx, 0, vec![stored_pages(&[1, 2], None, &toks, 8)]);
+    assert_eq!(overlap_via_shards(&idx, &toks, 1)[0].device, 4);
+    let mut cpu = stored_pages(&[1, 2], None, &toks, 8);
+    if let Value::Map(m) = &mut cpu {
+        for (k, val) in m.iter_mut() {
+            if k.as_str() == Some("medium") {
+                *val = v("CPU");
+            }
+        }
+    }
+    apply(&mut idx, 0, vec![cpu]);
+    apply(&mut idx, 0, vec![removed(&[2], "GPU")]);
+    let o = overlap_via_shards(&idx, &toks, 1)[0];
+    assert_eq!((o.device, o.host), (2, 4), "page 2's blocks stay on host");
+    apply(&mut idx, 0, vec![cleared()]);
+    assert!(idx.is_empty());
+    assert_eq!(idx.slot_len(0), 0);
+}
+
+#[test]
+fn rechunked_chains_keep_their_salt_and_adapter() {
+    let mut idx = index(1, 1000);
+    let toks: Vec<u32> = (1..=8).collect();
+    let hashes: Vec<u64> = (1..=8).collect();
+    let ev = with(
+        with(stored_pages(&hashes, None, &toks, 1), "cache_salt", v("t1")),
+        "lora_name",
+        v("sql"),
+    );
+    // `with` appends: drop the nil lora_name the base event carries.
+    let ev = match ev {
+        Value::Map(m) => Value::Map(
+            m.into_iter()
+                .filter(|(k, val)| !(k.as_str() == Some("lora_name") && val.is_nil()))
+                .collect(),
+        ),
+        other => other,
+    };
+    apply(&mut idx, 0, vec![ev]);
+    let scope = |salt| CacheScope {
+        lora_name: Some("sql"),
+        cache_salt: salt,
+    };
+    assert_eq!(
+        scoped_overlap(&idx, &toks, 1, scope(Some("t1")))[0].device,
+        2
+    );
+    assert_eq!(scoped_overlap(&idx, &toks, 1, scope(None))[0].device, 0);
+    assert_eq!(overlap_via_shards(&idx, &toks, 1)[0].device, 0);
+}
+
+#[test]
+fn rechunked_orphans_and_reused_page_hashes() {
+    let mut idx = index(1, 1000);
+    apply(&mut idx, 0, vec![stored_pages(&[5], Some(999), &[1], 1)]);
+    assert_eq!(idx.stats.orphan_events, 1);
+    let toks: Vec<u32> = (1..=4).collect();
+    apply(
+        &mut idx,
+        0,
+        vec![stored_pages(&[1, 2, 3, 4], None, &toks, 1)],
+    );
+    assert_eq!(overlap_via_shards(&idx, &toks, 1)[0].device, 1);
+    // The engine restarted and reused page 4's hash for other content.
+    apply(&mut idx, 0, vec![stored_pages(&[4], Some(3), &[42], 1)]);
+    assert_eq!(overlap_via_shards(&idx, &toks, 1)[0].device, 0);
+    let other = [1, 2, 3, 42];
+    assert_eq!(overlap_via_shards(&idx, &other, 1)[0].device, 1);
+}
