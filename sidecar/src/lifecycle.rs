@@ -14,7 +14,8 @@ use tokio::task::JoinHandle;
 /// One rank's KV event subscription.
 struct Subscription {
     worker: u64,
-    /// The rank's index within its worker.
+    /// The rank's data-parallel rank (the worker's start rank plus its
+    /// index), as the snapshot and every per-rank metric name it.
     rank: u32,
     subscriber: Subscriber,
 }
@@ -58,9 +59,10 @@ impl Lifecycle {
             return;
         }
         let mut subs = self.subscriptions.lock();
-        for (r, slot) in slots.iter().enumerate() {
-            let r = r as u32;
-            let Some(endpoint) = spec.events_endpoint(r) else {
+        for (i, slot) in slots.iter().enumerate() {
+            let i = i as u32;
+            let r = spec.data_parallel_start_rank + i;
+            let Some(endpoint) = spec.events_endpoint(i) else {
                 tracing::warn!(worker = id, rank = r, "no KV event endpoint for this rank");
                 continue;
             };
@@ -70,7 +72,7 @@ impl Lifecycle {
                 SubscriberSpec {
                     slot: *slot,
                     endpoint: endpoint.clone(),
-                    replay_endpoint: spec.replay_endpoint_of(r),
+                    replay_endpoint: spec.replay_endpoint_of(i),
                     topic: spec.kv_events_topic.clone().into_bytes(),
                     replay_timeout: self.replay_timeout,
                     limits: self.limits,
@@ -202,6 +204,22 @@ mod tests {
         assert_eq!((l.owner(4), l.owner(5)), (None, None));
         assert!(subscribed(&l).is_empty());
         assert!(ended(&running).await, "the scraper is aborted");
+        l.stop(7, &p);
+    }
+
+    #[tokio::test]
+    async fn ranks_are_named_by_their_data_parallel_rank() {
+        let (l, p) = (lifecycle(), plane());
+        // The second node of a DP group: ranks 2 and 3.
+        let spec = worker(json!({
+            "data_parallel_start_rank": 2,
+            "data_parallel_size": 2,
+            "kv_events_endpoints": {"0": "tcp://127.0.0.1:1"},
+        }));
+        let (task, _running) = scraper();
+        l.start(&spec, &[0, 1], task, &p);
+        assert_eq!(subscribed(&l), [(7, 2), (7, 3)]);
+        assert_eq!(l.owner(1), Some((7, 3)));
         l.stop(7, &p);
     }
 
