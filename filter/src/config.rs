@@ -3,7 +3,8 @@
 //! Every key is optional and unknown keys are refused, so a typo fails the
 //! plugin load with a log line instead of silently changing behaviour.
 
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
+use std::time::Duration;
 use thiserror::Error;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -23,9 +24,12 @@ pub struct Config {
     /// The sidecar's control token: bookings and routing reports are
     /// writes, so they carry it when the sidecar requires one.
     pub sidecar_token: Option<String>,
-    pub poll_wait_ms: u64,
-    pub poll_backoff_ms: u64,
-    pub tick_ms: u64,
+    #[serde(rename = "poll_wait_ms", deserialize_with = "millis")]
+    pub poll_wait: Duration,
+    #[serde(rename = "poll_backoff_ms", deserialize_with = "millis")]
+    pub poll_backoff: Duration,
+    #[serde(rename = "tick_ms", deserialize_with = "millis")]
+    pub tick: Duration,
     pub destination_header: String,
     pub rank_header: String,
     pub fallback_header: String,
@@ -36,7 +40,8 @@ pub struct Config {
     /// request (engines return none); empty: not sent.
     pub served_by_header: String,
     pub max_body_bytes: usize,
-    pub stale_after_ms: u64,
+    #[serde(rename = "stale_after_ms", deserialize_with = "millis")]
+    pub stale_after: Duration,
     pub on_stale: OnStale,
     pub retry_after_s: u32,
 }
@@ -47,16 +52,16 @@ impl Default for Config {
             sidecar_cluster: "kvgate_sidecar".into(),
             sidecar_authority: "kvgate-sidecar".into(),
             sidecar_token: None,
-            poll_wait_ms: 1000,
-            poll_backoff_ms: 100,
-            tick_ms: 100,
+            poll_wait: Duration::from_millis(1000),
+            poll_backoff: Duration::from_millis(100),
+            tick: Duration::from_millis(100),
             destination_header: "x-gateway-destination-endpoint".into(),
             rank_header: "x-data-parallel-rank".into(),
             fallback_header: "x-kvgate-fallback".into(),
             tenant_header: "x-kvgate-tenant".into(),
             served_by_header: "x-kvgate-served-by".into(),
             max_body_bytes: 1 << 20,
-            stale_after_ms: 5000,
+            stale_after: Duration::from_secs(5),
             on_stale: OnStale::FailOpen,
             retry_after_s: 1,
         }
@@ -72,7 +77,17 @@ pub enum ConfigError {
 }
 
 /// The cap on `poll_wait_ms`: the sidecar holds a poll at most 10 s.
-pub const MAX_POLL_WAIT_MS: u64 = 10_000;
+pub const MAX_POLL_WAIT: Duration = Duration::from_secs(10);
+
+/// Durations are whole milliseconds in the JSON, as the `_ms` keys say.
+fn millis<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    u64::deserialize(d).map(Duration::from_millis)
+}
+
+/// A duration in the host clock's unit.
+pub fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
 
 impl Config {
     /// Parses the plugin configuration; absent or empty means defaults.
@@ -116,16 +131,20 @@ impl Config {
         if self.max_body_bytes == 0 {
             return invalid("max_body_bytes must be above 0".into());
         }
-        if self.poll_wait_ms > MAX_POLL_WAIT_MS {
-            return invalid(format!("poll_wait_ms must be at most {MAX_POLL_WAIT_MS}"));
+        if self.poll_wait > MAX_POLL_WAIT {
+            return invalid(format!(
+                "poll_wait_ms must be at most {}",
+                ms(MAX_POLL_WAIT)
+            ));
         }
-        if self.tick_ms == 0 || self.poll_backoff_ms == 0 {
+        if self.tick.is_zero() || self.poll_backoff.is_zero() {
             return invalid("tick_ms and poll_backoff_ms must be above 0".into());
         }
-        if self.stale_after_ms <= self.poll_wait_ms {
+        if self.stale_after <= self.poll_wait {
             return invalid(format!(
                 "stale_after_ms ({}) must exceed poll_wait_ms ({}), or every quiet poll would look stale",
-                self.stale_after_ms, self.poll_wait_ms
+                ms(self.stale_after),
+                ms(self.poll_wait)
             ));
         }
         Ok(())

@@ -170,6 +170,6 @@ pub fn call_response_body(size: usize) -> Option<Vec<u8>> {
         .flatten()
 }
 
-pub fn set_tick_period(ms: u64) -> Result<(), Status> {
-    hostcalls::set_tick_period(Duration::from_millis(ms))
+pub fn set_tick_period(period: Duration) -> Result<(), Status> {
+    hostcalls::set_tick_period(period)
 }

@@ -72,7 +72,7 @@ impl RootContext for Root {
             .and_then(|b| String::from_utf8(b).ok())
             .unwrap_or_default();
         if root_id == SERVICE_ROOT_ID {
-            if let Err(s) = host::set_tick_period(config.tick_ms) {
+            if let Err(s) = host::set_tick_period(config.tick) {
                 host::log(
                     LogLevel::Error,
                     &format!("kvgate: cannot set tick period: {s:?}"),

@@ -3,7 +3,7 @@
 //! forwards what the router VMs queue (routing decisions, load bookings) to
 //! the sidecar.
 
-use crate::config::Config;
+use crate::config::{Config, ms};
 use crate::host;
 use crate::metrics::{ServiceMetrics, inc, record};
 use crate::poller::Poller;
@@ -143,9 +143,9 @@ impl Service {
             return;
         }
         let c = &self.config;
-        let path = self.poller.path(c.poll_wait_ms);
+        let path = self.poller.path(ms(c.poll_wait));
         // The call's own timeout leaves the sidecar time to answer a full wait.
-        let timeout = Duration::from_millis(c.poll_wait_ms + 2000);
+        let timeout = c.poll_wait + Duration::from_secs(2);
         match host::dispatch_get(&c.sidecar_cluster, &c.sidecar_authority, &path, timeout) {
             Ok(token) => {
                 self.poll_token = Some(token);
@@ -161,7 +161,7 @@ impl Service {
                     ),
                 );
                 inc(self.metrics.poll_errors);
-                self.poller.failed(now, c.poll_backoff_ms);
+                self.poller.failed(now, ms(c.poll_backoff));
             }
         }
     }
@@ -200,7 +200,7 @@ impl Service {
                             &format!("kvgate: rejecting sidecar update: {e:?}"),
                         );
                         inc(self.metrics.decode_errors);
-                        self.poller.failed(now, self.config.poll_backoff_ms);
+                        self.poller.failed(now, ms(self.config.poll_backoff));
                     }
                 }
             }
@@ -216,7 +216,7 @@ impl Service {
                     &format!("kvgate: sidecar poll failed (status {other:?}); backing off"),
                 );
                 inc(self.metrics.poll_errors);
-                self.poller.failed(now, self.config.poll_backoff_ms);
+                self.poller.failed(now, ms(self.config.poll_backoff));
             }
         }
         self.poll();

@@ -2,7 +2,7 @@
 //! booking from the decision to the end of the response.
 
 use super::{Booking, RouterState};
-use crate::config::OnStale;
+use crate::config::{OnStale, ms};
 use crate::host;
 use crate::manifest::{self, Manifest};
 use crate::metrics::{inc, record};
@@ -116,7 +116,7 @@ impl Request {
             Ok(true) => {
                 if let Some(snap) = st.view.snapshot.as_mut() {
                     st.local
-                        .settle(snap, st.vm_tag, host::now_ms(), st.config.stale_after_ms);
+                        .settle(snap, st.vm_tag, host::now_ms(), ms(st.config.stale_after));
                 }
             }
             Ok(false) => {}
@@ -318,7 +318,7 @@ impl HttpContext for Request {
             (
                 c.fallback_header.clone(),
                 c.tenant_header.clone(),
-                c.stale_after_ms,
+                ms(c.stale_after),
                 c.on_stale,
             )
         };
