@@ -3,7 +3,9 @@
 //! JSON by the sidecar (with the `serde` feature).
 //!
 //! Validation lives on the types, so a threshold or a weight is checked the
-//! same way whether it comes from a file, a flag or the control API.
+//! same way whether it comes from a file, a flag or the control API. The
+//! serialized names are Dynamo's (`worker_id`, `tenant_id`, `dp_rank`, the
+//! threshold keys), so its clients read kvgate's JSON unchanged.
 
 #[cfg(feature = "serde")]
 use serde::{Deserialize, Serialize};
@@ -65,6 +67,7 @@ pub struct ModelState {
 #[derive(Debug, Clone, Default, PartialEq)]
 #[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
 pub struct WorkerState {
+    #[cfg_attr(feature = "serde", serde(rename = "worker_id"))]
     pub id: u64,
     /// `ip:port`, exactly what the routed cluster connects to.
     pub endpoint: String,
@@ -73,6 +76,7 @@ pub struct WorkerState {
     pub ranks: Vec<RankLoad>,
     /// Selection scope within the model (minor 2): a request of one tenant
     /// is only ever placed on that tenant's workers.
+    #[cfg_attr(feature = "serde", serde(rename = "tenant_id"))]
     pub tenant: String,
 }
 
@@ -81,6 +85,7 @@ pub struct WorkerState {
 #[derive(Debug, Clone, Default, PartialEq)]
 #[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
 pub struct RankLoad {
+    #[cfg_attr(feature = "serde", serde(rename = "dp_rank"))]
     pub rank: u32,
     /// The rank's number in the KV index shards of its model.
     pub slot: u16,

@@ -265,10 +265,10 @@ async fn events_of_another_block_size_are_counted_per_rank() {
     let ctx = zmq::Context::new();
     let mut p = Publisher::bind(&ctx);
     // The engine pages by 4 (as SGLang's default page size of 1 would),
-    // the worker is configured for 16: requests can never match.
+    // the worker is configured for 16: four pages re-chunk into one block.
     let sc = sidecar_worker(&p.endpoint, "block_size = 16");
     let series = "kvgate_sidecar_kv_block_size_mismatch_total{dp_rank=\"0\",worker_id=\"1\"}";
-    publish_until_indexed(&mut p, &sc, &stored(&[100]), 1).await;
+    publish_until_indexed(&mut p, &sc, &stored(&[100, 101, 102, 103]), 1).await;
     // The counter mirrors the index thread's about once a second.
     wait_until(series, async || metric(&sc, series) >= 1.0).await;
 }

@@ -1,7 +1,8 @@
 //! `kvgate-sidecar status`: the fleet at a glance, from a running sidecar's
 //! `/v1/state`.
 
-use super::views::{ModelView, StateView, WorkerLoadView};
+use super::views::{ModelView, StateView};
+use kvgate_core::WorkerState;
 use serde::Serialize;
 use std::fmt::Write as _;
 
@@ -59,9 +60,9 @@ fn model(out: &mut String, m: &ModelView) {
             let _ = writeln!(
                 out,
                 "  {:>6}  {:<21} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  {}",
-                w.worker_id,
+                w.id,
                 w.endpoint,
-                r.dp_rank,
+                r.rank,
                 r.active_prefill_tokens,
                 r.active_decode_blocks,
                 kv,
@@ -73,7 +74,7 @@ fn model(out: &mut String, m: &ModelView) {
     }
 }
 
-fn worker_busy(w: &WorkerLoadView) -> bool {
+fn worker_busy(w: &WorkerState) -> bool {
     !w.ranks.is_empty() && w.ranks.iter().all(|r| r.busy)
 }
 

@@ -3,7 +3,7 @@
 
 use crate::config::WorkerSpec;
 use crate::fleet::WorkerEntry;
-use kvgate_core::{ModelState, RankLoad, Snapshot, Thresholds, WorkerState};
+use kvgate_core::{ModelState, Snapshot, Thresholds, WorkerState};
 use serde::{Deserialize, Serialize};
 
 /// `GET /v1/state`: the current snapshot, for people and tests.
@@ -25,7 +25,7 @@ pub struct ModelView {
     pub retry_after_s: u32,
     pub mode: Mode,
     /// Only the workers that are up.
-    pub workers: Vec<WorkerLoadView>,
+    pub workers: Vec<WorkerState>,
 }
 
 /// Which prefix index a model's requests are placed with.
@@ -47,31 +47,6 @@ impl Mode {
             Mode::Approximate => "approximate",
         }
     }
-}
-
-/// One up worker in [`ModelView`], with the load of each of its ranks.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct WorkerLoadView {
-    pub worker_id: u64,
-    pub tenant_id: String,
-    pub endpoint: String,
-    pub block_size: u32,
-    pub ranks: Vec<RankView>,
-}
-
-/// One DP rank's load in [`WorkerLoadView`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RankView {
-    pub dp_rank: u32,
-    pub slot: u16,
-    pub active_prefill_tokens: u64,
-    pub active_decode_blocks: u64,
-    pub kv_used_blocks: u64,
-    pub kv_total_blocks: u64,
-    pub max_num_batched_tokens: u64,
-    pub running: u32,
-    pub waiting: u32,
-    pub busy: bool,
 }
 
 impl StateView {
@@ -97,36 +72,7 @@ impl From<&ModelState> for ModelView {
             } else {
                 Mode::Approximate
             },
-            workers: m.workers.iter().map(WorkerLoadView::from).collect(),
-        }
-    }
-}
-
-impl From<&WorkerState> for WorkerLoadView {
-    fn from(w: &WorkerState) -> WorkerLoadView {
-        WorkerLoadView {
-            worker_id: w.id,
-            tenant_id: w.tenant.clone(),
-            endpoint: w.endpoint.clone(),
-            block_size: w.block_size,
-            ranks: w.ranks.iter().map(RankView::from).collect(),
-        }
-    }
-}
-
-impl From<&RankLoad> for RankView {
-    fn from(r: &RankLoad) -> RankView {
-        RankView {
-            dp_rank: r.rank,
-            slot: r.slot,
-            active_prefill_tokens: r.active_prefill_tokens,
-            active_decode_blocks: r.active_decode_blocks,
-            kv_used_blocks: r.kv_used_blocks,
-            kv_total_blocks: r.kv_total_blocks,
-            max_num_batched_tokens: r.max_num_batched_tokens,
-            running: r.running,
-            waiting: r.waiting,
-            busy: r.busy,
+            workers: m.workers.clone(),
         }
     }
 }

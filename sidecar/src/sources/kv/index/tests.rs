@@ -227,6 +227,19 @@ fn lora(name: &str) -> CacheScope<'_> {
     }
 }
 
+/// `with` appends, and a map keeps its first `lora_name`: drops the nil
+/// one the base event carries.
+fn without_nil_lora(ev: Value) -> Value {
+    match ev {
+        Value::Map(m) => Value::Map(
+            m.into_iter()
+                .filter(|(k, val)| !(k.as_str() == Some("lora_name") && val.is_nil()))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
 fn key(kind: &str, field: &str, value: Value) -> Value {
     Value::Map(vec![(v("type"), v(kind)), (v(field), value)])
 }
@@ -258,16 +271,7 @@ fn vllm_extra_keys_scope_blocks_by_adapter_and_salt() {
             Some(vec![adapter()]),
         ]),
     );
-    // `with` appends, and a map keeps its first `lora_name`: drop the
-    // nil one the base event carries.
-    let salted = match salted {
-        Value::Map(m) => Value::Map(
-            m.into_iter()
-                .filter(|(k, val)| !(k.as_str() == Some("lora_name") && val.is_nil()))
-                .collect(),
-        ),
-        other => other,
-    };
+    let salted = without_nil_lora(salted);
     apply(&mut idx, 0, vec![salted]);
     // The adapter named only in extra keys, on slot 1, unsalted.
     apply(
@@ -552,15 +556,7 @@ fn rechunked_chains_keep_their_salt_and_adapter() {
         "lora_name",
         v("sql"),
     );
-    // `with` appends: drop the nil lora_name the base event carries.
-    let ev = match ev {
-        Value::Map(m) => Value::Map(
-            m.into_iter()
-                .filter(|(k, val)| !(k.as_str() == Some("lora_name") && val.is_nil()))
-                .collect(),
-        ),
-        other => other,
-    };
+    let ev = without_nil_lora(ev);
     apply(&mut idx, 0, vec![ev]);
     let scope = |salt| CacheScope {
         lora_name: Some("sql"),
