@@ -144,7 +144,15 @@ pub fn decode(bytes: &[u8]) -> Result<Update<'_>, UpdateError> {
 /// The shared-data key of one shard. One place defines it so the writer
 /// (the snapshot service) and the readers (the router VMs) agree.
 pub fn shard_key(model: &str, shard: u32) -> String {
-    format!("kvgate.idx.{model}.{shard}")
+    format!("{SHARD_KEY_PREFIX}{model}.{shard}")
+}
+
+const SHARD_KEY_PREFIX: &str = "kvgate.idx.";
+
+/// The model and shard a [`shard_key`] names.
+pub fn parse_shard_key(key: &str) -> Option<(&str, u32)> {
+    let (model, shard) = key.strip_prefix(SHARD_KEY_PREFIX)?.rsplit_once('.')?;
+    Some((model, shard.parse().ok()?))
 }
 
 #[cfg(test)]
@@ -196,6 +204,13 @@ mod tests {
     #[test]
     fn shard_keys_are_stable() {
         assert_eq!(shard_key("llama-3", 12), "kvgate.idx.llama-3.12");
+        assert_eq!(
+            parse_shard_key(&shard_key("meta/llama-3.1", 7)),
+            Some(("meta/llama-3.1", 7))
+        );
+        assert_eq!(parse_shard_key("kvgate.idx.m"), None);
+        assert_eq!(parse_shard_key("kvgate.idx.m.x"), None);
+        assert_eq!(parse_shard_key("other.m.1"), None);
     }
 
     proptest! {

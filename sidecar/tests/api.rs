@@ -753,3 +753,66 @@ async fn json_bodies_keep_their_shapes() {
     round_trip::<views::HealthView>(&health);
     round_trip::<views::ErrorView>(&err);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn select_places_a_prompt_as_the_filter_would_and_refuses_bad_input() {
+    let (busy, busy_page) = fake_worker().await;
+    let (idle, _) = fake_worker().await;
+    busy_page.set(6, 0.2);
+    let (base, _sc) = sidecar(&[&busy, &idle]).await;
+    let url = format!("{base}/select");
+    wait_until("both workers up", async || {
+        call("GET", &format!("{base}/ready"), None).await.0 == 200
+            && json_of("GET", &format!("{base}/v1/state"), None).await.1["models"][0]["workers"]
+                .as_array()
+                .is_some_and(|w| w.len() == 2)
+    })
+    .await;
+    // No index here: the least-loaded worker, with nothing matched.
+    let (status, v) = json_of(
+        "POST",
+        &url,
+        Some(json!({"selection_id": "s-1", "model_name": "m", "token_ids": [1, 2, 3, 4]})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let v: views::SelectionView = serde_json::from_value(v).unwrap();
+    assert_eq!(v.selection_id.as_deref(), Some("s-1"));
+    assert_eq!((v.tenant_id.as_str(), v.block_size), ("default", 16));
+    assert_eq!(
+        v.overlap,
+        views::OverlapView {
+            dp: [("0".to_string(), 0)].into(),
+            ..Default::default()
+        }
+    );
+    assert_eq!(v.effective_prefill_tokens, 4);
+    let (status, v) = json_of(
+        "POST",
+        &url,
+        Some(json!({"model_name": "m", "text": "a shared system prompt"})),
+    )
+    .await;
+    assert_eq!((status, v["worker_id"].as_u64()), (200, Some(2)), "{v}");
+    assert!(v.get("selection_id").is_none(), "omitted when absent");
+
+    for (body, want) in [
+        (json!({"model_name": "m"}), 400),
+        (
+            json!({"model_name": "m", "token_ids": [1], "prompt": "x"}),
+            400,
+        ),
+        (json!({"model_name": "m", "sequence_hashes": [1, 2]}), 400),
+        (json!({"model_name": "other", "token_ids": [1]}), 404),
+        (
+            json!({"model_name": "m", "tenant_id": "t", "token_ids": [1]}),
+            503,
+        ),
+    ] {
+        let (status, v) = json_of("POST", &url, Some(body.clone())).await;
+        assert_eq!(status, want, "{body} → {v}");
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+    }
+    let (status, _, _) = call_raw("POST", &url, &[], b"{not json".to_vec()).await;
+    assert_eq!(status, 400);
+}

@@ -38,6 +38,12 @@ pub struct Cached {
 }
 
 impl Cached {
+    /// What the engines' events say `slot` holds, in blocks per tier: no
+    /// routed prefixes in flight. What an API reports as observed.
+    pub fn reported(&self, slot: u16) -> Overlap {
+        of(&self.precise, slot)
+    }
+
     /// The overlap `worker`'s rank in `slot` is charged with, in blocks.
     pub fn of(&self, worker: &WorkerState, slot: u16) -> Overlap {
         let routed = chunks_as_blocks(of(&self.routed, slot), worker.block_size);
@@ -63,6 +69,29 @@ pub fn gather(
 ) -> (Cached, Option<(ChunkKind, Vec<u64>)>) {
     let scope = scope(model, &req.model, req.cache_salt.as_deref());
     let mut read = |k: &str| shards.read(k);
+    if let Some(seq) = req.sequence_hashes.as_deref() {
+        // The client hashed the prompt: the engines' events are all there
+        // is to match, and nothing is reported.
+        let precise = slot_count(model)
+            .filter(|_| model.shard_count > 0)
+            .map(|slots| {
+                search(
+                    &model.name,
+                    model.shard_count,
+                    seq,
+                    slots,
+                    &mut HashMap::new(),
+                    &mut read,
+                )
+            })
+            .unwrap_or_default();
+        let cached = Cached {
+            precise,
+            routed: Vec::new(),
+            token_prompt: true,
+        };
+        return (cached, None);
+    }
     match (req.tokens.as_deref(), req.text.as_deref()) {
         (Some(tokens), _) => {
             let precise = compute(model, tokens, scope, &mut read).0;

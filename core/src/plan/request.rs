@@ -28,6 +28,10 @@ pub struct Parsed {
     pub tokens: Option<Vec<u32>>,
     /// The prompt text (chat messages concatenated) when it sent text.
     pub text: Option<String>,
+    /// Sequence hashes the client computed itself (Dynamo's, at the
+    /// workers' block size), as the selection API accepts; OpenAI bodies
+    /// never carry them.
+    pub sequence_hashes: Option<Vec<u64>>,
     /// Prompt length in tokens: exact for tokens, estimated for text.
     pub isl_tokens: u64,
     pub stream: bool,
@@ -105,6 +109,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
         model,
         tokens,
         text,
+        sequence_hashes: None,
         isl_tokens,
         stream,
         max_tokens,

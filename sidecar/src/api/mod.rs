@@ -9,6 +9,8 @@
 //! * `POST/GET /workers`, `PATCH/DELETE /workers/{id}` — the catalog.
 //! * `POST /v3/discovery:endpoints` — the catalog as Envoy's routed cluster
 //!   (REST EDS, JSON).
+//! * `POST /select` — Dynamo's selection API: where the filter would place
+//!   a prompt, without booking it.
 //!
 //! * `GET /health`, `GET /ready`, `GET /metrics`.
 //!
@@ -19,11 +21,10 @@
 //! (`/v1/bookings`, `/v1/routed`), since a forged booking sheds every
 //! request for the booking TTL and forged routing decisions steer the
 //! approximate index. What only reads (`/v1/snapshot`, `/v1/state`,
-//! `/health`, `/ready`, `/metrics`) stays open.
+//! `/select`, `/health`, `/ready`, `/metrics`) stays open.
 //!
 //! Each resource has its module; the bodies they answer are types in
-//! [`views`]. A new resource (a `/select` that places a request the way
-//! the filter would) is a new module beside them, registered in
+//! [`views`]. A new resource is a new module beside them, registered in
 //! [`router`].
 
 mod auth;
@@ -31,6 +32,7 @@ mod discovery;
 mod poll;
 mod probes;
 mod reports;
+mod select;
 mod state;
 pub mod status;
 mod thresholds;
@@ -52,6 +54,7 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
     Router::new()
         .route("/v1/snapshot", get(poll::snapshot))
         .route("/v1/state", get(state::state))
+        .route("/select", axum::routing::post(select::select))
         .route(
             "/v1/routed",
             axum::routing::post(reports::routed).route_layer(token.clone()),

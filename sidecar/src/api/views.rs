@@ -191,3 +191,64 @@ pub struct NotReadyWorker {
 pub struct ErrorView {
     pub error: String,
 }
+
+/// `POST /select`: Dynamo's selection request. The prompt is given one
+/// way: `sequence_hashes` (or `block_hashes`, chained here) at the
+/// workers' block size with `isl_tokens`, or `token_ids`, or `text`,
+/// which kvgate hashes itself.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SelectRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selection_id: Option<String>,
+    #[serde(default = "default_scope")]
+    pub model_name: String,
+    #[serde(default = "default_scope")]
+    pub tenant_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_hashes: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_hashes: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isl_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// vLLM's `cache_salt`, for `token_ids` and `text`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
+}
+
+fn default_scope() -> String {
+    kvgate_core::DEFAULT_TENANT.to_string()
+}
+
+/// The answer to `POST /select`, in Dynamo's shape.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SelectionView {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selection_id: Option<String>,
+    pub model_name: String,
+    pub tenant_id: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub endpoint: String,
+    pub block_size: u32,
+    pub overlap: OverlapView,
+    /// The prefill load the request books there: its prompt minus the
+    /// prefix resident on the device, as the filter books it.
+    pub effective_prefill_tokens: u64,
+}
+
+/// Matched tokens of the selected worker as the engines' events report
+/// them, cumulative over tiers (a block on the GPU counts for CPU and
+/// disk too); `dp` is the GPU overlap of each of its ranks.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OverlapView {
+    pub longest_matched: u64,
+    pub gpu: u64,
+    pub dp: std::collections::BTreeMap<String, u64>,
+    pub cpu: u64,
+    pub disk: u64,
+}

@@ -72,6 +72,15 @@ impl ShardLog {
         out
     }
 
+    /// The shard a shared-data key names (`kvgate_core::update::shard_key`),
+    /// as last published: what a router VM would read there.
+    pub(crate) fn read(&self, key: &str) -> Option<Vec<u8>> {
+        let (model, shard) = kvgate_core::update::parse_shard_key(key)?;
+        let inner = self.lock();
+        let (_, bytes) = inner.models.get(model)?.shards.get(shard as usize)?;
+        (!bytes.is_empty()).then(|| bytes.to_vec())
+    }
+
     /// Number of shards per model (models with an index).
     #[cfg(test)]
     pub(crate) fn shard_counts(&self) -> Vec<(String, u32)> {

@@ -1,0 +1,196 @@
+use super::*;
+use kvgate_core::hash::{XXH3_SEED, block_hashes};
+use kvgate_core::shard::{Holder, TIER_DEVICE, TIER_HOST, encode, shard_of};
+use kvgate_core::update::shard_key;
+use kvgate_core::{RankLoad, WorkerState};
+use std::collections::HashMap;
+
+const SHARDS: u32 = 8;
+
+fn snapshot() -> Snapshot {
+    let worker = |id: u64, slots: &[u16]| WorkerState {
+        id,
+        endpoint: format!("10.0.0.{id}:8000"),
+        block_size: 16,
+        ranks: slots
+            .iter()
+            .enumerate()
+            .map(|(r, s)| RankLoad {
+                rank: r as u32,
+                slot: *s,
+                ..Default::default()
+            })
+            .collect(),
+        tenant: kvgate_core::DEFAULT_TENANT.into(),
+    };
+    Snapshot {
+        version: 1,
+        models: vec![ModelState {
+            name: "m".into(),
+            shard_count: SHARDS,
+            workers: vec![worker(1, &[0]), worker(2, &[1, 2])],
+            retry_after_s: 3,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+fn tokens() -> Vec<u32> {
+    (0..160).collect()
+}
+
+/// Worker 2's rank 1 (slot 2) holds the first 6 blocks on the GPU and 8 on
+/// host; its rank 0 (slot 1) the first 2 on the GPU.
+fn shards() -> HashMap<String, Vec<u8>> {
+    let seq = sequence_hashes(&block_hashes(&tokens(), 16, XXH3_SEED));
+    let mut per_shard: HashMap<u32, Vec<(u64, Vec<Holder>)>> = HashMap::new();
+    for (i, h) in seq.iter().enumerate() {
+        let mut holders = Vec::new();
+        if i < 2 {
+            holders.push(Holder {
+                slot: 1,
+                tiers: TIER_DEVICE,
+            });
+        }
+        if i < 8 {
+            let tiers = if i < 6 {
+                TIER_DEVICE | TIER_HOST
+            } else {
+                TIER_HOST
+            };
+            holders.push(Holder { slot: 2, tiers });
+        }
+        if !holders.is_empty() {
+            per_shard
+                .entry(shard_of(*h, SHARDS))
+                .or_default()
+                .push((*h, holders));
+        }
+    }
+    per_shard
+        .into_iter()
+        .map(|(s, mut e)| (shard_key("m", s), encode(&mut e)))
+        .collect()
+}
+
+fn run(snap: &Snapshot, req: &SelectRequest) -> Result<SelectionView, Refused> {
+    let store = shards();
+    selection(snap, req, 0, &mut |k: &str| store.get(k).cloned())
+}
+
+fn by_tokens() -> SelectRequest {
+    SelectRequest {
+        selection_id: Some("select-1".into()),
+        model_name: "m".into(),
+        tenant_id: "default".into(),
+        token_ids: Some(tokens()),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn the_holder_is_selected_with_dynamos_overlap_shape() {
+    let v = run(&snapshot(), &by_tokens()).unwrap();
+    assert_eq!((v.worker_id, v.dp_rank), (2, 1));
+    assert_eq!(v.endpoint, "10.0.0.2:8000");
+    assert_eq!(v.selection_id.as_deref(), Some("select-1"));
+    assert_eq!(
+        v.overlap,
+        OverlapView {
+            longest_matched: 128,
+            gpu: 96,
+            dp: [("0".to_string(), 32), ("1".to_string(), 96)].into(),
+            cpu: 128,
+            disk: 128,
+        }
+    );
+    assert_eq!(v.effective_prefill_tokens, 160 - 96);
+}
+
+#[test]
+fn hashes_from_the_client_select_as_its_tokens_do() {
+    let snap = snapshot();
+    let want = run(&snap, &by_tokens()).unwrap();
+    let local = block_hashes(&tokens(), 16, XXH3_SEED);
+    let by_seq = SelectRequest {
+        token_ids: None,
+        sequence_hashes: Some(sequence_hashes(&local)),
+        isl_tokens: Some(160),
+        ..by_tokens()
+    };
+    assert_eq!(run(&snap, &by_seq).unwrap(), want);
+    let by_local = SelectRequest {
+        sequence_hashes: None,
+        block_hashes: Some(local),
+        ..by_seq
+    };
+    assert_eq!(run(&snap, &by_local).unwrap(), want);
+}
+
+#[test]
+fn a_prompt_given_wrongly_is_a_bad_request() {
+    let snap = snapshot();
+    let bad = |r: SelectRequest| match run(&snap, &r) {
+        Err(Refused::BadRequest(m)) => m,
+        other => panic!("{other:?}"),
+    };
+    let none = SelectRequest {
+        token_ids: None,
+        ..by_tokens()
+    };
+    assert!(bad(none).contains("one way"));
+    let two = SelectRequest {
+        text: Some("hello".into()),
+        ..by_tokens()
+    };
+    assert!(bad(two).contains("one way"));
+    let hashes = |isl| SelectRequest {
+        token_ids: None,
+        sequence_hashes: Some(vec![1, 2, 3]),
+        isl_tokens: isl,
+        ..by_tokens()
+    };
+    assert!(bad(hashes(None)).contains("isl_tokens"));
+    assert!(bad(hashes(Some(40))).contains("more than isl_tokens"));
+    let salted = SelectRequest {
+        cache_salt: Some("s".into()),
+        ..hashes(Some(64))
+    };
+    assert!(bad(salted).contains("cache_salt"));
+    let empty = SelectRequest {
+        token_ids: Some(Vec::new()),
+        ..by_tokens()
+    };
+    assert!(bad(empty).contains("empty"));
+}
+
+#[test]
+fn refusals_say_why() {
+    let mut snap = snapshot();
+    let unknown = SelectRequest {
+        model_name: "other".into(),
+        ..by_tokens()
+    };
+    assert_eq!(
+        run(&snap, &unknown),
+        Err(Refused::Plan(Rejection::UnknownModel))
+    );
+    let stranger = SelectRequest {
+        tenant_id: "team-x".into(),
+        ..by_tokens()
+    };
+    assert_eq!(
+        run(&snap, &stranger),
+        Err(Refused::Plan(Rejection::NoWorkers))
+    );
+    for w in &mut snap.models[0].workers {
+        for r in &mut w.ranks {
+            r.busy = true;
+        }
+    }
+    assert_eq!(
+        run(&snap, &by_tokens()),
+        Err(Refused::Plan(Rejection::AllBusy { retry_after_s: 3 }))
+    );
+}
