@@ -466,13 +466,37 @@ fn indexed_blocks(stack: &Stack) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Waits until the index gauge (refreshed about once a second) reads the
+/// same twice in a row, so that every change in flight is counted.
+fn index_settled(stack: &Stack) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = indexed_blocks(stack);
+    loop {
+        std::thread::sleep(Duration::from_millis(1200));
+        let now = indexed_blocks(stack);
+        if now == last {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the index never settled");
+        last = now;
+    }
+}
+
 /// Waits for the index to hold at least `n` blocks (events are published,
 /// indexed and pushed to Envoy within milliseconds; the gauge lags by up
 /// to a second).
 fn wait_indexed(stack: &Stack, n: f64) {
     let deadline = Instant::now() + Duration::from_secs(5);
-    while indexed_blocks(stack) < n {
-        assert!(Instant::now() < deadline, "index never reached {n} blocks");
+    loop {
+        let have = indexed_blocks(stack);
+        if have >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "index never reached {n} blocks (holds {have})\n{}",
+            stack.log_tails()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -692,6 +716,9 @@ fn prefix_routing(event_args: &[&str]) {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    // Each of the worker's ranks clears on its own: count from when both
+    // have, or the second clear would eat the blocks waited for below.
+    index_settled(&stack);
     // What kvgate routed there is forgotten with it: once another worker
     // caches group 1's prefix, group 1 goes there, not back to the worker
     // it was routed to before the clear.
