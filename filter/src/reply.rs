@@ -60,13 +60,13 @@ fn openai(status: u32, kind: &str, message: &str) -> String {
 
 impl Reply {
     /// The reply to a request the plan refused. `model` is the name the
-    /// request used; `retry_after_s` is the configured hint, used when the
-    /// snapshot has none.
-    pub fn rejected(r: Rejection, model: &str, retry_after_s: u32) -> Reply {
+    /// request used; `default_retry_after_s` is the configured hint, used
+    /// when the snapshot has no estimate.
+    pub fn rejected(r: Rejection, model: &str, default_retry_after_s: u32) -> Reply {
         match r {
             Rejection::UnknownModel => Reply::unknown_model(model),
             Rejection::NoWorkers => Reply::no_workers(model),
-            Rejection::AllBusy { retry_after_s: 0 } => Reply::busy(retry_after_s),
+            Rejection::AllBusy { retry_after_s: 0 } => Reply::busy(default_retry_after_s),
             Rejection::AllBusy { retry_after_s } => Reply::busy(retry_after_s),
         }
     }

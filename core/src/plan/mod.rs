@@ -19,6 +19,9 @@ pub mod overlap;
 pub mod request;
 pub mod select;
 
+#[cfg(test)]
+mod fixtures;
+
 use crate::approx::Routed;
 use crate::state::{ModelState, RankLoad, Snapshot, WorkerState};
 use request::Parsed;
@@ -157,6 +160,7 @@ mod tests {
     use crate::shard::{Holder, TIER_DEVICE, encode, shard_of};
     use crate::state::{DEFAULT_TENANT, Policy};
     use crate::update::shard_key;
+    use fixtures::worker;
     use request::{Endpoint, parse};
     use std::collections::HashMap;
 
@@ -167,16 +171,6 @@ mod tests {
             active_decode_blocks: decode,
             busy,
             ..Default::default()
-        }
-    }
-
-    fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
-        WorkerState {
-            id,
-            endpoint: format!("10.0.0.{id}:8000"),
-            block_size: 16,
-            ranks,
-            tenant: DEFAULT_TENANT.into(),
         }
     }
 

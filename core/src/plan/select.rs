@@ -279,6 +279,7 @@ fn sample<'a>(pool: &[Choice<'a>], temperature: f64, u: f64) -> Option<Choice<'a
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::fixtures::worker;
     use crate::state::DEFAULT_TENANT;
 
     fn rank(rank: u32, prefill: u64, decode: u64, busy: bool) -> RankLoad {
@@ -288,16 +289,6 @@ mod tests {
             active_decode_blocks: decode,
             busy,
             ..Default::default()
-        }
-    }
-
-    fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
-        WorkerState {
-            id,
-            endpoint: format!("127.0.0.1:{}", 8000 + id),
-            block_size: 16,
-            ranks,
-            tenant: DEFAULT_TENANT.into(),
         }
     }
 
