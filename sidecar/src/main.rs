@@ -106,10 +106,23 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     })?;
     config.resolve_token()?;
     let listen = config.server.listen;
+    let selection = config.selection.listen;
     let guarded = config.control.token.is_some();
     let sc = Sidecar::start(config)?;
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, workers = sc.worker_count(), control_token = guarded, "kvgate-sidecar serving");
+    if let Some(addr) = selection {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen for the selection API on {addr}"))?;
+        tracing::info!(listen = %addr, "selection API serving");
+        let app = api::selection_router(sc.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(l, app).await {
+                tracing::error!(error = %e, "the selection API listener failed");
+            }
+        });
+    }
     let shutdown = async {
         let mut term =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();

@@ -759,8 +759,19 @@ async fn select_places_a_prompt_as_the_filter_would_and_refuses_bad_input() {
     let (busy, busy_page) = fake_worker().await;
     let (idle, _) = fake_worker().await;
     busy_page.set(6, 0.2);
-    let (base, _sc) = sidecar(&[&busy, &idle]).await;
-    let url = format!("{base}/select");
+    let (base, sc) = sidecar(&[&busy, &idle]).await;
+    // The selection API is on a listener of its own.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/select", l.local_addr().unwrap());
+    let app = api::selection_router(sc.clone());
+    tokio::spawn(async move { axum::serve(l, app).await });
+    assert_eq!(
+        call("POST", &format!("{base}/select"), Some(json!({})))
+            .await
+            .0,
+        404,
+        "not on the control listener"
+    );
     wait_until("both workers up", async || {
         call("GET", &format!("{base}/ready"), None).await.0 == 200
             && json_of("GET", &format!("{base}/v1/state"), None).await.1["models"][0]["workers"]

@@ -9,8 +9,6 @@
 //! * `POST/GET /workers`, `PATCH/DELETE /workers/{id}` — the catalog.
 //! * `POST /v3/discovery:endpoints` — the catalog as Envoy's routed cluster
 //!   (REST EDS, JSON).
-//! * `POST /select` — Dynamo's selection API: where the filter would place
-//!   a prompt, without booking it.
 //!
 //! * `GET /health`, `GET /ready`, `GET /metrics`.
 //!
@@ -21,7 +19,12 @@
 //! (`/v1/bookings`, `/v1/routed`), since a forged booking sheds every
 //! request for the booking TTL and forged routing decisions steer the
 //! approximate index. What only reads (`/v1/snapshot`, `/v1/state`,
-//! `/select`, `/health`, `/ready`, `/metrics`) stays open.
+//! `/health`, `/ready`, `/metrics`) stays open.
+//!
+//! The selection API has a listener of its own ([`selection_router`],
+//! `[selection] listen`): `POST /select`, Dynamo's selection request (where
+//! the filter would place a prompt, without booking it), with `/health`
+//! and `/ready`.
 //!
 //! Each resource has its module; the bodies they answer are types in
 //! [`views`]. A new resource is a new module beside them, registered in
@@ -54,7 +57,6 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
     Router::new()
         .route("/v1/snapshot", get(poll::snapshot))
         .route("/v1/state", get(state::state))
-        .route("/select", axum::routing::post(select::select))
         .route(
             "/v1/routed",
             axum::routing::post(reports::routed).route_layer(token.clone()),
@@ -88,20 +90,28 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
                     auth::require_token,
                 )),
         )
-        .route(
-            "/health",
-            get(|| async {
-                json_response(
-                    StatusCode::OK,
-                    &HealthView {
-                        status: "ok".into(),
-                    },
-                )
-            }),
-        )
+        .route("/health", get(health))
         .route("/ready", get(probes::ready))
         .route("/metrics", get(probes::metrics))
         .with_state(sc)
+}
+
+/// The selection API, for runtimes without Envoy.
+pub fn selection_router(sc: Arc<Sidecar>) -> Router {
+    Router::new()
+        .route("/select", axum::routing::post(select::select))
+        .route("/health", get(health))
+        .route("/ready", get(probes::ready))
+        .with_state(sc)
+}
+
+async fn health() -> Response {
+    json_response(
+        StatusCode::OK,
+        &HealthView {
+            status: "ok".into(),
+        },
+    )
 }
 
 fn json_response(status: StatusCode, body: &impl Serialize) -> Response {

@@ -18,7 +18,7 @@ mod sections;
 mod tests;
 mod worker;
 
-pub use sections::{Control, Kv, Load, Scrape, Server};
+pub use sections::{Control, Kv, Load, Scrape, Selection, Server};
 pub use worker::{ModelConfig, WorkerSpec};
 
 use kvgate_core::Thresholds;
@@ -56,6 +56,8 @@ pub struct Config {
     pub load: Load,
     #[serde(default)]
     pub control: Control,
+    #[serde(default)]
+    pub selection: Selection,
     #[serde(default)]
     pub models: Vec<ModelConfig>,
     #[serde(default)]

@@ -170,6 +170,16 @@ pub struct Control {
     pub token: Option<String>,
 }
 
+/// The selection API (`POST /select`) for runtimes without Envoy, on a
+/// listener of its own: off unless an address is given, so a gateway pod
+/// opens no port it does not use.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Selection {
+    #[serde(default)]
+    pub listen: Option<SocketAddr>,
+}
+
 fn default_booking_ttl() -> Duration {
     Duration::from_millis(300_000)
 }

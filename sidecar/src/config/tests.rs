@@ -209,3 +209,12 @@ fn durations_are_read_in_milliseconds_under_their_ms_keys() {
     assert!(err("[scrape]\ntimeout_ms = \"1s\"").contains("timeout_ms"));
     assert!(err("[scrape]\ntimeout = 1").contains("timeout"));
 }
+
+#[test]
+fn the_selection_listener_is_off_unless_given() {
+    assert_eq!(Config::parse("").unwrap().selection.listen, None);
+    let c = Config::parse("[selection]\nlisten = \"127.0.0.1:9192\"").unwrap();
+    assert_eq!(c.selection.listen, Some("127.0.0.1:9192".parse().unwrap()));
+    assert!(Config::parse("[selection]\nlisten = \"nowhere\"").is_err());
+    assert!(Config::parse("[selection]\nport = 1").is_err());
+}
