@@ -22,13 +22,13 @@ pub mod select;
 #[cfg(test)]
 mod fixtures;
 
-use crate::approx::Routed;
-use crate::state::{ModelState, RankLoad, Snapshot, WorkerState};
+use crate::approx::{ChunkKind, Routed};
+use crate::state::{ModelState, Snapshot};
 use request::Parsed;
-use select::{Choice, Decision, RequestShape, select_with_runner_up};
+use select::{Decision, RequestShape, select_with_runner_up};
 
 pub use overlap::ShardSource;
-pub use select::{Overlap, Term};
+pub use select::{Choice, Overlap, Term};
 
 /// What to do with a request.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,14 +66,11 @@ pub struct Route<'a> {
     pub report: Option<Routed>,
 }
 
-/// One candidate placement and what it costs.
+/// A chosen candidate and the load the request books there.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Placement<'a> {
-    pub worker: &'a WorkerState,
-    pub rank: &'a RankLoad,
-    /// Leading blocks of the request the rank holds, per tier.
-    pub overlap: Overlap,
-    pub logit: f64,
+    /// The worker, rank, overlap and cost selection found.
+    pub choice: Choice<'a>,
     /// The load the request adds there: its prompt minus the resident
     /// prefix, and the blocks it adds.
     pub prefill_tokens: u64,
@@ -94,6 +91,21 @@ pub fn plan<'a>(
         return Plan::Reject(Rejection::UnknownModel);
     };
     let (cached, report) = overlap::gather(model, req, tenant, shards);
+    place(model, req, tenant, tie_break, &cached, report, terms)
+}
+
+/// [`plan`] once the request's model is known and its overlap gathered
+/// ([`overlap::gather`]): for a caller that also reports the overlap, so
+/// the shards are read once. `report` is the chunks to record if routed.
+pub fn place<'a>(
+    model: &'a ModelState,
+    req: &Parsed,
+    tenant: &str,
+    tie_break: u64,
+    cached: &overlap::Cached,
+    report: Option<(ChunkKind, Vec<u64>)>,
+    terms: &[&dyn Term],
+) -> Plan<'a> {
     let shape = RequestShape {
         isl_tokens: req.isl_tokens,
         tie_break,
@@ -142,10 +154,7 @@ pub fn plan<'a>(
 fn placement<'a>(req: &Parsed, c: Choice<'a>) -> Placement<'a> {
     let bs = u64::from(c.worker.block_size.max(1));
     Placement {
-        worker: c.worker,
-        rank: c.rank,
-        overlap: c.overlap,
-        logit: c.logit,
+        choice: c,
         prefill_tokens: req
             .isl_tokens
             .saturating_sub(u64::from(c.overlap.device) * bs),
@@ -158,7 +167,7 @@ mod tests {
     use super::*;
     use crate::hash::{CacheScope, scoped_sequence_hashes};
     use crate::shard::{Holder, TIER_DEVICE, encode, shard_of};
-    use crate::state::{DEFAULT_TENANT, Policy};
+    use crate::state::{DEFAULT_TENANT, Policy, RankLoad};
     use crate::update::shard_key;
     use fixtures::worker;
     use request::{Endpoint, parse};
@@ -228,7 +237,11 @@ mod tests {
         let s = snapshot();
         let r = route(run(&s, &text("m")));
         assert_eq!(
-            (r.first.worker.id, r.first.rank.rank, r.set_rank),
+            (
+                r.first.choice.worker.id,
+                r.first.choice.rank.rank,
+                r.set_rank
+            ),
             (2, 1, true)
         );
         assert_eq!(r.model.name, "m");
@@ -247,7 +260,10 @@ mod tests {
         s.models[0].workers.push(third);
         let r = route(run(&s, &text("m")));
         let fb = r.fallback.expect("two other workers are free");
-        assert_eq!((r.first.worker.id, r.set_rank, fb.worker.id), (2, false, 1));
+        assert_eq!(
+            (r.first.choice.worker.id, r.set_rank, fb.choice.worker.id),
+            (2, false, 1)
+        );
     }
 
     #[test]
@@ -287,12 +303,12 @@ mod tests {
         s.models[0]
             .workers
             .push(worker(2, vec![rank(0, 1, 5, false)]));
-        assert_eq!(route(run(&s, &text("m"))).first.worker.id, 1);
+        assert_eq!(route(run(&s, &text("m"))).first.choice.worker.id, 1);
         s.models[0].policy = Policy {
             decode_active_request_weight: 1.0,
             ..Policy::default()
         };
-        assert_eq!(route(run(&s, &text("m"))).first.worker.id, 2);
+        assert_eq!(route(run(&s, &text("m"))).first.choice.worker.id, 2);
     }
 
     /// Shards in which slot 1 holds the first `held` blocks of `tokens`.
@@ -338,8 +354,8 @@ mod tests {
         let req = parse(Endpoint::Completions, tokens_body("m", &tokens).as_bytes()).unwrap();
         let mut read = |k: &str| store.get(k).cloned();
         let r = route(plan(&s, &req, DEFAULT_TENANT, 0, &mut read, &[]));
-        assert_eq!(r.first.worker.id, 2, "the holder of the prefix");
-        assert_eq!(r.first.overlap.device, 6);
+        assert_eq!(r.first.choice.worker.id, 2, "the holder of the prefix");
+        assert_eq!(r.first.choice.overlap.device, 6);
         assert_eq!(r.first.prefill_tokens, 160 - 6 * 16);
         assert_eq!(r.first.decode_blocks, 10 - 6);
         let fb = r.fallback.expect("worker 1 is free");
@@ -359,7 +375,10 @@ mod tests {
         let req = parse(Endpoint::Completions, tokens_body("m", &tokens).as_bytes()).unwrap();
         let mut read = |k: &str| store.get(k).cloned();
         let r = route(plan(&s, &req, DEFAULT_TENANT, 0, &mut read, &[]));
-        assert_eq!((r.first.worker.id, r.first.overlap.device), (2, 4));
+        assert_eq!(
+            (r.first.choice.worker.id, r.first.choice.overlap.device),
+            (2, 4)
+        );
         assert_eq!(r.report, None);
     }
 
@@ -379,11 +398,14 @@ mod tests {
         )
         .unwrap();
         let r = route(plan(&s, &req, DEFAULT_TENANT, 0, &mut read, &[]));
-        assert_eq!((r.model.name.as_str(), r.first.overlap.device), ("m", 4));
+        assert_eq!(
+            (r.model.name.as_str(), r.first.choice.overlap.device),
+            ("m", 4)
+        );
         let base = parse(Endpoint::Completions, tokens_body("m", &tokens).as_bytes()).unwrap();
         let r = route(plan(&s, &base, DEFAULT_TENANT, 0, &mut read, &[]));
         assert_eq!(
-            r.first.overlap.device, 0,
+            r.first.choice.overlap.device, 0,
             "the base model never matches adapter blocks"
         );
     }

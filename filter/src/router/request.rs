@@ -31,15 +31,18 @@ struct Fallback {
 
 /// The served-by header's value.
 fn served_by(p: &Placement<'_>) -> String {
-    format!("worker_id={}; dp_rank={}", p.worker.id, p.rank.rank)
+    format!(
+        "worker_id={}; dp_rank={}",
+        p.choice.worker.id, p.choice.rank.rank
+    )
 }
 
 impl Fallback {
     fn new(p: &Placement<'_>) -> Fallback {
         Fallback {
-            endpoint: p.worker.endpoint.clone(),
+            endpoint: p.choice.worker.endpoint.clone(),
             served_by: served_by(p),
-            slot: p.rank.slot,
+            slot: p.choice.rank.slot,
             prefill_tokens: p.prefill_tokens,
             decode_blocks: p.decode_blocks,
         }
@@ -149,11 +152,12 @@ impl Request {
         let action = match planned {
             Plan::Route(route) => {
                 let first = &route.first;
+                let (worker, rank) = (first.choice.worker, first.choice.rank);
                 self.fallback = route.fallback.as_ref().map(Fallback::new);
                 // Envoy's override-host balancer tries the list in order.
                 let destination = match &self.fallback {
-                    Some(f) => format!("{},{}", first.worker.endpoint, f.endpoint),
-                    None => first.worker.endpoint.clone(),
+                    Some(f) => format!("{},{}", worker.endpoint, f.endpoint),
+                    None => worker.endpoint.clone(),
                 };
                 self.routed = true;
                 // Bookings, a retry's included, go under the base model.
@@ -164,7 +168,7 @@ impl Request {
                 let c = &st.config;
                 let mut ok = host::set_request_header(&c.destination_header, &destination).is_ok();
                 ok &= if route.set_rank {
-                    host::set_request_header(&c.rank_header, &first.rank.rank.to_string()).is_ok()
+                    host::set_request_header(&c.rank_header, &rank.rank.to_string()).is_ok()
                 } else {
                     host::remove_request_header(&c.rank_header).is_ok()
                 };
@@ -173,7 +177,7 @@ impl Request {
                 }
                 inc(st.metrics.routed);
                 let (slot, prefill, decode) =
-                    (first.rank.slot, first.prefill_tokens, first.decode_blocks);
+                    (rank.slot, first.prefill_tokens, first.decode_blocks);
                 if let Some(record) = route.report {
                     st.report(&record);
                 }

@@ -11,7 +11,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kvgate_core::hash::sequence_hashes;
 use kvgate_core::plan::request::{Parsed, estimate_tokens};
-use kvgate_core::plan::{self, Placement, Plan, Rejection, ShardSource, overlap};
+use kvgate_core::plan::{self, Choice, Plan, Rejection, ShardSource, overlap};
 use kvgate_core::{ModelState, Snapshot};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -71,35 +71,45 @@ fn selection(
         .model(&req.model_name)
         .ok_or(Refused::Plan(Rejection::UnknownModel))?;
     let parsed = prompt(req, model).map_err(Refused::BadRequest)?;
-    let route = match plan::plan(snap, &parsed, &req.tenant_id, tie_break, shards, &[]) {
+    // A selection is not a routing decision: nothing to report.
+    let (cached, _) = overlap::gather(model, &parsed, &req.tenant_id, shards);
+    let route = match plan::place(
+        model,
+        &parsed,
+        &req.tenant_id,
+        tie_break,
+        &cached,
+        None,
+        &[],
+    ) {
         Plan::Route(r) => r,
         Plan::Reject(r) => return Err(Refused::Plan(r)),
     };
     let first = &route.first;
-    // What the events say the chosen worker's ranks hold (the plan also
-    // counts prefixes routed moments ago, which no engine reported yet).
-    let (cached, _) = overlap::gather(route.model, &parsed, &req.tenant_id, shards);
+    let worker = first.choice.worker;
     Ok(SelectionView {
         selection_id: req.selection_id.clone(),
         model_name: req.model_name.clone(),
         tenant_id: req.tenant_id.clone(),
-        worker_id: first.worker.id,
-        dp_rank: first.rank.rank,
-        endpoint: first.worker.endpoint.clone(),
-        block_size: first.worker.block_size,
-        overlap: reported(first, |slot| cached.reported(slot)),
+        worker_id: worker.id,
+        dp_rank: first.choice.rank.rank,
+        endpoint: worker.endpoint.clone(),
+        block_size: worker.block_size,
+        // What the events say the ranks hold; the cost also counted
+        // prefixes routed moments ago, which no engine reported yet.
+        overlap: reported(&first.choice, |slot| cached.reported(slot)),
         effective_prefill_tokens: first.prefill_tokens,
     })
 }
 
-fn reported(p: &Placement<'_>, of: impl Fn(u16) -> plan::Overlap) -> OverlapView {
-    let bs = u64::from(p.worker.block_size);
+fn reported(c: &Choice<'_>, of: impl Fn(u16) -> plan::Overlap) -> OverlapView {
+    let bs = u64::from(c.worker.block_size);
     let tokens = |blocks: u32| u64::from(blocks) * bs;
-    let o = of(p.rank.slot);
+    let o = of(c.rank.slot);
     OverlapView {
         longest_matched: tokens(o.device.max(o.host).max(o.disk)),
         gpu: tokens(o.device),
-        dp: p
+        dp: c
             .worker
             .ranks
             .iter()
