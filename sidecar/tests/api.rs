@@ -826,4 +826,12 @@ async fn select_places_a_prompt_as_the_filter_would_and_refuses_bad_input() {
     }
     let (status, _, _) = call_raw("POST", &url, &[], b"{not json".to_vec()).await;
     assert_eq!(status, 400);
+    assert_eq!(call("GET", &url, None).await.0, 405);
+    // Bodies are bounded before they are parsed.
+    let huge = format!(
+        r#"{{"model_name": "m", "text": "{}"}}"#,
+        "x".repeat(3 << 20)
+    );
+    let (status, _, _) = call_raw("POST", &url, &[], huge.into_bytes()).await;
+    assert_eq!(status, 413);
 }
