@@ -370,7 +370,8 @@ fn stale_state_fails_closed_when_configured() {
     assert_eq!(r.header("x-kvgate-reason"), Some("stale_state"));
 }
 
-/// Waits until the sidecar's snapshot shows `n` busy workers.
+/// Waits until the sidecar's snapshot shows `n` busy workers and Envoy
+/// holds that snapshot: the next request is decided on it.
 fn wait_busy(stack: &Stack, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -379,7 +380,8 @@ fn wait_busy(stack: &Stack, n: usize) {
             .as_array()
             .map(|ws| ws.iter().filter(|w| w["ranks"][0]["busy"] == true).count())
             .unwrap_or(0);
-        if busy >= n {
+        let version = state["version"].as_u64().unwrap_or(u64::MAX);
+        if busy >= n && stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
             return;
         }
         assert!(
