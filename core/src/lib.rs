@@ -29,7 +29,7 @@ pub mod shard;
 pub mod snapshot;
 pub mod state;
 pub mod update;
-mod wire;
+pub mod wire;
 
 pub use plan::{Placement, Plan, Rejection, Route};
 pub use snapshot::SnapshotError;

@@ -2,39 +2,40 @@
 //! routing decisions and scrape results.
 
 use crate::Sidecar;
-use crate::sources::bookings::Effect;
+use crate::fleet::RankId;
+use crate::replica::wire::{Placed, SyncEvent, SyncId};
+use crate::sources::bookings::{Effect, Holder, Id, Load, Origin};
 use crate::sources::metrics::promtext::RankMetrics;
 use std::collections::HashMap;
 use std::time::Instant;
 
 impl Sidecar {
-    /// Applies a batch of gateway events (bookings, releases, rejections).
+    /// Applies a batch of gateway events (bookings, releases, rejections),
+    /// and tells the replica-sync peers what was booked and released.
     pub(crate) fn book(&self, events: Vec<kvgate_core::booking::Event>) {
-        // slot -> (model, worker id), for validation and routed-by-worker.
-        let owners: HashMap<u16, (String, u64)> = {
+        // slot -> who it is, for validation, metrics and peers.
+        let owners: HashMap<u16, RankId> = {
             let f = self.fleet();
             f.workers
                 .values()
-                .flat_map(|w| {
-                    w.slots
-                        .iter()
-                        .map(|s| (*s, (w.spec.model_name.clone(), w.spec.worker_id)))
-                })
+                .flat_map(|w| w.slots.iter().filter_map(|s| Some((*s, f.rank_of(*s)?))))
                 .collect()
         };
         let now = Instant::now();
         let metrics = self.metrics();
         let mut b = self.bookings();
         for ev in events {
+            // Peers hear what this sidecar's gateways booked and released.
+            let copy = self.replica().is_some().then(|| ev.clone());
             let effect = b.apply(ev, now, |model, slot| {
-                owners.get(&slot).is_some_and(|(m, _)| m == model)
+                owners.get(&slot).is_some_and(|r| r.model == model)
             });
-            match effect {
+            match &effect {
                 Effect::Booked { model, slot } => {
-                    if let Some((_, worker)) = owners.get(&slot) {
+                    if let Some(rank) = owners.get(slot) {
                         metrics
                             .routed
-                            .with_label_values(&[model.as_str(), &worker.to_string()])
+                            .with_label_values(&[model.as_str(), &rank.worker_id.to_string()])
                             .inc();
                     }
                 }
@@ -55,6 +56,73 @@ impl Sidecar {
                 }
                 Effect::Released | Effect::Unknown => {}
             }
+            if let Some(ev) = copy.and_then(|ev| gateway_sync(ev, &effect, &owners)) {
+                self.announce(|| ev);
+            }
+        }
+    }
+
+    /// Applies what a replica-sync peer announced. Admissions for ranks
+    /// this sidecar's catalog does not have (or has with another model,
+    /// tenant or block size) are dropped, as Dynamo's replicas do.
+    pub(crate) fn peer_announced(&self, origin: u64, events: Vec<SyncEvent>) {
+        let now = Instant::now();
+        let mut unknown = 0u64;
+        let placed: Vec<Option<u16>> = {
+            let f = self.fleet();
+            events
+                .iter()
+                .map(|e| match e {
+                    SyncEvent::Admit(_, p) => f.slot_of(&RankId {
+                        model: p.model.clone(),
+                        tenant: p.tenant.clone(),
+                        block_size: p.block_size,
+                        worker_id: p.worker_id,
+                        dp_rank: p.dp_rank,
+                    }),
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut b = self.bookings();
+        for (e, slot) in events.into_iter().zip(placed) {
+            let holder = |id: SyncId| Holder {
+                origin: Origin::Peer(origin),
+                id: match id {
+                    SyncId::Gateway(k) => Id::Gateway(k),
+                    SyncId::Reservation(r) => Id::Reservation(r),
+                },
+            };
+            match e {
+                SyncEvent::Admit(id, p) => match slot {
+                    Some(slot) => b.admit(
+                        holder(id),
+                        Load {
+                            slot,
+                            prefill_tokens: p.prefill_tokens,
+                            decode_blocks: p.decode_blocks,
+                        },
+                        now,
+                    ),
+                    None => unknown += 1,
+                },
+                SyncEvent::PrefillComplete(id) => {
+                    b.prefill_complete(&holder(id), now);
+                }
+                SyncEvent::Free(id) => {
+                    b.free(&holder(id));
+                }
+            }
+        }
+        if unknown > 0 {
+            self.metrics()
+                .replica_events
+                .with_label_values(&["unknown_rank"])
+                .inc_by(unknown);
+            tracing::debug!(
+                unknown,
+                "replica-sync admissions for ranks not in this catalog: dropped"
+            );
         }
     }
 
@@ -101,5 +169,50 @@ impl Sidecar {
         if changed {
             self.publish_now();
         }
+    }
+}
+
+/// What peers hear of a gateway event, once applied here.
+fn gateway_sync(
+    ev: kvgate_core::booking::Event,
+    effect: &Effect,
+    owners: &HashMap<u16, RankId>,
+) -> Option<SyncEvent> {
+    use kvgate_core::booking::Event;
+    match (ev, effect) {
+        (
+            Event::Book {
+                key,
+                prefill_tokens,
+                decode_blocks,
+                ..
+            },
+            Effect::Booked { slot, .. },
+        ) => Some(SyncEvent::Admit(
+            SyncId::Gateway(key),
+            placed(
+                owners.get(slot)?,
+                u64::from(prefill_tokens),
+                u64::from(decode_blocks),
+            ),
+        )),
+        (Event::FirstByte { key }, Effect::Released) => {
+            Some(SyncEvent::PrefillComplete(SyncId::Gateway(key)))
+        }
+        (Event::Done { key }, Effect::Released) => Some(SyncEvent::Free(SyncId::Gateway(key))),
+        _ => None,
+    }
+}
+
+/// An admission's placement, as peers name it.
+pub(crate) fn placed(rank: &RankId, prefill_tokens: u64, decode_blocks: u64) -> Placed {
+    Placed {
+        model: rank.model.clone(),
+        tenant: rank.tenant.clone(),
+        block_size: rank.block_size,
+        worker_id: rank.worker_id,
+        dp_rank: rank.dp_rank,
+        prefill_tokens,
+        decode_blocks,
     }
 }

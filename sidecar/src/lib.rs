@@ -14,6 +14,9 @@
 //!   shards, long-polled by the snapshot service inside Envoy; the HTTP
 //!   APIs, metrics and the catalog as Envoy's routed cluster.
 //!
+//! * [`replica`]: what other gateway pods' sidecars share: the load each
+//!   books, so that several pods see one fleet.
+//!
 //! [`Sidecar`] holds it together; the lifecycle module starts and stops
 //! each worker's scraper and KV subscribers as the catalog changes, and
 //! the tick module runs the publish and scrape loops.
@@ -32,6 +35,8 @@ mod ingest;
 mod lifecycle;
 pub mod metrics;
 pub mod publish;
+pub mod replica;
+mod reservations;
 mod sidecar;
 pub mod sources;
 mod tick;

@@ -57,6 +57,14 @@ struct RunArgs {
     /// max_num_batched_tokens.
     #[arg(long)]
     active_prefill_tokens_threshold_frac: Option<f64>,
+    /// Binds the replica-sync PUB socket on this port, all interfaces
+    /// (overrides `replica_sync.listen`).
+    #[arg(long)]
+    replica_sync_port: Option<u16>,
+    /// Peers' replica-sync endpoints, `tcp://host:port`, comma-separated
+    /// (overrides `replica_sync.peers`).
+    #[arg(long, value_delimiter = ',')]
+    replica_sync_peers: Option<Vec<String>>,
 }
 
 #[tokio::main]
@@ -104,6 +112,16 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         active_prefill_tokens: args.active_prefill_tokens_threshold,
         active_prefill_tokens_frac: args.active_prefill_tokens_threshold_frac,
     })?;
+    if let Some(port) = args.replica_sync_port {
+        config.replica_sync.listen = Some(SocketAddr::from(([0, 0, 0, 0], port)));
+    }
+    if let Some(peers) = args.replica_sync_peers {
+        config.replica_sync.peers = peers;
+    }
+    config
+        .replica_sync
+        .validate()
+        .map_err(|e| anyhow::anyhow!(e))?;
     config.resolve_token()?;
     let listen = config.server.listen;
     let selection = config.selection.listen;

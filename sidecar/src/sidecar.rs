@@ -5,6 +5,8 @@ use crate::fleet::Fleet;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::publish::{SnapshotStore, Versions};
+use crate::replica::ReplicaSync;
+use crate::replica::wire::SyncEvent;
 use crate::sources::bookings::Bookings;
 use crate::sources::kv::plane::{Plane, PlaneConfig};
 use crate::sources::kv::subscriber::SocketLimits;
@@ -34,6 +36,8 @@ pub struct Sidecar {
     last_poll_ms: AtomicU64,
     client: HttpClient,
     workers: Lifecycle,
+    /// Present when `[replica_sync] listen` is set.
+    replica: Option<ReplicaSync>,
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -58,12 +62,28 @@ impl Sidecar {
             versions.clone(),
         )?;
         let fleet = Fleet::new(&config)?;
+        let metrics = Metrics::new()?;
+        let (inbound_tx, mut inbound) = tokio::sync::mpsc::channel(1024);
+        let replica = match config.replica_sync.listen {
+            Some(listen) => {
+                let r = ReplicaSync::start(
+                    listen,
+                    &config.replica_sync.peers,
+                    config.control.token.clone(),
+                    inbound_tx,
+                    crate::replica::SyncStats::from_metrics(&metrics),
+                )?;
+                tracing::info!(endpoint = r.endpoint(), peers = ?config.replica_sync.peers, origin = r.origin(), "replica sync on");
+                Some(r)
+            }
+            None => None,
+        };
         let sc = Arc::new(Sidecar {
             fleet: Mutex::new(fleet),
             versions,
             store: SnapshotStore::default(),
             plane,
-            metrics: Metrics::new()?,
+            metrics,
             routed: Mutex::new(ApproxIndex::new(
                 config.kv.approx_ttl,
                 config.kv.inflight_ttl,
@@ -78,8 +98,18 @@ impl Sidecar {
                     queue_messages: config.kv.queue_messages,
                 },
             ),
+            replica,
             config,
         });
+        if sc.replica.is_some() {
+            let weak = Arc::downgrade(&sc);
+            tokio::spawn(async move {
+                while let Some((origin, events)) = inbound.recv().await {
+                    let Some(sc) = weak.upgrade() else { return };
+                    sc.peer_announced(origin, events);
+                }
+            });
+        }
         let ids: Vec<u64> = sc.fleet().workers.keys().copied().collect();
         for id in ids {
             sc.worker_started(id);
@@ -137,6 +167,17 @@ impl Sidecar {
 
     pub(crate) fn workers(&self) -> &Lifecycle {
         &self.workers
+    }
+
+    pub fn replica(&self) -> Option<&ReplicaSync> {
+        self.replica.as_ref()
+    }
+
+    /// Tells the replica-sync peers, if there are any.
+    pub(crate) fn announce(&self, ev: impl FnOnce() -> SyncEvent) {
+        if let Some(r) = &self.replica {
+            r.announce(ev());
+        }
     }
 
     /// Notes that a gateway's long poll was answered.

@@ -22,9 +22,15 @@
 //! `/health`, `/ready`, `/metrics`) stays open.
 //!
 //! The selection API has a listener of its own ([`selection_router`],
-//! `[selection] listen`): `POST /select`, Dynamo's selection request (where
-//! the filter would place a prompt, without booking it), with `/health`
-//! and `/ready`.
+//! `[selection] listen`), Dynamo's standalone selection service's routes:
+//! `POST /select` (where the filter would place a prompt, booking nothing),
+//! `POST /select_and_reserve`, reservations and their lifecycle
+//! (`/reservations...`, one ledger with the gateways' bookings), `GET
+//! /loads`, `POST /potential_loads`, `POST /overlap_scores`, the catalog
+//! (`/workers`), `/health` and `/ready`.
+//!
+//! Both listeners serve the replica-sync peer list
+//! (`/replica_sync/peers`, `register_peer`, `deregister_peer`).
 //!
 //! Each resource has its module; the bodies they answer are types in
 //! [`views`]. A new resource is a new module beside them, registered in
@@ -32,9 +38,12 @@
 
 mod auth;
 mod discovery;
+mod loads;
 mod poll;
 mod probes;
+mod replica;
 mod reports;
+mod reserve;
 mod select;
 mod state;
 pub mod status;
@@ -47,7 +56,7 @@ use crate::fleet::FleetError;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{delete, get, post};
 use serde::Serialize;
 use std::sync::Arc;
 use views::{ErrorView, HealthView};
@@ -59,50 +68,88 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
         .route("/v1/state", get(state::state))
         .route(
             "/v1/routed",
-            axum::routing::post(reports::routed).route_layer(token.clone()),
+            post(reports::routed).route_layer(token.clone()),
         )
         .route(
             "/v1/bookings",
-            axum::routing::post(reports::bookings).route_layer(token.clone()),
+            post(reports::bookings).route_layer(token.clone()),
         )
-        .route(
-            "/v3/discovery:endpoints",
-            axum::routing::post(discovery::endpoints),
-        )
+        .route("/v3/discovery:endpoints", post(discovery::endpoints))
         .merge(
             Router::new()
                 .route(
                     "/busy_threshold",
                     get(thresholds::get_thresholds).post(thresholds::post_thresholds),
                 )
-                .route(
-                    "/workers",
-                    get(workers::list_workers).post(workers::add_worker),
-                )
-                .route(
-                    "/workers/{id}",
-                    get(workers::get_worker)
-                        .patch(workers::patch_worker)
-                        .delete(workers::delete_worker),
-                )
-                .route_layer(axum::middleware::from_fn_with_state(
-                    sc.clone(),
-                    auth::require_token,
-                )),
+                .merge(catalog())
+                .route_layer(token),
         )
+        .merge(replica_sync(&sc))
         .route("/health", get(health))
         .route("/ready", get(probes::ready))
         .route("/metrics", get(probes::metrics))
         .with_state(sc)
 }
 
-/// The selection API, for runtimes without Envoy.
+/// The selection API, for runtimes without Envoy: Dynamo's standalone
+/// selection service's routes. With a control token, what changes state
+/// (reservations, the catalog, peers) requires it; selections and
+/// inspection stay open, as `/v1/state` does.
 pub fn selection_router(sc: Arc<Sidecar>) -> Router {
+    let token = axum::middleware::from_fn_with_state(sc.clone(), auth::require_token);
     Router::new()
-        .route("/select", axum::routing::post(select::select))
+        .route("/select", post(select::select))
+        .route("/loads", get(loads::loads))
+        .route("/potential_loads", post(loads::potential_loads))
+        .route("/overlap_scores", post(loads::overlap_scores))
+        .merge(
+            Router::new()
+                .route("/select_and_reserve", post(select::select_and_reserve))
+                .route("/reservations", post(reserve::create))
+                .route("/reservations/{id}", delete(reserve::free))
+                .route(
+                    "/reservations/{id}/prefill_complete",
+                    post(reserve::prefill_complete),
+                )
+                .route(
+                    "/reservations/{id}/output_block",
+                    post(reserve::output_block),
+                )
+                .merge(catalog())
+                .route_layer(token),
+        )
+        .merge(replica_sync(&sc))
         .route("/health", get(health))
         .route("/ready", get(probes::ready))
         .with_state(sc)
+}
+
+/// The worker catalog; the caller guards it.
+fn catalog() -> Router<Arc<Sidecar>> {
+    Router::new()
+        .route(
+            "/workers",
+            get(workers::list_workers).post(workers::add_worker),
+        )
+        .route(
+            "/workers/{id}",
+            get(workers::get_worker)
+                .patch(workers::patch_worker)
+                .delete(workers::delete_worker),
+        )
+}
+
+/// Replica-sync peers, on both listeners; changes need the token.
+fn replica_sync(sc: &Arc<Sidecar>) -> Router<Arc<Sidecar>> {
+    let token = axum::middleware::from_fn_with_state(sc.clone(), auth::require_token);
+    Router::new()
+        .route("/replica_sync/peers", get(replica::peers))
+        .merge(
+            Router::new()
+                .route("/replica_sync/register_peer", post(replica::register))
+                .route("/replica_sync/deregister_peer", post(replica::deregister))
+                .route_layer(token),
+        )
 }
 
 async fn health() -> Response {

@@ -1,47 +1,106 @@
-//! `POST /select`: Dynamo's selection API, answered by the same
-//! `kvgate_core::plan` the filter runs in Envoy, over the snapshot and
-//! index shards this sidecar publishes.
+//! `POST /select` and `/select_and_reserve`: Dynamo's selection API,
+//! answered by the same `kvgate_core::plan` the filter runs in Envoy, over
+//! the index shards this sidecar publishes and the fleet with its load as
+//! the ledger holds it now (see `crate::reservations`).
 
 use super::views::{OverlapView, SelectRequest, SelectionView};
 use super::{error, json_response};
 use crate::Sidecar;
+use crate::fleet::RankId;
+use crate::reservations::{fresh_model, valid_reservation_id};
+use crate::sources::bookings::Load;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use kvgate_core::ModelState;
 use kvgate_core::hash::sequence_hashes;
 use kvgate_core::plan::request::{Parsed, estimate_tokens};
 use kvgate_core::plan::{self, Choice, Plan, Rejection, ShardSource, overlap};
-use kvgate_core::{ModelState, Snapshot};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Spreads ties between selections, as each filter VM's counter does.
 static TIE_BREAK: AtomicU64 = AtomicU64::new(0);
 
+/// `POST /select`: where the prompt would go, booking nothing.
 pub(super) async fn select(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    let req: SelectRequest = match serde_json::from_slice(&body) {
+    choose(&sc, &body, false)
+}
+
+/// `POST /select_and_reserve`: the selection, booked in the same step, so
+/// that concurrent calls see each other's load.
+pub(super) async fn select_and_reserve(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    choose(&sc, &body, true)
+}
+
+fn choose(sc: &Sidecar, body: &[u8], reserve: bool) -> Response {
+    let mut req: SelectRequest = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid selection: {e}")),
     };
+    if reserve {
+        let id = req.reservation_id.get_or_insert_with(new_reservation_id);
+        if let Err(m) = valid_reservation_id(id) {
+            return error(StatusCode::BAD_REQUEST, m);
+        }
+    } else {
+        // A selection books nothing: an id would suggest it did.
+        req.reservation_id = None;
+    }
     let snap = sc.store().snapshot();
     let tie = TIE_BREAK.fetch_add(1, Ordering::Relaxed);
     let log = &sc.plane().log;
-    match selection(&snap, &req, tie, &mut |k: &str| log.read(k)) {
-        Ok(v) => json_response(StatusCode::OK, &v),
-        Err(Refused::BadRequest(m)) => error(StatusCode::BAD_REQUEST, m),
-        Err(Refused::Plan(Rejection::UnknownModel)) => error(
+    // Held from the view to the booking when reserving: two concurrent
+    // reservations must not both see the same idle rank.
+    let mut ledger = sc.bookings();
+    let Some(model) = fresh_model(&snap, &req.model_name, &ledger) else {
+        return refused(&req, Refused::Plan(Rejection::UnknownModel));
+    };
+    if !reserve {
+        drop(ledger);
+        return match selection(&model, &req, tie, &mut |k: &str| log.read(k)) {
+            Ok(s) => json_response(StatusCode::OK, &s.view),
+            Err(r) => refused(&req, r),
+        };
+    }
+    let s = match selection(&model, &req, tie, &mut |k: &str| log.read(k)) {
+        Ok(s) => s,
+        Err(r) => return refused(&req, r),
+    };
+    let id = s.view.reservation_id.clone().unwrap_or_default();
+    let load = Load {
+        slot: s.slot,
+        prefill_tokens: s.view.effective_prefill_tokens,
+        decode_blocks: s.decode_blocks,
+    };
+    match sc.reserve(&mut ledger, &id, &s.rank, load) {
+        Ok(()) => json_response(StatusCode::OK, &s.view),
+        Err(e) => error(StatusCode::CONFLICT, e),
+    }
+}
+
+/// A reservation id for a client that gave none: random, so that ids
+/// from several sidecars do not collide.
+pub(super) fn new_reservation_id() -> String {
+    format!("kvgate-{:032x}", rand::random::<u128>())
+}
+
+fn refused(req: &SelectRequest, r: Refused) -> Response {
+    match r {
+        Refused::BadRequest(m) => error(StatusCode::BAD_REQUEST, m),
+        Refused::Plan(Rejection::UnknownModel) => error(
             StatusCode::NOT_FOUND,
             format!("model {:?} is not served here", req.model_name),
         ),
-        Err(Refused::Plan(Rejection::NoWorkers)) => error(
+        Refused::Plan(Rejection::NoWorkers) => error(
             StatusCode::SERVICE_UNAVAILABLE,
             format!(
                 "model {:?} has no schedulable worker for tenant {:?}",
                 req.model_name, req.tenant_id
             ),
         ),
-        Err(Refused::Plan(Rejection::AllBusy { retry_after_s })) => {
+        Refused::Plan(Rejection::AllBusy { retry_after_s }) => {
             let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "all workers are busy");
             if retry_after_s > 0
                 && let Ok(v) = retry_after_s.to_string().parse()
@@ -60,16 +119,22 @@ enum Refused {
     Plan(Rejection),
 }
 
+/// A placement, described for the client and for the ledger.
+#[derive(Debug, Clone)]
+struct Selected {
+    view: SelectionView,
+    slot: u16,
+    rank: RankId,
+    decode_blocks: u64,
+}
+
 /// Places `req` the way the filter would, and describes the placement.
 fn selection(
-    snap: &Snapshot,
+    model: &ModelState,
     req: &SelectRequest,
     tie_break: u64,
     shards: &mut impl ShardSource,
-) -> Result<SelectionView, Refused> {
-    let model = snap
-        .model(&req.model_name)
-        .ok_or(Refused::Plan(Rejection::UnknownModel))?;
+) -> Result<Selected, Refused> {
     let parsed = prompt(req, model).map_err(Refused::BadRequest)?;
     // A selection is not a routing decision: nothing to report.
     let (cached, _) = overlap::gather(model, &parsed, &req.tenant_id, shards);
@@ -87,8 +152,9 @@ fn selection(
     };
     let first = &route.first;
     let worker = first.choice.worker;
-    Ok(SelectionView {
+    let view = SelectionView {
         selection_id: req.selection_id.clone(),
+        reservation_id: req.reservation_id.clone(),
         model_name: req.model_name.clone(),
         tenant_id: req.tenant_id.clone(),
         worker_id: worker.id,
@@ -99,6 +165,18 @@ fn selection(
         // prefixes routed moments ago, which no engine reported yet.
         overlap: reported(&first.choice, |slot| cached.reported(slot)),
         effective_prefill_tokens: first.prefill_tokens,
+    };
+    Ok(Selected {
+        slot: first.choice.rank.slot,
+        rank: RankId {
+            model: model.name.clone(),
+            tenant: worker.tenant.clone(),
+            block_size: worker.block_size,
+            worker_id: worker.id,
+            dp_rank: first.choice.rank.rank,
+        },
+        decode_blocks: first.decode_blocks,
+        view,
     })
 }
 
@@ -121,7 +199,7 @@ fn reported(c: &Choice<'_>, of: impl Fn(u16) -> plan::Overlap) -> OverlapView {
 }
 
 /// The request's prompt, as the plan takes it.
-fn prompt(req: &SelectRequest, model: &ModelState) -> Result<Parsed, String> {
+pub(super) fn prompt(req: &SelectRequest, model: &ModelState) -> Result<Parsed, String> {
     let given = [
         req.sequence_hashes.is_some() || req.block_hashes.is_some(),
         req.token_ids.is_some(),

@@ -201,6 +201,10 @@ pub struct ErrorView {
 pub struct SelectRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selection_id: Option<String>,
+    /// `/select_and_reserve` only: the reservation's id, generated when
+    /// absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
     #[serde(default = "default_scope")]
     pub model_name: String,
     #[serde(default = "default_scope")]
@@ -229,6 +233,8 @@ fn default_scope() -> String {
 pub struct SelectionView {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selection_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
     pub model_name: String,
     pub tenant_id: String,
     pub worker_id: u64,
@@ -251,4 +257,134 @@ pub struct OverlapView {
     pub dp: std::collections::BTreeMap<String, u64>,
     pub cpu: u64,
     pub disk: u64,
+}
+
+/// `POST /reservations`: load booked on a worker the client chose (after
+/// `POST /select`), in Dynamo's shape. The prompt is optional: with one,
+/// the prefill booked is what the worker's cache does not hold.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReservationRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
+    #[serde(default = "default_scope")]
+    pub model_name: String,
+    #[serde(default = "default_scope")]
+    pub tenant_id: String,
+    pub worker_id: u64,
+    /// Required when the worker has several ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_hashes: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_hashes: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isl_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
+    /// Authoritative when given (`/select`'s answer); at most the ISL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effective_prefill_tokens: Option<u64>,
+}
+
+/// A reservation as booked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservationView {
+    pub reservation_id: String,
+    pub model_name: String,
+    pub tenant_id: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub effective_prefill_tokens: u64,
+    pub decode_blocks: u64,
+}
+
+/// `POST /reservations/{id}/output_block`; the body may be empty.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputBlockRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decay_fraction: Option<f64>,
+}
+
+/// `GET /loads`: the load each rank carries now, per model and tenant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadsView {
+    pub models: Vec<ModelLoadView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelLoadView {
+    pub model_name: String,
+    pub tenant_id: String,
+    pub workers: Vec<RankLoadView>,
+}
+
+/// One rank's load: what the ledger has booked there (this gateway's
+/// requests, reservations and peers' admissions) and what its engine says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankLoadView {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub kv_used_blocks: u64,
+    pub kv_total_blocks: u64,
+    pub running: u32,
+    pub waiting: u32,
+    pub busy: bool,
+}
+
+/// `POST /potential_loads`: each rank's load if the prompt went there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PotentialLoadsView {
+    pub model_name: String,
+    pub tenant_id: String,
+    pub loads: Vec<PotentialLoadView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PotentialLoadView {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub potential_prefill_tokens: u64,
+    pub potential_decode_blocks: u64,
+}
+
+/// `POST /overlap_scores`: matched tokens per rank and tier, cumulative
+/// over tiers as in [`OverlapView`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OverlapScoresView {
+    pub model_name: String,
+    pub tenant_id: String,
+    pub block_size: u32,
+    pub scores: Vec<OverlapRowView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OverlapRowView {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub longest_matched: u64,
+    pub gpu: u64,
+    pub cpu: u64,
+    pub disk: u64,
+}
+
+/// `POST /replica_sync/register_peer` and `/deregister_peer`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerRequest {
+    pub endpoint: String,
+}
+
+/// `GET /replica_sync/peers`: sorted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeersView {
+    pub peers: Vec<String>,
 }

@@ -18,7 +18,7 @@ mod sections;
 mod tests;
 mod worker;
 
-pub use sections::{Control, Kv, Load, Scrape, Selection, Server};
+pub use sections::{Control, Kv, Load, ReplicaSync, Scrape, Selection, Server, validate_peer};
 pub use worker::{ModelConfig, WorkerSpec};
 
 use kvgate_core::Thresholds;
@@ -59,6 +59,8 @@ pub struct Config {
     #[serde(default)]
     pub selection: Selection,
     #[serde(default)]
+    pub replica_sync: ReplicaSync,
+    #[serde(default)]
     pub models: Vec<ModelConfig>,
     #[serde(default)]
     pub workers: Vec<WorkerSpec>,
@@ -89,6 +91,7 @@ impl Config {
     }
 
     fn validate(&mut self) -> Result<(), String> {
+        self.replica_sync.validate()?;
         let mut names = BTreeSet::new();
         for m in &self.models {
             if !names.insert(m.name.clone()) {

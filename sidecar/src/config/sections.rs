@@ -180,6 +180,53 @@ pub struct Selection {
     pub listen: Option<SocketAddr>,
 }
 
+/// Replica sync between the sidecars of several gateway pods: each
+/// publishes its admissions, prefill completions and frees on a ZMQ PUB
+/// socket and subscribes to its peers', so every pod counts the load the
+/// others put on the fleet. Off unless `listen` is set.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaSync {
+    /// Where this sidecar's PUB socket binds (`--replica-sync-port`).
+    #[serde(default)]
+    pub listen: Option<SocketAddr>,
+    /// Peers' PUB endpoints, `tcp://host:port` (`--replica-sync-peers`).
+    #[serde(default)]
+    pub peers: Vec<String>,
+}
+
+impl ReplicaSync {
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.peers.is_empty() && self.listen.is_none() {
+            return Err(
+                "replica_sync.peers needs replica_sync.listen (--replica-sync-port): peers that subscribe to this sidecar need a socket to subscribe to".into(),
+            );
+        }
+        for p in &self.peers {
+            validate_peer(p)?;
+        }
+        Ok(())
+    }
+}
+
+/// A replica-sync peer endpoint as ZMQ takes it: `tcp://host:port`.
+pub fn validate_peer(endpoint: &str) -> Result<(), String> {
+    let rest = endpoint
+        .strip_prefix("tcp://")
+        .ok_or_else(|| format!("replica-sync peer {endpoint:?} is not tcp://host:port"))?;
+    let ok = endpoint.len() <= 256
+        && rest.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0)
+        })
+        && rest.chars().all(|c| c.is_ascii_graphic());
+    if !ok {
+        return Err(format!(
+            "replica-sync peer {endpoint:?} is not tcp://host:port"
+        ));
+    }
+    Ok(())
+}
+
 fn default_booking_ttl() -> Duration {
     Duration::from_millis(300_000)
 }

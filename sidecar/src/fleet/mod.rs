@@ -56,6 +56,16 @@ pub struct WorkerEntry {
     latches: Vec<bool>,
 }
 
+/// A rank slot by the names every sidecar and client shares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankId {
+    pub model: String,
+    pub tenant: String,
+    pub block_size: u32,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+}
+
 #[derive(Debug)]
 pub struct Fleet {
     pub models: BTreeMap<String, ModelConfig>,
@@ -65,6 +75,32 @@ pub struct Fleet {
 }
 
 impl Fleet {
+    /// Who a slot is: its worker, rank and scope.
+    pub fn rank_of(&self, slot: u16) -> Option<RankId> {
+        self.workers.values().find_map(|w| {
+            let i = w.slots.iter().position(|s| *s == slot)?;
+            Some(RankId {
+                model: w.spec.model_name.clone(),
+                tenant: w.spec.tenant_id.clone(),
+                block_size: w.spec.block_size,
+                worker_id: w.spec.worker_id,
+                dp_rank: w.spec.data_parallel_start_rank + i as u32,
+            })
+        })
+    }
+
+    /// The slot of a worker's rank, if the worker is in the catalog with
+    /// that model, tenant, block size and rank.
+    pub fn slot_of(&self, id: &RankId) -> Option<u16> {
+        let w = self.workers.get(&id.worker_id)?;
+        let s = &w.spec;
+        if s.model_name != id.model || s.tenant_id != id.tenant || s.block_size != id.block_size {
+            return None;
+        }
+        let i = id.dp_rank.checked_sub(s.data_parallel_start_rank)?;
+        w.slots.get(i as usize).copied()
+    }
+
     pub fn new(config: &Config) -> Result<Fleet, FleetError> {
         let mut f = Fleet {
             models: config

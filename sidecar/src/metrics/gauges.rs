@@ -41,6 +41,14 @@ pub(crate) fn refresh(m: &Metrics, f: &Fleet, b: &Bookings, snap: &Snapshot) {
     for (model, n) in booked {
         m.bookings_active.with_label_values(&[model]).set(n);
     }
+    let (gateway, reserved, peers) = b.census();
+    for (kind, n) in [
+        ("gateway", gateway),
+        ("reservation", reserved),
+        ("peer", peers),
+    ] {
+        m.ledger_holders.with_label_values(&[kind]).set(n as i64);
+    }
     for (id, w) in &f.workers {
         let ids = id.to_string();
         m.worker_up

@@ -24,6 +24,7 @@ pub struct Metrics {
     pub rank_active_decode: IntGaugeVec,
     pub bookings_active: IntGaugeVec,
     pub bookings_expired: IntCounter,
+    pub ledger_holders: IntGaugeVec,
     pub booking_batches: IntCounterVec,
     pub routed: IntCounterVec,
     pub rejected: IntCounterVec,
@@ -41,6 +42,8 @@ pub struct Metrics {
     pub kv_block_size_mismatch: IntCounterVec,
     pub kv_malformed_batches: IntGauge,
     pub approx_learned: IntCounter,
+    pub replica_events: IntCounterVec,
+    pub replica_refused: IntCounter,
 }
 
 /// A metric that could not be created or registered: a malformed or
@@ -192,6 +195,12 @@ impl Metrics {
                 "Requests the gateway routed that have not ended, per model.",
                 &["model"],
             )?,
+            ledger_holders: gauge_vec(
+                &r,
+                "kvgate_sidecar_ledger_holders",
+                "Requests in flight in the load ledger, by kind: gateway (this sidecar's Envoy), reservation (the selection API), peer (announced by replica-sync peers).",
+                &["kind"],
+            )?,
             bookings_expired: plain_counter(
                 &r,
                 "kvgate_sidecar_bookings_expired_total",
@@ -295,6 +304,17 @@ impl Metrics {
                 &r,
                 "kvgate_sidecar_approx_learned_total",
                 "Chunk holders learned from routing decisions (routed-prefix index).",
+            )?,
+            replica_events: counter(
+                &r,
+                "kvgate_sidecar_replica_sync_events_total",
+                "Replica-sync events, by result: sent, received, dropped_outbox (this sidecar queued more than it could send), dropped_inbound (peers sent faster than it applied), unknown_rank (an admission for a rank not in this catalog).",
+                &["result"],
+            )?,
+            replica_refused: plain_counter(
+                &r,
+                "kvgate_sidecar_replica_sync_refused_messages_total",
+                "Replica-sync messages refused whole: malformed, another version, or not signed with this sidecar's control token.",
             )?,
             registry: r,
         })

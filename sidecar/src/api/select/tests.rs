@@ -2,7 +2,7 @@ use super::*;
 use kvgate_core::hash::{XXH3_SEED, block_hashes};
 use kvgate_core::shard::{Holder, TIER_DEVICE, TIER_HOST, encode, shard_of};
 use kvgate_core::update::shard_key;
-use kvgate_core::{RankLoad, WorkerState};
+use kvgate_core::{RankLoad, Snapshot, WorkerState};
 use std::collections::HashMap;
 
 const SHARDS: u32 = 8;
@@ -76,7 +76,10 @@ fn shards() -> HashMap<String, Vec<u8>> {
 
 fn run(snap: &Snapshot, req: &SelectRequest) -> Result<SelectionView, Refused> {
     let store = shards();
-    selection(snap, req, 0, &mut |k: &str| store.get(k).cloned())
+    let model = snap
+        .model(&req.model_name)
+        .ok_or(Refused::Plan(Rejection::UnknownModel))?;
+    selection(model, req, 0, &mut |k: &str| store.get(k).cloned()).map(|s| s.view)
 }
 
 fn by_tokens() -> SelectRequest {

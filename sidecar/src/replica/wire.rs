@@ -1,0 +1,325 @@
+//! The replica-sync message: a batch of lifecycle events from one sidecar.
+//!
+//! ```text
+//! message   = magic "KVGR" | version u8 | origin u64 | count u16 | event*count | mac?
+//! event     = tag u8 | holder | body
+//! holder    = 1 vm u64 seq u64            (a request an Envoy VM routed)
+//!           | 2 id str16                  (a selection API reservation)
+//! admit     = tag 1 | holder | model str16 | tenant str16 | block_size u32
+//!             | worker_id u64 | dp_rank u32 | prefill_tokens u64 | decode_blocks u64
+//! prefill   = tag 2 | holder              (prefill complete)
+//! free      = tag 3 | holder
+//! mac       = HMAC-SHA256(control token, everything before it), 32 bytes
+//! ```
+//!
+//! Little-endian; `str16` is a u16 length and UTF-8 bytes. An admission
+//! names the worker and rank, never a slot: slot numbers are local to each
+//! sidecar. The MAC is present exactly when the sender has a control token;
+//! a receiver with a token refuses messages without a valid one, so a
+//! process that is not a peer cannot book load into the fleet.
+
+use hmac::{Hmac, Mac};
+use kvgate_core::booking::Key;
+use kvgate_core::wire::{Reader, WireError};
+use sha2::Sha256;
+use std::sync::Arc;
+use thiserror::Error;
+
+const MAGIC: &[u8; 4] = b"KVGR";
+const VERSION: u8 = 1;
+const MAC_LEN: usize = 32;
+/// Events per message at most; a sender splits longer batches.
+pub const MAX_EVENTS: usize = 512;
+
+/// Who an event is about, as the sending sidecar names it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum SyncId {
+    Gateway(Key),
+    Reservation(Arc<str>),
+}
+
+/// Where an admission booked its load, by names every sidecar shares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    pub model: String,
+    pub tenant: String,
+    pub block_size: u32,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub prefill_tokens: u64,
+    pub decode_blocks: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SyncEvent {
+    Admit(SyncId, Placed),
+    PrefillComplete(SyncId),
+    Free(SyncId),
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SyncError {
+    #[error("replica-sync message {0}")]
+    Wire(#[from] WireError),
+    #[error("not a replica-sync message (magic {0:02x?})")]
+    Magic([u8; 4]),
+    #[error("replica-sync version {0}, this sidecar speaks {VERSION}")]
+    Version(u8),
+    #[error("unknown replica-sync tag {tag} at byte {at}")]
+    Tag { tag: u8, at: usize },
+    #[error("replica-sync message without a valid MAC for this sidecar's control token")]
+    Unauthenticated,
+    #[error("{0} bytes after the last event")]
+    Trailing(usize),
+}
+
+type HmacSha256 = Hmac<Sha256>;
+
+fn mac(key: &[u8], bytes: &[u8]) -> Option<[u8; MAC_LEN]> {
+    let mut m = HmacSha256::new_from_slice(key).ok()?;
+    m.update(bytes);
+    Some(m.finalize().into_bytes().into())
+}
+
+/// Encodes `events` (at most [`MAX_EVENTS`]) from `origin`, signed with
+/// `token` when there is one.
+pub fn encode(origin: u64, events: &[SyncEvent], token: Option<&str>) -> Vec<u8> {
+    let events = &events[..events.len().min(MAX_EVENTS)];
+    let mut out = Vec::with_capacity(16 + events.len() * 64);
+    out.extend_from_slice(MAGIC);
+    out.push(VERSION);
+    out.extend_from_slice(&origin.to_le_bytes());
+    out.extend_from_slice(&(events.len() as u16).to_le_bytes());
+    for e in events {
+        match e {
+            SyncEvent::Admit(id, p) => {
+                out.push(1);
+                put_id(&mut out, id);
+                put_str(&mut out, &p.model);
+                put_str(&mut out, &p.tenant);
+                out.extend_from_slice(&p.block_size.to_le_bytes());
+                out.extend_from_slice(&p.worker_id.to_le_bytes());
+                out.extend_from_slice(&p.dp_rank.to_le_bytes());
+                out.extend_from_slice(&p.prefill_tokens.to_le_bytes());
+                out.extend_from_slice(&p.decode_blocks.to_le_bytes());
+            }
+            SyncEvent::PrefillComplete(id) => {
+                out.push(2);
+                put_id(&mut out, id);
+            }
+            SyncEvent::Free(id) => {
+                out.push(3);
+                put_id(&mut out, id);
+            }
+        }
+    }
+    if let Some(sig) = token.and_then(|t| mac(t.as_bytes(), &out)) {
+        out.extend_from_slice(&sig);
+    }
+    out
+}
+
+/// Decodes a message; with a `token`, only one it signed. Returns the
+/// sender's origin and its events. A bad message is refused whole.
+pub fn decode(bytes: &[u8], token: Option<&str>) -> Result<(u64, Vec<SyncEvent>), SyncError> {
+    let body = match token {
+        None => bytes,
+        Some(t) => {
+            let split = bytes
+                .len()
+                .checked_sub(MAC_LEN)
+                .ok_or(SyncError::Unauthenticated)?;
+            let (body, sig) = bytes.split_at(split);
+            let mut m =
+                HmacSha256::new_from_slice(t.as_bytes()).map_err(|_| SyncError::Unauthenticated)?;
+            m.update(body);
+            // `verify_slice` compares in constant time.
+            m.verify_slice(sig)
+                .map_err(|_| SyncError::Unauthenticated)?;
+            body
+        }
+    };
+    let mut r = Reader::new(body);
+    let magic = r.array::<4>()?;
+    if &magic != MAGIC {
+        return Err(SyncError::Magic(magic));
+    }
+    let version = r.u8()?;
+    if version != VERSION {
+        return Err(SyncError::Version(version));
+    }
+    let origin = r.u64()?;
+    let count = r.u16()?;
+    // The smallest event is a tag, a holder kind and an empty id.
+    r.plausible(u32::from(count), 4, "replica-sync events")?;
+    let mut events = Vec::with_capacity(usize::from(count));
+    for _ in 0..count {
+        let at = r.pos();
+        let tag = r.u8()?;
+        let id = id(&mut r)?;
+        events.push(match tag {
+            1 => SyncEvent::Admit(
+                id,
+                Placed {
+                    model: r.string16()?,
+                    tenant: r.string16()?,
+                    block_size: r.u32()?,
+                    worker_id: r.u64()?,
+                    dp_rank: r.u32()?,
+                    prefill_tokens: r.u64()?,
+                    decode_blocks: r.u64()?,
+                },
+            ),
+            2 => SyncEvent::PrefillComplete(id),
+            3 => SyncEvent::Free(id),
+            tag => return Err(SyncError::Tag { tag, at }),
+        });
+    }
+    if !r.is_empty() {
+        // Without a token this is also where a signed message lands: the
+        // sender has a token and this sidecar has none.
+        return Err(SyncError::Trailing(r.remaining()));
+    }
+    Ok((origin, events))
+}
+
+fn put_id(out: &mut Vec<u8>, id: &SyncId) {
+    match id {
+        SyncId::Gateway(k) => {
+            out.push(1);
+            out.extend_from_slice(&k.vm.to_le_bytes());
+            out.extend_from_slice(&k.seq.to_le_bytes());
+        }
+        SyncId::Reservation(s) => {
+            out.push(2);
+            put_str(out, s);
+        }
+    }
+}
+
+fn id(r: &mut Reader<'_>) -> Result<SyncId, SyncError> {
+    let at = r.pos();
+    match r.u8()? {
+        1 => Ok(SyncId::Gateway(Key {
+            vm: r.u64()?,
+            seq: r.u64()?,
+        })),
+        2 => Ok(SyncId::Reservation(r.str16()?.into())),
+        tag => Err(SyncError::Tag { tag, at }),
+    }
+}
+
+/// Strings longer than 64 KiB are cut at a character boundary; the API
+/// refuses ids and names that long before they get here.
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    let mut end = s.len().min(usize::from(u16::MAX));
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.extend_from_slice(&(end as u16).to_le_bytes());
+    out.extend_from_slice(&s.as_bytes()[..end]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn events() -> Vec<SyncEvent> {
+        let gw = SyncId::Gateway(Key { vm: 9, seq: 4 });
+        let res = SyncId::Reservation("request-123".into());
+        vec![
+            SyncEvent::Admit(
+                gw.clone(),
+                Placed {
+                    model: "Qwen/Qwen3-0.6B".into(),
+                    tenant: "default".into(),
+                    block_size: 16,
+                    worker_id: 3,
+                    dp_rank: 1,
+                    prefill_tokens: 1200,
+                    decode_blocks: 80,
+                },
+            ),
+            SyncEvent::PrefillComplete(gw.clone()),
+            SyncEvent::Free(gw),
+            SyncEvent::Free(res),
+        ]
+    }
+
+    #[test]
+    fn a_message_round_trips_signed_and_unsigned() {
+        let e = events();
+        assert_eq!(decode(&encode(77, &e, None), None), Ok((77, e.clone())));
+        let signed = encode(77, &e, Some("s3cret"));
+        assert_eq!(decode(&signed, Some("s3cret")), Ok((77, e)));
+    }
+
+    #[test]
+    fn a_receiver_with_a_token_refuses_what_that_token_did_not_sign() {
+        let e = events();
+        let unsigned = encode(1, &e, None);
+        assert_eq!(
+            decode(&unsigned, Some("s3cret")),
+            Err(SyncError::Unauthenticated)
+        );
+        let other = encode(1, &e, Some("other"));
+        assert_eq!(
+            decode(&other, Some("s3cret")),
+            Err(SyncError::Unauthenticated)
+        );
+        let mut forged = encode(1, &e, Some("s3cret"));
+        forged[20] ^= 1;
+        assert_eq!(
+            decode(&forged, Some("s3cret")),
+            Err(SyncError::Unauthenticated)
+        );
+        assert_eq!(decode(&[], Some("s3cret")), Err(SyncError::Unauthenticated));
+        // And one without a token cannot read a signed one as events.
+        assert!(matches!(
+            decode(&encode(1, &e, Some("s3cret")), None),
+            Err(SyncError::Trailing(32))
+        ));
+    }
+
+    #[test]
+    fn bad_messages_are_errors() {
+        assert!(matches!(decode(b"KV", None), Err(SyncError::Wire(_))));
+        assert!(matches!(decode(b"nope", None), Err(SyncError::Magic(_))));
+        assert!(matches!(
+            decode(b"XXXX\x01\0\0\0\0\0\0\0\0\0\0", None),
+            Err(SyncError::Magic(_))
+        ));
+        let mut v = encode(1, &[], None);
+        v[4] = 9;
+        assert_eq!(decode(&v, None), Err(SyncError::Version(9)));
+        // A count the bytes cannot hold is refused before allocating.
+        let mut huge = encode(1, &[], None);
+        huge[13..15].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert!(matches!(
+            decode(&huge, None),
+            Err(SyncError::Wire(WireError::ImplausibleCount { .. }))
+        ));
+        let mut bad_tag = encode(1, &events()[2..3], None);
+        bad_tag[15] = 7;
+        assert!(matches!(
+            decode(&bad_tag, None),
+            Err(SyncError::Tag { tag: 7, .. })
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode(&bytes, None);
+            let _ = decode(&bytes, Some("t"));
+        }
+
+        #[test]
+        fn every_prefix_of_a_message_is_refused(cut in 0usize..200) {
+            let full = encode(5, &events(), None);
+            prop_assume!(cut < full.len());
+            prop_assert!(decode(&full[..cut], None).is_err());
+        }
+    }
+}

@@ -1,0 +1,500 @@
+//! The selection API's reservations, inspection and replica sync, over
+//! HTTP and ZMQ, with stand-in workers.
+
+mod support;
+
+use serde_json::{Value, json};
+use std::time::Duration;
+use support::*;
+
+/// The ranks' booked load, as `GET /loads` shows it: (worker, rank) →
+/// (prefill tokens, decode blocks).
+async fn loads(api: &str) -> Vec<((u64, u64), (u64, u64))> {
+    let (status, v) = json_of("GET", &format!("{api}/loads"), None).await;
+    assert_eq!(status, 200, "{v}");
+    let mut out = Vec::new();
+    for m in v["models"].as_array().unwrap() {
+        for r in m["workers"].as_array().unwrap() {
+            out.push((
+                (
+                    r["worker_id"].as_u64().unwrap(),
+                    r["dp_rank"].as_u64().unwrap(),
+                ),
+                (
+                    r["active_prefill_tokens"].as_u64().unwrap(),
+                    r["active_decode_blocks"].as_u64().unwrap(),
+                ),
+            ));
+        }
+    }
+    out.sort();
+    out
+}
+
+async fn two_workers_up() -> (String, String, std::sync::Arc<kvgate_sidecar::Sidecar>) {
+    let (a, _) = fake_worker().await;
+    let (b, _) = fake_worker().await;
+    let (base, sc) = sidecar(&[&a, &b]).await;
+    let api = selection_api(&sc).await;
+    wait_until("both workers up", async || workers_up(&base).await == 2).await;
+    (base, api, sc)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reservations_follow_their_lifecycle_and_bad_calls_change_nothing() {
+    let (_, api, _sc) = two_workers_up().await;
+    let res = format!("{api}/reservations");
+    let (status, v) = json_of(
+        "POST",
+        &res,
+        Some(json!({"reservation_id": "r1", "model_name": "m", "worker_id": 1, "isl_tokens": 512})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["effective_prefill_tokens"], 512);
+    assert_eq!(v["decode_blocks"], 32);
+    assert_eq!(v["dp_rank"], 0, "the worker's only rank");
+    let booked = vec![((1, 0), (512, 32)), ((2, 0), (0, 0))];
+    assert_eq!(loads(&api).await, booked);
+
+    let huge = format!(
+        r#"{{"model_name": "m", "worker_id": 1, "text": "{}"}}"#,
+        "x".repeat(3 << 20)
+    );
+    let bad: Vec<(&str, String, Vec<u8>, u16)> = vec![
+        (
+            "POST",
+            res.clone(),
+            json!({"reservation_id": "r1", "model_name": "m", "worker_id": 2, "isl_tokens": 16})
+                .to_string()
+                .into_bytes(),
+            409,
+        ),
+        (
+            "POST",
+            res.clone(),
+            json!({"reservation_id": "r2", "model_name": "m", "worker_id": 9, "isl_tokens": 16})
+                .to_string()
+                .into_bytes(),
+            404,
+        ),
+        (
+            "POST",
+            res.clone(),
+            json!({"reservation_id": "r2", "model_name": "m", "worker_id": 1, "dp_rank": 3, "isl_tokens": 16})
+                .to_string()
+                .into_bytes(),
+            404,
+        ),
+        (
+            "POST",
+            res.clone(),
+            json!({"reservation_id": "r2", "model_name": "other", "worker_id": 1, "isl_tokens": 16})
+                .to_string()
+                .into_bytes(),
+            404,
+        ),
+        (
+            "POST",
+            res.clone(),
+            json!({"reservation_id": "r2", "model_name": "m", "worker_id": 1, "isl_tokens": 512, "effective_prefill_tokens": 513})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        (
+            "POST",
+            res.clone(),
+            json!({"reservation_id": "r2", "model_name": "m", "worker_id": 1})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        (
+            "POST",
+            res.clone(),
+            json!({"reservation_id": "", "model_name": "m", "worker_id": 1, "isl_tokens": 16})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        (
+            "POST",
+            res.clone(),
+            json!({"reservation_id": "r2", "model_name": "m", "worker_id": 1, "isl_tokens": 16, "cached_tokens": 3})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        ("POST", res.clone(), b"{not json".to_vec(), 400),
+        ("POST", res.clone(), huge.into_bytes(), 413),
+        (
+            "POST",
+            format!("{res}/r1/output_block"),
+            br#"{"decay_fraction": 1.5}"#.to_vec(),
+            400,
+        ),
+        (
+            "POST",
+            format!("{res}/r1/output_block"),
+            br#"{"decay_fraction": -0.1}"#.to_vec(),
+            400,
+        ),
+        (
+            "POST",
+            format!("{res}/r1/output_block"),
+            br#"{"decay_fraction": "half"}"#.to_vec(),
+            400,
+        ),
+        (
+            "POST",
+            format!("{res}/nope/prefill_complete"),
+            Vec::new(),
+            404,
+        ),
+        ("POST", format!("{res}/nope/output_block"), Vec::new(), 404),
+        ("DELETE", format!("{res}/nope"), Vec::new(), 404),
+        (
+            "POST",
+            format!("{api}/select_and_reserve"),
+            json!({"reservation_id": "r1", "model_name": "m", "token_ids": [1, 2, 3]})
+                .to_string()
+                .into_bytes(),
+            409,
+        ),
+    ];
+    for (method, url, body, want) in bad {
+        let (status, _, raw) = call_raw(method, &url, &[], body).await;
+        let answer: Value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+        assert_eq!(status, want, "{method} {url} → {answer}");
+        // axum's own 413 is plain text; every other refusal names its cause.
+        assert!(
+            answer["error"].as_str().is_some_and(|e| !e.is_empty())
+                || (status == 413 && !raw.is_empty()),
+            "{method} {url}: {answer}"
+        );
+        assert_eq!(
+            loads(&api).await,
+            booked,
+            "{method} {url} changed the ledger"
+        );
+    }
+
+    let post = async |path: &str, body: Vec<u8>| {
+        call_raw("POST", &format!("{res}/r1/{path}"), &[], body)
+            .await
+            .0
+    };
+    assert_eq!(post("prefill_complete", Vec::new()).await, 204);
+    assert_eq!(loads(&api).await[0], ((1, 0), (0, 32)));
+    assert_eq!(
+        post("prefill_complete", Vec::new()).await,
+        204,
+        "repeatable"
+    );
+    assert_eq!(post("output_block", Vec::new()).await, 204);
+    assert_eq!(loads(&api).await[0], ((1, 0), (0, 33)));
+    assert_eq!(
+        post("output_block", br#"{"decay_fraction": 0.5}"#.to_vec()).await,
+        204
+    );
+    assert_eq!(
+        loads(&api).await[0],
+        ((1, 0), (0, 17)),
+        "34 blocks at half weight"
+    );
+    assert_eq!(call("DELETE", &format!("{res}/r1"), None).await.0, 204);
+    assert_eq!(loads(&api).await[0], ((1, 0), (0, 0)));
+    assert_eq!(call("DELETE", &format!("{res}/r1"), None).await.0, 404);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn select_and_reserve_books_at_once_so_a_burst_spreads() {
+    let (_, api, _sc) = two_workers_up().await;
+    let mut workers = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        let (status, v) = json_of(
+            "POST",
+            &format!("{api}/select_and_reserve"),
+            Some(json!({"model_name": "m", "token_ids": (0..256).collect::<Vec<u32>>()})),
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["effective_prefill_tokens"], 256);
+        workers.push(v["worker_id"].as_u64().unwrap());
+        ids.push(v["reservation_id"].as_str().unwrap().to_string());
+    }
+    workers.sort();
+    assert_eq!(
+        workers,
+        vec![1, 1, 2, 2],
+        "each reservation is seen by the next selection"
+    );
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 4, "generated ids are distinct");
+    assert_eq!(
+        loads(&api).await,
+        vec![((1, 0), (512, 32)), ((2, 0), (512, 32))]
+    );
+    // A plain selection books nothing and echoes no reservation id.
+    let (status, v) = json_of(
+        "POST",
+        &format!("{api}/select"),
+        Some(json!({"model_name": "m", "reservation_id": "x", "token_ids": [1, 2]})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert!(v.get("reservation_id").is_none(), "{v}");
+    assert_eq!(loads(&api).await.len(), 2);
+
+    let (status, v) = json_of(
+        "POST",
+        &format!("{api}/potential_loads"),
+        Some(json!({"model_name": "m", "isl_tokens": 64, "sequence_hashes": [1, 2]})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let rows = v["loads"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        assert_eq!(r["potential_prefill_tokens"], 512 + 64, "{r}");
+        assert_eq!(r["potential_decode_blocks"], 32 + 4, "{r}");
+    }
+    let (status, v) = json_of(
+        "POST",
+        &format!("{api}/overlap_scores"),
+        Some(json!({"model_name": "m", "token_ids": [1, 2, 3]})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["block_size"], 16);
+    assert_eq!(v["scores"].as_array().unwrap().len(), 2);
+    let (status, _) = json_of(
+        "POST",
+        &format!("{api}/overlap_scores"),
+        Some(json!({"model_name": "m"})),
+    )
+    .await;
+    assert_eq!(status, 400, "a prompt is required");
+    let (status, v) = json_of("GET", &format!("{api}/loads?model_name=other"), None).await;
+    assert_eq!(
+        (status, v["models"].as_array().map(Vec::len)),
+        (200, Some(0))
+    );
+    assert_eq!(
+        call("GET", &format!("{api}/loads?colour=red"), None)
+            .await
+            .0,
+        400
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn writes_need_the_token_and_reads_do_not() {
+    let (a, _) = fake_worker().await;
+    let (_, sc) = sidecar_with(&[&a], Some("s3cret")).await;
+    let api = selection_api(&sc).await;
+    let body = || json!({"model_name": "m", "worker_id": 1, "isl_tokens": 16});
+    for (method, path) in [
+        ("POST", "/reservations"),
+        ("POST", "/select_and_reserve"),
+        ("POST", "/reservations/r/prefill_complete"),
+        ("POST", "/reservations/r/output_block"),
+        ("DELETE", "/reservations/r"),
+        ("POST", "/workers"),
+        ("POST", "/replica_sync/register_peer"),
+    ] {
+        let (status, _, _) = call(method, &format!("{api}{path}"), Some(body())).await;
+        assert_eq!(status, 401, "{method} {path}");
+    }
+    let auth = [("authorization", "Bearer s3cret")];
+    let (status, _, b) = call_raw(
+        "POST",
+        &format!("{api}/reservations"),
+        &auth,
+        body().to_string().into_bytes(),
+    )
+    .await;
+    assert_ne!(status, 401, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(call("GET", &format!("{api}/loads"), None).await.0, 200);
+    assert_eq!(call("GET", &format!("{api}/health"), None).await.0, 200);
+}
+
+fn replica_config(worker: &str, peers: &[&str]) -> String {
+    format!(
+        "[server]\npublish_interval_ms = 10\n[scrape]\ninterval_ms = 50\n\
+         [replica_sync]\nlisten = \"127.0.0.1:0\"\npeers = {peers:?}\n\
+         [[models]]\nname = \"m\"\n\
+         [[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"{worker}\"\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replica_sync_shares_admissions_and_frees_between_sidecars() {
+    let (w, _) = fake_worker().await;
+    let (a_base, a) = sidecar_from(&replica_config(&w, &[]), None).await;
+    let a_sync = a.replica().unwrap().endpoint().to_string();
+    let (b_base, b) = sidecar_from(&replica_config(&w, &[&a_sync]), None).await;
+    let b_sync = b.replica().unwrap().endpoint().to_string();
+    let (a_api, b_api) = (selection_api(&a).await, selection_api(&b).await);
+    wait_until("the worker up on both", async || {
+        workers_up(&a_base).await == 1 && workers_up(&b_base).await == 1
+    })
+    .await;
+    // A learns of B at run time.
+    let (status, v) = json_of(
+        "POST",
+        &format!("{a_api}/replica_sync/register_peer"),
+        Some(json!({"endpoint": b_sync})),
+    )
+    .await;
+    assert_eq!((status, v["peers"].clone()), (200, json!([b_sync])));
+    let (_, v) = json_of("GET", &format!("{b_api}/replica_sync/peers"), None).await;
+    assert_eq!(v["peers"], json!([a_sync]));
+    for bad in ["http://x:1", "tcp://nohost", "tcp://:80", "tcp://h:0"] {
+        let (status, _) = json_of(
+            "POST",
+            &format!("{a_api}/replica_sync/register_peer"),
+            Some(json!({"endpoint": bad})),
+        )
+        .await;
+        assert_eq!(status, 400, "{bad}");
+    }
+
+    // ZMQ subscriptions take a moment to connect: reserve until B sees one.
+    let reserve = async |api: &str, id: &str| {
+        json_of(
+            "POST",
+            &format!("{api}/reservations"),
+            Some(
+                json!({"reservation_id": id, "model_name": "m", "worker_id": 1, "isl_tokens": 160}),
+            ),
+        )
+        .await
+        .0
+    };
+    let mut n = 0;
+    wait_until("B hears A's reservation", async || {
+        n += 1;
+        assert_eq!(reserve(&a_api, &format!("warm-{n}")).await, 200);
+        loads(&b_api).await[0].1.0 > 0
+    })
+    .await;
+    for i in 1..=n {
+        let url = format!("{a_api}/reservations/warm-{i}");
+        assert_eq!(call("DELETE", &url, None).await.0, 204);
+    }
+    wait_until("B hears the frees", async || {
+        loads(&b_api).await[0].1 == (0, 0)
+    })
+    .await;
+
+    // Each side's reservation loads the other; prefill completion and free
+    // travel too.
+    assert_eq!(reserve(&a_api, "from-a").await, 200);
+    assert_eq!(reserve(&b_api, "from-b").await, 200);
+    let both = ((1, 0), (320, 20));
+    wait_until("both see both", async || {
+        loads(&a_api).await == vec![both] && loads(&b_api).await == vec![both]
+    })
+    .await;
+    let url = format!("{a_api}/reservations/from-a/prefill_complete");
+    assert_eq!(call("POST", &url, None).await.0, 204);
+    wait_until("B hears the prefill end", async || {
+        loads(&b_api).await == vec![((1, 0), (160, 20))]
+    })
+    .await;
+    // Output blocks stay local.
+    let url = format!("{a_api}/reservations/from-a/output_block");
+    assert_eq!(call("POST", &url, None).await.0, 204);
+    assert_eq!(loads(&a_api).await, vec![((1, 0), (160, 21))]);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(loads(&b_api).await, vec![((1, 0), (160, 20))]);
+    // A peer's lifecycle calls name its own reservations only.
+    let url = format!("{b_api}/reservations/from-a");
+    assert_eq!(call("DELETE", &url, None).await.0, 404);
+    let url = format!("{a_api}/reservations/from-a");
+    assert_eq!(call("DELETE", &url, None).await.0, 204);
+    wait_until("B hears the free", async || {
+        loads(&b_api).await == vec![((1, 0), (160, 10))]
+    })
+    .await;
+
+    // Envoy's bookings travel as well: a gateway batch posted to A.
+    let mut batch = Vec::new();
+    kvgate_core::booking::Event::Book {
+        key: kvgate_core::booking::Key { vm: 5, seq: 1 },
+        model: "m".into(),
+        slot: 0,
+        prefill_tokens: 1000,
+        decode_blocks: 7,
+    }
+    .encode_into(&mut batch);
+    let (status, _, _) = call_raw("POST", &format!("{a_base}/v1/bookings"), &[], batch).await;
+    assert_eq!(status, 204);
+    wait_until("B counts A's gateway booking", async || {
+        loads(&b_api).await == vec![((1, 0), (1160, 17))]
+    })
+    .await;
+    let mut done = Vec::new();
+    kvgate_core::booking::Event::Done {
+        key: kvgate_core::booking::Key { vm: 5, seq: 1 },
+    }
+    .encode_into(&mut done);
+    call_raw("POST", &format!("{a_base}/v1/bookings"), &[], done).await;
+    wait_until("B hears the booking end", async || {
+        loads(&b_api).await == vec![((1, 0), (160, 10))]
+    })
+    .await;
+
+    // Deregistered, A no longer hears B.
+    let (status, v) = json_of(
+        "POST",
+        &format!("{a_api}/replica_sync/deregister_peer"),
+        Some(json!({"endpoint": b_sync})),
+    )
+    .await;
+    assert_eq!((status, v["peers"].clone()), (200, json!([])));
+    let (status, _) = json_of(
+        "POST",
+        &format!("{a_api}/replica_sync/deregister_peer"),
+        Some(json!({"endpoint": b_sync})),
+    )
+    .await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_without_the_token_cannot_book_load() {
+    let (w, _) = fake_worker().await;
+    let (_, a) = sidecar_from(&replica_config(&w, &[]), None).await;
+    let a_sync = a.replica().unwrap().endpoint().to_string();
+    let (b_base, b) = sidecar_from(&replica_config(&w, &[&a_sync]), Some("s3cret")).await;
+    let a_api = selection_api(&a).await;
+    let b_api = selection_api(&b).await;
+    wait_until("the worker up", async || workers_up(&b_base).await == 1).await;
+    let refused = async || {
+        let (_, _, m) = call("GET", &format!("{b_base}/metrics"), None).await;
+        String::from_utf8_lossy(&m)
+            .lines()
+            .find(|l| l.starts_with("kvgate_sidecar_replica_sync_refused_messages_total"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let mut n = 0;
+    wait_until("B refuses A's unsigned messages", async || {
+        n += 1;
+        let (status, _) = json_of(
+            "POST",
+            &format!("{a_api}/reservations"),
+            Some(json!({"reservation_id": format!("r{n}"), "model_name": "m", "worker_id": 1, "isl_tokens": 16})),
+        )
+        .await;
+        assert_eq!(status, 200);
+        refused().await > 0
+    })
+    .await;
+    assert_eq!(loads(&b_api).await, vec![((1, 0), (0, 0))]);
+}
