@@ -961,28 +961,6 @@ fn chat_with_system(stack: &Stack, system: &str, question: &str) -> Reply {
     )
 }
 
-/// A completion with `n` tokens unique to `tag`, so no prefix is shared.
-fn unique_prompt(tag: u32, n: u32) -> Vec<u32> {
-    let base = tag.wrapping_mul(10_007).wrapping_add(50_000_000);
-    (0..n).map(|k| base.wrapping_add(k)).collect()
-}
-
-fn completion(addr: &str, prompt: &[u32], max_tokens: u32) -> anyhow::Result<Reply> {
-    let body = json!({"model": "demo-model", "prompt": prompt, "max_tokens": max_tokens});
-    let (status, headers, body) = http::request_full(
-        addr,
-        "POST",
-        "/v1/completions",
-        &[("content-type", "application/json")],
-        Some(body.to_string().as_bytes()),
-    )?;
-    Ok(Reply {
-        status,
-        headers,
-        body,
-    })
-}
-
 #[test]
 fn overload_sheds_then_recovers_and_every_request_gets_an_answer() {
     let _g = serial();

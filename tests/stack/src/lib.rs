@@ -53,6 +53,14 @@ pub struct StackConfig {
     pub control_token: Option<String>,
     /// Tenant of worker `i` (`default` where absent).
     pub tenants: Vec<String>,
+    /// Gateway pods (an Envoy and its sidecar each) in front of the same
+    /// workers.
+    pub gateways: usize,
+    /// The sidecars share their load over replica sync (each subscribes to
+    /// every other).
+    pub replica_sync: bool,
+    /// Each sidecar serves the selection API on a port of its own.
+    pub selection_api: bool,
 }
 
 impl Default for StackConfig {
@@ -74,6 +82,9 @@ impl Default for StackConfig {
             envoy_concurrency: 2,
             control_token: None,
             tenants: Vec::new(),
+            gateways: 1,
+            replica_sync: false,
+            selection_api: false,
         }
     }
 }
@@ -95,22 +106,37 @@ impl Worker {
     }
 }
 
-/// A running stack. Dropping it stops every process.
-pub struct Stack {
-    pub paths: Paths,
-    pub config: StackConfig,
+/// One gateway pod: an Envoy with the filter, and the sidecar beside it.
+#[derive(Debug)]
+pub struct Gateway {
     pub envoy_port: u16,
     pub plain_port: u16,
     pub admin_port: u16,
     pub sidecar_port: u16,
     pub control_port: u16,
+    /// The sidecar's selection API, when the stack serves it.
+    pub selection_port: u16,
+    /// The sidecar's replica-sync PUB socket, when the stack syncs.
+    pub sync_port: u16,
+    /// Names its config and logs apart from the other gateways' ("" for
+    /// the first).
+    tag: String,
+    envoy: Option<Proc>,
+    sidecar: Option<Proc>,
+}
+
+/// A running stack. Dropping it stops every process.
+pub struct Stack {
+    pub paths: Paths,
+    pub config: StackConfig,
+    /// The first is the one [`Stack::envoy_url`] and the other unqualified
+    /// accessors mean.
+    pub gateways: Vec<Gateway>,
     pub workers: Vec<Worker>,
     pub run_dir: PathBuf,
     /// Signs the JWTs whose `tenant` claim Envoy turns into the tenant
     /// header; made afresh for every stack.
     tenant_key: Vec<u8>,
-    envoy: Option<Proc>,
-    sidecar: Option<Proc>,
 }
 
 impl Stack {
@@ -123,10 +149,28 @@ impl Stack {
     pub fn start_with(paths: Paths, config: StackConfig) -> Result<Stack> {
         paths.check()?;
         let run_dir = paths.new_run_dir()?;
-        let mut ports = ports::free_ports(5 + config.workers)?.into_iter();
+        let n_gateways = config.gateways.max(1);
+        let mut ports = ports::free_ports(7 * n_gateways + config.workers)?.into_iter();
         let mut next = || ports.next().context("ran out of allocated ports");
-        let (envoy_port, plain_port, admin_port, sidecar_port, control_port) =
-            (next()?, next()?, next()?, next()?, next()?);
+        let mut gateways = Vec::with_capacity(n_gateways);
+        for g in 0..n_gateways {
+            gateways.push(Gateway {
+                envoy_port: next()?,
+                plain_port: next()?,
+                admin_port: next()?,
+                sidecar_port: next()?,
+                control_port: next()?,
+                selection_port: next()?,
+                sync_port: next()?,
+                tag: if g == 0 {
+                    String::new()
+                } else {
+                    format!("-{}", g + 1)
+                },
+                envoy: None,
+                sidecar: None,
+            });
+        }
 
         // Engines put DP rank r on base + r, so event ports come from one
         // contiguous run: [events(dp), replay(dp)] per worker.
@@ -185,16 +229,10 @@ impl Stack {
         let mut stack = Stack {
             paths,
             config,
-            envoy_port,
-            plain_port,
-            admin_port,
-            sidecar_port,
-            control_port,
+            gateways,
             workers,
             run_dir,
             tenant_key: jwt::new_key()?,
-            envoy: None,
-            sidecar: None,
         };
         for i in 0..stack.workers.len() {
             stack.start_worker(i)?;
@@ -203,30 +241,34 @@ impl Stack {
             http::wait_for_status(&w.endpoint(), "/health", 200, Duration::from_secs(20))
                 .with_context(|| format!("worker {} did not become healthy", w.id))?;
         }
-        stack.start_sidecar()?;
-        stack.start_envoy()?;
-        stack.wait_routing_ready(Duration::from_secs(60))?;
+        for g in 0..stack.gateways.len() {
+            stack.start_sidecar(g, &[])?;
+            stack.start_envoy(g)?;
+        }
+        for g in 0..stack.gateways.len() {
+            stack.wait_gateway_ready(g, Duration::from_secs(60))?;
+        }
         Ok(stack)
     }
 
     pub fn envoy_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.envoy_port)
+        self.gateways[0].envoy_addr()
     }
     pub fn envoy_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.envoy_port)
+        format!("http://{}", self.envoy_addr())
     }
     pub fn plain_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.plain_port)
+        format!("http://127.0.0.1:{}", self.gateways[0].plain_port)
     }
     pub fn sidecar_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.sidecar_port)
+        self.gateways[0].sidecar_addr()
     }
     /// Envoy's control listener (`/busy_threshold`, `/workers`).
     pub fn control_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.control_port)
+        format!("127.0.0.1:{}", self.gateways[0].control_port)
     }
     pub fn admin_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.admin_port)
+        self.gateways[0].admin_addr()
     }
 
     /// A bearer token Envoy accepts as proof of `tenant`, as an identity
@@ -237,7 +279,7 @@ impl Stack {
 
     /// Envoy's resident memory in bytes, from `/proc`.
     pub fn envoy_rss(&self) -> Option<u64> {
-        let pid = self.envoy.as_ref()?.pid();
+        let pid = self.gateways[0].envoy.as_ref()?.pid();
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
         let kb: u64 = status
             .lines()
@@ -254,8 +296,8 @@ impl Stack {
     pub fn cpu_seconds(&self) -> [f64; 3] {
         let of = |p: Option<&Proc>| p.and_then(|p| process_cpu_seconds(p.pid())).unwrap_or(0.0);
         [
-            of(self.envoy.as_ref()),
-            of(self.sidecar.as_ref()),
+            of(self.gateways[0].envoy.as_ref()),
+            of(self.gateways[0].sidecar.as_ref()),
             self.workers.iter().map(|w| of(w.proc.as_ref())).sum(),
         ]
     }
@@ -279,22 +321,34 @@ impl Stack {
     /// Kills the sidecar abruptly; Envoy keeps its last snapshot until it
     /// goes stale.
     pub fn kill_sidecar(&mut self) {
-        if let Some(mut p) = self.sidecar.take() {
+        self.kill_sidecar_of(0);
+    }
+
+    /// Kills gateway `g`'s sidecar.
+    pub fn kill_sidecar_of(&mut self, g: usize) {
+        if let Some(mut p) = self.gateways[g].sidecar.take() {
             p.kill();
         }
     }
 
     /// Restarts a killed sidecar with the same configuration.
     pub fn restart_sidecar(&mut self) -> Result<()> {
-        self.kill_sidecar();
-        self.start_sidecar()
+        self.restart_sidecar_of(0, &[])
     }
 
-    fn start_sidecar(&mut self) -> Result<()> {
+    /// Restarts gateway `g`'s sidecar with its configuration and `args`
+    /// (e.g. `--indexer-peers`).
+    pub fn restart_sidecar_of(&mut self, g: usize, args: &[String]) -> Result<()> {
+        self.kill_sidecar_of(g);
+        self.start_sidecar(g, args)
+    }
+
+    fn start_sidecar(&mut self, g: usize, extra_args: &[String]) -> Result<()> {
         let c = &self.config;
+        let gw = &self.gateways[g];
         let mut toml = format!(
             "[server]\nlisten = \"127.0.0.1:{}\"\npublish_interval_ms = 20\n\n[scrape]\ninterval_ms = {}\ntimeout_ms = {}\ndown_after_ms = {}\n\n[[models]]\nname = \"{}\"\n{}\n",
-            self.sidecar_port,
+            gw.sidecar_port,
             c.scrape_interval_ms,
             c.scrape_interval_ms.max(200),
             c.down_after_ms,
@@ -326,34 +380,51 @@ impl Stack {
                 }
             }
         }
+        if c.selection_api {
+            toml.push_str(&format!(
+                "\n[selection]\nlisten = \"127.0.0.1:{}\"\n",
+                gw.selection_port
+            ));
+        }
+        if c.replica_sync {
+            let peers: Vec<String> = self
+                .gateways
+                .iter()
+                .filter(|o| o.tag != gw.tag)
+                .map(|o| format!("tcp://127.0.0.1:{}", o.sync_port))
+                .collect();
+            toml.push_str(&format!(
+                "\n[replica_sync]\nlisten = \"127.0.0.1:{}\"\npeers = {peers:?}\n",
+                gw.sync_port
+            ));
+        }
         if let Some(token) = &c.control_token {
             let file = self.run_dir.join("control.token");
             std::fs::write(&file, token).context("writing the control token")?;
             toml = format!("[control]\ntoken_file = \"{}\"\n\n{toml}", file.display());
         }
-        let path = self.run_dir.join("sidecar.toml");
+        let path = self.run_dir.join(format!("sidecar{}.toml", gw.tag));
         if !path.exists() {
             std::fs::write(&path, toml).context("writing sidecar.toml")?;
         }
-        let args = vec!["--config".to_string(), path.display().to_string()];
-        self.sidecar = Some(Proc::spawn(
-            "sidecar",
+        let mut args = vec!["--config".to_string(), path.display().to_string()];
+        args.extend(extra_args.iter().cloned());
+        let proc = Proc::spawn(
+            &format!("sidecar{}", gw.tag),
             &self.paths.bin("kvgate-sidecar"),
             &args,
             &self.run_dir,
-        )?);
-        http::wait_for_status(
-            &self.sidecar_addr(),
-            "/health",
-            200,
-            Duration::from_secs(20),
-        )
-        .context("sidecar did not come up")
-        .map_err(|e| self.explain(e))?;
+        )?;
+        let addr = gw.sidecar_addr();
+        self.gateways[g].sidecar = Some(proc);
+        http::wait_for_status(&addr, "/health", 200, Duration::from_secs(20))
+            .context("sidecar did not come up")
+            .map_err(|e| self.explain(e))?;
         Ok(())
     }
 
-    fn start_envoy(&mut self) -> Result<()> {
+    fn start_envoy(&mut self, g: usize) -> Result<()> {
+        let gw = &self.gateways[g];
         let mut overrides = self.config.plugin.clone();
         // The snapshot service authenticates its bookings and reports.
         if let (Some(token), Some(o)) = (&self.config.control_token, overrides.as_object_mut()) {
@@ -365,18 +436,18 @@ impl Stack {
         let yaml = envoy::render(
             &self.paths.repo.join("envoy/envoy.yaml"),
             &envoy::Vars {
-                admin_port: self.admin_port,
-                listen_port: self.envoy_port,
-                plain_port: self.plain_port,
-                sidecar_port: self.sidecar_port,
-                control_port: self.control_port,
+                admin_port: gw.admin_port,
+                listen_port: gw.envoy_port,
+                plain_port: gw.plain_port,
+                sidecar_port: gw.sidecar_port,
+                control_port: gw.control_port,
                 wasm_path: self.paths.wasm.display().to_string(),
                 plugin_config: plugin,
                 fallback: endpoints,
                 tenant_jwks: jwt::jwks(&self.tenant_key),
             },
         )?;
-        let path = self.run_dir.join("envoy.yaml");
+        let path = self.run_dir.join(format!("envoy{}.yaml", gw.tag));
         std::fs::write(&path, yaml).context("writing envoy.yaml")?;
         let args = vec![
             "-c".to_string(),
@@ -390,25 +461,91 @@ impl Stack {
             "--base-id".into(),
             // Distinct per stack so parallel stacks never share Envoy's hot
             // restart shared memory.
-            (u32::from(self.admin_port)).to_string(),
+            (u32::from(gw.admin_port)).to_string(),
         ];
-        self.envoy = Some(Proc::spawn(
-            "envoy",
+        let proc = Proc::spawn(
+            &format!("envoy{}", gw.tag),
             &self.paths.envoy,
             &args,
             &self.run_dir,
-        )?);
-        http::wait_for_status(&self.admin_addr(), "/ready", 200, Duration::from_secs(60))
+        )?;
+        let admin = gw.admin_addr();
+        self.gateways[g].envoy = Some(proc);
+        http::wait_for_status(&admin, "/ready", 200, Duration::from_secs(60))
             .context("envoy did not become ready")
             .map_err(|e| self.explain(e))?;
         Ok(())
     }
 
-    /// Waits until the filter has a snapshot in which every worker is up,
-    /// served by the sidecar now running (versions restart with it).
+    /// Waits until the first gateway's filter has a snapshot in which every
+    /// worker is up, served by the sidecar now running (versions restart
+    /// with it).
     pub fn wait_routing_ready(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        self.wait_gateway_ready(0, timeout)
+    }
+
+    /// [`Stack::wait_routing_ready`] for gateway `g`.
+    pub fn wait_gateway_ready(&self, g: usize, timeout: Duration) -> Result<()> {
         let want = self.workers.iter().filter(|w| w.proc.is_some()).count();
+        self.gateways[g]
+            .wait_ready(want, self.workers.len(), timeout)
+            .map_err(|e| self.explain(e))
+    }
+
+    pub fn routed_members(&self) -> Result<usize> {
+        self.gateways[0].routed_members()
+    }
+
+    pub fn sidecar_metric(&self, series: &str) -> Result<f64> {
+        self.gateways[0].sidecar_metric(series)
+    }
+
+    pub fn sidecar_state(&self) -> Result<serde_json::Value> {
+        self.gateways[0].sidecar_state()
+    }
+
+    pub fn sidecar_workers_up(&self) -> Result<usize> {
+        self.gateways[0].sidecar_workers_up()
+    }
+
+    pub fn envoy_stat(&self, name: &str) -> Result<u64> {
+        self.gateways[0].envoy_stat(name)
+    }
+
+    /// The tail of every process log, for failure messages.
+    pub fn log_tails(&self) -> String {
+        process::tails(&self.run_dir, 40)
+    }
+
+    fn explain(&self, e: anyhow::Error) -> anyhow::Error {
+        e.context(format!(
+            "process logs in {}:\n{}",
+            self.run_dir.display(),
+            self.log_tails()
+        ))
+    }
+}
+
+impl Gateway {
+    pub fn envoy_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.envoy_port)
+    }
+    pub fn sidecar_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.sidecar_port)
+    }
+    pub fn admin_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.admin_port)
+    }
+    /// The sidecar's selection API, when the stack serves it.
+    pub fn selection_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.selection_port)
+    }
+
+    /// Waits until the filter has a snapshot in which `want` workers are
+    /// up, served by the sidecar now running (versions restart with it),
+    /// and the routed cluster holds all `members`.
+    fn wait_ready(&self, want: usize, members_want: usize, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
         loop {
             let up = self.sidecar_workers_up().unwrap_or(0);
             let version = self.envoy_stat("kvgate_snapshot_version").unwrap_or(0);
@@ -422,7 +559,7 @@ impl Stack {
                 .unwrap_or(0.0);
             let members = self.routed_members().unwrap_or(0);
             if up >= want
-                && members >= self.workers.len()
+                && members >= members_want
                 && version > 0
                 && version == sidecar_version
                 && served >= 1.0
@@ -430,11 +567,10 @@ impl Stack {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                let e = anyhow::anyhow!(
-                    "routing not ready: sidecar reports {up}/{want} workers up, envoy's routed cluster has {members}/{} members, envoy snapshot version {version}, sidecar version {sidecar_version}, full polls served {served}",
-                    self.workers.len()
+                bail!(
+                    "routing not ready at gateway{}: sidecar reports {up}/{want} workers up, envoy's routed cluster has {members}/{members_want} members, envoy snapshot version {version}, sidecar version {sidecar_version}, full polls served {served}",
+                    self.tag
                 );
-                return Err(self.explain(e));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -503,28 +639,14 @@ impl Stack {
         }
         Ok(0)
     }
-
-    /// The tail of every process log, for failure messages.
-    pub fn log_tails(&self) -> String {
-        process::tails(&self.run_dir, 40)
-    }
-
-    fn explain(&self, e: anyhow::Error) -> anyhow::Error {
-        e.context(format!(
-            "process logs in {}:\n{}",
-            self.run_dir.display(),
-            self.log_tails()
-        ))
-    }
 }
 
 impl Drop for Stack {
     fn drop(&mut self) {
-        if let Some(mut p) = self.envoy.take() {
-            p.kill();
-        }
-        if let Some(mut p) = self.sidecar.take() {
-            p.kill();
+        for g in &mut self.gateways {
+            for mut p in [g.envoy.take(), g.sidecar.take()].into_iter().flatten() {
+                p.kill();
+            }
         }
         for w in &mut self.workers {
             if let Some(mut p) = w.proc.take() {

@@ -121,3 +121,25 @@ pub fn wait_bookings_drained(stack: &Stack) {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// A completion with `n` tokens unique to `tag`, so no prefix is shared.
+pub fn unique_prompt(tag: u32, n: u32) -> Vec<u32> {
+    let base = tag.wrapping_mul(10_007).wrapping_add(50_000_000);
+    (0..n).map(|k| base.wrapping_add(k)).collect()
+}
+
+pub fn completion(addr: &str, prompt: &[u32], max_tokens: u32) -> anyhow::Result<Reply> {
+    let body = json!({"model": "demo-model", "prompt": prompt, "max_tokens": max_tokens});
+    let (status, headers, body) = http::request_full(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        Some(body.to_string().as_bytes()),
+    )?;
+    Ok(Reply {
+        status,
+        headers,
+        body,
+    })
+}
