@@ -66,24 +66,46 @@ pub fn run(args: &[String]) -> Result<()> {
                 std::fs::write(dir.join("quality.json"), serde_json::to_vec_pretty(&v)?)?;
                 (quality_section(&v)?, "\n## Routing quality")
             }
+            "sync" => {
+                let v = crate::apibench::sync(quick)?;
+                std::fs::write(dir.join("sync.json"), serde_json::to_vec_pretty(&v)?)?;
+                let kv: Value = std::fs::read(dir.join("kv.json"))
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .unwrap_or(Value::Null);
+                (
+                    crate::apibench::report(&kv["selection_api"], &v),
+                    "\n## Selection API and replica sync",
+                )
+            }
+            "kv" => {
+                let v = crate::kvbench::run(quick, envoy_histogram)?;
+                std::fs::write(dir.join("kv.json"), serde_json::to_vec_pretty(&v)?)?;
+                (kv_report(&v), "\n## KV-aware routing")
+            }
             "overhead" => {
                 let v = overhead(quick)?;
                 std::fs::write(dir.join("overhead.json"), serde_json::to_vec_pretty(&v)?)?;
                 (overhead_section(&v), "\n## Filter overhead")
             }
-            other => bail!("--only knows overhead, shedding and quality, not {other:?}"),
+            other => bail!("--only knows overhead, kv, sync, shedding and quality, not {other:?}"),
         };
         let path = repo().join("bench/report.md");
         let old = std::fs::read_to_string(&path).unwrap_or_default();
-        // The section takes the place of the old one, or goes at the end.
-        let updated = match old.find(heading) {
-            Some(at) => {
-                let rest = &old[at + 1..];
-                let end = rest.find("\n## ").map_or(old.len(), |e| at + 1 + e);
-                format!("{}{section}{}", &old[..at], &old[end..])
-            }
-            None => format!("{old}{section}"),
-        };
+        let mut updated = replace_section(&old, heading, &section);
+        if name == "kv" {
+            // The API's figures come from the same index.
+            let sync: Value = std::fs::read(dir.join("sync.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or(Value::Null);
+            let kv: Value = serde_json::from_slice(&std::fs::read(dir.join("kv.json"))?)?;
+            updated = replace_section(
+                &updated,
+                "\n## Selection API and replica sync",
+                &crate::apibench::report(&kv["selection_api"], &sync),
+            );
+        }
         std::fs::write(&path, updated)?;
         println!("{section}");
         return Ok(());
@@ -98,6 +120,8 @@ pub fn run(args: &[String]) -> Result<()> {
     )?;
     let kv = crate::kvbench::run(quick, envoy_histogram)?;
     std::fs::write(dir.join("kv.json"), serde_json::to_vec_pretty(&kv)?)?;
+    let sync = crate::apibench::sync(quick)?;
+    std::fs::write(dir.join("sync.json"), serde_json::to_vec_pretty(&sync)?)?;
     let selection = example("kvgate-tests", "selection_bench")?;
     std::fs::write(
         dir.join("selection.json"),
@@ -116,12 +140,26 @@ pub fn run(args: &[String]) -> Result<()> {
 
     let mut report = report(&ingest, &overhead, quick, started.elapsed());
     report.push_str(&kv_report(&kv));
+    report.push_str(&crate::apibench::report(&kv["selection_api"], &sync));
     report.push_str(&selection_report(&selection));
     report.push_str(&crate::shedbench::report(&shedding));
     report.push_str(&quality_section(&quality)?);
     std::fs::write(repo().join("bench/report.md"), &report)?;
     println!("\n{report}");
     Ok(())
+}
+
+/// `report` with the section under `heading` replaced by `section`, or
+/// with `section` at the end when there is none.
+fn replace_section(report: &str, heading: &str, section: &str) -> String {
+    match report.find(heading) {
+        Some(at) => {
+            let rest = &report[at + 1..];
+            let end = rest.find("\n## ").map_or(report.len(), |e| at + 1 + e);
+            format!("{}{section}{}", &report[..at], &report[end..])
+        }
+        None => format!("{report}{section}"),
+    }
 }
 
 /// The routing-quality section; its plots go to `bench/plots/`.

@@ -117,6 +117,7 @@ pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Re
             .map(String::from)
             .to_vec(),
             plugin: json!({"max_body_bytes": 4194304}),
+            selection_api: true,
             scrape_interval_ms: 250,
             down_after_ms: 3000,
             ..StackConfig::default()
@@ -199,6 +200,11 @@ pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Re
         fresh.push(first_of_streak.unwrap_or_default().as_secs_f64() * 1e3);
     }
     fresh.sort_by(f64::total_cmp);
+    // The same index through the sidecar's selection API.
+    let prompts: Vec<Vec<u32>> = (0..256)
+        .map(|i| chain_tokens(i % WORKERS, (i * 37) % chains_per_worker))
+        .collect();
+    let api = crate::apibench::selection(&stack, &prompts)?;
     let pct = |p: f64| fresh[((fresh.len() as f64 * p).ceil() as usize).clamp(1, fresh.len()) - 1];
     std::thread::sleep(Duration::from_secs(6));
     Ok(json!({
@@ -216,5 +222,6 @@ pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Re
         "freshness_ms_p50": pct(0.5),
         "freshness_ms_p99": pct(0.99),
         "freshness_samples": fresh.len(),
+        "selection_api": api,
     }))
 }

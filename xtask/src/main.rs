@@ -10,6 +10,7 @@
 //! * `fuzz`   — fuzzes every decoder of outside input (see `fuzz/README.md`):
 //!   libFuzzer where `cargo +nightly fuzz` works, else the built-in engine.
 
+mod apibench;
 mod bench;
 mod build;
 mod demo;
