@@ -585,7 +585,8 @@ async fn json_bodies_keep_their_shapes() {
         json!({"worker_id": 1, "model_name": "m", "tenant_id": "default", "endpoint": w,
                "metrics_url": null, "block_size": 16, "data_parallel_start_rank": 0,
                "data_parallel_size": 1, "max_num_batched_tokens": 0,
-               "kv_events_endpoints": {}, "replay_endpoint": null, "slots": [0]})
+               "kv_events_endpoints": {}, "replay_endpoint": null, "slots": [0],
+               "lifecycle": "schedulable"})
     );
     assert_eq!(
         keys(&status),

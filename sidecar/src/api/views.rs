@@ -83,6 +83,10 @@ impl From<&ModelState> for ModelView {
 pub struct WorkerView {
     #[serde(flatten)]
     pub spec: WorkerSpec,
+    /// Dynamo's catalog states: `schedulable` (selections may choose it),
+    /// `incomplete` (not scraped successfully yet), `unschedulable` (its
+    /// scrapes stopped succeeding).
+    pub lifecycle: String,
     pub status: WorkerStatus,
     pub slots: Vec<u16>,
 }
@@ -98,8 +102,14 @@ pub struct WorkerStatus {
 
 impl From<&WorkerEntry> for WorkerView {
     fn from(w: &WorkerEntry) -> WorkerView {
+        let lifecycle = match (w.health.up, w.health.scrapes > w.health.scrape_errors) {
+            (true, _) => "schedulable",
+            (false, false) => "incomplete",
+            (false, true) => "unschedulable",
+        };
         WorkerView {
             spec: w.spec.clone(),
+            lifecycle: lifecycle.into(),
             status: WorkerStatus {
                 up: w.health.up,
                 last_error: w.health.last_error.clone(),

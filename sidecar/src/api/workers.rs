@@ -6,16 +6,43 @@ use crate::Sidecar;
 use crate::config::WorkerSpec;
 use crate::fleet::FleetError;
 use axum::body::Bytes;
-use axum::extract::Path;
-use axum::extract::State;
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
 use serde_json::Value;
 use std::sync::Arc;
 
-pub(super) async fn list_workers(State(sc): State<Arc<Sidecar>>) -> Response {
+/// `GET /workers?model_name=&tenant_id=`: both optional, as Dynamo's.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Scope {
+    model_name: Option<String>,
+    tenant_id: Option<String>,
+}
+
+pub(super) async fn list_workers(
+    State(sc): State<Arc<Sidecar>>,
+    Query(scope): Query<Scope>,
+) -> Response {
     let f = sc.fleet();
-    let workers = f.workers.values().map(WorkerView::from).collect();
+    let workers = f
+        .workers
+        .values()
+        .filter(|w| {
+            scope
+                .model_name
+                .as_ref()
+                .is_none_or(|m| *m == w.spec.model_name)
+        })
+        .filter(|w| {
+            scope
+                .tenant_id
+                .as_ref()
+                .is_none_or(|t| *t == w.spec.tenant_id)
+        })
+        .map(WorkerView::from)
+        .collect();
     json_response(StatusCode::OK, &WorkerList { workers })
 }
 
