@@ -32,6 +32,7 @@ mod ingest;
 mod lifecycle;
 pub mod metrics;
 pub mod publish;
+mod recovery;
 mod sidecar;
 pub mod sources;
 mod tick;

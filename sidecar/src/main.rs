@@ -57,6 +57,10 @@ struct RunArgs {
     /// max_num_batched_tokens.
     #[arg(long)]
     active_prefill_tokens_threshold_frac: Option<f64>,
+    /// Peers (`http://host:port`, comma-separated, tried in order) whose
+    /// `GET /dump` seeds the prefix index at start; over `indexer.peers`.
+    #[arg(long, value_name = "URL[,URL...]", value_delimiter = ',')]
+    indexer_peers: Option<Vec<String>>,
 }
 
 #[tokio::main]
@@ -104,6 +108,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         active_prefill_tokens: args.active_prefill_tokens_threshold,
         active_prefill_tokens_frac: args.active_prefill_tokens_threshold_frac,
     })?;
+    if let Some(peers) = args.indexer_peers {
+        config.set_indexer_peers(peers)?;
+    }
     config.resolve_token()?;
     let listen = config.server.listen;
     let selection = config.selection.listen;

@@ -10,7 +10,7 @@ use crate::sources::kv::plane::{Plane, PlaneConfig};
 use crate::sources::kv::subscriber::SocketLimits;
 use crate::sources::metrics::scrape::{self, HttpClient};
 use crate::sources::routed::ApproxIndex;
-use crate::tick;
+use crate::{recovery, tick};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,6 +34,8 @@ pub struct Sidecar {
     last_poll_ms: AtomicU64,
     client: HttpClient,
     workers: Lifecycle,
+    /// `GET /dump` one at a time: each holds a copy of the index.
+    dump_turn: tokio::sync::Mutex<()>,
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -53,6 +55,7 @@ impl Sidecar {
                 shard_count: config.kv.shards,
                 max_blocks_per_slot: config.kv.max_blocks_per_rank,
                 publish_interval: config.kv.publish_interval.max(Duration::from_millis(1)),
+                hold: recovery::hold(&config.indexer),
                 ..Default::default()
             },
             versions.clone(),
@@ -78,11 +81,17 @@ impl Sidecar {
                     queue_messages: config.kv.queue_messages,
                 },
             ),
+            dump_turn: tokio::sync::Mutex::new(()),
             config,
         });
         let ids: Vec<u64> = sc.fleet().workers.keys().copied().collect();
         for id in ids {
             sc.worker_started(id);
+        }
+        if !sc.config.indexer.peers.is_empty() {
+            // The subscribers above are connecting; their batches wait for
+            // this (see `Plane`).
+            tokio::spawn(recovery::run(sc.clone()));
         }
         sc.publish_now();
         tokio::spawn(tick::publish_loop(sc.clone()));
@@ -137,6 +146,10 @@ impl Sidecar {
 
     pub(crate) fn workers(&self) -> &Lifecycle {
         &self.workers
+    }
+
+    pub(crate) fn dump_turn(&self) -> &tokio::sync::Mutex<()> {
+        &self.dump_turn
     }
 
     /// Notes that a gateway's long poll was answered.

@@ -3,6 +3,8 @@
 //! * `GET /v1/snapshot?after=V&epoch=E&wait_ms=M` — the long poll Envoy's
 //!   snapshot service uses (see `docs/architecture.md`).
 //! * `GET /v1/state` — the current snapshot as JSON, for people and tests.
+//! * `GET /dump` — the prefix index in a recovery format (binary), for a
+//!   peer starting up with `[indexer] peers`; on both listeners.
 //! * `POST /v1/routed`, `POST /v1/bookings` — what the filter reports:
 //!   routing decisions for the approximate index, and load bookings.
 //! * `GET/POST /busy_threshold` — shedding thresholds, in Dynamo's shapes.
@@ -19,12 +21,12 @@
 //! (`/v1/bookings`, `/v1/routed`), since a forged booking sheds every
 //! request for the booking TTL and forged routing decisions steer the
 //! approximate index. What only reads (`/v1/snapshot`, `/v1/state`,
-//! `/health`, `/ready`, `/metrics`) stays open.
+//! `/dump`, `/health`, `/ready`, `/metrics`) stays open.
 //!
 //! The selection API has a listener of its own ([`selection_router`],
 //! `[selection] listen`): `POST /select`, Dynamo's selection request (where
-//! the filter would place a prompt, without booking it), with `/health`
-//! and `/ready`.
+//! the filter would place a prompt, without booking it), with `/dump`,
+//! `/health` and `/ready`.
 //!
 //! Each resource has its module; the bodies they answer are types in
 //! [`views`]. A new resource is a new module beside them, registered in
@@ -32,6 +34,7 @@
 
 mod auth;
 mod discovery;
+mod dump;
 mod poll;
 mod probes;
 mod reports;
@@ -57,6 +60,7 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
     Router::new()
         .route("/v1/snapshot", get(poll::snapshot))
         .route("/v1/state", get(state::state))
+        .route("/dump", get(dump::dump))
         .route(
             "/v1/routed",
             axum::routing::post(reports::routed).route_layer(token.clone()),
@@ -100,6 +104,7 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
 pub fn selection_router(sc: Arc<Sidecar>) -> Router {
     Router::new()
         .route("/select", axum::routing::post(select::select))
+        .route("/dump", get(dump::dump))
         .route("/health", get(health))
         .route("/ready", get(probes::ready))
         .with_state(sc)

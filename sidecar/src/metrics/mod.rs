@@ -41,6 +41,9 @@ pub struct Metrics {
     pub kv_block_size_mismatch: IntCounterVec,
     pub kv_malformed_batches: IntGauge,
     pub approx_learned: IntCounter,
+    pub index_recovered_blocks: IntCounter,
+    pub index_recovery_dropped: IntCounterVec,
+    pub index_recovery_seconds: Gauge,
 }
 
 /// A metric that could not be created or registered: a malformed or
@@ -295,6 +298,22 @@ impl Metrics {
                 &r,
                 "kvgate_sidecar_approx_learned_total",
                 "Chunk holders learned from routing decisions (routed-prefix index).",
+            )?,
+            index_recovered_blocks: plain_counter(
+                &r,
+                "kvgate_index_recovered_blocks_total",
+                "Blocks replayed into the prefix index from a peer's dump at start-up ([indexer] peers).",
+            )?,
+            index_recovery_dropped: counter(
+                &r,
+                "kvgate_index_recovery_dropped_blocks_total",
+                "Blocks of a peer's dump not replayed, by reason (unknown_rank: no such worker, rank or model here; block_size: the worker's differs here; over_bound: more than kv.max_blocks_per_rank; already_indexed: a live event came first).",
+                &["reason"],
+            )?,
+            index_recovery_seconds: float_gauge(
+                &r,
+                "kvgate_index_recovery_seconds",
+                "How long start-up recovery of the prefix index took: fetching, decoding and replaying a peer's dump, or trying every peer.",
             )?,
             registry: r,
         })
