@@ -29,6 +29,8 @@ pub mod shard;
 pub mod snapshot;
 pub mod state;
 pub mod update;
+/// Public so that the sidecar reads its own formats (index dumps) through
+/// the same checks.
 pub mod wire;
 
 pub use plan::{Placement, Plan, Rejection, Route};

@@ -1,5 +1,6 @@
 //! The one reader behind every binary format kvgate decodes (snapshots,
-//! update frames, booking events, routing reports, index shards).
+//! update frames, booking events, routing reports, index shards, and the
+//! sidecar's index dumps).
 //!
 //! Input comes from another process, often across a trust boundary, so
 //! every read is checked against the bytes present, every count against

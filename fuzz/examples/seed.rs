@@ -11,6 +11,7 @@ use kvgate_core::shard::{self, Holder, TIER_DEVICE, TIER_DISK, TIER_HOST};
 use kvgate_core::{Applied, ModelState, Policy, RankLoad, Snapshot, WorkerState};
 use kvgate_core::{Thresholds, update};
 use kvgate_fuzz::join_frames;
+use kvgate_sidecar::sources::kv::dump::{self, Block, Dump, Group};
 use std::path::Path;
 
 /// Just enough msgpack to write the engines' shapes.
@@ -449,6 +450,42 @@ sglang:token_usage{dp_rank=\"5\"} -Inf
     ]
 }
 
+fn dumps() -> Vec<(&'static str, Vec<u8>)> {
+    let block = |engine, seq, tiers, unmatchable| Block {
+        engine,
+        seq,
+        tiers,
+        unmatchable,
+    };
+    let two_ranks = Dump {
+        created_at_ms: 1_700_000_000_000,
+        groups: vec![
+            Group {
+                model: "m".into(),
+                worker_id: 1,
+                dp_rank: 0,
+                block_size: 16,
+                blocks: vec![
+                    block(10, 100, TIER_DEVICE, false),
+                    block(11, 101, TIER_DEVICE | TIER_HOST, false),
+                    block(12, 102, TIER_DEVICE, true),
+                ],
+            },
+            Group {
+                model: "m".into(),
+                worker_id: 2,
+                dp_rank: 1,
+                block_size: 16,
+                blocks: vec![block(u64::MAX, 7, TIER_DISK, false)],
+            },
+        ],
+    };
+    vec![
+        ("seed-empty", dump::encode(Dump::default())),
+        ("seed-two-ranks", dump::encode(two_ranks)),
+    ]
+}
+
 fn write(target: &str, name: &str, bytes: &[u8]) {
     let dir = kvgate_fuzz::run::corpus_root().join(target);
     std::fs::create_dir_all(&dir).expect("corpus folder");
@@ -547,6 +584,9 @@ fn main() {
     }
     for (name, b) in promtext() {
         write("promtext", name, &b);
+    }
+    for (name, b) in dumps() {
+        write("dump", name, &b);
     }
     println!(
         "seeds written under {}",

@@ -4,7 +4,7 @@
 //! through one of these decoders: engines' KV-event batches and replay
 //! replies (ZMQ), the snapshot, update frames and index shards (sidecar to
 //! Envoy), booking and routing reports (Envoy to sidecar), request bodies
-//! (clients), and workers' Prometheus pages. None may panic, and none may
+//! (clients), workers' Prometheus pages, and peers' index dumps. None may panic, and none may
 //! allocate more than a bound ([`guard::DEFAULT_LIMIT`]) whatever a length
 //! field claims.
 //!
@@ -28,6 +28,7 @@ use kvgate_core::approx::{self, Routed};
 use kvgate_core::plan::request::{self, Endpoint};
 use kvgate_core::shard::{self, Holder, ShardView, SlotOverlap};
 use kvgate_core::{Snapshot, booking, update};
+use kvgate_sidecar::sources::kv::dump;
 use kvgate_sidecar::sources::kv::msgpack::Reader;
 use kvgate_sidecar::sources::kv::replay::{self, Reply};
 use kvgate_sidecar::sources::kv::stage::{Op, Staged};
@@ -86,6 +87,9 @@ targets! {
     /// A worker's Prometheus page (`sidecar/src/promtext.rs`) and the load
     /// signals extracted from it.
     promtext => check_promtext,
+    /// A peer's `GET /dump` (`sidecar/src/sources/kv/dump.rs`), as sent and
+    /// resealed (so mutants get past the checksum), with a round trip.
+    dump => check_dump,
 }
 
 /// Looks a target up by name.
@@ -362,4 +366,29 @@ fn check_promtext(data: &[u8]) -> bool {
         }
     }
     !parsed.samples.is_empty()
+}
+
+fn check_dump(data: &[u8]) -> bool {
+    // As sent: a mutant almost always fails its checksum.
+    let _ = dump::decode(data);
+    let mut sealed = data.to_vec();
+    dump::reseal(&mut sealed);
+    let Ok(d) = dump::decode(&sealed) else {
+        return false;
+    };
+    // Re-encoded, the same ranks and blocks come back, in canonical order.
+    let again = dump::decode(&dump::encode(d.clone())).expect("an encoded dump decodes");
+    assert_eq!(again.groups.len(), d.groups.len());
+    let key = |b: &dump::Block| (b.engine, b.seq, b.tiers, b.unmatchable);
+    for (a, b) in again.groups.iter().zip(&d.groups) {
+        assert_eq!(
+            (&a.model, a.worker_id, a.dp_rank, a.block_size),
+            (&b.model, b.worker_id, b.dp_rank, b.block_size)
+        );
+        let (mut x, mut y) = (a.blocks.clone(), b.blocks.clone());
+        x.sort_by_key(key);
+        y.sort_by_key(key);
+        assert_eq!(x, y, "blocks changed in a round trip");
+    }
+    true
 }

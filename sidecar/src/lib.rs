@@ -35,6 +35,7 @@ mod ingest;
 mod lifecycle;
 pub mod metrics;
 pub mod publish;
+mod recovery;
 pub mod replica;
 mod reservations;
 mod sidecar;

@@ -4,7 +4,7 @@
 //! changed.
 
 use crate::config::WorkerSpec;
-use crate::sources::kv::plane::Plane;
+use crate::sources::kv::plane::{Plane, RankId};
 use crate::sources::kv::subscriber::{SocketLimits, Subscriber, SubscriberSpec, SubscriberStats};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -66,7 +66,11 @@ impl Lifecycle {
                 tracing::warn!(worker = id, rank = r, "no KV event endpoint for this rank");
                 continue;
             };
-            plane.add_slot(*slot, &spec.model_name, spec.block_size, 0);
+            let rank = RankId {
+                worker_id: id,
+                dp_rank: r,
+            };
+            plane.add_slot(*slot, &spec.model_name, rank, spec.block_size, 0);
             let sub = Subscriber::spawn(
                 self.zmq.clone(),
                 SubscriberSpec {

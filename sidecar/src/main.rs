@@ -65,6 +65,10 @@ struct RunArgs {
     /// (overrides `replica_sync.peers`).
     #[arg(long, value_delimiter = ',')]
     replica_sync_peers: Option<Vec<String>>,
+    /// Peers (`http://host:port`, comma-separated, tried in order) whose
+    /// `GET /dump` seeds the prefix index at start; over `indexer.peers`.
+    #[arg(long, value_name = "URL[,URL...]", value_delimiter = ',')]
+    indexer_peers: Option<Vec<String>>,
 }
 
 #[tokio::main]
@@ -122,6 +126,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .replica_sync
         .validate()
         .map_err(|e| anyhow::anyhow!(e))?;
+    if let Some(peers) = args.indexer_peers {
+        config.set_indexer_peers(peers)?;
+    }
     config.resolve_token()?;
     let listen = config.server.listen;
     let selection = config.selection.listen;

@@ -12,7 +12,7 @@ use crate::sources::kv::plane::{Plane, PlaneConfig};
 use crate::sources::kv::subscriber::SocketLimits;
 use crate::sources::metrics::scrape::{self, HttpClient};
 use crate::sources::routed::ApproxIndex;
-use crate::tick;
+use crate::{recovery, tick};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,6 +38,8 @@ pub struct Sidecar {
     workers: Lifecycle,
     /// Present when `[replica_sync] listen` is set.
     replica: Option<ReplicaSync>,
+    /// `GET /dump` one at a time: each holds a copy of the index.
+    dump_turn: tokio::sync::Mutex<()>,
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -57,6 +59,7 @@ impl Sidecar {
                 shard_count: config.kv.shards,
                 max_blocks_per_slot: config.kv.max_blocks_per_rank,
                 publish_interval: config.kv.publish_interval.max(Duration::from_millis(1)),
+                hold: recovery::hold(&config.indexer),
                 ..Default::default()
             },
             versions.clone(),
@@ -99,6 +102,7 @@ impl Sidecar {
                 },
             ),
             replica,
+            dump_turn: tokio::sync::Mutex::new(()),
             config,
         });
         if sc.replica.is_some() {
@@ -113,6 +117,11 @@ impl Sidecar {
         let ids: Vec<u64> = sc.fleet().workers.keys().copied().collect();
         for id in ids {
             sc.worker_started(id);
+        }
+        if !sc.config.indexer.peers.is_empty() {
+            // The subscribers above are connecting; their batches wait for
+            // this (see `Plane`).
+            tokio::spawn(recovery::run(sc.clone()));
         }
         sc.publish_now();
         tokio::spawn(tick::publish_loop(sc.clone()));
@@ -178,6 +187,10 @@ impl Sidecar {
         if let Some(r) = &self.replica {
             r.announce(ev());
         }
+    }
+
+    pub(crate) fn dump_turn(&self) -> &tokio::sync::Mutex<()> {
+        &self.dump_turn
     }
 
     /// Notes that a gateway's long poll was answered.

@@ -363,33 +363,35 @@ async fn replica_sync_shares_admissions_and_frees_between_sidecars() {
         assert_eq!(status, 400, "{bad}");
     }
 
-    // ZMQ subscriptions take a moment to connect: reserve until B sees one.
+    // ZMQ subscriptions take a moment to connect (and a message sent before
+    // is lost: sync is best effort): reserve until each side sees the
+    // other's.
     let reserve = async |api: &str, id: &str| {
         json_of(
             "POST",
             &format!("{api}/reservations"),
-            Some(
-                json!({"reservation_id": id, "model_name": "m", "worker_id": 1, "isl_tokens": 160}),
-            ),
+            Some(json!({"reservation_id": id, "model_name": "m", "worker_id": 1, "isl_tokens": 160})),
         )
         .await
         .0
     };
-    let mut n = 0;
-    wait_until("B hears A's reservation", async || {
-        n += 1;
-        assert_eq!(reserve(&a_api, &format!("warm-{n}")).await, 200);
-        loads(&b_api).await[0].1.0 > 0
-    })
-    .await;
-    for i in 1..=n {
-        let url = format!("{a_api}/reservations/warm-{i}");
-        assert_eq!(call("DELETE", &url, None).await.0, 204);
+    for (from, to) in [(&a_api, &b_api), (&b_api, &a_api)] {
+        let mut n = 0;
+        wait_until("a peer hears a reservation", async || {
+            n += 1;
+            assert_eq!(reserve(from, &format!("warm-{n}")).await, 200);
+            loads(to).await[0].1.0 > 0
+        })
+        .await;
+        for i in 1..=n {
+            let url = format!("{from}/reservations/warm-{i}");
+            assert_eq!(call("DELETE", &url, None).await.0, 204);
+        }
+        wait_until("the peer hears the frees", async || {
+            loads(to).await[0].1 == (0, 0)
+        })
+        .await;
     }
-    wait_until("B hears the frees", async || {
-        loads(&b_api).await[0].1 == (0, 0)
-    })
-    .await;
 
     // Each side's reservation loads the other; prefill completion and free
     // travel too.

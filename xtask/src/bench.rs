@@ -8,6 +8,10 @@
 //!   decision-time histogram from Envoy.
 //! * `ingest`: KV events decoded, hashed and indexed on one thread, against
 //!   a generic msgpack decode of the same bytes.
+//! * `dump`: the size of a 1.6M-block index's `GET /dump` and the cost of
+//!   recovering from it (the index thread's copy, encoding, decoding,
+//!   replay; and between two sidecars over HTTP). `--only dump` runs just
+//!   that one.
 //! * `shedding` ([`crate::shedbench`]): the busy 503's latency against a
 //!   pass-through route, and admitted TTFT at 2× overload with shedding off
 //!   and on. `--only shedding` runs just that one.
@@ -48,9 +52,12 @@ pub fn run(args: &[String]) -> Result<()> {
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1));
     let started = Instant::now();
-    setup::all()?;
-    build::wasm()?;
-    build::bins(Profile::Release)?;
+    // The dump benchmark runs its sidecars in process: no Envoy, no filter.
+    if only.is_none_or(|o| o != "dump") {
+        setup::all()?;
+        build::wasm()?;
+        build::bins(Profile::Release)?;
+    }
     let dir = repo().join("bench/results");
     std::fs::create_dir_all(&dir)?;
     if let Some(name) = only {
@@ -88,7 +95,14 @@ pub fn run(args: &[String]) -> Result<()> {
                 std::fs::write(dir.join("overhead.json"), serde_json::to_vec_pretty(&v)?)?;
                 (overhead_section(&v), "\n## Filter overhead")
             }
-            other => bail!("--only knows overhead, kv, sync, shedding and quality, not {other:?}"),
+            "dump" => {
+                let v = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;
+                std::fs::write(dir.join("dump.json"), serde_json::to_vec_pretty(&v)?)?;
+                (dump_section(&v), "\n## Index dump and recovery")
+            }
+            other => {
+                bail!("--only knows overhead, kv, sync, dump, shedding and quality, not {other:?}")
+            }
         };
         let path = repo().join("bench/report.md");
         let old = std::fs::read_to_string(&path).unwrap_or_default();
@@ -111,8 +125,10 @@ pub fn run(args: &[String]) -> Result<()> {
         return Ok(());
     }
 
-    let ingest = ingest(if quick { 3 } else { 5 })?;
+    let ingest = sidecar_example("ingest_bench", if quick { 3 } else { 5 })?;
     std::fs::write(dir.join("ingest.json"), serde_json::to_vec_pretty(&ingest)?)?;
+    let dump = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;
+    std::fs::write(dir.join("dump.json"), serde_json::to_vec_pretty(&dump)?)?;
     let overhead = overhead(quick)?;
     std::fs::write(
         dir.join("overhead.json"),
@@ -139,6 +155,7 @@ pub fn run(args: &[String]) -> Result<()> {
     )?;
 
     let mut report = report(&ingest, &overhead, quick, started.elapsed());
+    report.push_str(&dump_section(&dump));
     report.push_str(&kv_report(&kv));
     report.push_str(&crate::apibench::report(&kv["selection_api"], &sync));
     report.push_str(&selection_report(&selection));
@@ -206,8 +223,10 @@ Parsing the 2k-token body dominates; the prefix search is within the run's noise
     )
 }
 
-fn ingest(runs: usize) -> Result<Value> {
-    eprintln!("xtask: bench ingest ({runs} runs)");
+/// Runs one of the sidecar's benchmark examples (`ingest_bench`,
+/// `dump_bench`), which prints one JSON object.
+fn sidecar_example(name: &str, runs: usize) -> Result<Value> {
+    eprintln!("xtask: bench {name} ({runs} runs)");
     let out = Command::new(cargo())
         .args([
             "run",
@@ -216,21 +235,49 @@ fn ingest(runs: usize) -> Result<Value> {
             "-p",
             "kvgate-sidecar",
             "--example",
-            "ingest_bench",
+            name,
             "--",
         ])
         .arg(runs.to_string())
         .current_dir(repo())
         .output()
-        .context("running the ingest benchmark")?;
+        .with_context(|| format!("running {name}"))?;
     if !out.status.success() {
-        bail!(
-            "ingest benchmark failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("{name} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     let line = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(line.trim()).context("parsing the ingest benchmark's output")
+    serde_json::from_str(line.trim()).with_context(|| format!("parsing {name}'s output"))
+}
+
+fn dump_section(v: &Value) -> String {
+    let f = |path: &[&str]| num(v, path);
+    format!(
+        "\n## Index dump and recovery ({:.2}M blocks: {} ranks × {}k)\n\n\
+| figure | value |\n| --- | --- |\n\
+| `GET /dump` size | {:.1} MB ({:.1} bytes a block) |\n\
+| index thread's copy of its tables (all ingest waits for) | {:.1} ms |\n\
+| encode (sort into runs, checksum), off the index thread | {:.0} ms |\n\
+| decode (checksum, bounds) | {:.0} ms |\n\
+| replay into an empty index | {:.0} ms |\n\
+| `GET /dump` from a client, loopback | {:.0} ms |\n\
+| recovery of a new sidecar from its peer (`kvgate_index_recovery_seconds`: fetch + decode + replay) | {:.0} ms, {:.2}M blocks |\n\
+| for scale: the peer indexing the same blocks from a burst of KV events over ZMQ (polled every 100 ms) | {:.0} ms |\n\n\
+Medians of {} runs. A block costs its engine hash and its sequence hash (8 bytes each); tiers and the unmatchable flag are written once per run of equal flags.\n",
+        f(&["in_process", "blocks"]) / 1e6,
+        f(&["ranks"]),
+        f(&["blocks_per_rank"]) / 1e3,
+        f(&["in_process", "dump_bytes"]) / 1e6,
+        f(&["in_process", "bytes_per_block"]),
+        f(&["in_process", "copy_ms"]),
+        f(&["in_process", "encode_ms"]),
+        f(&["in_process", "decode_ms"]),
+        f(&["in_process", "replay_ms"]),
+        f(&["over_http", "get_dump_ms"]),
+        f(&["over_http", "recovery_ms"]),
+        f(&["over_http", "recovered_blocks"]) / 1e6,
+        f(&["over_http", "index_from_events_s"]) * 1e3,
+        f(&["runs"]),
+    )
 }
 
 struct Run {

@@ -3,6 +3,8 @@
 //! * `GET /v1/snapshot?after=V&epoch=E&wait_ms=M` — the long poll Envoy's
 //!   snapshot service uses (see `docs/architecture.md`).
 //! * `GET /v1/state` — the current snapshot as JSON, for people and tests.
+//! * `GET /dump` — the prefix index in a recovery format (binary), for a
+//!   peer starting up with `[indexer] peers`; on both listeners.
 //! * `POST /v1/routed`, `POST /v1/bookings` — what the filter reports:
 //!   routing decisions for the approximate index, and load bookings.
 //! * `GET/POST /busy_threshold` — shedding thresholds, in Dynamo's shapes.
@@ -19,7 +21,7 @@
 //! (`/v1/bookings`, `/v1/routed`), since a forged booking sheds every
 //! request for the booking TTL and forged routing decisions steer the
 //! approximate index. What only reads (`/v1/snapshot`, `/v1/state`,
-//! `/health`, `/ready`, `/metrics`) stays open.
+//! `/dump`, `/health`, `/ready`, `/metrics`) stays open.
 //!
 //! The selection API has a listener of its own ([`selection_router`],
 //! `[selection] listen`), Dynamo's standalone selection service's routes:
@@ -27,7 +29,7 @@
 //! `POST /select_and_reserve`, reservations and their lifecycle
 //! (`/reservations...`, one ledger with the gateways' bookings), `GET
 //! /loads`, `POST /potential_loads`, `POST /overlap_scores`, the catalog
-//! (`/workers`), `/health` and `/ready`.
+//! (`/workers`), `/dump`, `/health` and `/ready`.
 //!
 //! Both listeners serve the replica-sync peer list
 //! (`/replica_sync/peers`, `register_peer`, `deregister_peer`).
@@ -38,6 +40,7 @@
 
 mod auth;
 mod discovery;
+mod dump;
 mod loads;
 mod poll;
 mod probes;
@@ -66,6 +69,7 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
     Router::new()
         .route("/v1/snapshot", get(poll::snapshot))
         .route("/v1/state", get(state::state))
+        .route("/dump", get(dump::dump))
         .route(
             "/v1/routed",
             post(reports::routed).route_layer(token.clone()),
@@ -119,6 +123,7 @@ pub fn selection_router(sc: Arc<Sidecar>) -> Router {
                 .route_layer(token),
         )
         .merge(replica_sync(&sc))
+        .route("/dump", get(dump::dump))
         .route("/health", get(health))
         .route("/ready", get(probes::ready))
         .with_state(sc)

@@ -5,7 +5,8 @@
 //! turn shedding off), and each error names the entry it is about.
 
 //!
-//! * `sections`: `[server]`, `[scrape]`, `[kv]`, `[load]`, `[control]`.
+//! * `sections`: `[server]`, `[scrape]`, `[kv]`, `[load]`, `[control]`,
+//!   `[selection]`, `[indexer]`.
 //! * `worker`: `[[models]]` and `[[workers]]`, the latter also the shape
 //!   of `POST /workers`.
 //!
@@ -18,7 +19,9 @@ mod sections;
 mod tests;
 mod worker;
 
-pub use sections::{Control, Kv, Load, ReplicaSync, Scrape, Selection, Server, validate_peer};
+pub use sections::{
+    Control, Indexer, Kv, Load, ReplicaSync, Scrape, Selection, Server, validate_peer,
+};
 pub use worker::{ModelConfig, WorkerSpec};
 
 use kvgate_core::Thresholds;
@@ -60,6 +63,8 @@ pub struct Config {
     pub selection: Selection,
     #[serde(default)]
     pub replica_sync: ReplicaSync,
+    #[serde(default)]
+    pub indexer: Indexer,
     #[serde(default)]
     pub models: Vec<ModelConfig>,
     #[serde(default)]
@@ -155,7 +160,40 @@ impl Config {
         if self.load.booking_ttl.is_zero() || self.load.max_retry_after_s == 0 {
             return Err("load.booking_ttl_ms and load.max_retry_after_s must be above 0".into());
         }
+        self.validate_indexer()
+    }
+
+    fn validate_indexer(&self) -> Result<(), String> {
+        let ix = &self.indexer;
+        if ix.timeout.is_zero() || ix.max_dump_bytes == 0 {
+            return Err("indexer.timeout_ms and indexer.max_dump_bytes must be above 0".into());
+        }
+        for p in &ix.peers {
+            // The client speaks plain HTTP; a path would be dropped when
+            // `/dump` is appended, so none is taken.
+            let ok = p.parse::<hyper::Uri>().is_ok_and(|u| {
+                u.scheme_str() == Some("http")
+                    && u.authority().is_some()
+                    && matches!(u.path(), "" | "/")
+                    && u.query().is_none()
+            });
+            if !ok {
+                return Err(format!(
+                    "indexer.peers: {p:?} is not an http://host:port URL"
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Replaces `indexer.peers` (the `--indexer-peers` flag beats the file).
+    pub fn set_indexer_peers(&mut self, peers: Vec<String>) -> Result<(), ConfigError> {
+        self.indexer.peers = peers
+            .into_iter()
+            .map(|p| p.trim().to_string())
+            .filter(|p| !p.is_empty())
+            .collect();
+        self.validate_indexer().map_err(ConfigError::Invalid)
     }
 
     /// Reads the control token from `control.token_file`, else from

@@ -227,6 +227,46 @@ pub fn validate_peer(endpoint: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Start-up recovery of the prefix index from peers' `GET /dump`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Indexer {
+    /// `http://host:port` of sidecars (or anything serving kvgate's dump
+    /// format) to recover from, tried in order; empty: no recovery.
+    #[serde(default)]
+    pub peers: Vec<String>,
+    /// How long one peer may take to answer with its whole dump.
+    #[serde(
+        rename = "timeout_ms",
+        default = "default_indexer_timeout",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub timeout: Duration,
+    /// Largest dump read from a peer; a larger one is refused unread.
+    #[serde(default = "default_max_dump_bytes")]
+    pub max_dump_bytes: usize,
+}
+
+impl Default for Indexer {
+    fn default() -> Self {
+        Indexer {
+            peers: Vec::new(),
+            timeout: default_indexer_timeout(),
+            max_dump_bytes: default_max_dump_bytes(),
+        }
+    }
+}
+
+/// A 1.6M-block dump (16 ranks of 100k) is 26 MB: a second on a slow link.
+fn default_indexer_timeout() -> Duration {
+    Duration::from_millis(10_000)
+}
+
+/// 16 bytes a block: about 67M blocks.
+fn default_max_dump_bytes() -> usize {
+    1 << 30
+}
+
 fn default_booking_ttl() -> Duration {
     Duration::from_millis(300_000)
 }

@@ -218,3 +218,41 @@ fn the_selection_listener_is_off_unless_given() {
     assert!(Config::parse("[selection]\nlisten = \"nowhere\"").is_err());
     assert!(Config::parse("[selection]\nport = 1").is_err());
 }
+
+#[test]
+fn indexer_peers_are_http_urls_and_the_flag_replaces_them() {
+    let c = Config::parse("").unwrap();
+    assert!(c.indexer.peers.is_empty());
+    assert_eq!(
+        (c.indexer.timeout, c.indexer.max_dump_bytes),
+        (Duration::from_millis(10_000), 1 << 30)
+    );
+    let mut c = Config::parse(
+        "[indexer]\npeers = [\"http://10.0.0.2:9190\", \"http://sidecar-b:9190/\"]\n\
+         timeout_ms = 500\nmax_dump_bytes = 4096",
+    )
+    .unwrap();
+    assert_eq!(c.indexer.peers.len(), 2);
+    assert_eq!(c.indexer.timeout, Duration::from_millis(500));
+    c.set_indexer_peers(vec![" http://a:1".into(), "".into(), "http://b:2".into()])
+        .unwrap();
+    assert_eq!(c.indexer.peers, ["http://a:1", "http://b:2"]);
+    for bad in [
+        "https://a:1",
+        "a:1",
+        "http://a:1/v1",
+        "http://a:1/?x=1",
+        "http://",
+    ] {
+        let e = c
+            .set_indexer_peers(vec![bad.into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("indexer.peers"), "{bad}: {e}");
+        let e = err(&format!("[indexer]\npeers = [\"{bad}\"]"));
+        assert!(e.contains("indexer.peers"), "{bad}: {e}");
+    }
+    assert!(err("[indexer]\ntimeout_ms = 0").contains("indexer.timeout_ms"));
+    assert!(err("[indexer]\nmax_dump_bytes = 0").contains("indexer.max_dump_bytes"));
+    assert!(err("[indexer]\npeer = []").contains("unknown field"));
+}

@@ -44,6 +44,9 @@ pub struct Metrics {
     pub approx_learned: IntCounter,
     pub replica_events: IntCounterVec,
     pub replica_refused: IntCounter,
+    pub index_recovered_blocks: IntCounter,
+    pub index_recovery_dropped: IntCounterVec,
+    pub index_recovery_seconds: Gauge,
 }
 
 /// A metric that could not be created or registered: a malformed or
@@ -315,6 +318,22 @@ impl Metrics {
                 &r,
                 "kvgate_sidecar_replica_sync_refused_messages_total",
                 "Replica-sync messages refused whole: malformed, another version, or not signed with this sidecar's control token.",
+            )?,
+            index_recovered_blocks: plain_counter(
+                &r,
+                "kvgate_index_recovered_blocks_total",
+                "Blocks replayed into the prefix index from a peer's dump at start-up ([indexer] peers).",
+            )?,
+            index_recovery_dropped: counter(
+                &r,
+                "kvgate_index_recovery_dropped_blocks_total",
+                "Blocks of a peer's dump not replayed, by reason (unknown_rank: no such worker, rank or model here; block_size: the worker's differs here; over_bound: more than kv.max_blocks_per_rank; already_indexed: a live event came first).",
+                &["reason"],
+            )?,
+            index_recovery_seconds: float_gauge(
+                &r,
+                "kvgate_index_recovery_seconds",
+                "How long start-up recovery of the prefix index took: fetching, decoding and replaying a peer's dump, or trying every peer.",
             )?,
             registry: r,
         })

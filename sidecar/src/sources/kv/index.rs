@@ -299,13 +299,23 @@ impl Index {
     /// Adds `slot` as a holder of block `seq` in `tier`.
     fn enter(&mut self, slot: u16, seq: u64, tier: u8) {
         self.stats.stored_blocks += 1;
-        let shard = shard::shard_of(seq, self.shards.len() as u32) as usize;
-        let holders = self.shards[shard].entry(seq).or_default();
+        Self::add_holder(&mut self.shards, &mut self.dirty, slot, seq, tier);
+    }
+
+    fn add_holder(
+        shards: &mut [FastMap<u64, Holders>],
+        dirty: &mut [u64],
+        slot: u16,
+        seq: u64,
+        tiers: u8,
+    ) {
+        let shard = shard::shard_of(seq, shards.len() as u32) as usize;
+        let holders = shards[shard].entry(seq).or_default();
         match holders.binary_search_by_key(&slot, |h| h.slot) {
-            Ok(i) => holders[i].tiers |= tier,
-            Err(i) => holders.insert(i, Holder { slot, tiers: tier }),
+            Ok(i) => holders[i].tiers |= tiers,
+            Err(i) => holders.insert(i, Holder { slot, tiers }),
         }
-        self.mark(shard);
+        dirty[shard / 64] |= 1 << (shard % 64);
     }
 
     /// Keeps a block the slot holds but no request can match: in the slot's
@@ -416,10 +426,6 @@ impl Index {
         }
     }
 
-    fn mark(&mut self, shard: usize) {
-        self.dirty[shard / 64] |= 1 << (shard % 64);
-    }
-
     /// Shards changed since the last call, and clears the marks.
     pub fn take_dirty(&mut self) -> Vec<u32> {
         let mut out = Vec::new();
@@ -473,5 +479,8 @@ impl Index {
 }
 
 mod pages;
+mod recover;
 #[cfg(test)]
 mod tests;
+
+pub use recover::Restored;

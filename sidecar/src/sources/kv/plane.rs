@@ -6,12 +6,20 @@
 //! at most once per `publish_interval` and put in the [`ShardLog`] with a
 //! version, which is what the snapshot long poll serves: "every shard changed
 //! after version N".
+//!
+//! The thread also snapshots the index for `GET /dump` and replays a
+//! peer's dump at start-up (`recovery`). While a recovery is pending it
+//! holds batches back, so that events arriving meanwhile apply after the
+//! recovered blocks, as they happened after them.
 
+mod recovery;
 mod shard_log;
 
+pub use recovery::{Dropped, RestoreReport};
 pub use shard_log::ShardLog;
 
 use crate::publish::Versions;
+use crate::sources::kv::dump::Dump;
 use crate::sources::kv::index::{Index, IngestStats};
 use crate::sources::kv::stage::Staged;
 use crate::sources::kv::subscriber::{Ingest, ResyncReason};
@@ -23,13 +31,29 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use thiserror::Error;
+use tokio::sync::oneshot;
+
+/// A rank as every sidecar names it; slot numbers are this process's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RankId {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+}
+
+/// Who holds a slot.
+#[derive(Debug, Clone)]
+struct SlotOwner {
+    model: String,
+    rank: RankId,
+}
 
 /// Commands from the catalog to the index thread.
 #[derive(Debug)]
 enum Control {
     AddSlot {
         slot: u16,
-        model: String,
+        owner: SlotOwner,
         block_size: u32,
         expected_blocks: usize,
     },
@@ -37,6 +61,22 @@ enum Control {
         slot: u16,
     },
     Stats(Sender<PlaneStats>),
+    /// A copy of every slot's blocks; `None` while a recovery is pending
+    /// (the index is not what it will be).
+    Dump(oneshot::Sender<Option<Dump>>),
+    /// A peer's dump to replay; ends the hold.
+    Restore(Dump, oneshot::Sender<RestoreReport>),
+    /// Recovery gave up: ends the hold.
+    Release,
+}
+
+/// Why the index cannot be dumped now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
+pub enum DumpUnavailable {
+    #[error("the index is being recovered from a peer")]
+    Recovering,
+    #[error("the index thread did not answer")]
+    NoAnswer,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -65,6 +105,9 @@ pub(crate) struct PlaneConfig {
     pub publish_interval: Duration,
     /// Batches buffered between subscribers and the index thread.
     pub queue: usize,
+    /// Starts holding batches back for a recovery, for at most this long
+    /// (see [`Plane::restore`]).
+    pub hold: Option<Duration>,
 }
 
 impl Default for PlaneConfig {
@@ -74,6 +117,7 @@ impl Default for PlaneConfig {
             max_blocks_per_slot: 4 << 20,
             publish_interval: Duration::from_millis(5),
             queue: 4096,
+            hold: None,
         }
     }
 }
@@ -116,10 +160,20 @@ impl Plane {
         self.ingest.clone()
     }
 
-    pub(crate) fn add_slot(&self, slot: u16, model: &str, block_size: u32, expected_blocks: usize) {
+    pub(crate) fn add_slot(
+        &self,
+        slot: u16,
+        model: &str,
+        rank: RankId,
+        block_size: u32,
+        expected_blocks: usize,
+    ) {
         let _ = self.control.send(Control::AddSlot {
             slot,
-            model: model.to_string(),
+            owner: SlotOwner {
+                model: model.to_string(),
+                rank,
+            },
             block_size,
             expected_blocks,
         });
@@ -140,6 +194,35 @@ impl Plane {
         self.control.send(Control::Stats(tx)).ok()?;
         rx.recv_timeout(Duration::from_secs(2)).ok()
     }
+
+    /// A copy of every rank's blocks. The index thread only copies its
+    /// tables (ingest waits that long); the caller encodes.
+    pub(crate) async fn dump(&self) -> Result<Dump, DumpUnavailable> {
+        let (tx, rx) = oneshot::channel();
+        self.control
+            .send(Control::Dump(tx))
+            .map_err(|_| DumpUnavailable::NoAnswer)?;
+        // The thread may be applying a large batch; a copy of the index
+        // itself takes well under a second.
+        match tokio::time::timeout(Duration::from_secs(10), rx).await {
+            Ok(Ok(Some(d))) => Ok(d),
+            Ok(Ok(None)) => Err(DumpUnavailable::Recovering),
+            _ => Err(DumpUnavailable::NoAnswer),
+        }
+    }
+
+    /// Replays a peer's dump into the ranks of this catalog and ends the
+    /// hold; `None` if the index thread is gone.
+    pub(crate) async fn restore(&self, dump: Dump) -> Option<RestoreReport> {
+        let (tx, rx) = oneshot::channel();
+        self.control.send(Control::Restore(dump, tx)).ok()?;
+        rx.await.ok()
+    }
+
+    /// Ends the hold without a dump: batches apply from here on.
+    pub(crate) fn release(&self) {
+        let _ = self.control.send(Control::Release);
+    }
 }
 
 impl Drop for Plane {
@@ -156,36 +239,54 @@ impl Drop for Plane {
 struct State {
     config: PlaneConfig,
     models: HashMap<String, Index>,
-    slot_model: HashMap<u16, String>,
+    slot_model: HashMap<u16, SlotOwner>,
     staged: Staged,
     stats: PlaneStats,
     cleared: Arc<Mutex<Vec<u16>>>,
+    /// Batches wait until a recovery restores or releases, or this passes.
+    hold_until: Option<Instant>,
 }
 
 impl State {
     fn index_of(&mut self, slot: u16) -> Option<&mut Index> {
-        let model = self.slot_model.get(&slot)?;
-        self.models.get_mut(model)
+        let owner = self.slot_model.get(&slot)?;
+        self.models.get_mut(&owner.model)
+    }
+
+    /// Whether batches are held back now; a hold that outlived its bound
+    /// ends here.
+    fn holding(&mut self) -> bool {
+        match self.hold_until {
+            Some(t) if Instant::now() >= t => {
+                tracing::warn!(
+                    "index recovery did not finish in time: applying KV events without it"
+                );
+                self.hold_until = None;
+                false
+            }
+            Some(_) => true,
+            None => false,
+        }
     }
 
     fn control(&mut self, c: Control) {
         match c {
             Control::AddSlot {
                 slot,
-                model,
+                owner,
                 block_size,
                 expected_blocks,
             } => {
                 let (shards, max) = (self.config.shard_count, self.config.max_blocks_per_slot);
                 let idx = self
                     .models
-                    .entry(model.clone())
+                    .entry(owner.model.clone())
                     .or_insert_with(|| Index::new(shards, max));
                 idx.add_slot(slot, block_size);
                 if expected_blocks > 0 {
                     idx.reserve(slot, expected_blocks);
                 }
-                self.slot_model.insert(slot, model);
+                self.slot_model.insert(slot, owner);
             }
             Control::RemoveSlot { slot } => {
                 if let Some(idx) = self.index_of(slot) {
@@ -212,16 +313,26 @@ impl State {
                     .collect();
                 let _ = tx.send(s);
             }
+            Control::Dump(tx) => {
+                let d = self.hold_until.is_none().then(|| self.dump());
+                let _ = tx.send(d);
+            }
+            Control::Restore(dump, tx) => {
+                let report = self.restore(dump);
+                self.hold_until = None;
+                let _ = tx.send(report);
+            }
+            Control::Release => self.hold_until = None,
         }
     }
 
     fn ingest(&mut self, msg: Ingest) {
         match msg {
             Ingest::Batch { slot, seq, payload } => {
-                let Some(model) = self.slot_model.get(&slot) else {
+                let Some(owner) = self.slot_model.get(&slot) else {
                     return;
                 };
-                let Some(idx) = self.models.get_mut(model) else {
+                let Some(idx) = self.models.get_mut(&owner.model) else {
                     return;
                 };
                 let block_size = idx.block_size(slot);
@@ -313,6 +424,7 @@ fn run(
         staged: Staged::default(),
         stats: PlaneStats::default(),
         cleared,
+        hold_until: config.hold.map(|d| Instant::now() + d),
     };
     let mut last_publish = Instant::now();
     let mut interval = config.publish_interval;
@@ -320,8 +432,20 @@ fn run(
         while let Ok(c) = crx.try_recv() {
             st.control(c);
         }
-        let wait = interval.saturating_sub(last_publish.elapsed());
-        match rx.recv_timeout(wait.max(Duration::from_micros(100))) {
+        let wait = interval
+            .saturating_sub(last_publish.elapsed())
+            .max(Duration::from_micros(100));
+        if st.holding() {
+            // Batches wait in the channel, and behind it in the subscribers,
+            // until the recovered blocks are in: applied first, a child of
+            // a recovered block would be dropped as an orphan and a removal
+            // of one would find nothing.
+            if let Ok(c) = crx.recv_timeout(wait.max(Duration::from_millis(10))) {
+                st.control(c);
+            }
+            continue;
+        }
+        match rx.recv_timeout(wait) {
             Ok(msg) => {
                 // A slot is announced before its subscriber starts, but the
                 // announcement may still be queued behind this batch.

@@ -7,7 +7,7 @@ fn v<T: Into<Value>>(x: T) -> Value {
     x.into()
 }
 
-fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: &str) -> Value {
+pub(super) fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: &str) -> Value {
     Value::Map(vec![
         (v("type"), v("BlockStored")),
         (
@@ -26,14 +26,14 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: &str) -> 
     ])
 }
 
-fn with(mut ev: Value, key: &str, val: Value) -> Value {
+pub(super) fn with(mut ev: Value, key: &str, val: Value) -> Value {
     if let Value::Map(m) = &mut ev {
         m.push((v(key), val));
     }
     ev
 }
 
-fn removed(hashes: &[u64], medium: &str) -> Value {
+pub(super) fn removed(hashes: &[u64], medium: &str) -> Value {
     Value::Map(vec![
         (v("type"), v("BlockRemoved")),
         (
@@ -48,7 +48,7 @@ fn cleared() -> Value {
     Value::Map(vec![(v("type"), v("AllBlocksCleared"))])
 }
 
-fn apply(idx: &mut Index, slot: u16, events: Vec<Value>) {
+pub(super) fn apply(idx: &mut Index, slot: u16, events: Vec<Value>) {
     let batch = Value::Array(vec![v(1.0f64), Value::Array(events), v(0)]);
     let mut buf = Vec::new();
     rmpv::encode::write_value(&mut buf, &batch).unwrap();
@@ -59,7 +59,7 @@ fn apply(idx: &mut Index, slot: u16, events: Vec<Value>) {
 
 /// Overlap of `tokens` per slot, read back through encoded shards the
 /// way the filter does.
-fn overlap_via_shards(idx: &Index, tokens: &[u32], slots: usize) -> Vec<SlotOverlap> {
+pub(super) fn overlap_via_shards(idx: &Index, tokens: &[u32], slots: usize) -> Vec<SlotOverlap> {
     scoped_overlap(idx, tokens, slots, CacheScope::default())
 }
 
@@ -86,7 +86,7 @@ fn scoped_overlap(
     out
 }
 
-fn index(slots: u16, max: usize) -> Index {
+pub(super) fn index(slots: u16, max: usize) -> Index {
     let mut idx = Index::new(8, max);
     for s in 0..slots {
         idx.add_slot(s, 4);
@@ -240,11 +240,11 @@ fn without_nil_lora(ev: Value) -> Value {
     }
 }
 
-fn key(kind: &str, field: &str, value: Value) -> Value {
+pub(super) fn key(kind: &str, field: &str, value: Value) -> Value {
     Value::Map(vec![(v("type"), v(kind)), (v(field), value)])
 }
 
-fn extra(blocks: Vec<Option<Vec<Value>>>) -> Value {
+pub(super) fn extra(blocks: Vec<Option<Vec<Value>>>) -> Value {
     Value::Array(
         blocks
             .into_iter()
@@ -457,7 +457,12 @@ fn a_malformed_batch_changes_nothing() {
 
 /// A store of `pages` pages of `page` tokens each, as SGLang publishes with
 /// a page size other than the worker's block size (4 here).
-fn stored_pages(hashes: &[u64], parent: Option<u64>, tokens: &[u32], page: u32) -> Value {
+pub(super) fn stored_pages(
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u32],
+    page: u32,
+) -> Value {
     let ev = stored(hashes, parent, tokens, "GPU");
     match ev {
         Value::Map(m) => Value::Map(

@@ -4,13 +4,21 @@ use kvgate_core::shard::{ShardView, shard_of};
 use rmpv::Value;
 
 fn batch(hashes: &[u64], tokens: &[u32]) -> Vec<u8> {
+    batch_after(hashes, None, tokens)
+}
+
+/// A store whose first block's parent is `parent`.
+fn batch_after(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
     let ev = Value::Map(vec![
         ("type".into(), "BlockStored".into()),
         (
             "block_hashes".into(),
             Value::Array(hashes.iter().map(|h| Value::from(*h)).collect()),
         ),
-        ("parent_block_hash".into(), Value::Nil),
+        (
+            "parent_block_hash".into(),
+            parent.map_or(Value::Nil, Value::from),
+        ),
         (
             "token_ids".into(),
             Value::Array(tokens.iter().map(|t| Value::from(*t)).collect()),
@@ -27,6 +35,14 @@ fn batch(hashes: &[u64], tokens: &[u32]) -> Vec<u8> {
     )
     .unwrap();
     buf
+}
+
+/// Slot `n` is worker `n`'s rank 0 in these tests.
+fn rank(n: u16) -> RankId {
+    RankId {
+        worker_id: u64::from(n),
+        dp_rank: 0,
+    }
 }
 
 fn wait_version(log: &ShardLog, above: u64) -> u64 {
@@ -72,8 +88,8 @@ fn batches_become_published_shards_and_removal_republishes() {
         Arc::new(Versions::new()),
     )
     .unwrap();
-    plane.add_slot(1, "m", 4, 0);
-    plane.add_slot(2, "m", 4, 0);
+    plane.add_slot(1, "m", rank(1), 4, 0);
+    plane.add_slot(2, "m", rank(2), 4, 0);
     let tx = plane.sender();
     let toks = [1, 2, 3, 4, 5, 6, 7, 8];
     tx.send(Ingest::Batch {
@@ -119,7 +135,7 @@ fn batches_become_published_shards_and_removal_republishes() {
 #[test]
 fn malformed_batches_are_counted_and_the_index_kept() {
     let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
-    plane.add_slot(0, "m", 4, 0);
+    plane.add_slot(0, "m", rank(0), 4, 0);
     let tx = plane.sender();
     tx.send(Ingest::Batch {
         slot: 0,
@@ -143,9 +159,9 @@ fn malformed_batches_are_counted_and_the_index_kept() {
 #[test]
 fn events_of_another_block_size_are_counted_per_slot() {
     let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
-    plane.add_slot(0, "m", 4, 0);
+    plane.add_slot(0, "m", rank(0), 4, 0);
     // An engine paging by 4 behind a worker configured for 16.
-    plane.add_slot(1, "m", 16, 0);
+    plane.add_slot(1, "m", rank(1), 16, 0);
     let tx = plane.sender();
     for (slot, seq) in [(0, 0), (1, 0), (1, 1)] {
         tx.send(Ingest::Batch {
@@ -176,4 +192,135 @@ fn events_of_another_block_size_are_counted_per_slot() {
     // A reused slot starts its count over.
     plane.remove_slot(1);
     assert!(plane.stats().unwrap().block_size_mismatch.is_empty());
+}
+
+fn indexed(plane: &Plane) -> (usize, IngestStats) {
+    plane
+        .stats()
+        .unwrap()
+        .per_model
+        .into_iter()
+        .find(|(m, _, _)| m == "m")
+        .map_or((0, IngestStats::default()), |(_, s, n)| (n, s))
+}
+
+fn wait_indexed(plane: &Plane, n: usize) -> IngestStats {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let (have, stats) = indexed(plane);
+        if have == n {
+            return stats;
+        }
+        assert!(Instant::now() < deadline, "{have} blocks indexed, not {n}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[tokio::test]
+async fn a_recovery_replays_by_rank_and_batches_wait_for_it() {
+    let id = |worker_id, dp_rank| RankId { worker_id, dp_rank };
+    let peer = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+    // Worker 1 ranks 0 and 1, worker 3 (block size 4 there), worker 4.
+    peer.add_slot(0, "m", id(1, 0), 4, 0);
+    peer.add_slot(1, "m", id(1, 1), 4, 0);
+    peer.add_slot(2, "m", id(3, 0), 4, 0);
+    peer.add_slot(3, "m", id(4, 0), 4, 0);
+    let toks: Vec<u32> = (1..=12).collect();
+    let tx = peer.sender();
+    for (slot, hashes) in [(0, [10, 11]), (1, [20, 21]), (2, [30, 31]), (3, [40, 41])] {
+        tx.send(Ingest::Batch {
+            slot,
+            seq: 0,
+            payload: batch(&hashes, &toks[..8]),
+        })
+        .unwrap();
+    }
+    // Same tokens on every rank: two distinct blocks, eight entries.
+    wait_indexed(&peer, 2);
+    let dump = peer.dump().await.unwrap();
+    assert_eq!(dump.blocks(), 8);
+    let bytes = crate::sources::kv::dump::encode(dump);
+
+    // Here the slots are numbered otherwise, worker 3 has blocks of 16
+    // and worker 4 is not in the catalog.
+    let here = Plane::start(
+        PlaneConfig {
+            hold: Some(Duration::from_secs(30)),
+            ..Default::default()
+        },
+        Arc::new(Versions::new()),
+    )
+    .unwrap();
+    here.add_slot(7, "m", id(1, 1), 4, 0);
+    here.add_slot(8, "m", id(1, 0), 4, 0);
+    here.add_slot(9, "m", id(3, 0), 16, 0);
+    // A child of a recovered block arrives before the recovery.
+    here.sender()
+        .send(Ingest::Batch {
+            slot: 8,
+            seq: 1,
+            payload: batch_after(&[12], Some(11), &toks[8..]),
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    assert_eq!(indexed(&here).0, 0, "held back");
+    assert_eq!(here.dump().await, Err(DumpUnavailable::Recovering));
+
+    let dump = crate::sources::kv::dump::decode(&bytes).unwrap();
+    let report = here.restore(dump).await.unwrap();
+    assert_eq!(report.recovered, 4);
+    assert_eq!(
+        report.dropped,
+        [(Dropped::UnknownRank, 2), (Dropped::BlockSize, 2)].into()
+    );
+    assert_eq!(
+        report.dropped_ranks,
+        [
+            ("m".to_string(), 3, 0, Dropped::BlockSize),
+            ("m".to_string(), 4, 0, Dropped::UnknownRank)
+        ]
+    );
+    let stats = wait_indexed(&here, 3);
+    assert_eq!(
+        stats.orphan_events, 0,
+        "the child found its recovered parent"
+    );
+    let v = wait_version(&here.log, 0);
+    assert_eq!(holders_of(&here.log, "m", 0, &toks), vec![8]);
+    assert_eq!(holders_of(&here.log, "m", 0, &toks[..8]), vec![7, 8]);
+    assert!(v > 0);
+    // Recovered, it dumps what it holds under the same names.
+    let again = here.dump().await.unwrap();
+    assert_eq!(again.blocks(), 5);
+}
+
+#[tokio::test]
+async fn a_release_or_the_bound_ends_the_hold() {
+    for (hold, release) in [
+        (Duration::from_secs(30), true),
+        (Duration::from_millis(50), false),
+    ] {
+        let plane = Plane::start(
+            PlaneConfig {
+                hold: Some(hold),
+                ..Default::default()
+            },
+            Arc::new(Versions::new()),
+        )
+        .unwrap();
+        plane.add_slot(0, "m", rank(0), 4, 0);
+        plane
+            .sender()
+            .send(Ingest::Batch {
+                slot: 0,
+                seq: 0,
+                payload: batch(&[1], &[1, 2, 3, 4]),
+            })
+            .unwrap();
+        if release {
+            plane.release();
+        }
+        wait_indexed(&plane, 1);
+        assert!(plane.dump().await.is_ok());
+    }
 }

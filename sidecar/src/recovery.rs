@@ -1,0 +1,145 @@
+//! Start-up recovery of the prefix index (`[indexer] peers`,
+//! `--indexer-peers`): the first peer whose `GET /dump` arrives whole and
+//! decodes is replayed into the index before any KV event is applied;
+//! events then follow as they would have (the engines' replay sockets
+//! repair what the subscribers missed meanwhile, as after any gap).
+//!
+//! A peer that does not answer in `indexer.timeout_ms`, answers an error
+//! (a peer still recovering answers 503), or sends more than
+//! `indexer.max_dump_bytes` or a dump that does not decode, is skipped for
+//! the next one. When none gives a dump the sidecar carries on with an
+//! empty index, as without recovery; that is a warning, not an error.
+
+use crate::Sidecar;
+use crate::config::Indexer;
+use crate::sources::kv::dump::{self, Dump, DumpError};
+use crate::sources::kv::plane::RestoreReport;
+use crate::sources::metrics::scrape::HttpClient;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// What decoding and replaying may add to fetching: seconds for the
+/// largest dumps a body cap lets in.
+const REPLAY_SLACK: Duration = Duration::from_secs(30);
+
+/// How long the index thread holds batches back for a recovery: every peer
+/// tried in turn, then the replay. `None` when no peer is configured.
+pub(crate) fn hold(ix: &Indexer) -> Option<Duration> {
+    let peers = u32::try_from(ix.peers.len()).ok().filter(|n| *n > 0)?;
+    Some(
+        ix.timeout
+            .saturating_mul(peers)
+            .saturating_add(REPLAY_SLACK),
+    )
+}
+
+#[derive(Debug, Error)]
+enum FetchError {
+    #[error("bad URL: {0}")]
+    Url(String),
+    #[error("{0}")]
+    Request(String),
+    #[error("answered {0}")]
+    Status(hyper::StatusCode),
+    #[error("reading the body: {0} (indexer.max_dump_bytes is {1})")]
+    Body(String, usize),
+    #[error("no whole answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the dump does not decode: {0}")]
+    Decode(#[from] DumpError),
+    #[error("decoding stopped: {0}")]
+    Task(String),
+}
+
+pub(crate) async fn run(sc: Arc<Sidecar>) {
+    let ix = sc.config().indexer.clone();
+    let started = Instant::now();
+    let mut got = None;
+    for peer in &ix.peers {
+        match fetch(sc.client(), peer, &ix).await {
+            Ok((dump, bytes)) => {
+                got = Some((peer, dump, bytes));
+                break;
+            }
+            Err(e) => tracing::warn!(peer = %peer, error = %e, "no index dump from this peer"),
+        }
+    }
+    let Some((peer, dump, bytes)) = got else {
+        sc.plane().release();
+        sc.metrics()
+            .index_recovery_seconds
+            .set(started.elapsed().as_secs_f64());
+        tracing::warn!(
+            peers = ?ix.peers,
+            "no peer gave an index dump: starting with an empty prefix index, which KV events fill"
+        );
+        return;
+    };
+    let age_ms = crate::sidecar::now_ms().saturating_sub(dump.created_at_ms);
+    let offered = dump.blocks();
+    let Some(report) = sc.plane().restore(dump).await else {
+        tracing::error!(peer = %peer, "the index thread is gone: nothing recovered");
+        return;
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    record(&sc, &report, seconds);
+    tracing::info!(
+        peer = %peer,
+        blocks = report.recovered,
+        offered,
+        dropped = ?report.dropped,
+        dropped_ranks = ?report.dropped_ranks,
+        bytes,
+        dump_age_ms = age_ms,
+        seconds,
+        "prefix index recovered from a peer"
+    );
+}
+
+fn record(sc: &Sidecar, report: &RestoreReport, seconds: f64) {
+    let m = sc.metrics();
+    m.index_recovered_blocks.inc_by(report.recovered);
+    for (why, n) in &report.dropped {
+        m.index_recovery_dropped
+            .with_label_values(&[why.as_str()])
+            .inc_by(*n);
+    }
+    m.index_recovery_seconds.set(seconds);
+}
+
+/// One peer's dump, decoded, and its size in bytes.
+async fn fetch(client: &HttpClient, peer: &str, ix: &Indexer) -> Result<(Dump, usize), FetchError> {
+    let url = format!("{}/dump", peer.trim_end_matches('/'));
+    let uri: hyper::Uri = url
+        .parse()
+        .map_err(|e| FetchError::Url(format!("{url}: {e}")))?;
+    let body = tokio::time::timeout(ix.timeout, get(client, uri, ix.max_dump_bytes))
+        .await
+        .map_err(|_| FetchError::Timeout(ix.timeout))??;
+    let size = body.len();
+    // Decoding a large dump takes tens of milliseconds: off the runtime.
+    let dump = tokio::task::spawn_blocking(move || dump::decode(&body))
+        .await
+        .map_err(|e| FetchError::Task(e.to_string()))??;
+    Ok((dump, size))
+}
+
+async fn get(client: &HttpClient, uri: hyper::Uri, cap: usize) -> Result<Bytes, FetchError> {
+    let resp = client
+        .get(uri)
+        .await
+        .map_err(|e| FetchError::Request(e.to_string()))?;
+    if resp.status() != hyper::StatusCode::OK {
+        return Err(FetchError::Status(resp.status()));
+    }
+    // The cap holds whatever Content-Length says: a peer cannot make this
+    // side buffer more.
+    Ok(http_body_util::Limited::new(resp.into_body(), cap)
+        .collect()
+        .await
+        .map_err(|e| FetchError::Body(e.to_string(), cap))?
+        .to_bytes())
+}
