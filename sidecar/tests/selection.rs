@@ -370,7 +370,9 @@ async fn replica_sync_shares_admissions_and_frees_between_sidecars() {
         json_of(
             "POST",
             &format!("{api}/reservations"),
-            Some(json!({"reservation_id": id, "model_name": "m", "worker_id": 1, "isl_tokens": 160})),
+            Some(
+                json!({"reservation_id": id, "model_name": "m", "worker_id": 1, "isl_tokens": 160}),
+            ),
         )
         .await
         .0

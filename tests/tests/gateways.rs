@@ -292,3 +292,109 @@ fn a_runtime_without_envoy_selects_reserves_and_frees_through_the_api() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Blocks gateway `g`'s sidecar has indexed.
+fn indexed(g: &Gateway) -> f64 {
+    g.sidecar_metric("kvgate_sidecar_kv_indexed_blocks{model=\"demo-model\"}")
+        .unwrap_or(0.0)
+}
+
+/// Which worker gateway `g` sends each group's next request to.
+fn routed_groups(g: &Gateway, groups: &[Vec<u32>]) -> Vec<String> {
+    groups
+        .iter()
+        .map(|p| {
+            let mut prompt = p.clone();
+            prompt.extend([7, 7, 7]);
+            let r = completion(&g.envoy_addr(), &prompt, 1).unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            r.header("x-kvgate-sim-worker").unwrap().to_string()
+        })
+        .collect()
+}
+
+/// Kill one gateway's sidecar and start it again: alone it starts with an
+/// empty index (these engines keep one step of replay), with
+/// `--indexer-peers` it takes the other sidecar's and routes by it from its
+/// first decisions.
+#[test]
+fn a_restarted_sidecar_recovers_the_index_from_its_peer() {
+    let _g = serial();
+    let mut stack = start(StackConfig {
+        workers: 4,
+        gateways: 2,
+        kv_events: true,
+        sim_args: ["--speedup", "20", "--replay-buffer-steps", "1"]
+            .map(String::from)
+            .to_vec(),
+        ..StackConfig::default()
+    });
+    // Group i (32 blocks) is cached on worker i + 1 only; then a small
+    // request on every worker moves its replay buffer past the group.
+    let groups: Vec<Vec<u32>> = (0..4).map(|i| unique_prompt(100 + i, 512)).collect();
+    for (w, g) in stack.workers.iter().zip(&groups) {
+        assert_eq!(completion(&w.endpoint(), g, 1).unwrap().status, 200);
+        assert_eq!(
+            completion(&w.endpoint(), &unique_prompt(900 + w.id as u32, 16), 1)
+                .unwrap()
+                .status,
+            200
+        );
+    }
+    let holders: Vec<String> = stack.workers.iter().map(|w| w.id.to_string()).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while indexed(&stack.gateways[0]) < 4.0 * 33.0 || indexed(&stack.gateways[1]) < 4.0 * 33.0 {
+        assert!(Instant::now() < deadline, "the groups were never indexed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(routed_groups(&stack.gateways[1], &groups), holders);
+
+    // Alone, the restarted sidecar knows only what replay still holds.
+    stack.restart_sidecar_of(1, &[]).unwrap();
+    stack
+        .wait_gateway_ready(1, Duration::from_secs(30))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let alone = indexed(&stack.gateways[1]);
+    assert!(alone < 4.0 * 32.0, "replay alone recovered {alone} blocks");
+
+    // With its peer, it starts from the peer's dump.
+    let peer = format!("http://{}", stack.gateways[0].sidecar_addr());
+    let t = Instant::now();
+    stack
+        .restart_sidecar_of(1, &["--indexer-peers".into(), peer])
+        .unwrap();
+    stack
+        .wait_gateway_ready(1, Duration::from_secs(30))
+        .unwrap();
+    let ready = t.elapsed();
+    let recovered = stack.gateways[1]
+        .sidecar_metric("kvgate_index_recovered_blocks_total")
+        .unwrap();
+    let took = stack.gateways[1]
+        .sidecar_metric("kvgate_index_recovery_seconds")
+        .unwrap();
+    eprintln!(
+        "restart with --indexer-peers: {recovered} blocks recovered in {:.1} ms; Envoy routing on the new sidecar's snapshot {:.0} ms after the restart",
+        took * 1e3,
+        ready.as_secs_f64() * 1e3
+    );
+    assert!(recovered >= 4.0 * 32.0, "{recovered} blocks recovered");
+    // Its first decisions follow the prefixes cached before the kill. The
+    // shards reach Envoy with the first long-poll answers.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let routed = routed_groups(&stack.gateways[1], &groups);
+        if routed == holders {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after recovery the groups went to {routed:?}, not {holders:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("routed by the recovered index after {attempts} round(s) of 4 requests");
+}
