@@ -155,9 +155,9 @@ pub fn run(args: &[String]) -> Result<()> {
     )?;
 
     let mut report = report(&ingest, &overhead, quick, started.elapsed());
-    report.push_str(&dump_section(&dump));
     report.push_str(&kv_report(&kv));
     report.push_str(&crate::apibench::report(&kv["selection_api"], &sync));
+    report.push_str(&dump_section(&dump));
     report.push_str(&selection_report(&selection));
     report.push_str(&crate::shedbench::report(&shedding));
     report.push_str(&quality_section(&quality)?);
