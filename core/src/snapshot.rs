@@ -26,7 +26,7 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 4;
+pub const MINOR: u16 = 5;
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 
@@ -166,6 +166,8 @@ impl Snapshot {
             for w in policy_weights(&m.policy) {
                 out.extend_from_slice(&w.to_le_bytes());
             }
+            // Minor 5: the service rate.
+            out.extend_from_slice(&m.service_rate_per_s.to_le_bytes());
             end_record(out, rec, "model record")?;
         }
         put_count(out, self.applied.len(), "applied bookings")?;
@@ -255,6 +257,11 @@ impl Snapshot {
                     *w = m.f64()?;
                 }
             }
+            let service_rate_per_s = if m.remaining() >= 8 {
+                Some(m.f64()?).filter(|r| r.is_finite() && *r >= 0.0).unwrap_or(0.0)
+            } else {
+                0.0
+            };
             models.push(ModelState {
                 name,
                 thresholds,
@@ -263,6 +270,7 @@ impl Snapshot {
                 retry_after_s,
                 lora_adapters,
                 policy,
+                service_rate_per_s,
             });
         }
         // Minor 0 ends after the models.
@@ -462,6 +470,7 @@ mod tests {
                         temperature: 0.2,
                         ..Policy::default()
                     },
+                    service_rate_per_s: 42.5,
                 },
                 ModelState {
                     name: "empty".into(),
@@ -474,7 +483,7 @@ mod tests {
 
     /// What a minor-0 writer produced: no retry hint, no applied list.
     fn minor0(s: &Snapshot) -> Vec<u8> {
-        strip_model_tail(s, 8 + POLICY_LEN)
+        strip_model_tail(s, 8 + POLICY_LEN + 8)
     }
 
     /// Cuts the last `by` bytes (the minor-1 and later fields, with no
@@ -513,7 +522,7 @@ mod tests {
     #[test]
     fn minor_two_snapshots_have_no_adapters() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN + 8)).unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert!(old.models[0].lora_adapters.is_empty());
     }
@@ -522,10 +531,19 @@ mod tests {
     fn minor_three_snapshots_carry_the_default_policy() {
         let s = sample();
         assert_ne!(s.models[0].policy, Policy::default());
-        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN + 8)).unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert_eq!(old.models[0].policy, Policy::default());
         assert_eq!(old.models[0].workers, s.models[0].workers);
+    }
+
+    #[test]
+    fn minor_four_snapshots_know_no_service_rate() {
+        let s = sample();
+        assert!(s.models[0].service_rate_per_s > 0.0);
+        let old = Snapshot::decode(&strip_model_tail(&s, 8)).unwrap();
+        assert_eq!(old.models[0].service_rate_per_s, 0.0);
+        assert_eq!(old.models[0].policy, s.models[0].policy);
     }
 
     #[test]
@@ -692,6 +710,7 @@ mod tests {
                             temperature,
                             ..Policy::default()
                         },
+                        service_rate_per_s: credit * 10.0,
                     }
                 },
             );

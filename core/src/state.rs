@@ -61,6 +61,11 @@ pub struct ModelState {
     /// older snapshots carry the defaults).
     #[cfg_attr(feature = "serde", serde(default))]
     pub policy: Policy,
+    /// Requests the model's ranks complete per second, as the sidecar
+    /// observes it (minor 5; 0 when unknown): the pace at which shed
+    /// requests are given places to retry (`plan::retry`).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub service_rate_per_s: f64,
 }
 
 /// One worker (an engine process group behind one HTTP endpoint).

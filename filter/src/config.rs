@@ -44,6 +44,12 @@ pub struct Config {
     pub stale_after: Duration,
     pub on_stale: OnStale,
     pub retry_after_s: u32,
+    /// How far over the busy thresholds a retry holding its ticket may
+    /// load a rank, in percent of each threshold; 0 turns retry admission
+    /// off (see `kvgate_core::plan::retry`).
+    pub retry_headroom_pct: u32,
+    /// The longest `Retry-After` a shed request is given.
+    pub max_retry_after_s: u32,
 }
 
 impl Default for Config {
@@ -64,6 +70,8 @@ impl Default for Config {
             stale_after: Duration::from_secs(5),
             on_stale: OnStale::FailOpen,
             retry_after_s: 1,
+            retry_headroom_pct: 50,
+            max_retry_after_s: 30,
         }
     }
 }
@@ -137,6 +145,15 @@ impl Config {
                 ms(MAX_POLL_WAIT)
             ));
         }
+        if self.max_retry_after_s == 0 || self.retry_after_s > self.max_retry_after_s {
+            return invalid(format!(
+                "max_retry_after_s ({}) must be above 0 and at least retry_after_s ({})",
+                self.max_retry_after_s, self.retry_after_s
+            ));
+        }
+        if self.retry_headroom_pct > 1000 {
+            return invalid("retry_headroom_pct must be at most 1000".into());
+        }
         if self.tick.is_zero() || self.poll_backoff.is_zero() {
             return invalid("tick_ms and poll_backoff_ms must be above 0".into());
         }
@@ -191,6 +208,9 @@ mod tests {
             br#"{"stale_after_ms": 500}"#,
             br#"{"sidecar_token": ""}"#,
             br#"{"sidecar_token": "two words"}"#,
+            br#"{"max_retry_after_s": 0}"#,
+            br#"{"retry_after_s": 40, "max_retry_after_s": 30}"#,
+            br#"{"retry_headroom_pct": 5000}"#,
         ] {
             assert!(
                 Config::parse(Some(bad)).is_err(),

@@ -37,6 +37,25 @@ pub fn set_shared(key: &str, value: &[u8]) -> Result<(), Status> {
     hostcalls::set_shared_data(key, Some(value), None)
 }
 
+/// Rewrites a shared-data value that other VMs may be rewriting too:
+/// `f` maps the current value to the new one (None: leave it), and the
+/// write is retried on a compare-and-swap mismatch, a few times at most.
+/// Returns whether a write went through.
+pub fn update_shared(key: &str, mut f: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>) -> bool {
+    for _ in 0..4 {
+        let (value, cas) = hostcalls::get_shared_data(key).unwrap_or((None, None));
+        let Some(new) = f(value.as_deref()) else {
+            return false;
+        };
+        match hostcalls::set_shared_data(key, Some(&new), cas) {
+            Ok(()) => return true,
+            Err(Status::CasMismatch) => continue,
+            Err(_) => return false,
+        }
+    }
+    false
+}
+
 pub fn request_header(name: &str) -> Option<String> {
     hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
         .ok()

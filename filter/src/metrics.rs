@@ -39,6 +39,8 @@ pub struct RouterMetrics {
     pub upstream_unavailable: Option<u32>,
     /// Responses cut off by their worker going away mid-stream.
     pub streams_cut: Option<u32>,
+    /// Retries admitted on their ticket while every worker was busy.
+    pub retry_admitted: Option<u32>,
 }
 
 impl RouterMetrics {
@@ -66,6 +68,7 @@ impl RouterMetrics {
             retried: define(MetricType::Counter, "kvgate_retried_on_fallback_total"),
             upstream_unavailable: define(MetricType::Counter, "kvgate_upstream_unavailable_total"),
             streams_cut: define(MetricType::Counter, "kvgate_streams_cut_total"),
+            retry_admitted: define(MetricType::Counter, "kvgate_retry_admitted_total"),
         }
     }
 

@@ -290,6 +290,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                     decode_active_request_weight: 0.5,
                     ..Policy::default()
                 },
+                service_rate_per_s: 45.0,
             },
             ModelState {
                 name: "no-workers".into(),
@@ -303,6 +304,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 retry_after_s: 0,
                 lora_adapters: Vec::new(),
                 policy: Policy::default(),
+                service_rate_per_s: 0.0,
             },
         ],
         applied: vec![

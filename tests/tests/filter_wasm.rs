@@ -454,6 +454,69 @@ fn local_replies() {
     assert_eq!(e.counter("kvgate_rejected_body_too_large_total"), 1);
 }
 
+fn chat_saying(model: &str, text: &str) -> Vec<u8> {
+    json!({"model": model, "messages": [{"role": "user", "content": text}]})
+        .to_string()
+        .into_bytes()
+}
+
+#[test]
+fn a_shed_request_retried_at_its_time_goes_ahead_of_new_work() {
+    let mut e = Envoy::start(r#"{"retry_after_s": 1}"#);
+    let mut snap = fleet(1);
+    // Busy by prefill (1200 tokens over a 1000 threshold), within the
+    // default 50 % headroom; ten completions a second, three quarters of
+    // them for retries: places 133 ms apart.
+    let mut hot = worker(6, vec![rank(0, 0, true)]);
+    hot.ranks[0].active_prefill_tokens = 1200;
+    snap.models.push(ModelState {
+        name: "hot".into(),
+        thresholds: kvgate_core::Thresholds {
+            active_prefill_tokens: Some(1000),
+            ..Default::default()
+        },
+        workers: vec![hot],
+        service_rate_per_s: 10.0,
+        ..Default::default()
+    });
+    e.publish(&snap, true);
+    let shed = |vm: &mut Vm, text: &str| {
+        let ex = vm.request(&CHAT, &[&chat_saying("hot", text)]);
+        ex.reply.map(|r| {
+            assert_eq!(r.status, 503);
+            r.header("retry-after").unwrap().to_string()
+        })
+    };
+    // The first place a second away, then 133 ms apart.
+    assert_eq!(shed(&mut e.routers[0], "a").as_deref(), Some("1"));
+    assert_eq!(shed(&mut e.routers[1], "b").as_deref(), Some("2"));
+    assert_eq!(shed(&mut e.routers[0], "c").as_deref(), Some("2"));
+    // A retry before its time is new work.
+    assert_eq!(shed(&mut e.routers[1], "a").as_deref(), Some("2"));
+    e.shared.lock().unwrap().advance_ms(1000);
+    // "a" took a new place when it came early; "b" is due at 1.133 s.
+    e.shared.lock().unwrap().advance_ms(133);
+    let ex = e.routers[1].request(&CHAT, &[&chat_saying("hot", "b")]);
+    assert!(ex.continued, "{:?}", ex.reply);
+    assert_eq!(ex.destination(), Some("10.0.0.6:8000"));
+    assert_eq!(e.counter("kvgate_retry_admitted_total"), 1);
+    // Once only; new work is still shed; another tenant's copy is new work.
+    assert!(shed(&mut e.routers[0], "b").is_some());
+    assert!(shed(&mut e.routers[0], "d").is_some());
+    let mut other = CHAT.to_vec();
+    other.push(("x-kvgate-tenant", "team-b"));
+    let ex = e.routers[0].request(&other, &[&chat_saying("hot", "c")]);
+    assert!(ex.reply.is_some(), "team-b has no ticket, and no worker");
+
+    // Beyond the headroom even a ticket holder is shed, with a new place.
+    snap.version = 2;
+    snap.models.last_mut().unwrap().workers[0].ranks[0].active_prefill_tokens = 2000;
+    e.publish(&snap, false);
+    e.shared.lock().unwrap().advance_ms(1000);
+    assert!(shed(&mut e.routers[0], "c").is_some());
+    assert_eq!(e.counter("kvgate_retry_admitted_total"), 1);
+}
+
 #[test]
 fn stale_state_fails_open_or_closed() {
     let mut e = Envoy::ready(r#"{"stale_after_ms": 2000}"#);

@@ -149,7 +149,10 @@ fn arrivals(rate: f64, secs: f64, seed: u64) -> Vec<RequestSpec> {
     let mut i: u32 = 0;
     while t < secs {
         // Unique prompts: nothing is cached, every request costs the same.
-        let prompt: Vec<u32> = (0..256).map(|k| 1_000_000 + i * 300 + k).collect();
+        // Each seed has its own, so one run's bodies are not another's
+        // retries.
+        let base = 1_000_000 + (seed % 64) as u32 * 10_000_000;
+        let prompt: Vec<u32> = (0..256).map(|k| base + i * 300 + k).collect();
         let body =
             json!({"model": "demo-model", "prompt": prompt, "max_tokens": 32, "stream": true});
         out.push(RequestSpec {
@@ -282,16 +285,19 @@ fn overload(quick: bool) -> Result<Value> {
     // is one after which a retry is admitted.
     let retried = rt.block_on(run_open_loop_retrying(
         &target,
-        &specs,
+        &arrivals(rate, secs, 12),
         1.0,
         Duration::from_secs(60),
     ));
+    let mut retry = retry_summary(&retried, secs);
+    retry["admitted_on_ticket"] = json!(stack.envoy_stat("kvgate_retry_admitted_total")?);
+    retry["service_rate_per_s"] = stack.sidecar_state()?["models"][0]["service_rate_per_s"].clone();
     Ok(json!({
         "rate_per_s": rate, "estimated_capacity_per_s": capacity, "seconds": secs,
         "threshold_active_decode_blocks": 0.33,
         "baseline_shedding_off": ttft_summary(&off, secs),
         "shedding_on": ttft_summary(&on, secs),
-        "retry_after": retry_summary(&retried, secs),
+        "retry_after": retry,
     }))
 }
 

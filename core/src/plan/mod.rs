@@ -17,6 +17,7 @@
 pub mod local;
 pub mod overlap;
 pub mod request;
+pub mod retry;
 pub mod select;
 
 #[cfg(test)]
@@ -110,6 +111,7 @@ pub fn place<'a>(
         isl_tokens: req.isl_tokens,
         tie_break,
         sample: (tie_break % 1_000_003) as f64 / 1_000_003.0,
+        retry_headroom: req.retry_headroom,
     };
     let (decision, runner_up) =
         select_with_runner_up(model, tenant, &shape, &model.policy, terms, |w, r| {

@@ -21,7 +21,7 @@ impl Endpoint {
 }
 
 /// What routing needs from a request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Parsed {
     pub model: String,
     /// The (first) prompt's token ids when the client sent tokens.
@@ -39,6 +39,10 @@ pub struct Parsed {
     /// vLLM's `cache_salt`: the request may reuse only blocks cached
     /// under the same salt.
     pub cache_salt: Option<String>,
+    /// Set by the router for a retry that holds its ticket: it may go to a
+    /// busy rank within this headroom over the thresholds (see
+    /// [`super::retry`]). Never read from the body.
+    pub retry_headroom: Option<f64>,
 }
 
 /// Why a body is refused with 400; the message names the field.
@@ -114,6 +118,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
         stream,
         max_tokens,
         cache_salt,
+        retry_headroom: None,
     })
 }
 

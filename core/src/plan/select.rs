@@ -26,6 +26,7 @@
 //! spreads a burst of identical requests instead of piling them onto the
 //! first worker, while the result stays a pure function of the inputs.
 
+use crate::busy::rank_busy;
 use crate::state::{ModelState, Policy, RankLoad, WorkerState};
 
 /// What the selector needs to know about the request itself.
@@ -38,6 +39,9 @@ pub struct RequestShape {
     /// A uniform sample in [0, 1) used only when temperature > 0, so core
     /// needs no random source of its own.
     pub sample: f64,
+    /// A retry holding its ticket (see [`super::retry`]) may use a busy
+    /// rank whose load is within the thresholds widened by this much.
+    pub retry_headroom: Option<f64>,
 }
 
 /// Leading blocks of the request a rank already holds, per storage tier.
@@ -155,7 +159,11 @@ pub fn select_with_runner_up<'a>(
     for worker in model.workers.iter().filter(|w| w.tenant == tenant) {
         for rank in &worker.ranks {
             any_rank = true;
-            if rank.busy {
+            if rank.busy
+                && !req.retry_headroom.is_some_and(|h| {
+                    rank_busy(rank, &model.thresholds.widened(h), &mut false).is_none()
+                })
+            {
                 continue;
             }
             let ov = overlap(worker, rank);
@@ -305,6 +313,7 @@ mod tests {
             isl_tokens: 100,
             tie_break: tie,
             sample: 0.0,
+            ..Default::default()
         };
         match select(m, DEFAULT_TENANT, &req, &Policy::default(), |_, _| {
             Overlap::default()
@@ -357,6 +366,7 @@ mod tests {
                 isl_tokens: 100,
                 tie_break: tie,
                 sample: 0.0,
+                ..Default::default()
             };
             let (d, r) =
                 select_with_runner_up(m, DEFAULT_TENANT, &req, &Policy::default(), &[], |_, _| {
@@ -432,6 +442,29 @@ mod tests {
         assert_eq!(pick(&[&hot]).0, 2, "a term can outweigh load");
         let cold = Hot(99);
         assert_eq!(pick(&[&cold]), (1, plain), "a zero term changes nothing");
+    }
+
+    #[test]
+    fn a_retry_with_its_ticket_may_use_a_busy_rank_within_the_headroom() {
+        // Busy by prefill at 1000 tokens: one rank at 1200, one at 2000.
+        let mut m = model(vec![
+            worker(1, vec![rank(0, 2000, 0, true)]),
+            worker(2, vec![rank(0, 1200, 0, true)]),
+        ]);
+        m.thresholds.active_prefill_tokens = Some(1000);
+        let shape = |headroom| RequestShape {
+            retry_headroom: headroom,
+            ..Default::default()
+        };
+        let decide = |h| select(&m, DEFAULT_TENANT, &shape(h), &Policy::default(), |_, _| {
+            Overlap::default()
+        });
+        assert_eq!(decide(None), Decision::AllBusy, "new work is shed");
+        match decide(Some(0.5)) {
+            Decision::Route(c) => assert_eq!(c.worker.id, 2, "1200 is within 1500"),
+            d => panic!("{d:?}"),
+        }
+        assert_eq!(decide(Some(0.1)), Decision::AllBusy, "1200 is over 1100");
     }
 
     #[test]
@@ -591,6 +624,7 @@ mod tests {
                 isl_tokens: 16,
                 tie_break: 0,
                 sample: i as f64 / 1000.0,
+                ..Default::default()
             };
             if let Decision::Route(c) =
                 select(&m, DEFAULT_TENANT, &req, &policy, |_, _| Overlap::default())

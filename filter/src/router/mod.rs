@@ -13,6 +13,7 @@
 //! host calls in, headers, replies and bookings out.
 
 mod request;
+mod retry;
 
 use crate::config::Config;
 use crate::host;

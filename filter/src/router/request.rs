@@ -1,6 +1,7 @@
 //! One request through the router: its routing headers, its plan, and its
 //! booking from the decision to the end of the response.
 
+use super::retry as router_retry;
 use super::{Booking, RouterState};
 use crate::config::{OnStale, ms};
 use crate::host;
@@ -11,7 +12,7 @@ use kvgate_core::DEFAULT_TENANT;
 use kvgate_core::booking::{Event, Key};
 use kvgate_core::plan::local::Release;
 use kvgate_core::plan::request::{Endpoint, parse};
-use kvgate_core::plan::{self, Placement, Plan};
+use kvgate_core::plan::{self, Placement, Plan, Rejection, retry};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
@@ -137,7 +138,7 @@ impl Request {
         };
         st.tie_break = st.tie_break.wrapping_add(1);
         let selecting = host::now_us();
-        let planned = plan::plan(
+        let mut planned = plan::plan(
             snap,
             &req,
             &self.tenant,
@@ -145,6 +146,30 @@ impl Request {
             &mut host::get_shared,
             &[],
         );
+        // Every worker is busy: a retry that holds its ticket may go ahead
+        // of new work; anything else is shed with a place in the queue.
+        let mut ticket = None;
+        if matches!(planned, Plan::Reject(Rejection::AllBusy { .. }))
+            && st.config.retry_headroom_pct > 0
+        {
+            let hash = retry::ticket_hash(&self.tenant, &body);
+            if router_retry::redeem(hash, host::now_ms()) {
+                let mut again = req.clone();
+                again.retry_headroom = Some(f64::from(st.config.retry_headroom_pct) / 100.0);
+                planned = plan::plan(
+                    snap,
+                    &again,
+                    &self.tenant,
+                    st.tie_break,
+                    &mut host::get_shared,
+                    &[],
+                );
+                if matches!(planned, Plan::Route(_)) {
+                    inc(st.metrics.retry_admitted);
+                }
+            }
+            ticket = Some(hash);
+        }
         record(
             st.metrics.selection_us,
             host::now_us().saturating_sub(selecting),
@@ -184,7 +209,12 @@ impl Request {
                 self.booking = Some(st.book(&self.model, slot, prefill, decode));
                 None
             }
-            Plan::Reject(r) => Some(Reply::rejected(r, &req.model, st.config.retry_after_s)),
+            Plan::Reject(r) => Some(match (r, ticket) {
+                (Rejection::AllBusy { retry_after_s }, Some(hash)) => {
+                    router_retry::shed(&st.config, snap, &req.model, hash, retry_after_s)
+                }
+                (r, _) => Reply::rejected(r, &req.model, st.config.retry_after_s),
+            }),
         };
         record(
             st.metrics.decision_us,

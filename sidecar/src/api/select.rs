@@ -220,6 +220,7 @@ pub(super) fn prompt(req: &SelectRequest, model: &ModelState) -> Result<Parsed, 
         stream: false,
         max_tokens: None,
         cache_salt: req.cache_salt.clone().filter(|s| !s.is_empty()),
+        retry_headroom: None,
     };
     if let Some(hashes) = req
         .sequence_hashes

@@ -23,6 +23,8 @@ pub struct ModelView {
     pub thresholds: Thresholds,
     pub shard_count: u32,
     pub retry_after_s: u32,
+    /// Requests the model completes per second: the pace of retry places.
+    pub service_rate_per_s: f64,
     pub mode: Mode,
     /// Only the workers that are up.
     pub workers: Vec<WorkerState>,
@@ -67,6 +69,7 @@ impl From<&ModelState> for ModelView {
             thresholds: m.thresholds,
             shard_count: m.shard_count,
             retry_after_s: m.retry_after_s,
+            service_rate_per_s: m.service_rate_per_s,
             mode: if m.shard_count > 0 {
                 Mode::Precise
             } else {

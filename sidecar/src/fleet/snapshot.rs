@@ -27,6 +27,7 @@ impl Fleet {
                         retry_after_s: 0,
                         lora_adapters: m.lora_adapters.clone(),
                         policy: m.policy,
+                        service_rate_per_s: 0.0,
                     },
                 )
             })
@@ -51,6 +52,7 @@ impl Fleet {
                 .enumerate()
                 .map(|(r, ((m, slot), latch))| {
                     let booked = bookings.slot(*slot);
+                    model.service_rate_per_s += booked.completions_per_s;
                     let mut load = RankLoad {
                         rank: w.spec.data_parallel_start_rank + r as u32,
                         slot: *slot,
