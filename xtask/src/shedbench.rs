@@ -327,7 +327,7 @@ Admitted requests at {:.0} req/s offered, about 2× the fleet's capacity (2 work
 | shedding | admitted | shed | TTFT p50 | p90 | p99 | admitted/s offered |\n| --- | --- | --- | --- | --- | --- | --- |\n\
 | off (baseline) | {:.0} | {:.0} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} |\n\
 | on (decode blocks > 0.33) | {:.0} | {:.0} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} |\n\n\
-Retry-After, the same load from clients that honour it (each shed request sent once more after the advertised delay): {:.0} retries made while the overload ran, {:.0} admitted ({:.0} %; target ≥ 80 %); advertised p50 {:.0} s, max {:.0} s.\n",
+Retry-After, the same load (other prompts) from clients that honour it (each shed request sent once more after the advertised delay): {:.0} retries made while the overload ran, {:.0} admitted ({:.0} %; target ≥ 80 %); advertised p50 {:.0} s, max {:.0} s. Each shed request gets a place in a retry queue paced at three quarters of the model's service rate ({:.1} requests/s as the sidecar measured it at the end), and a retry back at its place goes ahead of new work within 50 % over the thresholds ({:.0} admitted so, counting retries after the overload). The places stretch as long as the overload lasts: that is when a retry can be admitted.\n",
         f(&["reply_latency", "concurrency"]),
         f(&["reply_latency", "runs"]),
         r("baseline_pass_through", "p50_us"),
@@ -355,5 +355,7 @@ Retry-After, the same load from clients that honour it (each shed request sent o
         100.0 * o("retry_after", "admitted_share"),
         o("retry_after", "retry_after_s_p50"),
         o("retry_after", "retry_after_s_max"),
+        o("retry_after", "service_rate_per_s"),
+        o("retry_after", "admitted_on_ticket"),
     )
 }
