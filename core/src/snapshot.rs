@@ -258,7 +258,9 @@ impl Snapshot {
                 }
             }
             let service_rate_per_s = if m.remaining() >= 8 {
-                Some(m.f64()?).filter(|r| r.is_finite() && *r >= 0.0).unwrap_or(0.0)
+                Some(m.f64()?)
+                    .filter(|r| r.is_finite() && *r >= 0.0)
+                    .unwrap_or(0.0)
             } else {
                 0.0
             };

@@ -550,6 +550,7 @@ async fn json_bodies_keep_their_shapes() {
             "mode",
             "name",
             "retry_after_s",
+            "service_rate_per_s",
             "shard_count",
             "thresholds",
             "workers"

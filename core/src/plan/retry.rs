@@ -195,7 +195,10 @@ mod tests {
         assert_eq!(slot, 40_000);
         // No rate known: the minimum wait, and the queue stays.
         assert_eq!(take_place(500, 10_000, 1_000, 30_000, 0.0), (11_000, 500));
-        assert_eq!(take_place(500, 10_000, 1_000, 30_000, f64::NAN), (11_000, 500));
+        assert_eq!(
+            take_place(500, 10_000, 1_000, 30_000, f64::NAN),
+            (11_000, 500)
+        );
         assert_eq!(retry_after_s(10_000, 10_000), 1);
     }
 
@@ -235,7 +238,15 @@ mod tests {
         assert!(b.iter().all(|t| t.hash >= 200 - BUCKET_TICKETS as u64));
         assert_eq!(decode_bucket(&encode_bucket(&b)), b);
         // Expired ones go when the next is added.
-        let b = with_ticket(b, Ticket { hash: 999, due_ms: 50_000 }, 40_000, w);
+        let b = with_ticket(
+            b,
+            Ticket {
+                hash: 999,
+                due_ms: 50_000,
+            },
+            40_000,
+            w,
+        );
         assert_eq!(b.len(), 1);
         assert_eq!(decode_queue(&encode_queue(77)), 77);
         assert_eq!(decode_queue(b"xx"), 0);

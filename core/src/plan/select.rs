@@ -456,9 +456,11 @@ mod tests {
             retry_headroom: headroom,
             ..Default::default()
         };
-        let decide = |h| select(&m, DEFAULT_TENANT, &shape(h), &Policy::default(), |_, _| {
-            Overlap::default()
-        });
+        let decide = |h| {
+            select(&m, DEFAULT_TENANT, &shape(h), &Policy::default(), |_, _| {
+                Overlap::default()
+            })
+        };
         assert_eq!(decide(None), Decision::AllBusy, "new work is shed");
         match decide(Some(0.5)) {
             Decision::Route(c) => assert_eq!(c.worker.id, 2, "1200 is within 1500"),

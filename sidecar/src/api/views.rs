@@ -23,7 +23,9 @@ pub struct ModelView {
     pub thresholds: Thresholds,
     pub shard_count: u32,
     pub retry_after_s: u32,
-    /// Requests the model completes per second: the pace of retry places.
+    /// Requests the model completes per second: the pace of retry places
+    /// (absent from older sidecars' answers).
+    #[serde(default)]
     pub service_rate_per_s: f64,
     pub mode: Mode,
     /// Only the workers that are up.
