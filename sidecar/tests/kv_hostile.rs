@@ -9,34 +9,9 @@ use rmpv::Value;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A stand-in engine: a PUB socket bound on a free loopback port.
-struct Publisher {
-    sock: zmq::Socket,
-    endpoint: String,
-    seq: u64,
-}
+mod support;
 
-impl Publisher {
-    fn bind(ctx: &zmq::Context) -> Publisher {
-        let sock = ctx.socket(zmq::PUB).unwrap();
-        sock.set_linger(0).unwrap();
-        sock.bind("tcp://127.0.0.1:*").unwrap();
-        let endpoint = sock.get_last_endpoint().unwrap().unwrap();
-        Publisher {
-            sock,
-            endpoint,
-            seq: 0,
-        }
-    }
-
-    /// Sends `[topic, seq (u64 BE), payload]` with the next sequence number.
-    fn publish(&mut self, payload: &[u8]) {
-        self.sock
-            .send_multipart([&b"kv-events"[..], &self.seq.to_be_bytes(), payload], 0)
-            .unwrap();
-        self.seq += 1;
-    }
-}
+use support::{Publisher, metric, wait_until};
 
 /// A vLLM batch storing one full 4-token block per hash.
 fn stored(hashes: &[u64]) -> Vec<u8> {
@@ -102,23 +77,6 @@ async fn indexed_blocks(sc: &Arc<Sidecar>) -> usize {
         .iter()
         .find(|(m, _, _)| m == "m")
         .map_or(0, |(_, _, n)| *n)
-}
-
-/// A sample's value on the sidecar's `/metrics` page, 0 when absent.
-fn metric(sc: &Sidecar, series: &str) -> f64 {
-    sc.metrics()
-        .render()
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Publishes `payload` (with fresh sequence numbers) until the index holds

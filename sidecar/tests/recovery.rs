@@ -13,36 +13,9 @@ use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A stand-in engine's KV event socket: a PUB socket on a free port.
-struct Publisher {
-    sock: zmq::Socket,
-    endpoint: String,
-    seq: u64,
-}
+mod support;
 
-impl Publisher {
-    fn bind(ctx: &zmq::Context) -> Publisher {
-        let sock = ctx.socket(zmq::PUB).unwrap();
-        sock.set_linger(0).unwrap();
-        sock.bind("tcp://127.0.0.1:*").unwrap();
-        let endpoint = sock.get_last_endpoint().unwrap().unwrap();
-        Publisher {
-            sock,
-            endpoint,
-            seq: 0,
-        }
-    }
-
-    fn publish(&mut self, events: Vec<Value>) {
-        let mut payload = Vec::new();
-        let batch = Value::Array(vec![1.0f64.into(), Value::Array(events), 0.into()]);
-        rmpv::encode::write_value(&mut payload, &batch).unwrap();
-        self.sock
-            .send_multipart([&b"kv-events"[..], &self.seq.to_be_bytes(), &payload], 0)
-            .unwrap();
-        self.seq += 1;
-    }
-}
+use support::{Publisher, metric, wait_until};
 
 /// vLLM's BlockStored for whole blocks of 4 tokens.
 fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], medium: &str) -> Value {
@@ -182,23 +155,6 @@ async fn dump_of(base: &str) -> Dump {
     dump::decode(&body).unwrap()
 }
 
-/// A sample's value on the sidecar's `/metrics` page, 0 when absent.
-fn metric(sc: &Sidecar, series: &str) -> f64 {
-    sc.metrics()
-        .render()
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Publishes `events` (fresh sequence numbers each time) until `done`: a
 /// PUB socket drops what it sends before the subscription reaches it.
 async fn publish_until(
@@ -209,7 +165,7 @@ async fn publish_until(
 ) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        p.publish(events());
+        p.publish_events(events());
         tokio::time::sleep(Duration::from_millis(50)).await;
         if done().await {
             return;

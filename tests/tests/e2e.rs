@@ -1326,26 +1326,7 @@ fn a_burst_across_envoy_threads_spreads_by_cost_not_onto_one_worker() {
         .find(|w| w["ranks"][0]["active_decode_blocks"] == 0)
         .map(|w| w["worker_id"].to_string())
         .expect("one worker without a hog");
-    let start = std::sync::Arc::new(std::sync::Barrier::new(200));
-    let burst: Vec<_> = (0..200)
-        .map(|_| {
-            let addr = stack.envoy_addr();
-            let start = start.clone();
-            let prompt = prompt.clone();
-            std::thread::spawn(move || {
-                start.wait();
-                completion(&addr, &prompt, 16).unwrap()
-            })
-        })
-        .collect();
-    let mut per_worker = BTreeMap::<String, usize>::new();
-    for b in burst {
-        let r = b.join().unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-        *per_worker
-            .entry(r.header("x-kvgate-sim-worker").unwrap().to_string())
-            .or_default() += 1;
-    }
+    let per_worker = burst(&[stack.envoy_addr()], 200, &prompt, 16);
     eprintln!("burst of 200: {per_worker:?}");
     let to_least_loaded = per_worker.get(&idle).copied().unwrap_or(0);
     // Herding would send nearly all 200 there.

@@ -96,26 +96,8 @@ fn split_burst(sync: bool) -> (usize, BTreeMap<String, usize>) {
         .expect("a worker without a long request");
     // Sixty requests of one block each: all of them fit in the idle
     // worker's 64-block gap.
-    let start = std::sync::Arc::new(std::sync::Barrier::new(60));
-    let burst: Vec<_> = (0..60)
-        .map(|i| {
-            let addr = stack.gateways[i % 2].envoy_addr();
-            let start = start.clone();
-            let prompt = prompt.clone();
-            std::thread::spawn(move || {
-                start.wait();
-                completion(&addr, &prompt, 16).unwrap()
-            })
-        })
-        .collect();
-    let mut per_worker = BTreeMap::<String, usize>::new();
-    for r in burst {
-        let r = r.join().unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-        *per_worker
-            .entry(r.header("x-kvgate-sim-worker").unwrap().to_string())
-            .or_default() += 1;
-    }
+    let gateways: Vec<String> = stack.gateways.iter().map(Gateway::envoy_addr).collect();
+    let per_worker = burst(&gateways, 60, &prompt, 16);
     for h in hogs {
         assert_eq!(h.join().unwrap().unwrap().status, 200);
     }

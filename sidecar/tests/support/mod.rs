@@ -147,7 +147,7 @@ pub async fn json_of(method: &str, url: &str, body: Option<Value>) -> (u16, Valu
 }
 
 pub async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(10);
     while !f().await {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -157,4 +157,51 @@ pub async fn wait_until(what: &str, mut f: impl AsyncFnMut() -> bool) {
 pub async fn workers_up(base: &str) -> usize {
     let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
     s["models"][0]["workers"].as_array().map_or(0, Vec::len)
+}
+
+/// A sample's value on the sidecar's `/metrics` page, 0 when absent.
+pub fn metric(sc: &Sidecar, series: &str) -> f64 {
+    sc.metrics()
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A stand-in engine's KV event socket: a PUB socket on a free loopback
+/// port, numbering its batches as engines do.
+pub struct Publisher {
+    pub sock: zmq::Socket,
+    pub endpoint: String,
+    pub seq: u64,
+}
+
+impl Publisher {
+    pub fn bind(ctx: &zmq::Context) -> Publisher {
+        let sock = ctx.socket(zmq::PUB).unwrap();
+        sock.set_linger(0).unwrap();
+        sock.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = sock.get_last_endpoint().unwrap().unwrap();
+        Publisher {
+            sock,
+            endpoint,
+            seq: 0,
+        }
+    }
+
+    /// Sends `[topic, seq (u64 BE), payload]` with the next sequence number.
+    pub fn publish(&mut self, payload: &[u8]) {
+        self.sock
+            .send_multipart([&b"kv-events"[..], &self.seq.to_be_bytes(), payload], 0)
+            .unwrap();
+        self.seq += 1;
+    }
+
+    /// Sends `events` as one vLLM batch (`[ts, events, dp_rank]`).
+    pub fn publish_events(&mut self, events: Vec<rmpv::Value>) {
+        let mut payload = Vec::new();
+        let batch = rmpv::Value::Array(vec![1.0f64.into(), rmpv::Value::Array(events), 0.into()]);
+        rmpv::encode::write_value(&mut payload, &batch).unwrap();
+        self.publish(&payload);
+    }
 }

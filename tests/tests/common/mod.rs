@@ -143,3 +143,35 @@ pub fn completion(addr: &str, prompt: &[u32], max_tokens: u32) -> anyhow::Result
         body,
     })
 }
+
+/// Sends `n` completions of `prompt` at once (a barrier releases them
+/// together), request `i` through `addrs[i % addrs.len()]`; every one must
+/// succeed. Returns how many each worker served.
+pub fn burst(
+    addrs: &[String],
+    n: usize,
+    prompt: &[u32],
+    max_tokens: u32,
+) -> std::collections::BTreeMap<String, usize> {
+    let start = std::sync::Arc::new(std::sync::Barrier::new(n));
+    let sent: Vec<_> = (0..n)
+        .map(|i| {
+            let addr = addrs[i % addrs.len()].clone();
+            let start = start.clone();
+            let prompt = prompt.to_vec();
+            std::thread::spawn(move || {
+                start.wait();
+                completion(&addr, &prompt, max_tokens).unwrap()
+            })
+        })
+        .collect();
+    let mut per_worker = std::collections::BTreeMap::new();
+    for r in sent {
+        let r = r.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        *per_worker
+            .entry(r.header("x-kvgate-sim-worker").unwrap().to_string())
+            .or_default() += 1;
+    }
+    per_worker
+}
