@@ -502,3 +502,62 @@ async fn a_peer_without_the_token_cannot_book_load() {
     .await;
     assert_eq!(loads(&b_api).await, vec![((1, 0), (0, 0))]);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dynamos_optional_selection_fields_are_taken() {
+    let (_, api, _sc) = two_workers_up().await;
+    let select =
+        async |body: serde_json::Value| json_of("POST", &format!("{api}/select"), Some(body)).await;
+    for _ in 0..4 {
+        let (status, v) =
+            select(json!({"model_name": "m", "token_ids": [1, 2], "allowed_worker_ids": [2]}))
+                .await;
+        assert_eq!((status, v["worker_id"].as_u64()), (200, Some(2)), "{v}");
+        let (status, v) = select(
+            json!({"model_name": "m", "token_ids": [1, 2], "pinned_worker": {"worker_id": 1, "dp_rank": 0}}),
+        )
+        .await;
+        assert_eq!((status, v["worker_id"].as_u64()), (200, Some(1)), "{v}");
+    }
+    let (status, v) = select(
+        json!({"model_name": "m", "token_ids": [1, 2], "pinned_worker": {"worker_id": 9, "dp_rank": 0}}),
+    )
+    .await;
+    assert_eq!(status, 503, "{v}");
+    // Scheduler knobs of Dynamo's are accepted (and not used).
+    let (status, v) = select(json!({
+        "model_name": "m", "token_ids": [1, 2], "router_config_override": {"overlap_score_weight": 2.0},
+        "priority_jump": 1.5, "strict_priority": 2, "routing_constraints": {}, "expected_output_tokens": null,
+    }))
+    .await;
+    assert_eq!(status, 200, "{v}");
+    // Expected output is booked as decode load: 2 prompt blocks + 10.
+    let (status, v) = json_of(
+        "POST",
+        &format!("{api}/select_and_reserve"),
+        Some(
+            json!({"model_name": "m", "token_ids": (0..32).collect::<Vec<u32>>(),
+                    "expected_output_tokens": 160, "pinned_worker": {"worker_id": 2}}),
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = json_of(
+        "POST",
+        &format!("{api}/reservations"),
+        Some(
+            json!({"reservation_id": "r", "model_name": "m", "worker_id": 1, "isl_tokens": 16,
+                    "expected_output_tokens": 17}),
+        ),
+    )
+    .await;
+    assert_eq!(
+        (status, v["decode_blocks"].as_u64()),
+        (200, Some(1 + 2)),
+        "{v}"
+    );
+    assert_eq!(
+        loads(&api).await,
+        vec![((1, 0), (16, 3)), ((2, 0), (32, 12))]
+    );
+}

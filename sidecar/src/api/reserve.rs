@@ -7,7 +7,7 @@
 //! unknown worker, rank or reservation, 409 for a reservation id already
 //! live. A refused call changes nothing in the ledger.
 
-use super::select::{new_reservation_id, prompt};
+use super::select::{new_reservation_id, output_blocks, prompt};
 use super::views::{OutputBlockRequest, ReservationRequest, ReservationView, SelectRequest};
 use super::{error, json_response};
 use crate::Sidecar;
@@ -150,7 +150,8 @@ fn booking(
         Load {
             slot: rank.slot,
             prefill_tokens: prefill,
-            decode_blocks: new_blocks(isl, worker.block_size, device_blocks),
+            decode_blocks: new_blocks(isl, worker.block_size, device_blocks)
+                + output_blocks(req.expected_output_tokens, worker.block_size),
         },
     ))
 }

@@ -54,9 +54,10 @@ fn choose(sc: &Sidecar, body: &[u8], reserve: bool) -> Response {
     // Held from the view to the booking when reserving: two concurrent
     // reservations must not both see the same idle rank.
     let mut ledger = sc.bookings();
-    let Some(model) = fresh_model(&snap, &req.model_name, &ledger) else {
+    let Some(mut model) = fresh_model(&snap, &req.model_name, &ledger) else {
         return refused(&req, Refused::Plan(Rejection::UnknownModel));
     };
+    restrict(&mut model, &req);
     if !reserve {
         drop(ledger);
         return match selection(&model, &req, tie, &mut |k: &str| log.read(k)) {
@@ -72,12 +73,33 @@ fn choose(sc: &Sidecar, body: &[u8], reserve: bool) -> Response {
     let load = Load {
         slot: s.slot,
         prefill_tokens: s.view.effective_prefill_tokens,
-        decode_blocks: s.decode_blocks,
+        decode_blocks: s.decode_blocks
+            + output_blocks(req.expected_output_tokens, s.view.block_size),
     };
     match sc.reserve(&mut ledger, &id, &s.rank, load) {
         Ok(()) => json_response(StatusCode::OK, &s.view),
         Err(e) => error(StatusCode::CONFLICT, e),
     }
+}
+
+/// Leaves only the candidates the request allows: Dynamo's
+/// `allowed_worker_ids` and `pinned_worker`.
+fn restrict(model: &mut ModelState, req: &SelectRequest) {
+    if let Some(ids) = &req.allowed_worker_ids {
+        model.workers.retain(|w| ids.contains(&w.id));
+    }
+    if let Some(p) = req.pinned_worker {
+        model.workers.retain(|w| w.id == p.worker_id);
+        for w in &mut model.workers {
+            w.ranks.retain(|r| r.rank == p.dp_rank);
+        }
+        model.workers.retain(|w| !w.ranks.is_empty());
+    }
+}
+
+/// Blocks an expected output adds to a request's decode load.
+pub(super) fn output_blocks(expected_output_tokens: Option<u32>, block_size: u32) -> u64 {
+    expected_output_tokens.map_or(0, |t| u64::from(t).div_ceil(u64::from(block_size.max(1))))
 }
 
 /// A reservation id for a client that gave none: random, so that ids

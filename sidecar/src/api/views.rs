@@ -237,6 +237,35 @@ pub struct SelectRequest {
     /// vLLM's `cache_salt`, for `token_ids` and `text`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_salt: Option<String>,
+    /// Dynamo's: only these workers may be chosen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_worker_ids: Option<Vec<u64>>,
+    /// Dynamo's: this worker and rank or none (503 when it is busy or down).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned_worker: Option<PinnedWorker>,
+    /// Dynamo's: the output it expects; `/select_and_reserve` books its
+    /// blocks as decode load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_output_tokens: Option<u32>,
+    /// Dynamo's scheduler knobs, accepted so its clients work unchanged,
+    /// and not used: kvgate's cost is the model's `[models.policy]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_config_override: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_jump: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strict_priority: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing_constraints: Option<serde_json::Value>,
+}
+
+/// A worker and DP rank, as Dynamo names one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PinnedWorker {
+    pub worker_id: u64,
+    #[serde(default)]
+    pub dp_rank: u32,
 }
 
 fn default_scope() -> String {
@@ -305,6 +334,9 @@ pub struct ReservationRequest {
     /// Authoritative when given (`/select`'s answer); at most the ISL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub effective_prefill_tokens: Option<u64>,
+    /// Dynamo's: its blocks are booked as decode load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_output_tokens: Option<u32>,
 }
 
 /// A reservation as booked.
