@@ -55,6 +55,11 @@ enum FetchError {
 }
 
 pub(crate) async fn run(sc: Arc<Sidecar>) {
+    recover(&sc).await;
+    sc.recovered();
+}
+
+async fn recover(sc: &Arc<Sidecar>) {
     let ix = sc.config().indexer.clone();
     let started = Instant::now();
     let mut got = None;
@@ -85,7 +90,7 @@ pub(crate) async fn run(sc: Arc<Sidecar>) {
         return;
     };
     let seconds = started.elapsed().as_secs_f64();
-    record(&sc, &report, seconds);
+    record(sc, &report, seconds);
     tracing::info!(
         peer = %peer,
         blocks = report.recovered,

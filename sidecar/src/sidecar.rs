@@ -15,7 +15,7 @@ use crate::sources::routed::ApproxIndex;
 use crate::{recovery, tick};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// One sidecar process: its configuration, the fleet, what the sources
@@ -40,6 +40,8 @@ pub struct Sidecar {
     replica: Option<ReplicaSync>,
     /// `GET /dump` one at a time: each holds a copy of the index.
     dump_turn: tokio::sync::Mutex<()>,
+    /// Start-up recovery of the index from peers is under way: not ready.
+    recovering: AtomicBool,
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -103,6 +105,7 @@ impl Sidecar {
             ),
             replica,
             dump_turn: tokio::sync::Mutex::new(()),
+            recovering: AtomicBool::new(!config.indexer.peers.is_empty()),
             config,
         });
         if sc.replica.is_some() {
@@ -191,6 +194,16 @@ impl Sidecar {
 
     pub(crate) fn dump_turn(&self) -> &tokio::sync::Mutex<()> {
         &self.dump_turn
+    }
+
+    /// Whether start-up recovery from index peers is still under way.
+    pub(crate) fn recovering(&self) -> bool {
+        self.recovering.load(Ordering::Acquire)
+    }
+
+    /// Start-up recovery ended, whatever it found.
+    pub(crate) fn recovered(&self) {
+        self.recovering.store(false, Ordering::Release);
     }
 
     /// Notes that a gateway's long poll was answered.

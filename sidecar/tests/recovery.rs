@@ -438,3 +438,46 @@ async fn peers_that_fail_are_skipped_and_without_one_the_sidecar_starts_empty() 
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sidecar_is_not_ready_until_its_recovery_ends() {
+    let ctx = zmq::Context::new();
+    // A peer that takes its time and then sends nothing usable.
+    let slow = serve(Router::new().route(
+        "/dump",
+        get(|| async {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            "not a dump"
+        }),
+    ))
+    .await;
+    let p = Publisher::bind(&ctx);
+    let engine = engine().await;
+    let (sc, control, _) = sidecar(
+        &[(1, 1, &engine, vec![&p.endpoint])],
+        &format!("peers = [\"{slow}\"]\ntimeout_ms = 5000"),
+    )
+    .await;
+    let ready = async || {
+        let (status, _, body) = get_bytes(&format!("{control}/ready")).await;
+        (
+            status,
+            serde_json::from_slice::<serde_json::Value>(&body).unwrap_or_default(),
+        )
+    };
+    // The worker is up long before the peer answers.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (status, v) = ready().await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(
+        v["reason"],
+        "recovering the prefix index from [indexer] peers"
+    );
+    assert_eq!(
+        v["workers"],
+        serde_json::json!([]),
+        "the worker itself is up"
+    );
+    wait_until("ready once recovery ends", async || ready().await.0 == 200).await;
+    assert!(metric(&sc, "kvgate_index_recovery_seconds") >= 1.5);
+}

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 pub(super) async fn ready(State(sc): State<Arc<Sidecar>>) -> Response {
     let f = sc.fleet();
-    if f.up_count() > 0 {
+    if f.up_count() > 0 && !sc.recovering() {
         return json_response(
             StatusCode::OK,
             &ReadyView {
@@ -19,9 +19,11 @@ pub(super) async fn ready(State(sc): State<Arc<Sidecar>>) -> Response {
             },
         );
     }
+    // The workers that are not up, and why.
     let workers = f
         .workers
         .values()
+        .filter(|w| !w.health.up)
         .map(|w| NotReadyWorker {
             worker_id: w.spec.worker_id,
             reason: w
@@ -31,11 +33,16 @@ pub(super) async fn ready(State(sc): State<Arc<Sidecar>>) -> Response {
                 .unwrap_or_else(|| "no successful metrics scrape yet".into()),
         })
         .collect();
+    let reason = if sc.recovering() {
+        "recovering the prefix index from [indexer] peers"
+    } else {
+        "no schedulable worker"
+    };
     json_response(
         StatusCode::SERVICE_UNAVAILABLE,
         &NotReadyView {
             status: "not ready".into(),
-            reason: "no schedulable worker".into(),
+            reason: reason.into(),
             workers,
         },
     )
