@@ -188,10 +188,20 @@ impl ReplicaSync {
     /// Subscribes to a peer; false if it already was one.
     pub fn add_peer(&self, endpoint: &str) -> bool {
         let added = self.peers.lock().insert(endpoint.to_string());
-        if added {
-            let _ = self
+        if added
+            && self
                 .changes
-                .try_send(PeerChange::Connect(endpoint.to_string()));
+                .try_send(PeerChange::Connect(endpoint.to_string()))
+                .is_err()
+        {
+            // The receiving thread is gone or far behind: keep the list
+            // true to the socket.
+            self.peers.lock().remove(endpoint);
+            tracing::warn!(
+                peer = endpoint,
+                "replica-sync peer not connected: the receiver is not keeping up"
+            );
+            return false;
         }
         added
     }
@@ -199,10 +209,18 @@ impl ReplicaSync {
     /// Unsubscribes from a peer; false if it was not one.
     pub fn remove_peer(&self, endpoint: &str) -> bool {
         let removed = self.peers.lock().remove(endpoint);
-        if removed {
-            let _ = self
+        if removed
+            && self
                 .changes
-                .try_send(PeerChange::Disconnect(endpoint.to_string()));
+                .try_send(PeerChange::Disconnect(endpoint.to_string()))
+                .is_err()
+        {
+            self.peers.lock().insert(endpoint.to_string());
+            tracing::warn!(
+                peer = endpoint,
+                "replica-sync peer not disconnected: the receiver is not keeping up"
+            );
+            return false;
         }
         removed
     }
