@@ -87,7 +87,8 @@ fn looked_up(
             format!("model {:?} is not served here", req.model_name),
         )
     })?;
-    let parsed = prompt(&req, &model).map_err(|m| (StatusCode::BAD_REQUEST, m))?;
+    let parsed =
+        prompt(&req.model_name, req.prompt(), &model).map_err(|m| (StatusCode::BAD_REQUEST, m))?;
     let log = &sc.plane().log;
     let (cached, _) = overlap::gather(&model, &parsed, &req.tenant_id, &mut |k: &str| log.read(k));
     Ok((req, model, cached, parsed.isl_tokens))

@@ -8,7 +8,7 @@
 //! live. A refused call changes nothing in the ledger.
 
 use super::select::{new_reservation_id, output_blocks, prompt};
-use super::views::{OutputBlockRequest, ReservationRequest, ReservationView, SelectRequest};
+use super::views::{OutputBlockRequest, ReservationRequest, ReservationView};
 use super::{error, json_response};
 use crate::Sidecar;
 use crate::fleet::RankId;
@@ -103,23 +103,8 @@ fn booking(
             )
         })?,
     };
-    let has_prompt = req.sequence_hashes.is_some()
-        || req.block_hashes.is_some()
-        || req.token_ids.is_some()
-        || req.text.is_some();
-    let (isl, device_blocks) = if has_prompt {
-        let sel = SelectRequest {
-            model_name: req.model_name.clone(),
-            tenant_id: req.tenant_id.clone(),
-            block_hashes: req.block_hashes.clone(),
-            sequence_hashes: req.sequence_hashes.clone(),
-            isl_tokens: req.isl_tokens,
-            token_ids: req.token_ids.clone(),
-            text: req.text.clone(),
-            cache_salt: req.cache_salt.clone(),
-            ..Default::default()
-        };
-        let parsed = prompt(&sel, model).map_err(bad)?;
+    let (isl, device_blocks) = if req.prompt().given() {
+        let parsed = prompt(&req.model_name, req.prompt(), model).map_err(bad)?;
         let (cached, _) = overlap::gather(model, &parsed, &req.tenant_id, shards);
         (parsed.isl_tokens, cached.of(worker, rank.slot).device)
     } else {

@@ -3,7 +3,7 @@
 //! the index shards this sidecar publishes and the fleet with its load as
 //! the ledger holds it now (see `crate::reservations`).
 
-use super::views::{OverlapView, SelectRequest, SelectionView};
+use super::views::{OverlapView, PromptFields, SelectRequest, SelectionView};
 use super::{error, json_response};
 use crate::Sidecar;
 use crate::fleet::RankId;
@@ -157,7 +157,7 @@ fn selection(
     tie_break: u64,
     shards: &mut impl ShardSource,
 ) -> Result<Selected, Refused> {
-    let parsed = prompt(req, model).map_err(Refused::BadRequest)?;
+    let parsed = prompt(&req.model_name, req.prompt(), model).map_err(Refused::BadRequest)?;
     // A selection is not a routing decision: nothing to report.
     let (cached, _) = overlap::gather(model, &parsed, &req.tenant_id, shards);
     let route = match plan::place(
@@ -221,7 +221,11 @@ fn reported(c: &Choice<'_>, of: impl Fn(u16) -> plan::Overlap) -> OverlapView {
 }
 
 /// The request's prompt, as the plan takes it.
-pub(super) fn prompt(req: &SelectRequest, model: &ModelState) -> Result<Parsed, String> {
+pub(super) fn prompt(
+    model_name: &str,
+    req: PromptFields<'_>,
+    model: &ModelState,
+) -> Result<Parsed, String> {
     let given = [
         req.sequence_hashes.is_some() || req.block_hashes.is_some(),
         req.token_ids.is_some(),
@@ -234,20 +238,20 @@ pub(super) fn prompt(req: &SelectRequest, model: &ModelState) -> Result<Parsed, 
         );
     }
     let mut p = Parsed {
-        model: req.model_name.clone(),
+        model: model_name.to_string(),
         tokens: None,
         text: None,
         sequence_hashes: None,
         isl_tokens: 0,
         stream: false,
         max_tokens: None,
-        cache_salt: req.cache_salt.clone().filter(|s| !s.is_empty()),
+        cache_salt: req.cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
         retry_headroom: None,
     };
     if let Some(hashes) = req
         .sequence_hashes
-        .clone()
-        .or_else(|| req.block_hashes.as_deref().map(sequence_hashes))
+        .map(<[u64]>::to_vec)
+        .or_else(|| req.block_hashes.map(sequence_hashes))
     {
         if req.cache_salt.is_some() {
             return Err("cache_salt applies to token_ids and text; hashes carry their own".into());
@@ -265,18 +269,18 @@ pub(super) fn prompt(req: &SelectRequest, model: &ModelState) -> Result<Parsed, 
         }
         p.sequence_hashes = Some(hashes);
         p.isl_tokens = isl;
-    } else if let Some(tokens) = &req.token_ids {
+    } else if let Some(tokens) = req.token_ids {
         if tokens.is_empty() {
             return Err("token_ids must not be empty".into());
         }
         p.isl_tokens = req.isl_tokens.unwrap_or(tokens.len() as u64);
-        p.tokens = Some(tokens.clone());
-    } else if let Some(text) = &req.text {
+        p.tokens = Some(tokens.to_vec());
+    } else if let Some(text) = req.text {
         if text.is_empty() {
             return Err("text must not be empty".into());
         }
         p.isl_tokens = req.isl_tokens.unwrap_or_else(|| estimate_tokens(text));
-        p.text = Some(text.clone());
+        p.text = Some(text.to_owned());
     }
     Ok(p)
 }

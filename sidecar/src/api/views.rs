@@ -268,6 +268,55 @@ pub struct PinnedWorker {
     pub dp_rank: u32,
 }
 
+/// The prompt fields of a selection-API body, borrowed. `SelectRequest`
+/// and `ReservationRequest` each declare them: serde cannot flatten a
+/// shared struct into a body that refuses unknown fields.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PromptFields<'a> {
+    pub block_hashes: Option<&'a [u64]>,
+    pub sequence_hashes: Option<&'a [u64]>,
+    pub isl_tokens: Option<u64>,
+    pub token_ids: Option<&'a [u32]>,
+    pub text: Option<&'a str>,
+    pub cache_salt: Option<&'a str>,
+}
+
+impl PromptFields<'_> {
+    /// Whether the body gave a prompt in any form (an ISL alone is none).
+    pub fn given(&self) -> bool {
+        self.block_hashes.is_some()
+            || self.sequence_hashes.is_some()
+            || self.token_ids.is_some()
+            || self.text.is_some()
+    }
+}
+
+impl SelectRequest {
+    pub fn prompt(&self) -> PromptFields<'_> {
+        PromptFields {
+            block_hashes: self.block_hashes.as_deref(),
+            sequence_hashes: self.sequence_hashes.as_deref(),
+            isl_tokens: self.isl_tokens,
+            token_ids: self.token_ids.as_deref(),
+            text: self.text.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
+        }
+    }
+}
+
+impl ReservationRequest {
+    pub fn prompt(&self) -> PromptFields<'_> {
+        PromptFields {
+            block_hashes: self.block_hashes.as_deref(),
+            sequence_hashes: self.sequence_hashes.as_deref(),
+            isl_tokens: self.isl_tokens,
+            token_ids: self.token_ids.as_deref(),
+            text: self.text.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
+        }
+    }
+}
+
 fn default_scope() -> String {
     kvgate_core::DEFAULT_TENANT.to_string()
 }
