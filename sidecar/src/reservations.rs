@@ -43,7 +43,12 @@ fn truncate(s: &str) -> &str {
 /// stands in for the decode latch: a rank that was busy stays so until its
 /// load is under the threshold's lower mark.
 pub(crate) fn fresh_model(snap: &Snapshot, name: &str, ledger: &Bookings) -> Option<ModelState> {
-    let mut m = snap.model(name)?.clone();
+    snap.model(name).map(|m| fresh(m, ledger))
+}
+
+/// [`fresh_model`] for a model already found.
+pub(crate) fn fresh(model: &ModelState, ledger: &Bookings) -> ModelState {
+    let mut m = model.clone();
     let th = m.thresholds;
     for w in &mut m.workers {
         for r in &mut w.ranks {
@@ -54,7 +59,7 @@ pub(crate) fn fresh_model(snap: &Snapshot, name: &str, ledger: &Bookings) -> Opt
             r.busy = rank_busy(r, &th, &mut latched).is_some();
         }
     }
-    Some(m)
+    m
 }
 
 impl Sidecar {

@@ -8,7 +8,7 @@ use super::views::{
 };
 use super::{error, json_response};
 use crate::Sidecar;
-use crate::reservations::fresh_model;
+use crate::reservations::{fresh, fresh_model};
 use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -34,7 +34,7 @@ pub(super) async fn loads(State(sc): State<Arc<Sidecar>>, Query(q): Query<LoadsQ
         snap.models
             .iter()
             .filter(|m| q.model_name.as_ref().is_none_or(|n| *n == m.name))
-            .filter_map(|m| fresh_model(&snap, &m.name, &ledger))
+            .map(|m| fresh(m, &ledger))
             .collect()
     };
     let mut out: BTreeMap<(String, String), Vec<RankLoadView>> = BTreeMap::new();
