@@ -16,7 +16,8 @@
 //! against the bytes that remain before anything is allocated.
 
 use crate::state::{
-    Applied, DEFAULT_TENANT, ModelState, Policy, RankLoad, Snapshot, Thresholds, WorkerState,
+    Applied, DEFAULT_TENANT, ModelState, Policy, RankLoad, Snapshot, Thermal, ThermalState,
+    Thresholds, WorkerState,
 };
 use crate::wire::{Reader, WireError};
 use thiserror::Error;
@@ -26,7 +27,7 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 5;
+pub const MINOR: u16 = 6;
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 
@@ -55,6 +56,8 @@ const RANK_FIXED: usize = 4 + 2 + 8 * 5 + 4 + 4 + 1;
 
 /// The cost weights, in their wire order.
 const POLICY_LEN: usize = 6 * 8;
+/// A worker's thermal record (minor 6): state, cap, in flight, heat.
+const THERMAL_LEN: usize = 1 + 4 + 4 + 8;
 
 const FLAG_BUSY: u8 = 1;
 const TH_DECODE: u8 = 1;
@@ -80,6 +83,8 @@ impl Snapshot {
                         + m.name.len()
                         + 8
                         + POLICY_LEN
+                        + 8
+                        + 8
                         + m.workers
                             .iter()
                             .map(|w| {
@@ -88,6 +93,7 @@ impl Snapshot {
                                     + w.ranks.len() * (2 + RANK_FIXED)
                                     + 2
                                     + w.tenant.len()
+                                    + THERMAL_LEN
                             })
                             .sum::<usize>()
                 })
@@ -153,6 +159,12 @@ impl Snapshot {
                 }
                 // Minor 2 fields follow the ranks; older readers skip them.
                 put_str(out, &w.tenant, "worker tenant")?;
+                // Minor 6: the thermal record.
+                let t = &w.thermal;
+                out.push(t.state.code());
+                out.extend_from_slice(&t.cap.to_le_bytes());
+                out.extend_from_slice(&t.in_flight.to_le_bytes());
+                out.extend_from_slice(&t.heat.to_le_bytes());
                 end_record(out, wrec, "worker record")?;
             }
             // Minor 1 fields follow the workers; older readers skip them.
@@ -168,6 +180,8 @@ impl Snapshot {
             }
             // Minor 5: the service rate.
             out.extend_from_slice(&m.service_rate_per_s.to_le_bytes());
+            // Minor 6: the heat weight.
+            out.extend_from_slice(&m.policy.thermal_weight.to_le_bytes());
             end_record(out, rec, "model record")?;
         }
         put_count(out, self.applied.len(), "applied bookings")?;
@@ -233,12 +247,23 @@ impl Snapshot {
                 } else {
                     DEFAULT_TENANT.to_string()
                 };
+                let thermal = if w.remaining() >= THERMAL_LEN {
+                    Thermal {
+                        state: ThermalState::from_code(w.u8()?),
+                        cap: w.u32()?,
+                        in_flight: w.u32()?,
+                        heat: unit(w.f64()?),
+                    }
+                } else {
+                    Thermal::default()
+                };
                 workers.push(WorkerState {
                     id,
                     endpoint,
                     block_size,
                     ranks,
                     tenant,
+                    thermal,
                 });
             }
             let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
@@ -264,6 +289,11 @@ impl Snapshot {
             } else {
                 0.0
             };
+            if m.remaining() >= 8 {
+                policy.thermal_weight = Some(m.f64()?)
+                    .filter(|w| w.is_finite() && *w >= 0.0)
+                    .unwrap_or(0.0);
+            }
             models.push(ModelState {
                 name,
                 thresholds,
@@ -295,6 +325,12 @@ impl Snapshot {
             applied,
         })
     }
+}
+
+/// A heat from the wire, within [0, 1]; what is not a number is as hot as
+/// it gets, never cool.
+fn unit(v: f64) -> f64 {
+    if v.is_nan() { 1.0 } else { v.clamp(0.0, 1.0) }
 }
 
 fn policy_weights(p: &Policy) -> [f64; POLICY_LEN / 8] {
@@ -464,12 +500,19 @@ mod tests {
                                 ..Default::default()
                             },
                         ],
+                        thermal: Thermal {
+                            state: ThermalState::Throttling,
+                            heat: 1.0,
+                            cap: 6,
+                            in_flight: 9,
+                        },
                     }],
                     retry_after_s: 4,
                     lora_adapters: vec!["sql-lora".into(), "chat-lora".into()],
                     policy: Policy {
                         host_weight: 0.5,
                         temperature: 0.2,
+                        thermal_weight: 2.5,
                         ..Policy::default()
                     },
                     service_rate_per_s: 42.5,
@@ -485,7 +528,7 @@ mod tests {
 
     /// What a minor-0 writer produced: no retry hint, no applied list.
     fn minor0(s: &Snapshot) -> Vec<u8> {
-        strip_model_tail(s, 8 + POLICY_LEN + 8)
+        strip_model_tail(s, 8 + POLICY_LEN + 16)
     }
 
     /// Cuts the last `by` bytes (the minor-1 and later fields, with no
@@ -524,7 +567,7 @@ mod tests {
     #[test]
     fn minor_two_snapshots_have_no_adapters() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN + 8)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN + 16)).unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert!(old.models[0].lora_adapters.is_empty());
     }
@@ -533,7 +576,7 @@ mod tests {
     fn minor_three_snapshots_carry_the_default_policy() {
         let s = sample();
         assert_ne!(s.models[0].policy, Policy::default());
-        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN + 8)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN + 16)).unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert_eq!(old.models[0].policy, Policy::default());
         assert_eq!(old.models[0].workers, s.models[0].workers);
@@ -543,9 +586,67 @@ mod tests {
     fn minor_four_snapshots_know_no_service_rate() {
         let s = sample();
         assert!(s.models[0].service_rate_per_s > 0.0);
-        let old = Snapshot::decode(&strip_model_tail(&s, 8)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 16)).unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 0.0);
-        assert_eq!(old.models[0].policy, s.models[0].policy);
+        assert_eq!(
+            old.models[0].policy.host_weight,
+            s.models[0].policy.host_weight
+        );
+    }
+
+    #[test]
+    fn minor_five_snapshots_weigh_heat_by_default() {
+        let s = sample();
+        let old = Snapshot::decode(&strip_model_tail(&s, 8)).unwrap();
+        assert_eq!(old.models[0].service_rate_per_s, 42.5);
+        assert_eq!(old.models[0].policy.thermal_weight, 1.0);
+    }
+
+    /// `s` with the last `by` bytes cut off its first worker's record.
+    fn strip_worker_tail(s: &Snapshot, by: usize) -> (Vec<u8>, Vec<u8>) {
+        let mut bytes = s.encode().unwrap();
+        let model_at = HEADER_LEN + 4;
+        let worker_at = model_at + 4 + 2 + s.models[0].name.len() + 1 + 24 + 4 + 4;
+        let patch = |b: &mut Vec<u8>, at: usize, by: usize| {
+            let v = u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize;
+            b[at..at + 4].copy_from_slice(&((v - by) as u32).to_le_bytes());
+            v
+        };
+        let wlen = patch(&mut bytes, worker_at, by);
+        let wend = worker_at + 4 + wlen;
+        let cut: Vec<u8> = bytes.drain(wend - by..wend).collect();
+        patch(&mut bytes, model_at, by);
+        patch(&mut bytes, 8, by);
+        (bytes, cut)
+    }
+
+    #[test]
+    fn workers_from_minor_five_writers_are_unmonitored() {
+        let s = sample();
+        let (bytes, _) = strip_worker_tail(&s, THERMAL_LEN);
+        let old = Snapshot::decode(&bytes).unwrap();
+        let w = &old.models[0].workers[0];
+        assert_eq!(w.thermal, Thermal::default());
+        assert_eq!(w.thermal.state, ThermalState::Unmonitored);
+        assert_eq!(w.tenant, "team-a");
+    }
+
+    #[test]
+    fn thermal_values_from_the_wire_are_bounded() {
+        let mut s = sample();
+        s.models[0].workers[0].thermal.heat = f64::NAN;
+        let mut bytes = s.encode().unwrap();
+        // The state byte of a newer writer reads as unknown, never as cool.
+        let (_, cut) = strip_worker_tail(&s, THERMAL_LEN);
+        let at = bytes
+            .windows(cut.len())
+            .position(|w| w == cut.as_slice())
+            .unwrap();
+        bytes[at] = 200;
+        let w = &Snapshot::decode(&bytes).unwrap().models[0].workers[0];
+        assert_eq!(w.thermal.state, ThermalState::Unknown);
+        assert_eq!(w.thermal.heat, 1.0, "NaN heat is as hot as it gets");
+        assert_eq!(w.thermal.cap, 6);
     }
 
     #[test]
@@ -554,26 +655,10 @@ mod tests {
         s.models.truncate(1);
         s.models[0].workers.truncate(1);
         s.models[0].workers[0].tenant.clear();
-        let mut bytes = s.encode().unwrap();
-        // Cut the (empty) tenant off the worker record, as a minor-1 writer
-        // never wrote it, and shrink the enclosing lengths.
-        let model_at = HEADER_LEN + 4;
-        let worker_at = model_at + 4 + 2 + s.models[0].name.len() + 1 + 24 + 4 + 4;
-        let patch = |b: &mut Vec<u8>, at: usize, by: usize| {
-            let v = u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize;
-            b[at..at + 4].copy_from_slice(&((v - by) as u32).to_le_bytes());
-            v
-        };
-        let wlen = patch(&mut bytes, worker_at, 2);
-        let wend = worker_at + 4 + wlen;
-        assert_eq!(
-            &bytes[wend - 2..wend],
-            &[0, 0],
-            "the empty tenant ends the record"
-        );
-        bytes.drain(wend - 2..wend);
-        patch(&mut bytes, model_at, 2);
-        patch(&mut bytes, 8, 2);
+        // Cut the (empty) tenant and the thermal record off the worker
+        // record, as a minor-1 writer never wrote them.
+        let (bytes, cut) = strip_worker_tail(&s, 2 + THERMAL_LEN);
+        assert_eq!(&cut[..2], &[0, 0], "the empty tenant");
         let old = Snapshot::decode(&bytes).unwrap();
         assert_eq!(old.models[0].workers[0].tenant, DEFAULT_TENANT);
         assert_eq!(old.models[0].workers[0].ranks, s.models[0].workers[0].ranks);
@@ -672,14 +757,25 @@ mod tests {
             any::<u32>(),
             prop::collection::vec(arb_rank(), 0..4),
             "[a-z0-9-]{0,12}",
+            (0u8..5, 0.0f64..=1.0, any::<u32>(), any::<u32>()),
         )
-            .prop_map(|(id, endpoint, block_size, ranks, tenant)| WorkerState {
-                id,
-                endpoint,
-                block_size,
-                ranks,
-                tenant,
-            });
+            .prop_map(
+                |(id, endpoint, block_size, ranks, tenant, (state, heat, cap, in_flight))| {
+                    WorkerState {
+                        id,
+                        endpoint,
+                        block_size,
+                        ranks,
+                        tenant,
+                        thermal: Thermal {
+                            state: ThermalState::from_code(state),
+                            heat,
+                            cap,
+                            in_flight,
+                        },
+                    }
+                },
+            );
         let thresholds = (
             prop::option::of(0.0f64..1.0),
             prop::option::of(any::<u64>()),
@@ -710,6 +806,7 @@ mod tests {
                         policy: Policy {
                             overlap_credit: credit,
                             temperature,
+                            thermal_weight: temperature * 3.0,
                             ..Policy::default()
                         },
                         service_rate_per_s: credit * 10.0,

@@ -83,6 +83,85 @@ pub struct WorkerState {
     /// is only ever placed on that tenant's workers.
     #[cfg_attr(feature = "serde", serde(rename = "tenant_id"))]
     pub tenant: String,
+    /// The heat of the worker's GPUs and what the sidecar's controller
+    /// made of it (minor 6; older snapshots say nothing is known).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub thermal: Thermal,
+}
+
+/// A worker's GPU heat as the routers act on it: how dear it is, and the
+/// most requests it may hold while throttling. A worker is as hot as the
+/// hottest GPU of its tensor-parallel group.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct Thermal {
+    pub state: ThermalState,
+    /// 0 when cool, rising to 1 as the hottest GPU nears its target: new
+    /// work drifts to cooler workers before any is capped.
+    pub heat: f64,
+    /// While throttling, the most requests the worker may hold; 0 is no cap.
+    pub cap: u32,
+    /// Requests in flight on the worker as the sidecar counts them: the
+    /// engine's running and waiting, or the gateways' bookings when more.
+    pub in_flight: u32,
+}
+
+/// Where a worker stands with its thermal controller.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
+pub enum ThermalState {
+    /// No GPU of the worker is watched.
+    #[default]
+    Unmonitored,
+    Cool,
+    /// Within the warm band under the target: priced, not capped.
+    Warm,
+    /// At or over the target (or slowing down), until it is back under
+    /// target minus hysteresis: capped.
+    Throttling,
+    /// Watched, but no fresh reading: priced as hot, a cap held.
+    Unknown,
+}
+
+impl ThermalState {
+    pub const ALL: [ThermalState; 5] = [
+        ThermalState::Unmonitored,
+        ThermalState::Cool,
+        ThermalState::Warm,
+        ThermalState::Throttling,
+        ThermalState::Unknown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ThermalState::Unmonitored => "unmonitored",
+            ThermalState::Cool => "cool",
+            ThermalState::Warm => "warm",
+            ThermalState::Throttling => "throttling",
+            ThermalState::Unknown => "unknown",
+        }
+    }
+
+    /// The wire value (snapshot minor 6).
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// A wire value from a newer writer reads as unknown, never as cool.
+    pub fn from_code(code: u8) -> ThermalState {
+        ThermalState::ALL
+            .get(usize::from(code))
+            .copied()
+            .unwrap_or(ThermalState::Unknown)
+    }
+}
+
+impl Thermal {
+    /// The worker holds as many requests as its cap allows.
+    pub fn at_cap(&self) -> bool {
+        self.cap > 0 && self.in_flight >= self.cap
+    }
 }
 
 /// Load of one data-parallel rank, merged from engine metrics and gateway
@@ -213,6 +292,9 @@ pub struct Policy {
     /// 0 picks the minimum; above 0 samples from a softmax over the
     /// range-normalised, negated logits.
     pub temperature: f64,
+    /// How much dearer a worker at its thermal target is: the cost is
+    /// multiplied by `1 + thermal_weight × heat` (minor 6).
+    pub thermal_weight: f64,
 }
 
 impl Default for Policy {
@@ -224,6 +306,7 @@ impl Default for Policy {
             prefill_load_scale: 1.0,
             decode_active_request_weight: 0.0,
             temperature: 0.0,
+            thermal_weight: 1.0,
         }
     }
 }
@@ -242,6 +325,7 @@ impl Policy {
                 self.decode_active_request_weight,
             ),
             ("temperature", self.temperature),
+            ("thermal_weight", self.thermal_weight),
         ] {
             if !(value >= 0.0 && value.is_finite()) {
                 return Err(InvalidValue {

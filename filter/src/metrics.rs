@@ -26,7 +26,7 @@ pub fn record(id: Option<u32>, value: u64) {
 pub struct RouterMetrics {
     pub requests: Option<u32>,
     pub routed: Option<u32>,
-    pub rejected: [Option<u32>; 6],
+    pub rejected: [Option<u32>; Reason::ALL.len()],
     pub failed_open: Option<u32>,
     pub decision_us: Option<u32>,
     pub selection_us: Option<u32>,
@@ -45,7 +45,7 @@ pub struct RouterMetrics {
 
 impl RouterMetrics {
     pub fn define() -> RouterMetrics {
-        let mut rejected = [None; 6];
+        let mut rejected = [None; Reason::ALL.len()];
         for r in Reason::ALL {
             rejected[r.index()] = define(
                 MetricType::Counter,

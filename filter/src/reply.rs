@@ -26,16 +26,19 @@ pub enum Reason {
     BadRequest,
     BodyTooLarge,
     StaleState,
+    /// Every worker busy or at its thermal cap, at least one capped.
+    Thermal,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 6] = [
+    pub const ALL: [Reason; 7] = [
         Reason::AllWorkersBusy,
         Reason::NoWorkers,
         Reason::UnknownModel,
         Reason::BadRequest,
         Reason::BodyTooLarge,
         Reason::StaleState,
+        Reason::Thermal,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -46,6 +49,7 @@ impl Reason {
             Reason::BadRequest => "bad_request",
             Reason::BodyTooLarge => "body_too_large",
             Reason::StaleState => "stale_state",
+            Reason::Thermal => "thermal",
         }
     }
 
@@ -68,6 +72,13 @@ impl Reply {
             Rejection::NoWorkers => Reply::no_workers(model),
             Rejection::AllBusy { retry_after_s: 0 } => Reply::busy(default_retry_after_s),
             Rejection::AllBusy { retry_after_s } => Reply::busy(retry_after_s),
+            Rejection::Thermal { retry_after_s } => Reply {
+                reason: Reason::Thermal,
+                ..Reply::busy(match retry_after_s {
+                    0 => default_retry_after_s,
+                    s => s,
+                })
+            },
         }
     }
 
@@ -184,6 +195,21 @@ mod tests {
         assert_eq!((r.status, r.reason), (404, Reason::UnknownModel));
         let r = Reply::rejected(Rejection::NoWorkers, "x", 2);
         assert_eq!((r.status, r.reason), (503, Reason::NoWorkers));
+        let hot = |hint| {
+            Reply::rejected(
+                Rejection::Thermal {
+                    retry_after_s: hint,
+                },
+                "m",
+                2,
+            )
+        };
+        assert_eq!(
+            (hot(9).status, hot(9).reason, hot(9).retry_after_s),
+            (503, Reason::Thermal, Some(9))
+        );
+        assert_eq!(hot(9).body, BUSY_BODY, "Dynamo's body, whatever the cause");
+        assert_eq!(hot(0).retry_after_s, Some(2));
     }
 
     #[test]
@@ -195,7 +221,7 @@ mod tests {
         assert_eq!(v["error"]["param"], serde_json::Value::Null);
         assert_eq!(Reply::too_large(10).status, 413);
         let names: Vec<&str> = Reason::ALL.iter().map(|r| r.as_str()).collect();
-        assert_eq!(names.len(), 6);
+        assert_eq!(names.len(), 7);
         assert!(Reason::ALL.iter().enumerate().all(|(i, r)| r.index() == i));
     }
 }

@@ -275,6 +275,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                         block_size: 16,
                         ranks: vec![rank(0, 0, false), rank(1, 1, true)],
                         tenant: "default".into(),
+                        thermal: Default::default(),
                     },
                     WorkerState {
                         id: 2,
@@ -282,6 +283,12 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                         block_size: 32,
                         ranks: vec![rank(0, 2, false)],
                         tenant: "team-b".into(),
+                        thermal: kvgate_core::Thermal {
+                            state: kvgate_core::ThermalState::Throttling,
+                            heat: 1.0,
+                            cap: 3,
+                            in_flight: 2,
+                        },
                     },
                 ],
                 retry_after_s: 3,

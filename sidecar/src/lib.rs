@@ -16,6 +16,8 @@
 //!
 //! * [`replica`]: what other gateway pods' sidecars share: the load each
 //!   books, so that several pods see one fleet.
+//! * `thermal`: the loop that reads GPU temperatures, steps each worker's
+//!   thermal controller and cuts engines' running batches.
 //!
 //! [`Sidecar`] holds it together; the lifecycle module starts and stops
 //! each worker's scraper and KV subscribers as the catalog changes, and
@@ -40,6 +42,7 @@ pub mod replica;
 mod reservations;
 mod sidecar;
 pub mod sources;
+mod thermal;
 mod tick;
 
 pub use sidecar::Sidecar;

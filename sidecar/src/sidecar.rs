@@ -128,6 +128,7 @@ impl Sidecar {
         }
         sc.publish_now();
         tokio::spawn(tick::publish_loop(sc.clone()));
+        tokio::spawn(crate::thermal::thermal_loop(sc.clone()));
         Ok(sc)
     }
 

@@ -566,7 +566,19 @@ async fn json_bodies_keep_their_shapes() {
     let wk = &m["workers"][0];
     assert_eq!(
         keys(wk),
-        ["block_size", "endpoint", "ranks", "tenant_id", "worker_id"]
+        [
+            "block_size",
+            "endpoint",
+            "ranks",
+            "tenant_id",
+            "thermal",
+            "worker_id"
+        ]
+    );
+    assert_eq!(
+        wk["thermal"],
+        json!({"state": "unmonitored", "heat": 0.0, "cap": 0, "in_flight": 2}),
+        "no GPUs named: nothing known, the engine's two running in flight"
     );
     assert_eq!(
         wk["ranks"][0],

@@ -47,6 +47,7 @@ fn snapshot(shard_count: u32) -> Snapshot {
                         ..Default::default()
                     }],
                     tenant: "default".into(),
+                    thermal: Default::default(),
                 })
                 .collect(),
             ..Default::default()

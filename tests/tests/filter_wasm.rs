@@ -4,7 +4,7 @@
 
 use kvgate_core::shard::{Holder, encode as encode_shard};
 use kvgate_core::update;
-use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState};
+use kvgate_core::{ModelState, RankLoad, Snapshot, Thermal, ThermalState, WorkerState};
 use kvgate_tests::filter_wasm;
 use kvgate_tests::host::{Filter, Shared, SharedRef, Vm};
 use serde_json::{Value, json};
@@ -46,6 +46,7 @@ fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
         block_size: 16,
         ranks,
         tenant: "default".into(),
+        thermal: Default::default(),
     }
 }
 
@@ -77,9 +78,37 @@ fn fleet(version: u64) -> Snapshot {
                 name: "empty".into(),
                 ..Default::default()
             },
+            ModelState {
+                name: "thermal-hot".into(),
+                workers: vec![
+                    capped(worker(6, vec![rank(0, 0, false)]), 2, 2),
+                    worker(7, vec![rank(0, 0, true)]),
+                ],
+                retry_after_s: 6,
+                ..Default::default()
+            },
+            ModelState {
+                name: "thermal-warm".into(),
+                workers: vec![
+                    capped(worker(8, vec![rank(0, 0, false)]), 1, 0),
+                    worker(9, vec![rank(0, 300, false)]),
+                ],
+                ..Default::default()
+            },
         ],
         applied: Vec::new(),
     }
+}
+
+/// `w` throttling with this cap and this many requests in flight.
+fn capped(mut w: WorkerState, cap: u32, in_flight: u32) -> WorkerState {
+    w.thermal = Thermal {
+        state: ThermalState::Throttling,
+        heat: 1.0,
+        cap,
+        in_flight,
+    };
+    w
 }
 
 /// An emulated Envoy: the service VM and two router VMs.
@@ -402,6 +431,40 @@ fn data_parallel_ranks_are_chosen() {
         Some("1"),
         "rank 0 is busy; the client's value is replaced"
     );
+}
+
+#[test]
+fn thermal_caps_are_applied_per_request_and_a_hot_fleet_sheds_as_thermal() {
+    let mut e = Envoy::ready("");
+    let r = &mut e.routers[0];
+    // Worker 8 is throttling with room for one: it is still far cheaper
+    // than worker 9, so it takes the first request...
+    let (ex, open) = r.open(&CHAT, &[&chat("thermal-warm")]);
+    assert_eq!(ex.destination(), Some("10.0.0.8:8000"));
+    // ...and this VM's own booking puts it at its cap before any snapshot
+    // says so: the next goes elsewhere while the first is open.
+    let ex = r.request(&CHAT, &[&chat("thermal-warm")]);
+    assert_eq!(ex.destination(), Some("10.0.0.9:8000"));
+    r.finish(open);
+    let ex = r.request(&CHAT, &[&chat("thermal-warm")]);
+    assert_eq!(
+        ex.destination(),
+        Some("10.0.0.8:8000"),
+        "its end frees the place"
+    );
+
+    // Worker 6 is at its cap and worker 7 busy: shed, reason thermal.
+    let ex = r.request(&CHAT, &[&chat("thermal-hot")]);
+    let reply = ex.reply.unwrap();
+    assert_eq!(reply.status, 503);
+    assert_eq!(reply.header("x-kvgate-reason"), Some("thermal"));
+    assert_eq!(reply.header("retry-after"), Some("6"));
+    assert_eq!(
+        body(&reply),
+        json!({"message": "Service temporarily unavailable: All workers are busy, please retry later", "type": "service_unavailable", "code": 503})
+    );
+    assert!(!ex.continued);
+    assert_eq!(e.counter("kvgate_rejected_thermal_total"), 1);
 }
 
 #[test]

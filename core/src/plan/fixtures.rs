@@ -10,5 +10,6 @@ pub(crate) fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
         block_size: 16,
         ranks,
         tenant: DEFAULT_TENANT.into(),
+        thermal: Default::default(),
     }
 }

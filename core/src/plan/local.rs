@@ -41,6 +41,9 @@ struct Released {
     decode: u64,
     /// The first booking sequence issued after the release.
     fence: u64,
+    /// 1 when the request ended: it no longer counts against its worker's
+    /// thermal cap.
+    requests: u32,
     at_ms: u64,
 }
 
@@ -102,14 +105,21 @@ impl LocalBookings {
         self.released
             .retain(|r| r.fence > applied && now_ms.saturating_sub(r.at_ms) <= max_age_ms);
         for e in self.entries.clone() {
-            self.add(snap, e.slot, e.prefill as i64, e.decode as i64);
+            self.add(snap, e.slot, e.prefill as i64, e.decode as i64, 1);
         }
         // Only where the snapshot counts the booking but not yet its
         // release; a booking it has not seen at all is in `entries`, already
         // net of the release.
         for r in self.released.clone() {
             if r.seq <= applied {
-                self.add(snap, r.slot, -(r.prefill as i64), -(r.decode as i64));
+                let requests = -i64::from(r.requests);
+                self.add(
+                    snap,
+                    r.slot,
+                    -(r.prefill as i64),
+                    -(r.decode as i64),
+                    requests,
+                );
             }
         }
     }
@@ -131,7 +141,7 @@ impl LocalBookings {
             decode,
             at_ms: now_ms,
         });
-        self.add(snap, slot, prefill as i64, decode as i64);
+        self.add(snap, slot, prefill as i64, decode as i64, 1);
     }
 
     /// Takes a release off the view at once, and off every later snapshot
@@ -145,7 +155,7 @@ impl LocalBookings {
                 self.entries.swap_remove(at);
             }
         }
-        if r.prefill > 0 || r.decode > 0 {
+        if r.prefill > 0 || r.decode > 0 || r.done {
             // Only a sidecar that stopped publishing leaves these unpruned;
             // the oldest matter least.
             if self.released.len() >= MAX_RELEASED {
@@ -157,15 +167,25 @@ impl LocalBookings {
                 prefill: r.prefill,
                 decode: r.decode,
                 fence: r.fence,
+                requests: u32::from(r.done),
                 at_ms: now_ms,
             });
         }
         if let Some(snap) = snap {
-            self.add(snap, r.slot, -(r.prefill as i64), -(r.decode as i64));
+            let requests = -i64::from(r.done);
+            self.add(
+                snap,
+                r.slot,
+                -(r.prefill as i64),
+                -(r.decode as i64),
+                requests,
+            );
         }
     }
 
-    fn add(&self, snap: &mut Snapshot, slot: u16, prefill: i64, decode: i64) {
+    /// Shifts a rank's load, and its worker's requests in flight (which
+    /// its thermal cap is checked against).
+    fn add(&self, snap: &mut Snapshot, slot: u16, prefill: i64, decode: i64, requests: i64) {
         let Some(&(mi, wi, ri)) = self.places.get(&slot) else {
             return;
         };
@@ -173,7 +193,12 @@ impl LocalBookings {
             return;
         };
         let th = model.thresholds;
-        let Some(rank) = model.workers.get_mut(wi).and_then(|w| w.ranks.get_mut(ri)) else {
+        let Some(worker) = model.workers.get_mut(wi) else {
+            return;
+        };
+        let in_flight = shift(u64::from(worker.thermal.in_flight), requests);
+        worker.thermal.in_flight = u32::try_from(in_flight).unwrap_or(u32::MAX);
+        let Some(rank) = worker.ranks.get_mut(ri) else {
             return;
         };
         rank.active_prefill_tokens = shift(rank.active_prefill_tokens, prefill);
@@ -348,6 +373,31 @@ mod tests {
         f.settle(&mut late, 9, 2000, 1000);
         assert!(f.is_empty());
         assert_eq!(load(&late, 1), (0, 0, false));
+    }
+
+    #[test]
+    fn a_workers_requests_in_flight_follow_bookings_and_their_ends() {
+        let in_flight = |s: &Snapshot| s.models[0].workers[0].thermal.in_flight;
+        let mut f = LocalBookings::default();
+        let mut s = snap(0);
+        s.models[0].workers[0].thermal.in_flight = 3;
+        f.settle(&mut s, 9, 0, 1000);
+        f.book(&mut s, 1, 4, 100, 10, 0);
+        f.book(&mut s, 2, 5, 100, 10, 0);
+        assert_eq!(
+            in_flight(&s),
+            5,
+            "both ranks' bookings count for the worker"
+        );
+        f.release(Some(&mut s), first_byte(1, 4, 100, 3), 1);
+        assert_eq!(in_flight(&s), 5, "a first byte ends nothing");
+        f.release(Some(&mut s), done(1, 4, 0, 10, 3), 2);
+        assert_eq!(in_flight(&s), 4);
+        // The sidecar counted booking 1 but not its end, nor booking 2.
+        let mut next = snap(1);
+        next.models[0].workers[0].thermal.in_flight = 4;
+        f.settle(&mut next, 9, 10, 1000);
+        assert_eq!(in_flight(&next), 4, "+1 for booking 2, -1 for the end of 1");
     }
 
     #[test]

@@ -48,6 +48,9 @@ pub enum Rejection {
     /// Every rank of the tenant's workers is over a busy threshold. The
     /// hint is the snapshot's estimate, 0 when it has none.
     AllBusy { retry_after_s: u32 },
+    /// Every rank is busy or its worker at its thermal cap, and at least
+    /// one worker is capped. The hint is the snapshot's, as for `AllBusy`.
+    Thermal { retry_after_s: u32 },
 }
 
 /// A routed request.
@@ -141,6 +144,9 @@ pub fn place<'a>(
             })
         }
         Decision::AllBusy => Plan::Reject(Rejection::AllBusy {
+            retry_after_s: model.retry_after_s,
+        }),
+        Decision::AllHot => Plan::Reject(Rejection::Thermal {
             retry_after_s: model.retry_after_s,
         }),
         Decision::NoWorkers => Plan::Reject(Rejection::NoWorkers),

@@ -68,6 +68,9 @@ pub enum Decision<'a> {
     Route(Choice<'a>),
     /// Workers exist and every one of them is busy: shed with 503.
     AllBusy,
+    /// Every worker is busy or at its thermal cap, and at least one is
+    /// capped: shed with 503, the fleet is too hot to take more.
+    AllHot,
     /// The model is known but no worker is up.
     NoWorkers,
 }
@@ -150,6 +153,7 @@ pub fn select_with_runner_up<'a>(
     mut overlap: impl FnMut(&WorkerState, &RankLoad) -> Overlap,
 ) -> (Decision<'a>, Option<Choice<'a>>) {
     let mut any_rank = false;
+    let mut capped = false;
     let mut runner_up: Option<Choice<'a>> = None;
     let mut best: Option<Choice<'a>> = None;
     let mut ties: u64 = 0;
@@ -157,6 +161,12 @@ pub fn select_with_runner_up<'a>(
     let mut pool: Vec<Choice<'a>> = Vec::new();
     let sampling = policy.temperature > 0.0;
     for worker in model.workers.iter().filter(|w| w.tenant == tenant) {
+        if worker.thermal.at_cap() {
+            any_rank |= !worker.ranks.is_empty();
+            capped |= !worker.ranks.is_empty();
+            continue;
+        }
+        let heat = 1.0 + policy.thermal_weight * worker.thermal.heat.clamp(0.0, 1.0);
         for rank in &worker.ranks {
             any_rank = true;
             if rank.busy
@@ -167,8 +177,9 @@ pub fn select_with_runner_up<'a>(
                 continue;
             }
             let ov = overlap(worker, rank);
-            let logit = policy.logit(req, worker.block_size, rank, ov)
-                + terms.iter().map(|t| t.cost(worker, rank)).sum::<f64>();
+            let logit = (policy.logit(req, worker.block_size, rank, ov)
+                + terms.iter().map(|t| t.cost(worker, rank)).sum::<f64>())
+                * heat;
             let choice = Choice {
                 worker,
                 rank,
@@ -216,6 +227,7 @@ pub fn select_with_runner_up<'a>(
     }
     let decision = match best {
         Some(c) => Decision::Route(c),
+        None if capped => Decision::AllHot,
         None if any_rank => Decision::AllBusy,
         None => Decision::NoWorkers,
     };
@@ -442,6 +454,81 @@ mod tests {
         assert_eq!(pick(&[&hot]).0, 2, "a term can outweigh load");
         let cold = Hot(99);
         assert_eq!(pick(&[&cold]), (1, plain), "a zero term changes nothing");
+    }
+
+    fn hot(mut w: WorkerState, heat: f64, cap: u32, in_flight: u32) -> WorkerState {
+        w.thermal = crate::state::Thermal {
+            state: if cap > 0 {
+                crate::state::ThermalState::Throttling
+            } else {
+                crate::state::ThermalState::Warm
+            },
+            heat,
+            cap,
+            in_flight,
+        };
+        w
+    }
+
+    #[test]
+    fn a_warm_worker_loses_new_work_to_a_cooler_one_before_any_cap() {
+        // Worker 1 is less loaded, but warm; worker 2 is cool.
+        let m = model(vec![
+            hot(worker(1, vec![rank(0, 0, 10, false)]), 0.5, 0, 0),
+            worker(2, vec![rank(0, 0, 14, false)]),
+        ]);
+        assert_eq!(pick(&m, 0), Some((2, 0)), "(7 + 10) × 1.5 > 7 + 14");
+        let cool = model(vec![
+            hot(worker(1, vec![rank(0, 0, 10, false)]), 0.0, 0, 0),
+            worker(2, vec![rank(0, 0, 14, false)]),
+        ]);
+        assert_eq!(pick(&cool, 0), Some((1, 0)), "heat 0 prices nothing");
+        let mut off = m.clone();
+        let policy = Policy {
+            thermal_weight: 0.0,
+            ..Policy::default()
+        };
+        off.policy = policy;
+        let req = RequestShape {
+            isl_tokens: 100,
+            ..Default::default()
+        };
+        match select(&off, DEFAULT_TENANT, &req, &policy, |_, _| {
+            Overlap::default()
+        }) {
+            Decision::Route(c) => assert_eq!(c.worker.id, 1, "weight 0 turns heat off"),
+            d => panic!("{d:?}"),
+        }
+    }
+
+    #[test]
+    fn a_worker_at_its_cap_is_no_candidate_and_a_hot_fleet_sheds_as_thermal() {
+        let m = model(vec![
+            hot(worker(1, vec![rank(0, 0, 0, false)]), 1.0, 4, 4),
+            worker(2, vec![rank(0, 0, 90, false)]),
+        ]);
+        assert_eq!(pick(&m, 0), Some((2, 0)), "the idle worker is at its cap");
+        let under = model(vec![
+            hot(worker(1, vec![rank(0, 0, 0, false)]), 1.0, 4, 3),
+            worker(2, vec![rank(0, 0, 90, false)]),
+        ]);
+        assert_eq!(pick(&under, 0), Some((1, 0)), "under its cap it takes work");
+        fn decide(m: &ModelState) -> Decision<'_> {
+            select(
+                m,
+                DEFAULT_TENANT,
+                &RequestShape::default(),
+                &Policy::default(),
+                |_, _| Overlap::default(),
+            )
+        }
+        let all = model(vec![
+            hot(worker(1, vec![rank(0, 0, 0, false)]), 1.0, 4, 9),
+            worker(2, vec![rank(0, 0, 0, true)]),
+        ]);
+        assert_eq!(decide(&all), Decision::AllHot, "capped or busy, one capped");
+        let busy = model(vec![worker(2, vec![rank(0, 0, 0, true)])]);
+        assert_eq!(decide(&busy), Decision::AllBusy);
     }
 
     #[test]

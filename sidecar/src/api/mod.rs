@@ -8,6 +8,8 @@
 //! * `POST /v1/routed`, `POST /v1/bookings` — what the filter reports:
 //!   routing decisions for the approximate index, and load bookings.
 //! * `GET/POST /busy_threshold` — shedding thresholds, in Dynamo's shapes.
+//! * `GET/POST /v1/admin/thermal` — GPU heat per worker and the thermal
+//!   controller's settings per model or worker (with `dry_run`).
 //! * `POST/GET /workers`, `PATCH/DELETE /workers/{id}` — the catalog.
 //! * `POST /v3/discovery:endpoints` — the catalog as Envoy's routed cluster
 //!   (REST EDS, JSON).
@@ -17,7 +19,7 @@
 //! When a token is configured (`[control] token_file` or
 //! `KVGATE_CONTROL_TOKEN`), every route that changes state answers 401
 //! without `Authorization: Bearer <token>`: the control API
-//! (`/busy_threshold`, `/workers`) and the filter's reports
+//! (`/busy_threshold`, `/v1/admin/thermal`, `/workers`) and the filter's reports
 //! (`/v1/bookings`, `/v1/routed`), since a forged booking sheds every
 //! request for the booking TTL and forged routing decisions steer the
 //! approximate index. What only reads (`/v1/snapshot`, `/v1/state`,
@@ -50,6 +52,7 @@ mod reserve;
 mod select;
 mod state;
 pub mod status;
+mod thermal;
 mod thresholds;
 pub mod views;
 mod workers;
@@ -84,6 +87,10 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
                 .route(
                     "/busy_threshold",
                     get(thresholds::get_thresholds).post(thresholds::post_thresholds),
+                )
+                .route(
+                    "/v1/admin/thermal",
+                    get(thermal::get_thermal).post(thermal::post_thermal),
                 )
                 .merge(catalog())
                 .route_layer(token),

@@ -122,8 +122,21 @@ fn refused(req: &SelectRequest, r: Refused) -> Response {
                 req.model_name, req.tenant_id
             ),
         ),
-        Refused::Plan(Rejection::AllBusy { retry_after_s }) => {
-            let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "all workers are busy");
+        Refused::Plan(
+            rejection @ (Rejection::AllBusy { retry_after_s }
+            | Rejection::Thermal { retry_after_s }),
+        ) => {
+            let message = match rejection {
+                Rejection::Thermal { .. } => "all workers are busy or at their thermal cap",
+                _ => "all workers are busy",
+            };
+            let mut r = error(StatusCode::SERVICE_UNAVAILABLE, message);
+            if let Rejection::Thermal { .. } = rejection {
+                r.headers_mut().insert(
+                    "x-kvgate-reason",
+                    axum::http::HeaderValue::from_static("thermal"),
+                );
+            }
             if retry_after_s > 0
                 && let Ok(v) = retry_after_s.to_string().parse()
             {

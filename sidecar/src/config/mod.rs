@@ -9,6 +9,8 @@
 //!   `[selection]`, `[indexer]`.
 //! * `worker`: `[[models]]` and `[[workers]]`, the latter also the shape
 //!   of `POST /workers`.
+//! * `thermal`: `[thermal]`, GPU readings and the thermal controller's
+//!   settings (overridden per model by `[models.thermal]`).
 //!
 //! Durations are written in whole milliseconds under keys ending in `_ms`,
 //! and read into [`std::time::Duration`]s (`millis`).
@@ -17,11 +19,13 @@ mod millis;
 mod sections;
 #[cfg(test)]
 mod tests;
+mod thermal;
 mod worker;
 
 pub use sections::{
     Control, Indexer, Kv, Load, ReplicaSync, Scrape, Selection, Server, validate_peer,
 };
+pub use thermal::{EvictPolicy, MIN_HYSTERESIS_C, Thermal, ThermalOverride, ThermalSettings};
 pub use worker::{ModelConfig, WorkerSpec};
 
 use kvgate_core::Thresholds;
@@ -66,6 +70,8 @@ pub struct Config {
     #[serde(default)]
     pub indexer: Indexer,
     #[serde(default)]
+    pub thermal: Thermal,
+    #[serde(default)]
     pub models: Vec<ModelConfig>,
     #[serde(default)]
     pub workers: Vec<WorkerSpec>,
@@ -108,7 +114,11 @@ impl Config {
             m.policy
                 .validate()
                 .map_err(|e| format!("model {:?}: policy: {e}", m.name))?;
+            self.thermal_settings(m)
+                .validate()
+                .map_err(|e| format!("model {:?}: thermal: {e}", m.name))?;
         }
+        self.thermal.validate()?;
         // An adapter name is matched against requests' `model` after the
         // served models: one that is also a model, or listed under two
         // models, would route ambiguously.
@@ -186,6 +196,11 @@ impl Config {
         Ok(())
     }
 
+    /// The thermal controller's settings for a model's workers.
+    pub fn thermal_settings(&self, m: &ModelConfig) -> ThermalSettings {
+        ThermalSettings::default().with(&self.thermal.settings.and(&m.thermal))
+    }
+
     /// Replaces `indexer.peers` (the `--indexer-peers` flag beats the file).
     pub fn set_indexer_peers(&mut self, peers: Vec<String>) -> Result<(), ConfigError> {
         self.indexer.peers = peers
@@ -214,6 +229,19 @@ impl Config {
             }
             other => other,
         };
+        if let Some(p) = &self.thermal.batch_token_file {
+            let t = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                path: p.display().to_string(),
+                source,
+            })?;
+            let t = t.trim();
+            if t.is_empty() {
+                return Err(ConfigError::Invalid(
+                    "thermal.batch_token_file is empty".into(),
+                ));
+            }
+            self.thermal.batch_token = Some(t.to_string());
+        }
         Ok(())
     }
 

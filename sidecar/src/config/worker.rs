@@ -1,6 +1,7 @@
 //! Models and workers: the catalog as the configuration file and the
 //! `/workers` API write it.
 
+use super::thermal::ThermalOverride;
 use kvgate_core::{Policy, Thresholds};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -21,6 +22,14 @@ pub struct ModelConfig {
     /// goes to this model's workers, hashed under the adapter's seed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub lora_adapters: Vec<String>,
+    /// `[models.thermal]`: the thermal controller's settings for this
+    /// model's workers, over `[thermal]`'s.
+    #[serde(default, skip_serializing_if = "is_unset")]
+    pub thermal: ThermalOverride,
+}
+
+fn is_unset(o: &ThermalOverride) -> bool {
+    *o == ThermalOverride::default()
 }
 
 /// A worker: one engine endpoint serving one model with one or more DP
@@ -60,7 +69,24 @@ pub struct WorkerSpec {
     /// several streams can be narrowed to this worker's.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub kv_events_topic: String,
+    /// UUIDs of the worker's GPUs (its tensor-parallel group), as NVML
+    /// and dcgm-exporter name them: the worker is as hot as the hottest.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<String>,
+    /// Or the labels a dcgm-exporter series carries on this worker's GPUs
+    /// (its Kubernetes pod mapping: `pod`, `namespace`); every label must
+    /// match.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_labels: BTreeMap<String, String>,
+    /// The engine serves `POST /v1/admin/batch` on its endpoint: the
+    /// thermal controller cuts its running batch, not only new work.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub batch_control: bool,
 }
+
+/// At most this many GPUs or GPU labels per worker: a TP group is at most
+/// a node's worth.
+const MAX_GPUS: usize = 64;
 
 fn default_tenant() -> String {
     "default".into()
@@ -113,7 +139,49 @@ impl WorkerSpec {
                 ));
             }
         }
+        self.check_gpus()?;
         self.check_port_layout()
+    }
+
+    fn check_gpus(&self) -> Result<(), String> {
+        let id = self.worker_id;
+        if self.gpus.len() > MAX_GPUS || self.gpu_labels.len() > MAX_GPUS {
+            return Err(format!(
+                "worker {id}: at most {MAX_GPUS} gpus and {MAX_GPUS} gpu_labels"
+            ));
+        }
+        let bad = |s: &str| s.is_empty() || s.len() > 256 || s.chars().any(char::is_control);
+        if let Some(g) = self.gpus.iter().find(|g| bad(g)) {
+            return Err(format!("worker {id}: gpu {g:?} is not a GPU UUID"));
+        }
+        if let Some((k, v)) = self
+            .gpu_labels
+            .iter()
+            .find(|(k, v)| bad(k) || v.len() > 256)
+        {
+            return Err(format!(
+                "worker {id}: gpu label {k:?} = {v:?} is not a label"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether any GPU reading can be this worker's.
+    pub fn watches_gpus(&self) -> bool {
+        !self.gpus.is_empty() || !self.gpu_labels.is_empty()
+    }
+
+    /// Whether a GPU with this UUID and these labels is one of the
+    /// worker's.
+    pub fn owns_gpu(&self, uuid: &str, labels: &BTreeMap<String, String>) -> bool {
+        if self.gpus.iter().any(|g| g == uuid) {
+            return true;
+        }
+        !self.gpu_labels.is_empty()
+            && self
+                .gpu_labels
+                .iter()
+                .all(|(k, v)| labels.get(k).is_some_and(|l| l == v))
     }
 
     /// vLLM adds the DP rank to both the event and the replay port, so a

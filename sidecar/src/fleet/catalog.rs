@@ -65,6 +65,8 @@ impl Fleet {
                 },
                 ranks: vec![RankMetrics::default(); n],
                 latches: vec![false; n],
+                thermal: Default::default(),
+                in_flight: 0,
             },
         );
         Ok(&self.workers[&id])

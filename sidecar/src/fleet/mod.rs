@@ -11,6 +11,7 @@
 //! * [`health`]: scrape results and the down-after rule.
 //! * [`snapshot`]: the snapshot Envoy reads, built from all of it.
 //! * [`drain`]: how long until a busy rank takes work again (`Retry-After`).
+//! * [`thermal`]: GPU readings and each worker's thermal controller.
 //!
 //! State that a new source adds about a worker or a rank (GPU temperature,
 //! say) is recorded in its [`WorkerEntry`] as scrape results are, and
@@ -23,8 +24,10 @@ mod health;
 mod snapshot;
 #[cfg(test)]
 mod tests;
+mod thermal;
 
 pub use health::Health;
+pub use thermal::{Change, Controller, GpuSeen, Hottest, Stepped};
 
 use crate::config::{Config, ModelConfig, WorkerSpec};
 use crate::sources::metrics::promtext::RankMetrics;
@@ -54,6 +57,10 @@ pub struct WorkerEntry {
     pub health: Health,
     pub ranks: Vec<RankMetrics>,
     latches: Vec<bool>,
+    pub thermal: Controller,
+    /// Requests in flight there at the last snapshot: the engine's running
+    /// and waiting, or the gateways' bookings when more.
+    pub in_flight: u32,
 }
 
 /// A rank slot by the names every sidecar and client shares.
@@ -70,6 +77,8 @@ pub struct RankId {
 pub struct Fleet {
     pub models: BTreeMap<String, ModelConfig>,
     pub workers: BTreeMap<u64, WorkerEntry>,
+    /// The latest reading of every GPU, by UUID.
+    pub gpus: BTreeMap<String, GpuSeen>,
     slots: Slots,
     kv_shards: u32,
 }
@@ -109,6 +118,7 @@ impl Fleet {
                 .map(|m| (m.name.clone(), m.clone()))
                 .collect(),
             workers: BTreeMap::new(),
+            gpus: BTreeMap::new(),
             slots: Slots::default(),
             kv_shards: config.kv.shards,
         };

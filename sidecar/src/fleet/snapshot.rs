@@ -44,6 +44,7 @@ impl Fleet {
             }
             let th = model.thresholds;
             let mut drain_s: Option<f64> = None;
+            let (mut booked_requests, mut engine_requests, mut completions) = (0u64, 0u64, 0.0);
             let ranks: Vec<RankLoad> = w
                 .ranks
                 .iter()
@@ -53,6 +54,9 @@ impl Fleet {
                 .map(|(r, ((m, slot), latch))| {
                     let booked = bookings.slot(*slot);
                     model.service_rate_per_s += booked.completions_per_s;
+                    completions += booked.completions_per_s;
+                    booked_requests += booked.requests;
+                    engine_requests += u64::from(m.running) + u64::from(m.waiting);
                     let mut load = RankLoad {
                         rank: w.spec.data_parallel_start_rank + r as u32,
                         slot: *slot,
@@ -87,9 +91,19 @@ impl Fleet {
                     load
                 })
                 .collect();
+            // The engine's count lags a scrape behind; the bookings miss
+            // what reached the engine another way. Whichever is more.
+            w.in_flight = u32::try_from(booked_requests.max(engine_requests)).unwrap_or(u32::MAX);
+            let thermal = w.thermal.published(w.in_flight);
+            // A worker at its thermal cap takes work again once enough of
+            // what it holds has finished.
+            if thermal.at_cap() && completions > 0.0 {
+                let t = f64::from(thermal.in_flight - thermal.cap + 1) / completions;
+                drain_s = Some(drain_s.map_or(t, |d| d.max(t)));
+            }
             // A worker takes work again when its first rank does; the model,
             // when its first worker does.
-            if ranks.iter().all(|r| r.busy)
+            if (ranks.iter().all(|r| r.busy) || thermal.at_cap())
                 && let Some(t) = drain_s
             {
                 let secs = (t.ceil() as u32).clamp(1, max_retry_after_s.max(1));
@@ -104,6 +118,7 @@ impl Fleet {
                 block_size: w.spec.block_size,
                 ranks,
                 tenant: w.spec.tenant_id.clone(),
+                thermal,
             });
         }
         Snapshot {

@@ -3,7 +3,9 @@
 pub(crate) mod gauges;
 
 use prometheus::core::Collector;
-use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 use thiserror::Error;
 
 pub struct Metrics {
@@ -47,6 +49,15 @@ pub struct Metrics {
     pub index_recovered_blocks: IntCounter,
     pub index_recovery_dropped: IntCounterVec,
     pub index_recovery_seconds: Gauge,
+    pub gpu_temperature: GaugeVec,
+    pub gpu_power: GaugeVec,
+    pub gpu_slowdown: IntGaugeVec,
+    pub worker_temperature: GaugeVec,
+    pub thermal_cap: IntGaugeVec,
+    pub thermal_state: IntGaugeVec,
+    pub thermal_entries: IntCounterVec,
+    pub thermal_source_errors: IntCounterVec,
+    pub thermal_batch_calls: IntCounterVec,
 }
 
 /// A metric that could not be created or registered: a malformed or
@@ -96,6 +107,15 @@ fn gauge_vec(
 
 fn gauge(r: &Registry, name: &str, help: &str) -> Result<IntGauge, MetricsError> {
     register(r, name, IntGauge::new(name, help))
+}
+
+fn float_gauge_vec(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> Result<GaugeVec, MetricsError> {
+    register(r, name, GaugeVec::new(Opts::new(name, help), labels))
 }
 
 fn float_gauge(r: &Registry, name: &str, help: &str) -> Result<Gauge, MetricsError> {
@@ -334,6 +354,60 @@ impl Metrics {
                 &r,
                 "kvgate_index_recovery_seconds",
                 "How long start-up recovery of the prefix index took: fetching, decoding and replaying a peer's dump, or trying every peer.",
+            )?,
+            gpu_temperature: float_gauge_vec(
+                &r,
+                "kvgate_sidecar_gpu_temperature_celsius",
+                "A worker's GPU temperature, by UUID, at its last fresh reading (absent once stale).",
+                &["model", "worker_id", "gpu"],
+            )?,
+            gpu_power: float_gauge_vec(
+                &r,
+                "kvgate_sidecar_gpu_power_watts",
+                "A worker's GPU power draw, by UUID, at its last fresh reading.",
+                &["model", "worker_id", "gpu"],
+            )?,
+            gpu_slowdown: gauge_vec(
+                &r,
+                "kvgate_sidecar_gpu_slowdown",
+                "1 when the GPU reports a thermal or hardware clock slowdown.",
+                &["model", "worker_id", "gpu"],
+            )?,
+            worker_temperature: float_gauge_vec(
+                &r,
+                "kvgate_sidecar_worker_temperature_celsius",
+                "The hottest fresh GPU of the worker's tensor-parallel group.",
+                &["model", "worker_id"],
+            )?,
+            thermal_cap: gauge_vec(
+                &r,
+                "kvgate_sidecar_thermal_cap",
+                "Most requests the worker may hold while throttling; 0 is no cap.",
+                &["model", "worker_id"],
+            )?,
+            thermal_state: gauge_vec(
+                &r,
+                "kvgate_sidecar_thermal_state",
+                "1 for the worker's thermal state (unmonitored, cool, warm, throttling, unknown), 0 for the others.",
+                &["model", "worker_id", "state"],
+            )?,
+            thermal_entries: counter(
+                &r,
+                "kvgate_sidecar_thermal_throttle_entries_total",
+                "Times the worker started throttling.",
+                &["model", "worker_id"],
+            )?,
+            thermal_source_errors: counter(
+                &r,
+                "kvgate_sidecar_thermal_source_errors_total",
+                "GPU reading sources that failed, by kind (dcgm, nvml).",
+                &["source"],
+            )?,
+            thermal_batch_calls: counter(
+                &r,
+                "kvgate_sidecar_thermal_batch_calls_total",
+                "Calls to engines' POST /v1/admin/batch, by result (ok, error).",
+                &["result"],
             )?,
             registry: r,
         })

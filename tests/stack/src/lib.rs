@@ -61,6 +61,29 @@ pub struct StackConfig {
     pub replica_sync: bool,
     /// Each sidecar serves the selection API on a port of its own.
     pub selection_api: bool,
+    /// Workers' simulated GPUs are named in the catalog and read from their
+    /// dcgm-exporter pages.
+    pub thermal: Option<ThermalStack>,
+}
+
+/// The thermal side of a stack.
+#[derive(Debug, Clone, Default)]
+pub struct ThermalStack {
+    /// GPUs per worker (its tensor-parallel group, `kvgate-sim --gpus`).
+    pub gpus: u32,
+    /// Workers are registered with `batch_control = true`.
+    pub batch_control: bool,
+    /// Keys appended to the sidecar's `[thermal]` table.
+    pub toml: String,
+}
+
+impl Worker {
+    /// The UUIDs `kvgate-sim` gives this worker's GPUs.
+    pub fn gpu_uuids(&self, gpus: u32) -> Vec<String> {
+        (0..gpus)
+            .map(|i| format!("GPU-sim-{}-{i}", self.port))
+            .collect()
+    }
 }
 
 impl Default for StackConfig {
@@ -85,6 +108,7 @@ impl Default for StackConfig {
             gateways: 1,
             replica_sync: false,
             selection_api: false,
+            thermal: None,
         }
     }
 }
@@ -213,6 +237,9 @@ impl Stack {
                     "--kv-replay-endpoint".into(),
                     format!("tcp://127.0.0.1:{r}"),
                 ]);
+            }
+            if let Some(t) = &config.thermal {
+                args.extend(["--gpus".into(), t.gpus.to_string()]);
             }
             args.extend(config.sim_args.iter().cloned());
             args.extend(config.worker_sim_args.get(i).into_iter().flatten().cloned());
@@ -367,6 +394,13 @@ impl Stack {
             if let Some(t) = c.tenants.get(i) {
                 toml.push_str(&format!("tenant_id = \"{t}\"\n"));
             }
+            if let Some(t) = &c.thermal {
+                toml.push_str(&format!(
+                    "gpus = {:?}\nbatch_control = {}\n",
+                    w.gpu_uuids(t.gpus),
+                    t.batch_control
+                ));
+            }
             if let Some(e) = w.events_port {
                 if let Some(r) = w.replay_port {
                     toml.push_str(&format!("replay_endpoint = \"tcp://127.0.0.1:{r}\"\n"));
@@ -379,6 +413,14 @@ impl Stack {
                     ));
                 }
             }
+        }
+        if let Some(t) = &c.thermal {
+            let urls: Vec<String> = self
+                .workers
+                .iter()
+                .map(|w| format!("http://{}/dcgm/metrics", w.endpoint()))
+                .collect();
+            toml.push_str(&format!("\n[thermal]\ndcgm_urls = {urls:?}\n{}\n", t.toml));
         }
         if c.selection_api {
             toml.push_str(&format!(

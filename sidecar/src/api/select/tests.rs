@@ -22,6 +22,7 @@ fn snapshot() -> Snapshot {
             })
             .collect(),
         tenant: kvgate_core::DEFAULT_TENANT.into(),
+        thermal: Default::default(),
     };
     Snapshot {
         version: 1,

@@ -1,6 +1,12 @@
 //! The JSON bodies of the HTTP API, as types: the handlers serialize them,
 //! `kvgate-sidecar status` and tests deserialize them.
 
+mod thermal;
+
+pub use thermal::{
+    GpuView, ThermalChange, ThermalChangeView, ThermalEffect, ThermalList, WorkerThermal,
+};
+
 use crate::config::WorkerSpec;
 use crate::fleet::WorkerEntry;
 use kvgate_core::{ModelState, Snapshot, Thresholds, WorkerState};
