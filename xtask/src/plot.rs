@@ -1,5 +1,6 @@
-//! Small, dependency-free SVG charts for the benchmark report: CDF lines
-//! and grouped bars. Enough to read a result at a glance, nothing more.
+//! Small, dependency-free SVG charts for the benchmark report: CDF lines,
+//! grouped bars and time series. Enough to read a result at a glance,
+//! nothing more.
 
 use std::fmt::Write as _;
 
@@ -190,6 +191,75 @@ pub fn bars(
     out
 }
 
+/// Time series: each series is its (x, y) points in x order; `marks` are
+/// horizontal reference lines (a target, a limit), drawn dashed.
+pub fn lines(
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[(&str, Vec<(f64, f64)>)],
+    marks: &[(&str, f64)],
+) -> String {
+    let mut out = String::new();
+    frame(&mut out, title, x_label, y_label);
+    let points = || series.iter().flat_map(|(_, v)| v.iter().copied());
+    let x_max = nice(points().map(|p| p.0).fold(0.0f64, f64::max));
+    let y_max = nice(
+        points()
+            .map(|p| p.1)
+            .chain(marks.iter().map(|m| m.1))
+            .fold(0.0f64, f64::max),
+    );
+    y_ticks(&mut out, y_max, |v| {
+        if y_max <= 1.0 {
+            format!("{v:.2}")
+        } else {
+            format!("{v:.0}")
+        }
+    });
+    let px = |x: f64| LEFT + (W - RIGHT - LEFT) * (x / x_max);
+    let py = |y: f64| H - BOTTOM - (H - BOTTOM - TOP) * (y / y_max);
+    for i in 0..=4 {
+        let v = x_max * i as f64 / 4.0;
+        let _ = writeln!(
+            out,
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{v:.0}</text>"#,
+            px(v),
+            H - BOTTOM + 16.0
+        );
+    }
+    for (name, y) in marks {
+        let _ = writeln!(
+            out,
+            r##"<line x1="{LEFT}" y1="{y:.1}" x2="{}" y2="{y:.1}" stroke="#888" stroke-dasharray="6 4"/><text x="{}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
+            W - RIGHT,
+            W - RIGHT - 4.0,
+            py(*y) - 4.0,
+            escape(name),
+            y = py(*y),
+        );
+    }
+    for (i, (_, v)) in series.iter().enumerate() {
+        if v.is_empty() {
+            continue;
+        }
+        let pts: Vec<String> = v
+            .iter()
+            .map(|(x, y)| format!("{:.1},{:.1}", px(*x), py(*y)))
+            .collect();
+        let _ = writeln!(
+            out,
+            r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#,
+            COLORS[i % COLORS.len()],
+            pts.join(" ")
+        );
+    }
+    let names: Vec<&str> = series.iter().map(|(n, _)| *n).collect();
+    legend(&mut out, &names);
+    out.push_str("</svg>\n");
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,6 +285,15 @@ mod tests {
             4 + 2,
             "4 bars, 2 legend keys"
         );
+        let l = lines(
+            "temperature",
+            "s",
+            "°C",
+            &[("w1", vec![(0.0, 40.0), (10.0, 85.0)]), ("w2", vec![])],
+            &[("target", 82.0)],
+        );
+        assert_eq!(l.matches("<polyline").count(), 1);
+        assert!(l.contains("stroke-dasharray") && l.contains(">target<"));
         assert_eq!(nice(7.0), 10.0);
         assert_eq!(nice(0.3), 0.5);
     }
