@@ -15,6 +15,9 @@
 //! * `shedding` ([`crate::shedbench`]): the busy 503's latency against a
 //!   pass-through route, and admitted TTFT at 2× overload with shedding off
 //!   and on. `--only shedding` runs just that one.
+//! * `thermal` ([`crate::thermalbench`]): a thermal soak, one worker's
+//!   cooling degraded mid-run, with kvgate's thermal control and without.
+//!   `--only thermal` runs just that one.
 //! * `quality` ([`crate::quality`]): routing quality of five policies on 8
 //!   simulated workers, two workloads, several rates; plots in
 //!   `bench/plots/`. `--only quality` runs just that one.
@@ -95,13 +98,23 @@ pub fn run(args: &[String]) -> Result<()> {
                 std::fs::write(dir.join("overhead.json"), serde_json::to_vec_pretty(&v)?)?;
                 (overhead_section(&v), "\n## Filter overhead")
             }
+            "thermal" => {
+                let v = crate::thermalbench::run(quick)?;
+                std::fs::write(dir.join("thermal.json"), serde_json::to_vec_pretty(&v)?)?;
+                (
+                    crate::thermalbench::report(&v, &repo().join("bench/plots"))?,
+                    "\n## Thermal soak",
+                )
+            }
             "dump" => {
                 let v = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;
                 std::fs::write(dir.join("dump.json"), serde_json::to_vec_pretty(&v)?)?;
                 (dump_section(&v), "\n## Index dump and recovery")
             }
             other => {
-                bail!("--only knows overhead, kv, sync, dump, shedding and quality, not {other:?}")
+                bail!(
+                    "--only knows overhead, kv, sync, dump, shedding, thermal and quality, not {other:?}"
+                )
             }
         };
         let path = repo().join("bench/report.md");
@@ -153,6 +166,11 @@ pub fn run(args: &[String]) -> Result<()> {
         dir.join("quality.json"),
         serde_json::to_vec_pretty(&quality)?,
     )?;
+    let thermal = crate::thermalbench::run(quick)?;
+    std::fs::write(
+        dir.join("thermal.json"),
+        serde_json::to_vec_pretty(&thermal)?,
+    )?;
 
     let mut report = report(&ingest, &overhead, quick, started.elapsed());
     report.push_str(&kv_report(&kv));
@@ -161,6 +179,10 @@ pub fn run(args: &[String]) -> Result<()> {
     report.push_str(&selection_report(&selection));
     report.push_str(&crate::shedbench::report(&shedding));
     report.push_str(&quality_section(&quality)?);
+    report.push_str(&crate::thermalbench::report(
+        &thermal,
+        &repo().join("bench/plots"),
+    )?);
     std::fs::write(repo().join("bench/report.md"), &report)?;
     println!("\n{report}");
     Ok(())

@@ -20,6 +20,7 @@ mod plot;
 mod quality;
 mod setup;
 mod shedbench;
+mod thermalbench;
 
 use anyhow::{Result, bail};
 use std::path::{Path, PathBuf};
