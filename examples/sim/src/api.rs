@@ -29,6 +29,31 @@ pub struct Sim {
     pub num_gpu_blocks: usize,
     pub max_num_batched_tokens: usize,
     pub metrics_flavor: MetricsFlavor,
+    /// The worker's GPUs.
+    pub plant: crate::thermal::Plant,
+    /// `/v1/admin/batch` requires `Authorization: Bearer <this>` when set.
+    pub admin_token: Option<String>,
+}
+
+impl Sim {
+    /// Sequences running on every rank.
+    pub fn running(&self) -> u32 {
+        self.ranks
+            .iter()
+            .map(|r| r.running.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// A decode step's time with `running` on the rank, slowed by the
+    /// GPUs' clocks.
+    async fn decode_step(&self, admitted: &mut Admitted) {
+        admitted.checkpoint().await;
+        let running = admitted.rank().running.load(Ordering::Relaxed);
+        let step = self.time.decode_step(running);
+        if !step.is_zero() {
+            tokio::time::sleep(step.div_f64(self.plant.clock_factor())).await;
+        }
+    }
 }
 
 pub fn router(sim: Arc<Sim>) -> Router {
@@ -41,6 +66,12 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/sim/state", get(state))
         .route("/sim/restart", post(restart))
+        .route(
+            "/sim/thermal",
+            get(crate::admin::thermal_state).post(crate::admin::thermal_change),
+        )
+        .route("/dcgm/metrics", get(crate::admin::dcgm))
+        .route("/v1/admin/batch", post(crate::admin::batch))
         .with_state(sim)
 }
 
@@ -245,7 +276,7 @@ fn usage(job: &Job, cached: usize) -> Value {
     })
 }
 
-async fn whole(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response {
+async fn whole(sim: Arc<Sim>, job: Job, mut admitted: Admitted, id: u64) -> Response {
     let cached = admitted.cached_tokens;
     let rank = admitted.rank().index;
     admitted
@@ -254,11 +285,7 @@ async fn whole(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response
         .await;
     let mut text = String::new();
     for i in 0..job.max_tokens {
-        let running = admitted.rank().running.load(Ordering::Relaxed);
-        let step = sim.time.decode_step(running);
-        if !step.is_zero() {
-            tokio::time::sleep(step).await;
-        }
+        sim.decode_step(&mut admitted).await;
         text.push_str(word(i));
     }
     drop(admitted);
@@ -276,7 +303,7 @@ async fn whole(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response
     resp
 }
 
-fn stream(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response {
+fn stream(sim: Arc<Sim>, job: Job, mut admitted: Admitted, id: u64) -> Response {
     let cached = admitted.cached_tokens;
     let rank = admitted.rank().index;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
@@ -296,12 +323,7 @@ fn stream(sim: Arc<Sim>, job: Job, admitted: Admitted, id: u64) -> Response {
         };
         for i in 0..job.max_tokens {
             if i > 0 {
-                let step = sim
-                    .time
-                    .decode_step(admitted.rank().running.load(Ordering::Relaxed));
-                if !step.is_zero() {
-                    tokio::time::sleep(step).await;
-                }
+                sim.decode_step(&mut admitted).await;
             }
             let last = i + 1 == job.max_tokens;
             let finish = if last { json!("length") } else { Value::Null };

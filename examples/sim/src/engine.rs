@@ -15,7 +15,7 @@
 use crate::cache::{Allocation, PrefixCache, Scope};
 use crate::events::Publisher;
 use crate::wire::SimEvent;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -52,6 +52,13 @@ pub struct Rank {
     pub index: u32,
     cache: Mutex<PrefixCache>,
     slots: Arc<Semaphore>,
+    /// The engine's `max_num_seqs`: at most this many run, at most
+    /// `max_running` (the slots) at all.
+    limit: AtomicUsize,
+    max_running: usize,
+    /// Who runs now, for choosing whom to evict.
+    runners: Mutex<Vec<Runner>>,
+    next_runner: AtomicU64,
     /// Concurrent prefills allowed; `None` lets them all overlap.
     prefill_lanes: Option<Semaphore>,
     space: Notify,
@@ -76,6 +83,10 @@ impl Rank {
             index,
             cache: Mutex::new(PrefixCache::new(block_size, blocks)),
             slots: Arc::new(Semaphore::new(max_running.max(1))),
+            limit: AtomicUsize::new(max_running.max(1)),
+            max_running: max_running.max(1),
+            runners: Mutex::new(Vec::new()),
+            next_runner: AtomicU64::new(1),
             prefill_lanes: (prefill_lanes > 0).then(|| Semaphore::new(prefill_lanes)),
             space: Notify::new(),
             running: AtomicU32::new(0),
@@ -105,6 +116,74 @@ impl Rank {
 
     pub fn cache(&self) -> MutexGuard<'_, PrefixCache> {
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A fresh id for an admitted request, unique on this rank.
+    fn next_request(&self) -> u64 {
+        self.next_runner.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The engine's `max_num_seqs` now.
+    pub fn max_num_seqs(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Sets `max_num_seqs`, within [1, the rank's slots]; running work is
+    /// not touched, new work waits until fewer run. Returns the value set.
+    pub fn set_max_num_seqs(&self, n: usize) -> usize {
+        let n = n.clamp(1, self.max_running);
+        self.limit.store(n, Ordering::Relaxed);
+        self.space.notify_waiters();
+        n
+    }
+
+    fn runners(&self) -> MutexGuard<'_, Vec<Runner>> {
+        self.runners.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Moves `n` running sequences back to waiting, chosen by `policy`;
+    /// each resumes where it stopped once fewer than `max_num_seqs` run.
+    /// Returns their request ids.
+    pub fn evict(&self, n: usize, policy: EvictPolicy) -> Vec<u64> {
+        let mut runners = self.runners();
+        match policy {
+            // Least recently (re)admitted first.
+            EvictPolicy::Lru => runners.sort_by_key(|r| std::cmp::Reverse(r.admitted)),
+            EvictPolicy::LargestKv => runners.sort_by_key(|r| r.context_tokens),
+            // No priorities here: the newest goes first, as vLLM preempts.
+            EvictPolicy::LowestPriority => runners.sort_by_key(|r| r.admitted),
+        }
+        let mut out = Vec::new();
+        while out.len() < n {
+            let Some(r) = runners.pop() else { break };
+            r.evicted.store(true, Ordering::Relaxed);
+            self.running.fetch_sub(1, Ordering::Relaxed);
+            self.waiting.fetch_add(1, Ordering::Relaxed);
+            out.push(r.request);
+        }
+        drop(runners);
+        self.space.notify_waiters();
+        out
+    }
+
+    /// Waits until fewer than `max_num_seqs` run, then counts one more.
+    async fn until_room(&self) {
+        loop {
+            let notified = self.space.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let limit = self.limit.load(Ordering::Relaxed) as u32;
+            if self
+                .running
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                    (r < limit).then_some(r + 1)
+                })
+                .is_ok()
+            {
+                return;
+            }
+            notified.await;
+        }
     }
 
     pub fn load(&self) -> u32 {
@@ -144,6 +223,25 @@ pub enum AdmitError {
     TooLong { need: usize, capacity: usize },
 }
 
+/// What the seed's `/v1/admin/batch` `policy` evicts first.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvictPolicy {
+    #[default]
+    Lru,
+    LargestKv,
+    LowestPriority,
+}
+
+/// A running sequence, as eviction sees it.
+struct Runner {
+    request: u64,
+    /// When it was (re)admitted, in the rank's admission order.
+    admitted: u64,
+    context_tokens: usize,
+    evicted: Arc<AtomicBool>,
+}
+
 /// A running request's hold on its rank; dropping it releases everything,
 /// so a client that disconnects mid-stream frees its blocks.
 pub struct Admitted {
@@ -151,18 +249,50 @@ pub struct Admitted {
     alloc: Allocation,
     _permit: OwnedSemaphorePermit,
     pub cached_tokens: usize,
+    pub request: u64,
+    context_tokens: usize,
+    evicted: Arc<AtomicBool>,
 }
 
 impl Admitted {
     pub fn rank(&self) -> &Rank {
         &self.rank
     }
+
+    fn register(&self) {
+        let admitted = self.rank.next_runner.fetch_add(1, Ordering::Relaxed);
+        self.rank.runners().push(Runner {
+            request: self.request,
+            admitted,
+            context_tokens: self.context_tokens,
+            evicted: self.evicted.clone(),
+        });
+    }
+
+    /// Called before each decode step: an evicted sequence waits here,
+    /// holding its blocks (swapped out, in an engine), until it may run
+    /// again.
+    pub async fn checkpoint(&mut self) {
+        self.context_tokens += 1;
+        if !self.evicted.load(Ordering::Relaxed) {
+            return;
+        }
+        self.rank.until_room().await;
+        self.rank.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.evicted.store(false, Ordering::Relaxed);
+        self.register();
+    }
 }
 
 impl Drop for Admitted {
     fn drop(&mut self) {
         self.rank.cache().release(&self.alloc);
-        self.rank.running.fetch_sub(1, Ordering::Relaxed);
+        self.rank.runners().retain(|r| r.request != self.request);
+        if self.evicted.load(Ordering::Relaxed) {
+            self.rank.waiting.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            self.rank.running.fetch_sub(1, Ordering::Relaxed);
+        }
         self.rank.finished.fetch_add(1, Ordering::Relaxed);
         self.rank.space.notify_waiters();
     }
@@ -212,20 +342,26 @@ pub async fn admit(
         }
         notified.await;
     };
+    // Under a lowered max_num_seqs, new work waits with its slot.
+    rank.until_room().await;
     rank.waiting.fetch_sub(1, Ordering::Relaxed);
-    rank.running.fetch_add(1, Ordering::Relaxed);
     let bs = rank.cache().block_size();
     let cached_tokens = alloc.cached_blocks * bs;
     rank.prefix_queries
         .fetch_add(tokens.len() as u64, Ordering::Relaxed);
     rank.prefix_hits
         .fetch_add(cached_tokens as u64, Ordering::Relaxed);
-    Ok(Admitted {
+    let a = Admitted {
+        request: rank.next_request(),
         rank,
         alloc,
         _permit: permit,
         cached_tokens,
-    })
+        context_tokens: tokens.len(),
+        evicted: Arc::new(AtomicBool::new(false)),
+    };
+    a.register();
+    Ok(a)
 }
 
 #[cfg(test)]

@@ -6,11 +6,15 @@
 //! vLLM's ZMQ KV-event wire format with the replay socket. Behind them sit a
 //! prefix cache per data-parallel rank ([`cache`]) and a time model
 //! ([`engine`]) that make cache hits and batch load show up in latency.
+//! Its GPUs are a thermal plant ([`thermal`]) served as dcgm-exporter's
+//! page, and it takes the seed's batch control ([`admin`]).
 
+pub mod admin;
 pub mod api;
 pub mod cache;
 pub mod engine;
 pub mod events;
+pub mod thermal;
 pub mod tokenizer;
 pub mod wire;
 
@@ -85,6 +89,56 @@ pub struct Args {
     /// Whose metric names, types and labels `/metrics` speaks.
     #[arg(long, value_enum, default_value_t = api::MetricsFlavor::Vllm)]
     pub metrics_flavor: api::MetricsFlavor,
+    /// GPUs of the worker's tensor-parallel group, named
+    /// `GPU-<gpu-uuid-prefix>-<i>`.
+    #[arg(long, default_value_t = 1)]
+    pub gpus: u32,
+    /// Default: `sim-<listen port>`, so two sims' GPUs differ.
+    #[arg(long)]
+    pub gpu_uuid_prefix: Option<String>,
+    #[arg(long, default_value_t = 25.0)]
+    pub ambient_c: f64,
+    /// °C per watt between a GPU and its ambient (its cooling).
+    #[arg(long, default_value_t = 0.1)]
+    pub thermal_r_c_per_w: f64,
+    /// Thermal time constant; real GPUs take tens of seconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub thermal_tau_s: f64,
+    #[arg(long, default_value_t = 100.0)]
+    pub idle_w: f64,
+    /// Watts per running sequence. The seed measured about 3.2 W per decode
+    /// sequence at 4k context on an H100; 14 W makes a simulated batch of
+    /// 32 (idle 35 °C) settle just under 80 °C, as a real full batch does.
+    #[arg(long, default_value_t = 14.0)]
+    pub w_per_seq: f64,
+    #[arg(long, default_value_t = 700.0)]
+    pub power_limit_w: f64,
+    #[arg(long, default_value_t = 87.0)]
+    pub slowdown_c: f64,
+    #[arg(long, default_value_t = 92.0)]
+    pub shutdown_c: f64,
+    /// Clock (and power) factor while slowing down.
+    #[arg(long, default_value_t = 0.5)]
+    pub slowdown_factor: f64,
+    /// GPU i's ambient is i × this hotter.
+    #[arg(long, default_value_t = 0.0)]
+    pub gpu_skew_c: f64,
+    /// Seconds after start at which the cooling degrades to
+    /// `--degrade-r-c-per-w` and/or `--degrade-ambient-c`.
+    #[arg(long)]
+    pub degrade_at_s: Option<f64>,
+    #[arg(long)]
+    pub degrade_r_c_per_w: Option<f64>,
+    #[arg(long)]
+    pub degrade_ambient_c: Option<f64>,
+    /// dcgm-exporter's pod mapping labels (`pod`, `namespace`).
+    #[arg(long)]
+    pub pod_name: Option<String>,
+    #[arg(long, default_value = "default")]
+    pub pod_namespace: String,
+    /// `/v1/admin/batch` requires this file's token when given.
+    #[arg(long)]
+    pub admin_token_file: Option<std::path::PathBuf>,
 }
 
 /// The endpoint of DP rank `rank`: TCP port plus the rank, as vLLM does.
@@ -136,7 +190,46 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
             publisher,
         )));
     }
+    let prefix = args
+        .gpu_uuid_prefix
+        .clone()
+        .unwrap_or_else(|| format!("sim-{}", args.listen.port()));
+    let plant = thermal::Plant::new(
+        args.gpus,
+        &prefix,
+        thermal::PlantParams {
+            ambient_c: args.ambient_c,
+            r_c_per_w: args.thermal_r_c_per_w,
+            tau_s: args.thermal_tau_s,
+            idle_w: args.idle_w,
+            w_per_seq: args.w_per_seq,
+            power_limit_w: args.power_limit_w,
+            slowdown_c: args.slowdown_c,
+            shutdown_c: args.shutdown_c,
+            slowdown_factor: args.slowdown_factor,
+            skew_c: args.gpu_skew_c,
+        },
+        args.degrade_at_s.map(|s| thermal::Degrade {
+            at: std::time::Duration::from_secs_f64(s.max(0.0)),
+            r_c_per_w: args.degrade_r_c_per_w,
+            ambient_c: args.degrade_ambient_c,
+        }),
+        args.pod_name
+            .clone()
+            .map(|p| (p, args.pod_namespace.clone())),
+    );
+    let admin_token = match &args.admin_token_file {
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading {}", p.display()))?
+                .trim()
+                .to_string(),
+        ),
+        None => None,
+    };
     Ok(Arc::new(api::Sim {
+        plant,
+        admin_token,
         worker_id: args.worker_id,
         model: args.model.clone(),
         lora_modules: args.lora_modules.clone(),
@@ -168,6 +261,17 @@ pub async fn serve(listener: tokio::net::TcpListener, sim: Arc<api::Sim>) -> any
             tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
         }
     });
-    axum::serve(listener, api::router(sim)).await?;
+    // The GPUs follow the work in wall time, ten steps a second.
+    let plant_sim = sim.clone();
+    let stepping = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
+        loop {
+            tick.tick().await;
+            plant_sim.plant.step(plant_sim.running());
+        }
+    });
+    let served = axum::serve(listener, api::router(sim)).await;
+    stepping.abort();
+    served?;
     Ok(())
 }

@@ -348,3 +348,201 @@ async fn kept_alive_streams_are_not_held_by_nagle() {
     let median = ttft_ms[ttft_ms.len() / 2];
     assert!(median < 20.0, "median TTFT {median:.1} ms: {ttft_ms:?}");
 }
+
+async fn get(addr: &str, path: &str) -> (u16, String) {
+    let addr = addr.to_string();
+    let path = path.to_string();
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
+        let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (status, rest.to_string())
+    })
+    .await
+    .unwrap()
+}
+
+async fn thermal(addr: &str) -> serde_json::Value {
+    let (status, body) = get(addr, "/sim/thermal").await;
+    assert_eq!(status, 200);
+    serde_json::from_str(&body).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn batch_control_caps_admissions_and_evicts_without_losing_work() {
+    let (addr, _) = start(&["--decode-ms-per-token", "20", "--max-running", "8"]).await;
+    // Six long requests run at once.
+    let long: Vec<_> = (0..6)
+        .map(|i| {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                post(
+                    &addr,
+                    "/v1/completions",
+                    &format!(r#"{{"model":"demo-model","prompt":"long {i}","max_tokens":60}}"#),
+                    &[],
+                )
+                .await
+            })
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while thermal(&addr).await["running"] != 6 {
+        assert!(std::time::Instant::now() < deadline, "never ran six");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A dry run answers and changes nothing.
+    let (status, _, body) = post(
+        &addr,
+        "/v1/admin/batch",
+        r#"{"max_num_seqs": 2, "force_evict": 4, "dry_run": true}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (v["previous_running"].as_u64(), v["new_running"].as_u64()),
+        (Some(6), Some(2))
+    );
+    assert_eq!(v["new_max_num_seqs"], 2);
+    let t = thermal(&addr).await;
+    assert_eq!(
+        (t["running"].as_u64(), t["max_num_seqs"].as_u64()),
+        (Some(6), Some(8))
+    );
+    // The cut: both at once, as the seed insists.
+    let (status, _, body) = post(
+        &addr,
+        "/v1/admin/batch",
+        r#"{"max_num_seqs": 2, "force_evict": 4, "policy": "largest_kv"}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["evicted_request_ids"].as_array().unwrap().len(), 4);
+    assert_eq!(
+        (v["new_running"].as_u64(), v["new_max_num_seqs"].as_u64()),
+        (Some(2), Some(2))
+    );
+    assert!(v["estimated_watts_saved"].as_f64().unwrap() > 0.0);
+    // Evicted work does not come straight back, and a new request waits too.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t = thermal(&addr).await;
+    assert_eq!(
+        (t["running"].as_u64(), t["waiting"].as_u64()),
+        (Some(2), Some(4))
+    );
+    // Given its batch back, everything completes.
+    let (status, _, _) = post(&addr, "/v1/admin/batch", r#"{"max_num_seqs": 8}"#, &[]).await;
+    assert_eq!(status, 200);
+    for h in long {
+        let (status, _, body) = h.await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 60);
+    }
+    let t = thermal(&addr).await;
+    assert_eq!(
+        (t["running"].as_u64(), t["waiting"].as_u64()),
+        (Some(0), Some(0))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn batch_control_refuses_bad_input_and_wants_its_token() {
+    let dir = std::env::temp_dir().join(format!("kvgate-sim-token-{}", free_port()));
+    std::fs::write(&dir, "s3cret\n").unwrap();
+    let (addr, _) = start(&["--admin-token-file", dir.to_str().unwrap()]).await;
+    let auth = [("Authorization", "Bearer s3cret")];
+    let (status, _, _) = post(&addr, "/v1/admin/batch", r#"{"max_num_seqs": 4}"#, &[]).await;
+    assert_eq!(status, 401);
+    let (status, _, _) = post(
+        &addr,
+        "/v1/admin/batch",
+        r#"{"max_num_seqs": 4}"#,
+        &[("Authorization", "Bearer nope")],
+    )
+    .await;
+    assert_eq!(status, 401);
+    for bad in [
+        r#"{"max_num_seqs": 0}"#,
+        r#"{"target_temp_c": 120}"#,
+        r#"{"policy": "random"}"#,
+        r#"{"force_evict": -1}"#,
+        r#"{"evict_everything": true}"#,
+        "not json",
+    ] {
+        let (status, _, body) = post(&addr, "/v1/admin/batch", bad, &auth).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+    }
+    let (status, _, body) = post(&addr, "/v1/admin/batch", r#"{"target_temp_c": 60}"#, &auth).await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    // (60 − 25) / 0.1 − 100 W = 250 W: 17 sequences of 14 W.
+    assert_eq!(v["new_max_num_seqs"], 17);
+    let _ = std::fs::remove_file(dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_plant_heats_with_work_and_serves_dcgm_exporters_page() {
+    let (addr, args) = start(&["--gpus", "2", "--thermal-tau-s", "0.2", "--ambient-c", "60"]).await;
+    let (status, page) = get(&addr, "/dcgm/metrics").await;
+    assert_eq!(status, 200);
+    let uuid = format!("GPU-sim-{}-1", args.listen.port());
+    assert!(page.contains(&format!("UUID=\"{uuid}\"")), "{page}");
+    // Idle at ambient 60: 70 °C. Twenty running: 60 + 0.1 × 380 = 98,
+    // past the slowdown, where clocks and power halve.
+    let long: Vec<_> = (0..20)
+        .map(|i| {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                post(
+                    &addr,
+                    "/v1/completions",
+                    &format!(r#"{{"model":"demo-model","prompt":"hot {i}","max_tokens":200}}"#),
+                    &[],
+                )
+                .await
+            })
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let t = thermal(&addr).await;
+        if t["gpus"][0]["slowing"] == true {
+            assert_eq!(t["clock_factor"], 0.5);
+            assert_eq!(t["gpus"][0]["clock_reasons"].as_u64().unwrap() & 0x48, 0x48);
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never slowed: {t}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_, page) = get(&addr, "/dcgm/metrics").await;
+    assert!(
+        page.lines()
+            .any(|l| l.starts_with("DCGM_FI_DEV_CLOCKS_EVENT_REASONS{") && l.ends_with(" 72")),
+        "{page}"
+    );
+    // The exporter can go away, for staleness tests.
+    let (status, _, _) = post(
+        &addr,
+        "/sim/thermal",
+        r#"{"dcgm": "down", "ambient_c": 20}"#,
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(get(&addr, "/dcgm/metrics").await.0, 503);
+    let (status, _, _) = post(&addr, "/sim/thermal", r#"{"ambient": 20}"#, &[]).await;
+    assert_eq!(status, 400);
+    for h in long {
+        assert_eq!(h.await.unwrap().0, 200);
+    }
+}
