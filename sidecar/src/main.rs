@@ -1,5 +1,7 @@
 //! `kvgate-sidecar --config FILE`: runs the sidecar.
 //! `kvgate-sidecar status [--url URL]`: prints a running sidecar's fleet.
+//! `kvgate-sidecar agent [--listen ADDR]`: serves this GPU node's NVML
+//! readings under dcgm-exporter's metric names.
 
 #![forbid(unsafe_code)]
 
@@ -35,6 +37,16 @@ enum Command {
         /// The sidecar's address.
         #[arg(long, default_value = "http://127.0.0.1:9190")]
         url: String,
+    },
+    /// Runs on a GPU node without dcgm-exporter: reads the node's GPUs
+    /// through NVML and serves them at /metrics under dcgm-exporter's
+    /// names, for sidecars' `[thermal] dcgm_urls`.
+    Agent {
+        /// dcgm-exporter's port by default.
+        #[arg(long, default_value = "0.0.0.0:9400")]
+        listen: SocketAddr,
+        #[arg(long, default_value_t = 1000)]
+        interval_ms: u64,
     },
 }
 
@@ -81,6 +93,16 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Status { url }) => print_status(&url).await,
+        Some(Command::Agent {
+            listen,
+            interval_ms,
+        }) => {
+            kvgate_sidecar::sources::thermal::agent::run(
+                listen,
+                std::time::Duration::from_millis(interval_ms),
+            )
+            .await
+        }
         None => run(cli.run).await,
     }
 }

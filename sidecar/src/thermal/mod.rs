@@ -161,9 +161,12 @@ async fn scrape_all(
     timeout: Duration,
     failing: &mut HashSet<String>,
 ) -> Vec<GpuReading> {
-    let results = futures_join(urls.iter().cloned().map(|u| async move {
-        let r = dcgm::scrape(&u, timeout).await;
-        (u, r)
+    let results = futures_join(urls.iter().cloned().map(|u| {
+        let client = sc.client().clone();
+        async move {
+            let r = dcgm::scrape(&client, &u, timeout).await;
+            (u, r)
+        }
     }))
     .await;
     let mut out = Vec::new();
