@@ -114,6 +114,9 @@ pub struct ThermalSettings {
     pub hysteresis_c: f64,
     /// Requests taken off the cap per °C over the target.
     pub gain: f64,
+    /// The integral term's time: over the target by 1 °C for this long
+    /// takes `gain` more requests off the cap; 0 turns it off.
+    pub integral_s: f64,
     /// Under the target by less than this, a worker is warm: priced up,
     /// not capped.
     pub warm_band_c: f64,
@@ -130,7 +133,8 @@ impl Default for ThermalSettings {
         ThermalSettings {
             target_c: 82.0,
             hysteresis_c: 3.0,
-            gain: 1.0,
+            gain: 2.0,
+            integral_s: 5.0,
             warm_band_c: 8.0,
             policy: EvictPolicy::Lru,
             enabled: true,
@@ -149,6 +153,7 @@ impl ThermalSettings {
             target_c: over.target_c.unwrap_or(self.target_c),
             hysteresis_c: over.hysteresis_c.unwrap_or(self.hysteresis_c),
             gain: over.gain.unwrap_or(self.gain),
+            integral_s: over.integral_s.unwrap_or(self.integral_s),
             warm_band_c: over.warm_band_c.unwrap_or(self.warm_band_c),
             policy: over.policy.unwrap_or(self.policy),
             enabled: over.enabled.unwrap_or(self.enabled),
@@ -173,6 +178,12 @@ impl ThermalSettings {
         if !(self.gain.is_finite() && self.gain >= 0.0 && self.gain <= 1000.0) {
             return Err(format!("gain must be within [0, 1000], got {}", self.gain));
         }
+        if !(self.integral_s.is_finite() && (0.0..=3600.0).contains(&self.integral_s)) {
+            return Err(format!(
+                "integral_s must be within [0, 3600], got {}",
+                self.integral_s
+            ));
+        }
         if !(self.warm_band_c.is_finite() && self.warm_band_c > 0.0 && self.warm_band_c <= 50.0) {
             return Err(format!(
                 "warm_band_c must be within (0, 50], got {}",
@@ -194,6 +205,8 @@ pub struct ThermalOverride {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gain: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub integral_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm_band_c: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<EvictPolicy>,
@@ -208,6 +221,7 @@ impl ThermalOverride {
             target_c: over.target_c.or(self.target_c),
             hysteresis_c: over.hysteresis_c.or(self.hysteresis_c),
             gain: over.gain.or(self.gain),
+            integral_s: over.integral_s.or(self.integral_s),
             warm_band_c: over.warm_band_c.or(self.warm_band_c),
             policy: over.policy.or(self.policy),
             enabled: over.enabled.or(self.enabled),
@@ -246,6 +260,11 @@ mod tests {
         };
         let s = ThermalSettings::default().with(&model.and(&worker));
         assert_eq!((s.target_c, s.gain, s.hysteresis_c), (78.0, 2.0, 3.0));
+        let off = ThermalSettings {
+            integral_s: -1.0,
+            ..s
+        };
+        assert!(off.validate().is_err());
         assert!(s.validate().is_ok());
         let narrow = ThermalSettings {
             hysteresis_c: 1.5,

@@ -21,10 +21,6 @@ use crate::sources::thermal::GpuReading;
 use kvgate_core::{Thermal, ThermalState};
 use std::time::{Duration, Instant};
 
-/// The integral term's time: two degrees over the target for this long
-/// take `2 × gain` more requests off the cap.
-const INTEGRAL_TIME: Duration = Duration::from_secs(10);
-
 /// A step longer than this (a stalled loop) counts as this long.
 const MAX_STEP: Duration = Duration::from_secs(5);
 
@@ -147,8 +143,10 @@ impl Controller {
         } else if self.throttling {
             let err = over(t, slowing, s);
             let limit = f64::from(self.base.saturating_sub(1));
-            self.trim = (self.trim + s.gain * err * dt.as_secs_f64() / INTEGRAL_TIME.as_secs_f64())
-                .clamp(0.0, limit);
+            if s.integral_s > 0.0 {
+                self.trim =
+                    (self.trim + s.gain * err * dt.as_secs_f64() / s.integral_s).clamp(0.0, limit);
+            }
             let want = self.desired(t, slowing, s);
             let due = self
                 .last_change
@@ -236,6 +234,11 @@ pub struct Stepped {
     pub cap: u32,
     /// Requests the engine runs now (its ranks' running, summed).
     pub running: u32,
+    /// Hot enough that the running batch must shrink now, not as requests
+    /// finish: a hysteresis over the target, or a slowdown. Evicting costs
+    /// the evicted requests their place (the seed's §4.1.2), so it is kept
+    /// for when waiting is worse.
+    pub evict: bool,
 }
 
 impl Fleet {
@@ -301,6 +304,9 @@ impl Fleet {
                 w.thermal.unmonitored();
                 continue;
             }
+            let evict = hottest.as_ref().is_some_and(|h| {
+                h.slowing || h.temp_c >= settings.target_c + settings.hysteresis_c
+            });
             let change = w
                 .thermal
                 .step(hottest, w.in_flight, &settings, min_change, now);
@@ -309,6 +315,7 @@ impl Fleet {
                 change,
                 cap: w.thermal.cap(),
                 running: w.ranks.iter().map(|r| r.running).sum(),
+                evict,
             });
         }
         // Readings no worker can use any more are dropped once stale.
@@ -334,6 +341,7 @@ mod tests {
         target_c: 80.0,
         hysteresis_c: 3.0,
         gain: 1.0,
+        integral_s: 10.0,
         warm_band_c: 8.0,
         policy: crate::config::EvictPolicy::Lru,
         enabled: true,

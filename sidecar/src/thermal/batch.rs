@@ -112,16 +112,18 @@ impl BatchClient {
 }
 
 /// What to ask of a worker's engine when its cap becomes `cap` (0: no
-/// cap) while it runs `running`: a lower `max_num_seqs` and the eviction
-/// together (the seed's §5: evicted work comes straight back otherwise).
-/// `max_num_seqs` is per engine, so a cap is split over the worker's DP
-/// ranks; `restore` is what an uncapped engine gets back.
+/// cap) while it runs `running`: a lower `max_num_seqs`, and with `evict`
+/// the eviction of what runs over it, together (the seed's §5: evicted
+/// work comes straight back otherwise). `max_num_seqs` is per engine, so a
+/// cap is split over the worker's DP ranks; `restore` is what an uncapped
+/// engine gets back.
 pub fn request_for(
     cap: u32,
     running: u32,
     ranks: u32,
     restore: u32,
     policy: EvictPolicy,
+    evict: bool,
 ) -> BatchRequest {
     if cap == 0 {
         return BatchRequest {
@@ -132,7 +134,7 @@ pub fn request_for(
     }
     BatchRequest {
         max_num_seqs: Some(cap.div_ceil(ranks.max(1)).max(1)),
-        force_evict: Some(running.saturating_sub(cap)).filter(|n| *n > 0),
+        force_evict: Some(running.saturating_sub(cap)).filter(|n| evict && *n > 0),
         policy,
         dry_run: false,
     }
@@ -144,7 +146,7 @@ mod tests {
 
     #[test]
     fn a_cut_sets_the_batch_and_evicts_together() {
-        let r = request_for(10, 16, 2, 32, EvictPolicy::LargestKv);
+        let r = request_for(10, 16, 2, 32, EvictPolicy::LargestKv, true);
         assert_eq!(
             (r.max_num_seqs, r.force_evict, r.dry_run),
             (Some(5), Some(6), false)
@@ -154,9 +156,15 @@ mod tests {
             body,
             serde_json::json!({"max_num_seqs": 5, "force_evict": 6, "policy": "largest_kv", "dry_run": false})
         );
-        let under = request_for(10, 4, 1, 32, EvictPolicy::Lru);
+        let under = request_for(10, 4, 1, 32, EvictPolicy::Lru, true);
         assert_eq!((under.max_num_seqs, under.force_evict), (Some(10), None));
-        let restore = request_for(0, 4, 1, 32, EvictPolicy::Lru);
+        let gentle = request_for(10, 16, 1, 32, EvictPolicy::Lru, false);
+        assert_eq!(
+            (gentle.max_num_seqs, gentle.force_evict),
+            (Some(10), None),
+            "not hot enough to evict: the batch shrinks as requests finish"
+        );
+        let restore = request_for(0, 4, 1, 32, EvictPolicy::Lru, true);
         assert_eq!(
             (restore.max_num_seqs, restore.force_evict),
             (Some(32), None)

@@ -280,7 +280,14 @@ async fn actuate(sc: Arc<Sidecar>, batch: BatchClient, a: Actuation) {
                 r
             }
         };
-        let req = request_for(a.step.cap, a.step.running, a.ranks, restore, a.policy);
+        let req = request_for(
+            a.step.cap,
+            a.step.running,
+            a.ranks,
+            restore,
+            a.policy,
+            a.step.evict,
+        );
         batch.call(&a.endpoint, &req).await.map(|r| (req, r))
     }
     .await;

@@ -67,6 +67,8 @@ pub struct ThermalChange {
     #[serde(default)]
     pub gain: Option<f64>,
     #[serde(default)]
+    pub integral_s: Option<f64>,
+    #[serde(default)]
     pub warm_band_c: Option<f64>,
     #[serde(default)]
     pub policy: Option<EvictPolicy>,
@@ -83,6 +85,7 @@ impl ThermalChange {
             target_c: self.target_c,
             hysteresis_c: self.hysteresis_c,
             gain: self.gain,
+            integral_s: self.integral_s,
             warm_band_c: self.warm_band_c,
             policy: self.policy,
             enabled: self.enabled,
