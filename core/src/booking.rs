@@ -43,8 +43,10 @@ pub enum Event {
     },
     /// The first response byte: prefill is over.
     FirstByte { key: Key },
-    /// The response ended, in any way: the booking is released.
-    Done { key: Key },
+    /// The response ended, in any way: the booking is released. Filters
+    /// that time their requests say how it went (the planner's
+    /// observations); older ones send no timing.
+    Done { key: Key, timing: Option<Timing> },
     /// Answered locally; `reason` is the `x-kvgate-reason` value.
     Rejected { model: String, reason: String },
 }
@@ -53,7 +55,21 @@ const TAG_BOOK: u8 = 1;
 const TAG_FIRST_BYTE: u8 = 2;
 const TAG_DONE: u8 = 3;
 const TAG_REJECTED: u8 = 4;
+const TAG_DONE_TIMED: u8 = 5;
 
+/// How a routed request went, as its gateway saw it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Timing {
+    /// From routing to the first response byte (0: none came).
+    pub first_byte_us: u32,
+    /// From routing to the end of the response.
+    pub total_us: u32,
+    /// The prompt's length in tokens (estimated for text).
+    pub isl_tokens: u32,
+    /// Tokens the response carried, as far as the gateway can tell: its
+    /// streamed events, else the request's `max_tokens` (0: unknown).
+    pub output_tokens: u32,
+}
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum BookingError {
     #[error("booking record {0}")]
@@ -85,9 +101,19 @@ impl Event {
                 out.push(TAG_FIRST_BYTE);
                 put_key(out, key);
             }
-            Event::Done { key } => {
+            Event::Done { key, timing: None } => {
                 out.push(TAG_DONE);
                 put_key(out, key);
+            }
+            Event::Done {
+                key,
+                timing: Some(t),
+            } => {
+                out.push(TAG_DONE_TIMED);
+                put_key(out, key);
+                for v in [t.first_byte_us, t.total_us, t.isl_tokens, t.output_tokens] {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
             }
             Event::Rejected { model, reason } => {
                 out.push(TAG_REJECTED);
@@ -128,7 +154,19 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<Event>, BookingError> {
                 }
             }
             TAG_FIRST_BYTE => Event::FirstByte { key: key(&mut r)? },
-            TAG_DONE => Event::Done { key: key(&mut r)? },
+            TAG_DONE => Event::Done {
+                key: key(&mut r)?,
+                timing: None,
+            },
+            TAG_DONE_TIMED => Event::Done {
+                key: key(&mut r)?,
+                timing: Some(Timing {
+                    first_byte_us: r.u32()?,
+                    total_us: r.u32()?,
+                    isl_tokens: r.u32()?,
+                    output_tokens: r.u32()?,
+                }),
+            },
             TAG_REJECTED => {
                 let model = r.string16()?;
                 let reason = r.string16()?;
@@ -186,7 +224,19 @@ mod tests {
                 model: "m".into(),
                 reason: "all_workers_busy".into(),
             },
-            Event::Done { key: key(1) },
+            Event::Done {
+                key: key(1),
+                timing: None,
+            },
+            Event::Done {
+                key: key(2),
+                timing: Some(Timing {
+                    first_byte_us: 120_000,
+                    total_us: 900_000,
+                    isl_tokens: 2048,
+                    output_tokens: 64,
+                }),
+            },
         ];
         let mut bytes = Vec::new();
         for e in &events {
@@ -198,7 +248,11 @@ mod tests {
 
     #[test]
     fn bad_input_is_an_error_naming_the_byte() {
-        let mut bytes = Event::Done { key: key(3) }.encode();
+        let mut bytes = Event::Done {
+            key: key(3),
+            timing: None,
+        }
+        .encode();
         bytes.pop();
         assert!(matches!(
             decode_batch(&bytes),

@@ -36,7 +36,7 @@ pub mod wire;
 pub use plan::{Placement, Plan, Rejection, Route};
 pub use snapshot::SnapshotError;
 pub use state::{
-    Applied, DEFAULT_TENANT, InvalidValue, ModelState, Policy, RankLoad, Snapshot, Thermal,
-    ThermalState, Thresholds, WorkerState,
+    Applied, DEFAULT_TENANT, InvalidValue, ModelPlan, ModelState, Policy, RankLoad, Snapshot,
+    Thermal, ThermalState, Thresholds, WorkerState,
 };
 pub use wire::WireError;

@@ -16,8 +16,8 @@
 //! against the bytes that remain before anything is allocated.
 
 use crate::state::{
-    Applied, DEFAULT_TENANT, ModelState, Policy, RankLoad, Snapshot, Thermal, ThermalState,
-    Thresholds, WorkerState,
+    Applied, DEFAULT_TENANT, ModelPlan, ModelState, Policy, RankLoad, Snapshot, Thermal,
+    ThermalState, Thresholds, WorkerState,
 };
 use crate::wire::{Reader, WireError};
 use thiserror::Error;
@@ -56,8 +56,12 @@ const RANK_FIXED: usize = 4 + 2 + 8 * 5 + 4 + 4 + 1;
 
 /// The cost weights, in their wire order.
 const POLICY_LEN: usize = 6 * 8;
-/// A worker's thermal record (minor 6): state, cap, in flight, heat.
-const THERMAL_LEN: usize = 1 + 4 + 4 + 8;
+/// A worker's thermal record (minor 6): state, cap, in flight, heat; then
+/// its flags (draining).
+const THERMAL_LEN: usize = 1 + 4 + 4 + 8 + 1;
+const WORKER_DRAINING: u8 = 1;
+/// A model's plan (minor 6): desired, ready, scale-up ETA.
+const PLAN_LEN: usize = 3 * 4;
 
 const FLAG_BUSY: u8 = 1;
 const TH_DECODE: u8 = 1;
@@ -85,6 +89,7 @@ impl Snapshot {
                         + POLICY_LEN
                         + 8
                         + 8
+                        + PLAN_LEN
                         + m.workers
                             .iter()
                             .map(|w| {
@@ -165,6 +170,7 @@ impl Snapshot {
                 out.extend_from_slice(&t.cap.to_le_bytes());
                 out.extend_from_slice(&t.in_flight.to_le_bytes());
                 out.extend_from_slice(&t.heat.to_le_bytes());
+                out.push(if w.draining { WORKER_DRAINING } else { 0 });
                 end_record(out, wrec, "worker record")?;
             }
             // Minor 1 fields follow the workers; older readers skip them.
@@ -180,8 +186,11 @@ impl Snapshot {
             }
             // Minor 5: the service rate.
             out.extend_from_slice(&m.service_rate_per_s.to_le_bytes());
-            // Minor 6: the heat weight.
+            // Minor 6: the heat weight and the plan.
             out.extend_from_slice(&m.policy.thermal_weight.to_le_bytes());
+            for v in [m.plan.desired, m.plan.ready, m.plan.scale_up_eta_s] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
             end_record(out, rec, "model record")?;
         }
         put_count(out, self.applied.len(), "applied bookings")?;
@@ -247,15 +256,16 @@ impl Snapshot {
                 } else {
                     DEFAULT_TENANT.to_string()
                 };
-                let thermal = if w.remaining() >= THERMAL_LEN {
-                    Thermal {
+                let (thermal, draining) = if w.remaining() >= THERMAL_LEN {
+                    let t = Thermal {
                         state: ThermalState::from_code(w.u8()?),
                         cap: w.u32()?,
                         in_flight: w.u32()?,
                         heat: unit(w.f64()?),
-                    }
+                    };
+                    (t, w.u8()? & WORKER_DRAINING != 0)
                 } else {
-                    Thermal::default()
+                    (Thermal::default(), false)
                 };
                 workers.push(WorkerState {
                     id,
@@ -264,6 +274,7 @@ impl Snapshot {
                     ranks,
                     tenant,
                     thermal,
+                    draining,
                 });
             }
             let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
@@ -294,6 +305,14 @@ impl Snapshot {
                     .filter(|w| w.is_finite() && *w >= 0.0)
                     .unwrap_or(0.0);
             }
+            let mut plan = ModelPlan::default();
+            if m.remaining() >= PLAN_LEN {
+                plan = ModelPlan {
+                    desired: m.u32()?,
+                    ready: m.u32()?,
+                    scale_up_eta_s: m.u32()?,
+                };
+            }
             models.push(ModelState {
                 name,
                 thresholds,
@@ -303,6 +322,7 @@ impl Snapshot {
                 lora_adapters,
                 policy,
                 service_rate_per_s,
+                plan,
             });
         }
         // Minor 0 ends after the models.
@@ -506,6 +526,7 @@ mod tests {
                             cap: 6,
                             in_flight: 9,
                         },
+                        draining: true,
                     }],
                     retry_after_s: 4,
                     lora_adapters: vec!["sql-lora".into(), "chat-lora".into()],
@@ -516,6 +537,11 @@ mod tests {
                         ..Policy::default()
                     },
                     service_rate_per_s: 42.5,
+                    plan: ModelPlan {
+                        desired: 5,
+                        ready: 4,
+                        scale_up_eta_s: 12,
+                    },
                 },
                 ModelState {
                     name: "empty".into(),
@@ -528,7 +554,7 @@ mod tests {
 
     /// What a minor-0 writer produced: no retry hint, no applied list.
     fn minor0(s: &Snapshot) -> Vec<u8> {
-        strip_model_tail(s, 8 + POLICY_LEN + 16)
+        strip_model_tail(s, 8 + POLICY_LEN + 16 + PLAN_LEN)
     }
 
     /// Cuts the last `by` bytes (the minor-1 and later fields, with no
@@ -567,7 +593,7 @@ mod tests {
     #[test]
     fn minor_two_snapshots_have_no_adapters() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN + 16)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN + 16 + PLAN_LEN)).unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert!(old.models[0].lora_adapters.is_empty());
     }
@@ -576,7 +602,7 @@ mod tests {
     fn minor_three_snapshots_carry_the_default_policy() {
         let s = sample();
         assert_ne!(s.models[0].policy, Policy::default());
-        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN + 16)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN + 16 + PLAN_LEN)).unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert_eq!(old.models[0].policy, Policy::default());
         assert_eq!(old.models[0].workers, s.models[0].workers);
@@ -586,7 +612,7 @@ mod tests {
     fn minor_four_snapshots_know_no_service_rate() {
         let s = sample();
         assert!(s.models[0].service_rate_per_s > 0.0);
-        let old = Snapshot::decode(&strip_model_tail(&s, 16)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 16 + PLAN_LEN)).unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 0.0);
         assert_eq!(
             old.models[0].policy.host_weight,
@@ -597,9 +623,10 @@ mod tests {
     #[test]
     fn minor_five_snapshots_weigh_heat_by_default() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 8)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 8 + PLAN_LEN)).unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 42.5);
         assert_eq!(old.models[0].policy.thermal_weight, 1.0);
+        assert_eq!(old.models[0].plan, ModelPlan::default());
     }
 
     /// `s` with the last `by` bytes cut off its first worker's record.
@@ -628,6 +655,7 @@ mod tests {
         let w = &old.models[0].workers[0];
         assert_eq!(w.thermal, Thermal::default());
         assert_eq!(w.thermal.state, ThermalState::Unmonitored);
+        assert!(!w.draining);
         assert_eq!(w.tenant, "team-a");
     }
 
@@ -773,6 +801,7 @@ mod tests {
                             cap,
                             in_flight,
                         },
+                        draining: cap % 2 == 0,
                     }
                 },
             );
@@ -810,6 +839,11 @@ mod tests {
                             ..Policy::default()
                         },
                         service_rate_per_s: credit * 10.0,
+                        plan: ModelPlan {
+                            desired: shard_count % 7,
+                            ready: shard_count % 5,
+                            scale_up_eta_s: shard_count % 3,
+                        },
                     }
                 },
             );

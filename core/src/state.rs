@@ -66,6 +66,22 @@ pub struct ModelState {
     /// requests are given places to retry (`plan::retry`).
     #[cfg_attr(feature = "serde", serde(default))]
     pub service_rate_per_s: f64,
+    /// What the planner wants of the model (minor 6; zeros: no planner).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub plan: ModelPlan,
+}
+
+/// The planner's view of a model, as routing and shedding use it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct ModelPlan {
+    /// Replicas the planner wants.
+    pub desired: u32,
+    /// Replicas serving (up, not draining).
+    pub ready: u32,
+    /// Seconds until a scale-up in progress is expected to serve; 0: none
+    /// in progress.
+    pub scale_up_eta_s: u32,
 }
 
 /// One worker (an engine process group behind one HTTP endpoint).
@@ -87,6 +103,10 @@ pub struct WorkerState {
     /// made of it (minor 6; older snapshots say nothing is known).
     #[cfg_attr(feature = "serde", serde(default))]
     pub thermal: Thermal,
+    /// The planner is removing it: it takes no new requests and finishes
+    /// what it has (minor 6).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub draining: bool,
 }
 
 /// A worker's GPU heat as the routers act on it: how dear it is, and the

@@ -276,6 +276,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                         ranks: vec![rank(0, 0, false), rank(1, 1, true)],
                         tenant: "default".into(),
                         thermal: Default::default(),
+                        draining: false,
                     },
                     WorkerState {
                         id: 2,
@@ -289,6 +290,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                             cap: 3,
                             in_flight: 2,
                         },
+                        draining: true,
                     },
                 ],
                 retry_after_s: 3,
@@ -298,6 +300,11 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                     ..Policy::default()
                 },
                 service_rate_per_s: 45.0,
+                plan: kvgate_core::ModelPlan {
+                    desired: 3,
+                    ready: 2,
+                    scale_up_eta_s: 40,
+                },
             },
             ModelState {
                 name: "no-workers".into(),
@@ -312,6 +319,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 lora_adapters: Vec::new(),
                 policy: Policy::default(),
                 service_rate_per_s: 0.0,
+                plan: Default::default(),
             },
         ],
         applied: vec![
@@ -361,7 +369,16 @@ fn bookings() -> Vec<(&'static str, Vec<u8>)> {
             decode_blocks: 12,
         },
         Event::FirstByte { key },
-        Event::Done { key },
+        Event::Done { key, timing: None },
+        Event::Done {
+            key,
+            timing: Some(kvgate_core::booking::Timing {
+                first_byte_us: 80_000,
+                total_us: 1_200_000,
+                isl_tokens: 1500,
+                output_tokens: 128,
+            }),
+        },
         Event::Rejected {
             model: "llama-3-8b".into(),
             reason: "busy".into(),
@@ -377,6 +394,7 @@ fn bookings() -> Vec<(&'static str, Vec<u8>)> {
             "seed-done",
             Event::Done {
                 key: Key { vm: 1, seq: 9 },
+                timing: None,
             }
             .encode(),
         ),

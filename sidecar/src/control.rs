@@ -40,7 +40,12 @@ impl Sidecar {
     }
 
     pub(crate) fn remove_worker(&self, id: u64) -> Result<(), FleetError> {
-        let w = self.fleet().remove_worker(id)?;
+        let w = {
+            let mut f = self.fleet();
+            let w = f.remove_worker(id)?;
+            f.planner_forget(id);
+            w
+        };
         {
             let mut b = self.bookings();
             for slot in &w.slots {

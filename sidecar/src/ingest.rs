@@ -24,9 +24,39 @@ impl Sidecar {
         let now = Instant::now();
         let metrics = self.metrics();
         let mut b = self.bookings();
+        let mut observed: Vec<Observed> = Vec::new();
         for ev in events {
             // Peers hear what this sidecar's gateways booked and released.
             let copy = self.replica().is_some().then(|| ev.clone());
+            // The planner learns latency against the load the request met.
+            match &ev {
+                kvgate_core::booking::Event::Book {
+                    key,
+                    slot,
+                    prefill_tokens,
+                    ..
+                } => {
+                    if let Some(rank) = owners.get(slot) {
+                        let met = b.slot(*slot);
+                        observed.push(Observed::Booked {
+                            key: *key,
+                            model: rank.model.clone(),
+                            worker: rank.worker_id,
+                            prefill: (met.prefill_tokens + u64::from(*prefill_tokens)) as f64,
+                            decode_kv: (met.decode_blocks * u64::from(rank.block_size)) as f64,
+                        });
+                    }
+                }
+                kvgate_core::booking::Event::Done { key, timing } => {
+                    observed.push(Observed::Ended(*key, *timing));
+                }
+                kvgate_core::booking::Event::Rejected { model, reason }
+                    if reason == "all_workers_busy" || reason == "thermal" =>
+                {
+                    observed.push(Observed::Shed(model.clone()));
+                }
+                _ => {}
+            }
             let effect = b.apply(ev, now, |model, slot| {
                 owners.get(&slot).is_some_and(|r| r.model == model)
             });
@@ -58,6 +88,26 @@ impl Sidecar {
             }
             if let Some(ev) = copy.and_then(|ev| gateway_sync(ev, &effect, &owners)) {
                 self.announce(|| ev);
+            }
+        }
+        if !observed.is_empty() {
+            let mut f = self.fleet();
+            let p = &mut f.planning;
+            if p.models.is_empty() {
+                return;
+            }
+            for o in observed {
+                match o {
+                    Observed::Booked {
+                        key,
+                        model,
+                        worker,
+                        prefill,
+                        decode_kv,
+                    } => p.booked(key, &model, worker, prefill, decode_kv),
+                    Observed::Ended(key, timing) => p.ended(&key, timing),
+                    Observed::Shed(model) => p.shed(&model),
+                }
             }
         }
     }
@@ -172,6 +222,22 @@ impl Sidecar {
     }
 }
 
+/// What the planner hears of a gateway event.
+enum Observed {
+    Booked {
+        key: kvgate_core::booking::Key,
+        model: String,
+        worker: u64,
+        prefill: f64,
+        decode_kv: f64,
+    },
+    Ended(
+        kvgate_core::booking::Key,
+        Option<kvgate_core::booking::Timing>,
+    ),
+    Shed(String),
+}
+
 /// What peers hear of a gateway event, once applied here.
 fn gateway_sync(
     ev: kvgate_core::booking::Event,
@@ -199,7 +265,7 @@ fn gateway_sync(
         (Event::FirstByte { key }, Effect::Released) => {
             Some(SyncEvent::PrefillComplete(SyncId::Gateway(key)))
         }
-        (Event::Done { key }, Effect::Released) => Some(SyncEvent::Free(SyncId::Gateway(key))),
+        (Event::Done { key, .. }, Effect::Released) => Some(SyncEvent::Free(SyncId::Gateway(key))),
         _ => None,
     }
 }

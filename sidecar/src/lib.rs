@@ -18,6 +18,8 @@
 //!   books, so that several pods see one fleet.
 //! * `thermal`: the loop that reads GPU temperatures, steps each worker's
 //!   thermal controller and cuts engines' running batches.
+//! * [`planner`]: how many replicas each model needs (the decision math;
+//!   its state and loop are `fleet`'s and `tick`'s).
 //!
 //! [`Sidecar`] holds it together; the lifecycle module starts and stops
 //! each worker's scraper and KV subscribers as the catalog changes, and
@@ -36,6 +38,7 @@ pub(crate) mod fleet;
 mod ingest;
 mod lifecycle;
 pub mod metrics;
+pub mod planner;
 pub mod publish;
 mod recovery;
 pub mod replica;

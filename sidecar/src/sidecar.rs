@@ -129,6 +129,7 @@ impl Sidecar {
         sc.publish_now();
         tokio::spawn(tick::publish_loop(sc.clone()));
         tokio::spawn(crate::thermal::thermal_loop(sc.clone()));
+        tokio::spawn(tick::planner_loop(sc.clone()));
         Ok(sc)
     }
 

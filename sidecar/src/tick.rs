@@ -165,3 +165,65 @@ pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
         sc.scraped(id, result.map(|(ranks, _)| ranks));
     }
 }
+
+/// The planner's two loops, each model at its own intervals; decisions
+/// are published at once (a draining worker leaves the snapshot's
+/// candidates).
+pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
+    if sc.fleet().planning.models.is_empty() {
+        return;
+    }
+    let mut last_load: std::collections::HashMap<String, Instant> = Default::default();
+    let mut last_throughput: std::collections::HashMap<String, Instant> = Default::default();
+    let started = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        let planned = {
+            let b = sc.bookings();
+            let mut f = sc.fleet();
+            let mut due = std::collections::HashMap::new();
+            for (name, p) in &f.planning.models {
+                let is_due = |last: &mut std::collections::HashMap<String, Instant>, ms: u64| {
+                    let from = last.get(name).copied().unwrap_or(started);
+                    let d = now.saturating_duration_since(from) >= Duration::from_millis(ms);
+                    if d {
+                        last.insert(name.clone(), now);
+                    }
+                    d
+                };
+                let l = is_due(&mut last_load, p.cfg.load_interval_ms);
+                let t = is_due(&mut last_throughput, p.cfg.throughput_interval_ms);
+                due.insert(name.clone(), (l, t));
+            }
+            let loads = |f: &crate::fleet::Fleet, id: u64| {
+                let (mut prefill, mut decode_kv) = (0.0, 0.0);
+                if let Some(w) = f.workers.get(&id) {
+                    for s in &w.slots {
+                        let l = b.slot(*s);
+                        prefill += l.prefill_tokens as f64;
+                        decode_kv += (l.decode_blocks * u64::from(w.spec.block_size)) as f64;
+                    }
+                }
+                crate::planner::WorkerLoad {
+                    worker_id: id,
+                    prefill_tokens: prefill,
+                    decode_kv_tokens: decode_kv,
+                }
+            };
+            let planned = f.plan(
+                now,
+                now_ms(),
+                &|m| due.get(m).copied().unwrap_or((false, false)),
+                &loads,
+            );
+            gauges::planner(sc.metrics(), &f, &planned);
+            planned
+        };
+        if planned.iter().any(|p| p.decision.is_some()) {
+            sc.publish_now();
+        }
+    }
+}

@@ -367,7 +367,10 @@ async fn bookings_load_ranks_until_released() {
     })
     .await;
     assert_eq!(rank().await["active_decode_blocks"], 200);
-    assert_eq!(post(Event::Done { key }.encode()).await.0, 204);
+    assert_eq!(
+        post(Event::Done { key, timing: None }.encode()).await.0,
+        204
+    );
     wait_until("decode released", async || {
         rank().await["active_decode_blocks"] == 0
     })

@@ -445,6 +445,7 @@ async fn replica_sync_shares_admissions_and_frees_between_sidecars() {
     let mut done = Vec::new();
     kvgate_core::booking::Event::Done {
         key: kvgate_core::booking::Key { vm: 5, seq: 1 },
+        timing: None,
     }
     .encode_into(&mut done);
     call_raw("POST", &format!("{a_base}/v1/bookings"), &[], done).await;

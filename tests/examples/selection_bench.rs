@@ -48,6 +48,7 @@ fn snapshot(shard_count: u32) -> Snapshot {
                     }],
                     tenant: "default".into(),
                     thermal: Default::default(),
+                    draining: false,
                 })
                 .collect(),
             ..Default::default()

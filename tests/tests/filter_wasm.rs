@@ -47,6 +47,7 @@ fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
         ranks,
         tenant: "default".into(),
         thermal: Default::default(),
+        draining: false,
     }
 }
 

@@ -281,6 +281,13 @@ fn summarize(
         .collect();
     ttft.sort_unstable();
     let ms = |p: f64| percentile(&ttft, p).unwrap_or(0) as f64 / 1000.0;
+    let mut total: Vec<u64> = outcomes
+        .iter()
+        .filter(|o| o.status == 200)
+        .map(|o| o.latency_us)
+        .collect();
+    total.sort_unstable();
+    let total_ms = |p: f64| percentile(&total, p).unwrap_or(0) as f64 / 1000.0;
     let ok = outcomes.iter().filter(|o| o.status == 200).count();
     let settled_from = t.degrade_at + t.settle;
     let settled: Vec<&Sample> = samples.iter().filter(|x| x.at_s >= settled_from).collect();
@@ -319,6 +326,7 @@ fn summarize(
         "shed": outcomes.iter().filter(|o| o.status == 503).count(),
         "goodput_tokens_per_s": ok as f64 * f64::from(MAX_TOKENS) / t.secs,
         "ttft_ms_p50": ms(50.0), "ttft_ms_p99": ms(99.0),
+        "request_ms_p50": total_ms(50.0), "request_ms_p99": total_ms(99.0),
         "hottest_gpu_c_after_settling": max_settled,
         "hottest_gpu_c": max_any,
         "crossed_slowdown": max_any >= SLOWDOWN_C,
@@ -407,7 +415,7 @@ pub fn report(v: &Value, plots: &std::path::Path) -> Result<String> {
     let row = |n: &str| {
         let r = &runs[n];
         format!(
-            "| {n} | {:.1} | {:.1} | {} | {:.2} | {:.0} | {:.0} / {:.0} |",
+            "| {n} | {:.1} | {:.1} | {} | {:.2} | {:.0} | {:.0} / {:.0} | {:.0} / {:.0} |",
             r["hottest_gpu_c"].as_f64().unwrap_or(0.0),
             r["hottest_gpu_c_after_settling"].as_f64().unwrap_or(0.0),
             r["crossed_slowdown"],
@@ -417,6 +425,8 @@ pub fn report(v: &Value, plots: &std::path::Path) -> Result<String> {
             r["goodput_tokens_per_s"].as_f64().unwrap_or(0.0),
             r["ttft_ms_p50"].as_f64().unwrap_or(0.0),
             r["ttft_ms_p99"].as_f64().unwrap_or(0.0),
+            r["request_ms_p50"].as_f64().unwrap_or(0.0),
+            r["request_ms_p99"].as_f64().unwrap_or(0.0),
         )
     };
     Ok(format!(
@@ -427,8 +437,8 @@ slowdown), streaming completions at {rate} req/s (about 75 % of capacity) \
 for {secs} s; at {at} s worker 1's ambient goes from 25 to 55 °C, enough to settle \
 past the slowdown at its load. Target {target} °C, hysteresis 3 °C. \
 \"After settling\" is from {settle} s after the degradation.\n\n\
-| run | hottest GPU °C | after settling | crossed slowdown | throttle entries / worker / min (max) | goodput tok/s | TTFT p50 / p99 ms |\n\
-| --- | --- | --- | --- | --- | --- | --- |\n{}\n{}\n{}\n{}\n\n\
+| run | hottest GPU °C | after settling | crossed slowdown | throttle entries / worker / min (max) | goodput tok/s | TTFT p50 / p99 ms | request p50 / p99 ms |\n\
+| --- | --- | --- | --- | --- | --- | --- | --- |\n{}\n{}\n{}\n{}\n\n\
 Goodput with control / without: {:.3}. TTFT p99 with the policy on but idle / off: {:.3}.\n\n\
 ![temperature](plots/thermal_temperature.svg) ![cap](plots/thermal_cap.svg) \
 ![throughput](plots/thermal_throughput.svg)\n",

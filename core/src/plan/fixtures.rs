@@ -11,5 +11,6 @@ pub(crate) fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
         ranks,
         tenant: DEFAULT_TENANT.into(),
         thermal: Default::default(),
+        draining: false,
     }
 }

@@ -161,6 +161,11 @@ pub fn select_with_runner_up<'a>(
     let mut pool: Vec<Choice<'a>> = Vec::new();
     let sampling = policy.temperature > 0.0;
     for worker in model.workers.iter().filter(|w| w.tenant == tenant) {
+        // Being drained: it finishes what it has and takes nothing new.
+        if worker.draining {
+            any_rank |= !worker.ranks.is_empty();
+            continue;
+        }
         if worker.thermal.at_cap() {
             any_rank |= !worker.ranks.is_empty();
             capped |= !worker.ranks.is_empty();
@@ -499,6 +504,29 @@ mod tests {
             Decision::Route(c) => assert_eq!(c.worker.id, 1, "weight 0 turns heat off"),
             d => panic!("{d:?}"),
         }
+    }
+
+    #[test]
+    fn a_draining_worker_takes_nothing_new() {
+        let mut m = model(vec![
+            worker(1, vec![rank(0, 0, 0, false)]),
+            worker(2, vec![rank(0, 0, 90, false)]),
+        ]);
+        assert_eq!(pick(&m, 0), Some((1, 0)));
+        m.workers[0].draining = true;
+        assert_eq!(pick(&m, 0), Some((2, 0)), "the idle worker is draining");
+        m.workers[1].draining = true;
+        assert_eq!(
+            select(
+                &m,
+                DEFAULT_TENANT,
+                &RequestShape::default(),
+                &Policy::default(),
+                |_, _| { Overlap::default() }
+            ),
+            Decision::AllBusy,
+            "every worker draining: shed, not 'no workers'"
+        );
     }
 
     #[test]

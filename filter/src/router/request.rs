@@ -9,7 +9,7 @@ use crate::manifest::{self, Manifest};
 use crate::metrics::{inc, record};
 use crate::reply::Reply;
 use kvgate_core::DEFAULT_TENANT;
-use kvgate_core::booking::{Event, Key};
+use kvgate_core::booking::{Event, Key, Timing};
 use kvgate_core::plan::local::Release;
 use kvgate_core::plan::request::{Endpoint, parse};
 use kvgate_core::plan::{self, Placement, Plan, Rejection, retry};
@@ -64,6 +64,29 @@ pub struct Request {
     routed: bool,
     /// What the served-by response header says: engines name no worker.
     served_by: Option<String>,
+    /// When it was routed and first answered, for the planner.
+    clock: Option<Clock>,
+}
+
+/// A routed request's timing, sent with its end.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    routed_us: u64,
+    first_byte_us: Option<u64>,
+    isl_tokens: u32,
+    output_tokens: u32,
+}
+
+impl Clock {
+    fn timing(&self, now_us: u64) -> Option<Timing> {
+        let since = |t: u64| u32::try_from(t.saturating_sub(self.routed_us)).unwrap_or(u32::MAX);
+        Some(Timing {
+            first_byte_us: since(self.first_byte_us?),
+            total_us: since(now_us),
+            isl_tokens: self.isl_tokens,
+            output_tokens: self.output_tokens,
+        })
+    }
 }
 
 impl Request {
@@ -79,6 +102,7 @@ impl Request {
             fallback: None,
             routed: false,
             served_by: None,
+            clock: None,
         }
     }
 
@@ -207,6 +231,14 @@ impl Request {
                     st.report(&record);
                 }
                 self.booking = Some(st.book(&self.model, slot, prefill, decode));
+                self.clock = Some(Clock {
+                    routed_us: host::now_us(),
+                    first_byte_us: None,
+                    isl_tokens: u32::try_from(req.isl_tokens).unwrap_or(u32::MAX),
+                    output_tokens: req
+                        .max_tokens
+                        .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
+                });
                 None
             }
             Plan::Reject(r) => Some(match (r, ticket) {
@@ -260,11 +292,16 @@ impl Request {
         };
         st.local
             .release(st.view.snapshot.as_mut(), release, host::now_ms());
+        let now = host::now_us();
         if done {
-            st.send(&Event::Done { key });
+            let timing = self.clock.take().and_then(|c| c.timing(now));
+            st.send(&Event::Done { key, timing });
             self.booking = None;
         } else {
             b.first_byte = true;
+            if let Some(c) = self.clock.as_mut() {
+                c.first_byte_us = Some(now);
+            }
             st.send(&Event::FirstByte { key });
         }
     }
@@ -281,7 +318,10 @@ impl Request {
         if served_by.as_deref() != Some(fb.endpoint.as_bytes()) {
             return;
         }
+        // The request's clock runs on: it was routed once, served once.
+        let clock = self.clock.take();
         self.release(true);
+        self.clock = clock;
         if self.served_by.is_some() {
             self.served_by = Some(fb.served_by);
         }

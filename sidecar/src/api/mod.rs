@@ -10,6 +10,9 @@
 //! * `GET/POST /busy_threshold` — shedding thresholds, in Dynamo's shapes.
 //! * `GET/POST /v1/admin/thermal` — GPU heat per worker and the thermal
 //!   controller's settings per model or worker (with `dry_run`).
+//! * `GET /v1/planner`, `GET /v1/planner/decisions`, `POST
+//!   /v1/planner/decisions/{id}/complete` — the planner's state and its
+//!   decisions for orchestrators.
 //! * `POST/GET /workers`, `PATCH/DELETE /workers/{id}` — the catalog.
 //! * `POST /v3/discovery:endpoints` — the catalog as Envoy's routed cluster
 //!   (REST EDS, JSON).
@@ -44,6 +47,7 @@ mod auth;
 mod discovery;
 mod dump;
 mod loads;
+pub mod planner;
 mod poll;
 mod probes;
 mod replica;
@@ -91,6 +95,12 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
                 .route(
                     "/v1/admin/thermal",
                     get(thermal::get_thermal).post(thermal::post_thermal),
+                )
+                .route("/v1/planner", get(planner::status))
+                .route("/v1/planner/decisions", get(planner::next_decision))
+                .route(
+                    "/v1/planner/decisions/{id}/complete",
+                    post(planner::complete),
                 )
                 .merge(catalog())
                 .route_layer(token),

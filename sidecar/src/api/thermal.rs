@@ -193,6 +193,7 @@ impl Trial {
                 policy: Default::default(),
                 lora_adapters: Vec::new(),
                 thermal: Default::default(),
+                planner: None,
             });
         if let Some((n, o)) = &self.model
             && n == name

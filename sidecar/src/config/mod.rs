@@ -117,6 +117,10 @@ impl Config {
             self.thermal_settings(m)
                 .validate()
                 .map_err(|e| format!("model {:?}: thermal: {e}", m.name))?;
+            if let Some(p) = &m.planner {
+                p.validate()
+                    .map_err(|e| format!("model {:?}: planner: {e}", m.name))?;
+            }
         }
         self.thermal.validate()?;
         // An adapter name is matched against requests' `model` after the

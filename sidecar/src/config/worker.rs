@@ -26,6 +26,10 @@ pub struct ModelConfig {
     /// model's workers, over `[thermal]`'s.
     #[serde(default, skip_serializing_if = "is_unset")]
     pub thermal: ThermalOverride,
+    /// `[models.planner]`: the model's SLA and scaling bounds; absent, the
+    /// planner leaves the model alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planner: Option<crate::planner::PlannerConfig>,
 }
 
 fn is_unset(o: &ThermalOverride) -> bool {

@@ -12,6 +12,8 @@
 //! * [`snapshot`]: the snapshot Envoy reads, built from all of it.
 //! * [`drain`]: how long until a busy rank takes work again (`Retry-After`).
 //! * [`thermal`]: GPU readings and each worker's thermal controller.
+//! * [`planner`]: the planner's models, what it observed, its decisions and
+//!   the workers it drains.
 //!
 //! State that a new source adds about a worker or a rank (GPU temperature,
 //! say) is recorded in its [`WorkerEntry`] as scrape results are, and
@@ -21,12 +23,14 @@
 mod catalog;
 mod drain;
 mod health;
+mod planner;
 mod snapshot;
 #[cfg(test)]
 mod tests;
 mod thermal;
 
 pub use health::Health;
+pub use planner::{Decision, Planned, Planning};
 pub use thermal::{Change, Controller, GpuSeen, Hottest, Stepped};
 
 use crate::config::{Config, ModelConfig, WorkerSpec};
@@ -79,6 +83,8 @@ pub struct Fleet {
     pub workers: BTreeMap<u64, WorkerEntry>,
     /// The latest reading of every GPU, by UUID.
     pub gpus: BTreeMap<String, GpuSeen>,
+    /// The planner's models, observations, decisions and draining workers.
+    pub planning: Planning,
     slots: Slots,
     kv_shards: u32,
 }
@@ -119,11 +125,25 @@ impl Fleet {
                 .collect(),
             workers: BTreeMap::new(),
             gpus: BTreeMap::new(),
+            planning: Planning::default(),
             slots: Slots::default(),
             kv_shards: config.kv.shards,
         };
         for w in &config.workers {
             f.add_worker(w.clone(), Instant::now())?;
+        }
+        for m in &config.models {
+            if let Some(p) = &m.planner {
+                let replicas = config
+                    .workers
+                    .iter()
+                    .filter(|w| w.model_name == m.name)
+                    .count() as u32;
+                f.planning.models.insert(
+                    m.name.clone(),
+                    crate::planner::ModelPlanner::new(p.clone(), replicas),
+                );
+            }
         }
         Ok(f)
     }

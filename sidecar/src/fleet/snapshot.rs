@@ -28,6 +28,7 @@ impl Fleet {
                         lora_adapters: m.lora_adapters.clone(),
                         policy: m.policy,
                         service_rate_per_s: 0.0,
+                        plan: Default::default(),
                     },
                 )
             })
@@ -119,7 +120,30 @@ impl Fleet {
                 ranks,
                 tenant: w.spec.tenant_id.clone(),
                 thermal,
+                draining: self.planning.draining.contains(&w.spec.worker_id),
             });
+        }
+        let now = std::time::Instant::now();
+        for (name, p) in &self.planning.models {
+            let Some(model) = models.get_mut(name.as_str()) else {
+                continue;
+            };
+            let eta = p
+                .scale_up_eta(now)
+                .map(|d| (d.as_secs_f64().ceil() as u32).clamp(1, max_retry_after_s.max(1)));
+            model.plan = kvgate_core::ModelPlan {
+                desired: p.desired,
+                ready: self.ready_workers(name).len() as u32,
+                scale_up_eta_s: eta.unwrap_or(0),
+            };
+            // A shed request should come back when the new replica serves,
+            // if that is sooner than the busy workers drain.
+            if let Some(eta) = eta {
+                model.retry_after_s = match model.retry_after_s {
+                    0 => eta,
+                    s => s.min(eta),
+                };
+            }
         }
         Snapshot {
             version: 0,

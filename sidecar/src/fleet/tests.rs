@@ -193,6 +193,7 @@ fn draining(usage: f64, running: u32, blocks: u32) -> (Fleet, Bookings) {
             b.apply(
                 Event::Done {
                     key: Key { vm: 1, seq },
+                    timing: None,
                 },
                 now,
                 |_, _| true,

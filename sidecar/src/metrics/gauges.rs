@@ -152,3 +152,56 @@ fn set_counter(c: &prometheus::IntCounterVec, labels: &[&str], value: u64) {
         ctr.inc_by(value - cur);
     }
 }
+
+/// The planner's gauges after a tick.
+pub(crate) fn planner(m: &Metrics, f: &Fleet, planned: &[crate::fleet::Planned]) {
+    for p in planned {
+        let model = p.model.as_str();
+        let t = &p.tick;
+        m.planner_desired
+            .with_label_values(&[model])
+            .set(i64::from(t.desired));
+        m.planner_ready
+            .with_label_values(&[model])
+            .set(i64::from(p.ready));
+        m.planner_lower_bound
+            .with_label_values(&[model])
+            .set(i64::from(t.lower_bound));
+        let worst = |f: fn(&crate::planner::Estimate) -> Option<f64>| {
+            t.estimates.iter().filter_map(f).fold(f64::NAN, f64::max)
+        };
+        m.planner_ttft
+            .with_label_values(&[model])
+            .set(worst(|e| e.ttft_ms));
+        m.planner_itl
+            .with_label_values(&[model])
+            .set(worst(|e| e.itl_ms));
+        for r in crate::planner::Reason::ALL {
+            m.planner_reason
+                .with_label_values(&[model, r.as_str()])
+                .set(i64::from(r == t.reason));
+        }
+        if let Some(d) = &p.decision {
+            let dir = if d.desired > d.ready { "up" } else { "down" };
+            m.planner_decisions.with_label_values(&[model, dir]).inc();
+        }
+        if let Some([n, isl, osl]) = f.planning.models.get(model).and_then(|x| x.predicted) {
+            for (q, v) in [("requests", n), ("isl", isl), ("osl", osl)] {
+                m.planner_predicted.with_label_values(&[model, q]).set(v);
+            }
+        }
+        let draining = f
+            .planning
+            .draining
+            .iter()
+            .filter(|id| {
+                f.workers
+                    .get(id)
+                    .is_some_and(|w| w.spec.model_name == model)
+            })
+            .count();
+        m.planner_draining
+            .with_label_values(&[model])
+            .set(draining as i64);
+    }
+}

@@ -58,6 +58,15 @@ pub struct Metrics {
     pub thermal_entries: IntCounterVec,
     pub thermal_source_errors: IntCounterVec,
     pub thermal_batch_calls: IntCounterVec,
+    pub planner_desired: IntGaugeVec,
+    pub planner_ready: IntGaugeVec,
+    pub planner_lower_bound: IntGaugeVec,
+    pub planner_ttft: GaugeVec,
+    pub planner_itl: GaugeVec,
+    pub planner_reason: IntGaugeVec,
+    pub planner_predicted: GaugeVec,
+    pub planner_decisions: IntCounterVec,
+    pub planner_draining: IntGaugeVec,
 }
 
 /// A metric that could not be created or registered: a malformed or
@@ -408,6 +417,60 @@ impl Metrics {
                 "kvgate_sidecar_thermal_batch_calls_total",
                 "Calls to engines' POST /v1/admin/batch, by result (ok, error).",
                 &["result"],
+            )?,
+            planner_desired: gauge_vec(
+                &r,
+                "kvgate_planner_desired_replicas",
+                "Replicas the planner wants for the model (what an autoscaler should run).",
+                &["model"],
+            )?,
+            planner_ready: gauge_vec(
+                &r,
+                "kvgate_planner_ready_replicas",
+                "Replicas of the model serving: up and not draining.",
+                &["model"],
+            )?,
+            planner_lower_bound: gauge_vec(
+                &r,
+                "kvgate_planner_lower_bound_replicas",
+                "The throughput loop's floor under the load loop.",
+                &["model"],
+            )?,
+            planner_ttft: float_gauge_vec(
+                &r,
+                "kvgate_planner_estimated_ttft_ms",
+                "The highest estimated time to first token among the model's workers at their load now.",
+                &["model"],
+            )?,
+            planner_itl: float_gauge_vec(
+                &r,
+                "kvgate_planner_estimated_itl_ms",
+                "The highest estimated inter-token latency among the model's workers at their load now.",
+                &["model"],
+            )?,
+            planner_reason: gauge_vec(
+                &r,
+                "kvgate_planner_decision",
+                "1 for the reason of the planner's last load tick (warming_up, scale_up, scale_down, hold, pending, floor, bound), 0 for the others.",
+                &["model", "reason"],
+            )?,
+            planner_predicted: float_gauge_vec(
+                &r,
+                "kvgate_planner_predicted",
+                "The throughput loop's prediction for the next interval, by quantity (requests, isl, osl).",
+                &["model", "quantity"],
+            )?,
+            planner_decisions: counter(
+                &r,
+                "kvgate_planner_decisions_total",
+                "Scaling decisions issued, by direction (up, down).",
+                &["model", "direction"],
+            )?,
+            planner_draining: gauge_vec(
+                &r,
+                "kvgate_planner_draining_workers",
+                "Workers the planner is draining for removal.",
+                &["model"],
             )?,
             registry: r,
         })

@@ -23,6 +23,7 @@ fn snapshot() -> Snapshot {
             .collect(),
         tenant: kvgate_core::DEFAULT_TENANT.into(),
         thermal: Default::default(),
+        draining: false,
     };
     Snapshot {
         version: 1,

@@ -36,6 +36,9 @@ pub struct ModelView {
     pub mode: Mode,
     /// Only the workers that are up.
     pub workers: Vec<WorkerState>,
+    /// The planner's replicas for the model; absent without a planner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<kvgate_core::ModelPlan>,
 }
 
 /// Which prefix index a model's requests are placed with.
@@ -78,6 +81,7 @@ impl From<&ModelState> for ModelView {
             shard_count: m.shard_count,
             retry_after_s: m.retry_after_s,
             service_rate_per_s: m.service_rate_per_s,
+            plan: (m.plan != kvgate_core::ModelPlan::default()).then_some(m.plan),
             mode: if m.shard_count > 0 {
                 Mode::Precise
             } else {

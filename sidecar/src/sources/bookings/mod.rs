@@ -194,7 +194,7 @@ impl Bookings {
                     false => Effect::Unknown,
                 }
             }
-            Event::Done { key } => match self.free(&Holder::here(Id::Gateway(key))) {
+            Event::Done { key, .. } => match self.free(&Holder::here(Id::Gateway(key))) {
                 Some(_) => Effect::Released,
                 None => Effect::Unknown,
             },

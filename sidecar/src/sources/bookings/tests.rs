@@ -37,8 +37,22 @@ fn a_request_books_prefill_then_decode_and_releases_everything() {
     );
     b.apply(Event::FirstByte { key: key(1) }, t, any_slot);
     assert_eq!(b.slot(3).prefill_tokens, 500);
-    b.apply(Event::Done { key: key(1) }, t, any_slot);
-    b.apply(Event::Done { key: key(2) }, t, any_slot);
+    b.apply(
+        Event::Done {
+            key: key(1),
+            timing: None,
+        },
+        t,
+        any_slot,
+    );
+    b.apply(
+        Event::Done {
+            key: key(2),
+            timing: None,
+        },
+        t,
+        any_slot,
+    );
     let l = b.slot(3);
     assert_eq!((l.prefill_tokens, l.decode_blocks, l.requests), (0, 0, 0));
     assert_eq!(b.active(), 0);
@@ -50,7 +64,14 @@ fn unknown_releases_and_missing_slots_change_nothing() {
     let mut b = Bookings::new(Duration::from_secs(300));
     let t = Instant::now();
     assert_eq!(
-        b.apply(Event::Done { key: key(9) }, t, any_slot),
+        b.apply(
+            Event::Done {
+                key: key(9),
+                timing: None
+            },
+            t,
+            any_slot
+        ),
         Effect::Unknown
     );
     assert_eq!(
@@ -88,7 +109,14 @@ fn drain_rate_follows_completions() {
         for _ in 0..20 {
             seq += 1;
             b.apply(book(seq, 2, 0, 10), now, any_slot);
-            b.apply(Event::Done { key: key(seq) }, now, any_slot);
+            b.apply(
+                Event::Done {
+                    key: key(seq),
+                    timing: None,
+                },
+                now,
+                any_slot,
+            );
         }
         b.sweep(now);
     }

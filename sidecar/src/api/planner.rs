@@ -1,0 +1,159 @@
+//! The planner's API, for orchestrators without Kubernetes (the seed's
+//! VirtualConnector) and for people:
+//!
+//! * `GET /v1/planner`: per planned model, what it wants and why: desired,
+//!   ready and floor replicas, the reason, the pending decision, the
+//!   workers draining, each worker's estimated TTFT and ITL, the
+//!   predictions.
+//! * `GET /v1/planner/decisions?after=ID&wait_ms=MS`: the first decision
+//!   after `ID`, waiting for one up to `wait_ms` (204 when none came).
+//! * `POST /v1/planner/decisions/{id}/complete`: the orchestrator carried
+//!   it out; the model may step again (204, also when the planner already
+//!   saw it through; 404 for a decision it does not know).
+
+use super::{error, json_response};
+use crate::Sidecar;
+use crate::fleet::Decision;
+use crate::planner::{Estimate, Reason};
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The longest a decision poll is held.
+const MAX_WAIT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PlannerView {
+    pub models: Vec<ModelPlanView>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelPlanView {
+    pub model: String,
+    pub desired: u32,
+    pub ready: u32,
+    pub lower_bound: u32,
+    pub reason: Reason,
+    /// The decision the orchestrator has not reported done.
+    pub pending: Option<PendingView>,
+    /// Until a pending scale-up is expected to serve.
+    pub scale_up_eta_ms: Option<u64>,
+    /// How long a scale-up takes, as observed (else configured).
+    pub startup_ms: u64,
+    pub draining: Vec<u64>,
+    pub estimates: Vec<Estimate>,
+    /// Next interval's requests, ISL and OSL.
+    pub predicted: Option<[f64; 3]>,
+    pub ttft_sla_ms: f64,
+    pub itl_sla_ms: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PendingView {
+    pub id: u64,
+    pub from: u32,
+    pub to: u32,
+    pub age_ms: u64,
+}
+
+pub(super) async fn status(State(sc): State<Arc<Sidecar>>) -> Response {
+    let f = sc.fleet();
+    let now = Instant::now();
+    let models = f
+        .planning
+        .models
+        .iter()
+        .map(|(name, p)| ModelPlanView {
+            model: name.clone(),
+            desired: p.desired,
+            ready: f.ready_workers(name).len() as u32,
+            lower_bound: p.floor,
+            reason: p.reason,
+            pending: p.pending.map(|x| PendingView {
+                id: x.id,
+                from: x.from,
+                to: x.to,
+                age_ms: now.saturating_duration_since(x.since).as_millis() as u64,
+            }),
+            scale_up_eta_ms: p.scale_up_eta(now).map(|d| d.as_millis() as u64),
+            startup_ms: p.startup().as_millis() as u64,
+            draining: f
+                .planning
+                .draining
+                .iter()
+                .copied()
+                .filter(|id| {
+                    f.workers
+                        .get(id)
+                        .is_some_and(|w| &w.spec.model_name == name)
+                })
+                .collect(),
+            estimates: f.estimates(name),
+            predicted: p.predicted,
+            ttft_sla_ms: p.cfg.ttft_ms,
+            itl_sla_ms: p.cfg.itl_ms,
+        })
+        .collect();
+    json_response(StatusCode::OK, &PlannerView { models })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct DecisionQuery {
+    #[serde(default)]
+    after: u64,
+    #[serde(default)]
+    wait_ms: u64,
+}
+
+pub(super) async fn next_decision(
+    State(sc): State<Arc<Sidecar>>,
+    Query(q): Query<DecisionQuery>,
+) -> Response {
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(q.wait_ms).min(MAX_WAIT);
+    loop {
+        let notify = {
+            let f = sc.fleet();
+            if let Some(d) = f.planning.decision_after(q.after) {
+                return json_response(StatusCode::OK, d);
+            }
+            f.planning.issued.clone()
+        };
+        let notified = notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        // A decision issued between the look and `enable` is seen now.
+        if let Some(d) = sc.fleet().planning.decision_after(q.after).cloned() {
+            return json_response(StatusCode::OK, &d);
+        }
+        if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            return StatusCode::NO_CONTENT.into_response();
+        }
+    }
+}
+
+pub(super) async fn complete(State(sc): State<Arc<Sidecar>>, Path(id): Path<u64>) -> Response {
+    let mut f = sc.fleet();
+    let Some(model) = f
+        .planning
+        .decisions
+        .iter()
+        .find(|d: &&Decision| d.id == id)
+        .map(|d| d.model.clone())
+    else {
+        return error(StatusCode::NOT_FOUND, format!("no decision {id}"));
+    };
+    // Reporting a decision the planner already saw through (the ready
+    // count reached it) is not an error: the orchestrator cannot know.
+    if f.planning
+        .models
+        .get_mut(&model)
+        .is_some_and(|p| p.complete(id, Instant::now()))
+    {
+        tracing::info!(id, model, "planner decision reported done");
+    }
+    StatusCode::NO_CONTENT.into_response()
+}

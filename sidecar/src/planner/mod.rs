@@ -1,0 +1,530 @@
+//! The planner: how many replicas each model needs, from what the gateway
+//! sees (Dynamo's planner design, in kvgate's terms).
+//!
+//! Two loops per model, as in the seed:
+//!
+//! * **load** (fast, every `load_interval_ms`): per worker, online
+//!   regressions ([`regress`]) turn the load on it now into an estimated
+//!   TTFT and ITL. Scale up by one when *every* worker's estimate is over
+//!   its SLA, down by one when every worker's is under SLA × sensitivity.
+//! * **throughput** (slow, every `throughput_interval_ms`): predictors
+//!   ([`predict`]) forecast the next interval's requests, ISL and OSL;
+//!   capacity per replica ([`capacity`]) turns them into a lower bound.
+//!   The load loop may go above it, never below.
+//!
+//! At most one step per interval, and none while the last decision is
+//! pending (the orchestrator has not reported it done, and its timeout has
+//! not passed): the seed's pending-desired guard. Everything is clamped to
+//! `[min_replicas, max_replicas]`. This module is pure: the sidecar feeds
+//! it observations and clocks, and carries out what it decides.
+
+pub mod capacity;
+pub mod predict;
+pub mod regress;
+
+use capacity::ProfileRow;
+use predict::{Predictor, PredictorKind};
+use regress::Line;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// `[models.planner]`: a model's SLA and scaling bounds.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlannerConfig {
+    /// Time to first token the model should meet, ms.
+    pub ttft_ms: f64,
+    /// Inter-token latency the model should meet, ms.
+    pub itl_ms: f64,
+    /// Scale down only when every estimate is under SLA × this.
+    #[serde(default = "default_sensitivity")]
+    pub sensitivity: f64,
+    #[serde(default = "default_load_interval")]
+    pub load_interval_ms: u64,
+    #[serde(default = "default_throughput_interval")]
+    pub throughput_interval_ms: u64,
+    #[serde(default = "default_min")]
+    pub min_replicas: u32,
+    #[serde(default = "default_max")]
+    pub max_replicas: u32,
+    #[serde(default)]
+    pub predictor: PredictorKind,
+    /// The seasonal predictor's period, in throughput intervals.
+    #[serde(default = "default_season")]
+    pub season_intervals: usize,
+    /// Requests per second one replica serves within the SLA at given
+    /// ISL/OSL; without it, capacity is learned from the regressions.
+    #[serde(default)]
+    pub profile: Vec<ProfileRow>,
+    /// A decision not reported done within this is given up on.
+    #[serde(default = "default_pending_timeout")]
+    pub pending_timeout_ms: u64,
+    /// How long a new worker takes to become ready, until one has been
+    /// seen to.
+    #[serde(default = "default_startup")]
+    pub startup_ms: u64,
+}
+
+fn default_sensitivity() -> f64 {
+    0.7
+}
+fn default_load_interval() -> u64 {
+    5_000
+}
+fn default_throughput_interval() -> u64 {
+    60_000
+}
+fn default_min() -> u32 {
+    1
+}
+fn default_max() -> u32 {
+    64
+}
+fn default_season() -> usize {
+    24
+}
+fn default_pending_timeout() -> u64 {
+    1_800_000
+}
+fn default_startup() -> u64 {
+    60_000
+}
+
+impl PlannerConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        if !pos(self.ttft_ms) || !pos(self.itl_ms) {
+            return Err("ttft_ms and itl_ms must be above 0".into());
+        }
+        if !(self.sensitivity.is_finite() && self.sensitivity > 0.0 && self.sensitivity < 1.0) {
+            return Err(format!(
+                "sensitivity must be within (0, 1), got {}",
+                self.sensitivity
+            ));
+        }
+        if self.load_interval_ms == 0 || self.throughput_interval_ms == 0 {
+            return Err("load_interval_ms and throughput_interval_ms must be above 0".into());
+        }
+        if self.min_replicas > self.max_replicas || self.max_replicas == 0 {
+            return Err(format!(
+                "min_replicas {} must be at most max_replicas {} (above 0)",
+                self.min_replicas, self.max_replicas
+            ));
+        }
+        if self.season_intervals < 2 {
+            return Err("season_intervals must be at least 2".into());
+        }
+        capacity::validate(&self.profile)
+    }
+}
+
+/// Why the planner wants what it wants (an enum metric).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// Not enough observations for an estimate yet.
+    WarmingUp,
+    /// Every worker's estimate is over the SLA.
+    ScaleUp,
+    /// Every worker's estimate is under SLA × sensitivity.
+    ScaleDown,
+    /// Within the band, or workers disagree.
+    Hold,
+    /// The last decision is not done yet.
+    Pending,
+    /// The throughput loop's lower bound holds replicas up.
+    Floor,
+    /// min or max replicas.
+    Bound,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 7] = [
+        Reason::WarmingUp,
+        Reason::ScaleUp,
+        Reason::ScaleDown,
+        Reason::Hold,
+        Reason::Pending,
+        Reason::Floor,
+        Reason::Bound,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::WarmingUp => "warming_up",
+            Reason::ScaleUp => "scale_up",
+            Reason::ScaleDown => "scale_down",
+            Reason::Hold => "hold",
+            Reason::Pending => "pending",
+            Reason::Floor => "floor",
+            Reason::Bound => "bound",
+        }
+    }
+}
+
+/// A worker's load now, as the load loop weighs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkerLoad {
+    pub worker_id: u64,
+    /// Prompt tokens routed there and not yet answered.
+    pub prefill_tokens: f64,
+    /// KV tokens of the requests running there.
+    pub decode_kv_tokens: f64,
+}
+
+/// A worker's estimated latency at its load now.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    pub worker_id: u64,
+    pub ttft_ms: Option<f64>,
+    pub itl_ms: Option<f64>,
+}
+
+/// Regression inputs are in thousands of tokens: coefficients of similar
+/// size keep the least squares well conditioned.
+const KTOK: f64 = 1000.0;
+
+/// One interval's traffic.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Interval {
+    pub requests: u64,
+    pub isl_sum: u64,
+    pub osl_sum: u64,
+    pub cached_sum: u64,
+    pub shed: u64,
+}
+
+/// A decision waiting for the orchestrator.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pending {
+    pub id: u64,
+    pub from: u32,
+    pub to: u32,
+    pub since: Instant,
+}
+
+/// What one tick concluded, for metrics, the status view and the plots.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tick {
+    pub desired: u32,
+    pub lower_bound: u32,
+    pub reason: Reason,
+    pub estimates: Vec<Estimate>,
+    /// Whether `desired` changed: a decision to issue.
+    pub changed: bool,
+}
+
+pub struct ModelPlanner {
+    pub cfg: PlannerConfig,
+    prefill: BTreeMap<u64, Line>,
+    decode: BTreeMap<u64, Line>,
+    /// Every worker's samples together: the estimate for a worker too new
+    /// to have its own fit (its engine is the model's, its load its own).
+    prefill_all: Line,
+    decode_all: Line,
+    interval: Interval,
+    predictors: [Box<dyn Predictor + Send>; 3],
+    /// The last prediction of (requests, ISL, OSL) per interval.
+    pub predicted: Option<[f64; 3]>,
+    pub floor: u32,
+    pub desired: u32,
+    pub pending: Option<Pending>,
+    pub reason: Reason,
+    /// Observed times from a decision to its worker being ready.
+    startups: Vec<Duration>,
+    pub last: Option<Tick>,
+}
+
+impl ModelPlanner {
+    /// A planner for a model that has `ready` replicas now.
+    pub fn new(cfg: PlannerConfig, ready: u32) -> ModelPlanner {
+        let season = cfg.season_intervals;
+        let kind = cfg.predictor;
+        let desired = ready.clamp(cfg.min_replicas, cfg.max_replicas);
+        ModelPlanner {
+            predictors: [kind.build(season), kind.build(season), kind.build(season)],
+            floor: cfg.min_replicas,
+            cfg,
+            prefill: BTreeMap::new(),
+            decode: BTreeMap::new(),
+            prefill_all: Line::default(),
+            decode_all: Line::default(),
+            interval: Interval::default(),
+            predicted: None,
+            desired,
+            pending: None,
+            reason: Reason::WarmingUp,
+            startups: Vec::new(),
+            last: None,
+        }
+    }
+
+    /// A routed request's first token: `prefill_tokens` were in flight on
+    /// its worker (its own included) when it was routed.
+    pub fn observe_ttft(&mut self, worker: u64, prefill_tokens: f64, ttft_ms: f64) {
+        self.prefill
+            .entry(worker)
+            .or_default()
+            .add(prefill_tokens / KTOK, ttft_ms);
+        self.prefill_all.add(prefill_tokens / KTOK, ttft_ms);
+    }
+
+    /// A routed request's inter-token latency with `decode_kv_tokens` on
+    /// its worker.
+    pub fn observe_itl(&mut self, worker: u64, decode_kv_tokens: f64, itl_ms: f64) {
+        self.decode
+            .entry(worker)
+            .or_default()
+            .add(decode_kv_tokens / KTOK, itl_ms);
+        self.decode_all.add(decode_kv_tokens / KTOK, itl_ms);
+    }
+
+    /// A routed request, for the interval's traffic shape.
+    pub fn observe_request(&mut self, isl: u64, osl: u64, cached: u64) {
+        let i = &mut self.interval;
+        i.requests += 1;
+        i.isl_sum += isl;
+        i.osl_sum += osl;
+        i.cached_sum += cached.min(isl);
+    }
+
+    pub fn observe_shed(&mut self) {
+        self.interval.shed += 1;
+    }
+
+    /// A worker left the fleet: its fits go with it.
+    pub fn forget(&mut self, worker: u64) {
+        self.prefill.remove(&worker);
+        self.decode.remove(&worker);
+    }
+
+    /// Warm start: past intervals' (requests, ISL, OSL).
+    pub fn warm_start(&mut self, trace: &[(f64, f64, f64)]) {
+        for (n, isl, osl) in trace {
+            self.predictors[0].observe(*n);
+            self.predictors[1].observe(*isl);
+            self.predictors[2].observe(*osl);
+        }
+    }
+
+    fn estimate(&self, w: &WorkerLoad, avg_isl: f64, avg_osl: f64) -> Estimate {
+        // A new request waits behind what is queued, plus its own prompt;
+        // it decodes among what runs, plus its own context.
+        let fit = |own: Option<&Line>, all: &Line, x: f64| {
+            own.filter(|l| l.ready())
+                .or(Some(all))
+                .and_then(|l| l.predict(x / KTOK))
+        };
+        let ttft = fit(
+            self.prefill.get(&w.worker_id),
+            &self.prefill_all,
+            w.prefill_tokens + avg_isl,
+        );
+        let itl = fit(
+            self.decode.get(&w.worker_id),
+            &self.decode_all,
+            w.decode_kv_tokens + avg_isl + avg_osl / 2.0,
+        );
+        Estimate {
+            worker_id: w.worker_id,
+            ttft_ms: ttft,
+            itl_ms: itl,
+        }
+    }
+
+    fn mean_shape(&self) -> (f64, f64) {
+        match self.predicted {
+            Some([_, isl, osl]) => (isl, osl),
+            None => {
+                let i = &self.interval;
+                let n = i.requests.max(1) as f64;
+                (i.isl_sum as f64 / n, i.osl_sum as f64 / n)
+            }
+        }
+    }
+
+    /// The pending decision is done, or has timed out.
+    pub fn settle_pending(&mut self, ready: u32, now: Instant) {
+        if let Some(p) = self.pending {
+            let timeout = Duration::from_millis(self.cfg.pending_timeout_ms);
+            let reached = if p.to >= p.from {
+                ready >= p.to
+            } else {
+                ready <= p.to
+            };
+            if reached {
+                if p.to > p.from {
+                    self.startups.push(now.saturating_duration_since(p.since));
+                    if self.startups.len() > 16 {
+                        self.startups.remove(0);
+                    }
+                }
+                self.pending = None;
+            } else if now.saturating_duration_since(p.since) >= timeout {
+                tracing::warn!(
+                    decision = p.id,
+                    "planner decision not done within its timeout: going on"
+                );
+                self.pending = None;
+            }
+        }
+    }
+
+    /// The orchestrator reports decision `id` carried out.
+    pub fn complete(&mut self, id: u64, now: Instant) -> bool {
+        match self.pending {
+            Some(p) if p.id == id => {
+                if p.to > p.from {
+                    self.startups.push(now.saturating_duration_since(p.since));
+                }
+                self.pending = None;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// How long a scale-up takes: the median observed, else the
+    /// configured start-up time.
+    pub fn startup(&self) -> Duration {
+        if self.startups.is_empty() {
+            return Duration::from_millis(self.cfg.startup_ms);
+        }
+        let mut s = self.startups.clone();
+        s.sort();
+        s[s.len() / 2]
+    }
+
+    /// When a pending scale-up is expected to have its worker ready.
+    pub fn scale_up_eta(&self, now: Instant) -> Option<Duration> {
+        let p = self.pending?;
+        (p.to > p.from).then(|| (p.since + self.startup()).saturating_duration_since(now))
+    }
+
+    /// The load loop: one step at most. `ready` is the replicas serving
+    /// now; `id` names the decision if this tick makes one.
+    pub fn tick_load(&mut self, loads: &[WorkerLoad], ready: u32, now: Instant, id: u64) -> Tick {
+        self.settle_pending(ready, now);
+        let (avg_isl, avg_osl) = self.mean_shape();
+        let estimates: Vec<Estimate> = loads
+            .iter()
+            .map(|w| self.estimate(w, avg_isl, avg_osl))
+            .collect();
+        let c = &self.cfg;
+        let known: Vec<&Estimate> = estimates
+            .iter()
+            .filter(|e| e.ttft_ms.is_some() || e.itl_ms.is_some())
+            .collect();
+        let over = |e: &&Estimate| {
+            e.ttft_ms.is_some_and(|t| t > c.ttft_ms) || e.itl_ms.is_some_and(|t| t > c.itl_ms)
+        };
+        let under = |e: &&Estimate| {
+            e.ttft_ms.is_none_or(|t| t < c.ttft_ms * c.sensitivity)
+                && e.itl_ms.is_none_or(|t| t < c.itl_ms * c.sensitivity)
+        };
+        let base = ready.max(1);
+        let (mut want, mut reason) = if known.is_empty() || known.len() < loads.len() {
+            (self.desired, Reason::WarmingUp)
+        } else if known.iter().all(over) {
+            (base + 1, Reason::ScaleUp)
+        } else if known.iter().all(under) {
+            (base.saturating_sub(1), Reason::ScaleDown)
+        } else {
+            (self.desired, Reason::Hold)
+        };
+        if want < self.floor {
+            want = self.floor;
+            if reason == Reason::ScaleDown || self.desired < self.floor {
+                reason = Reason::Floor;
+            }
+        }
+        let clamped = want.clamp(c.min_replicas, c.max_replicas);
+        if clamped != want {
+            want = clamped;
+            reason = Reason::Bound;
+        }
+        if self.pending.is_some() {
+            want = self.desired;
+            reason = Reason::Pending;
+        }
+        let changed = want != self.desired;
+        if changed {
+            self.pending = Some(Pending {
+                id,
+                from: ready,
+                to: want,
+                since: now,
+            });
+            self.desired = want;
+        }
+        self.reason = reason;
+        let tick = Tick {
+            desired: self.desired,
+            lower_bound: self.floor,
+            reason,
+            estimates,
+            changed,
+        };
+        self.last = Some(tick.clone());
+        tick
+    }
+
+    /// The throughput loop: closes the interval, predicts the next one and
+    /// sets the lower bound. Returns the interval that closed.
+    pub fn tick_throughput(&mut self, ready: u32) -> Interval {
+        let closed = std::mem::take(&mut self.interval);
+        let n = closed.requests as f64;
+        let secs = self.cfg.throughput_interval_ms as f64 / 1000.0;
+        self.predictors[0].observe(n);
+        if closed.requests > 0 {
+            self.predictors[1].observe(closed.isl_sum as f64 / n);
+            self.predictors[2].observe(closed.osl_sum as f64 / n);
+        }
+        let [a, b, c] = &self.predictors;
+        if let (Some(n), Some(isl), Some(osl)) = (a.predict(), b.predict(), c.predict()) {
+            self.predicted = Some([n, isl, osl]);
+            let rps = n / secs;
+            let per_replica = capacity::per_replica(&self.cfg.profile, isl, osl)
+                .or_else(|| self.learned_capacity(isl, osl));
+            if let Some(cap) = per_replica.filter(|c| *c > 0.0) {
+                self.floor =
+                    ((rps / cap).ceil() as u32).clamp(self.cfg.min_replicas, self.cfg.max_replicas);
+            }
+        }
+        let _ = ready;
+        closed
+    }
+
+    /// Requests per second one replica takes within the SLA, from the
+    /// fits: the prefill fit gives how many prompt tokens may be in flight
+    /// when TTFT reaches its SLA, the decode fit how many KV tokens when
+    /// ITL reaches its SLA. By Little's law a replica holding L requests
+    /// that each last T seconds serves L / T per second: prefill holds a
+    /// request for its TTFT, decode for OSL × ITL.
+    fn learned_capacity(&self, isl: f64, osl: f64) -> Option<f64> {
+        let c = &self.cfg;
+        let median = |fits: &BTreeMap<u64, Line>, sla: f64| -> Option<f64> {
+            let mut v: Vec<f64> = fits
+                .values()
+                .filter_map(|l| l.solve_for(sla))
+                .map(|k| k * KTOK)
+                .collect();
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied()
+        };
+        let isl = isl.max(1.0);
+        let prefill =
+            median(&self.prefill, c.ttft_ms).map(|tokens| (tokens / isl) / (c.ttft_ms / 1000.0));
+        let per_request_kv = isl + osl / 2.0;
+        let decode = median(&self.decode, c.itl_ms)
+            .map(|tokens| (tokens / per_request_kv.max(1.0)) / (osl.max(1.0) * c.itl_ms / 1000.0));
+        match (prefill, decode) {
+            (Some(p), Some(d)) => Some(p.min(d)),
+            (p, d) => p.or(d),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

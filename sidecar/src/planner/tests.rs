@@ -1,0 +1,209 @@
+//! Test vectors for the planner's rules.
+
+use super::*;
+
+fn cfg() -> PlannerConfig {
+    PlannerConfig {
+        ttft_ms: 200.0,
+        itl_ms: 20.0,
+        sensitivity: 0.5,
+        load_interval_ms: 1000,
+        throughput_interval_ms: 10_000,
+        min_replicas: 1,
+        max_replicas: 8,
+        predictor: PredictorKind::Constant,
+        season_intervals: 4,
+        profile: Vec::new(),
+        pending_timeout_ms: 30_000,
+        startup_ms: 20_000,
+    }
+}
+
+/// A planner whose workers' TTFT is 20 ms per thousand prompt tokens in
+/// flight and ITL 1 ms per thousand KV tokens.
+fn fitted(workers: &[u64]) -> ModelPlanner {
+    let mut p = ModelPlanner::new(cfg(), workers.len() as u32);
+    for w in workers {
+        for k in 0..40 {
+            let tokens = f64::from(k) * 500.0;
+            p.observe_ttft(*w, tokens, 20.0 * tokens / 1000.0);
+            p.observe_itl(*w, tokens * 4.0, 4.0 * tokens / 1000.0);
+        }
+    }
+    p.observe_request(1000, 100, 0);
+    p
+}
+
+fn load(worker_id: u64, prefill_k: f64, decode_k: f64) -> WorkerLoad {
+    WorkerLoad {
+        worker_id,
+        prefill_tokens: prefill_k * 1000.0,
+        decode_kv_tokens: decode_k * 1000.0,
+    }
+}
+
+#[test]
+fn every_worker_over_its_sla_scales_up_by_one() {
+    let mut p = fitted(&[1, 2]);
+    let t0 = Instant::now();
+    // TTFT 20 × (12 + 1) = 260 ms on both: over 200.
+    let t = p.tick_load(&[load(1, 12.0, 0.0), load(2, 12.0, 0.0)], 2, t0, 7);
+    assert_eq!((t.desired, t.reason, t.changed), (3, Reason::ScaleUp, true));
+    let e = t.estimates[0];
+    assert!((e.ttft_ms.unwrap() - 260.0).abs() < 2.0, "{e:?}");
+    assert_eq!(p.pending.map(|x| (x.id, x.from, x.to)), Some((7, 2, 3)));
+}
+
+#[test]
+fn one_worker_under_its_sla_holds() {
+    let mut p = fitted(&[1, 2]);
+    let t = p.tick_load(
+        &[load(1, 12.0, 0.0), load(2, 2.0, 0.0)],
+        2,
+        Instant::now(),
+        1,
+    );
+    assert_eq!((t.desired, t.reason, t.changed), (2, Reason::Hold, false));
+}
+
+#[test]
+fn every_worker_under_sla_times_sensitivity_scales_down_and_the_band_holds() {
+    let mut p = fitted(&[1, 2, 3]);
+    // 20 × (1 + 1) = 40 ms < 100 (200 × 0.5); ITL 1 × ... small.
+    let low = [load(1, 1.0, 0.0), load(2, 1.0, 0.0), load(3, 1.0, 0.0)];
+    let t = p.tick_load(&low, 3, Instant::now(), 1);
+    assert_eq!((t.desired, t.reason), (2, Reason::ScaleDown));
+    // 20 × (6 + 1) = 140 ms: under the SLA, over SLA × sensitivity: hold.
+    let mut q = fitted(&[1, 2, 3]);
+    let mid = [load(1, 6.0, 0.0), load(2, 6.0, 0.0), load(3, 6.0, 0.0)];
+    let t = q.tick_load(&mid, 3, Instant::now(), 1);
+    assert_eq!((t.desired, t.reason), (3, Reason::Hold));
+}
+
+#[test]
+fn no_step_while_pending_then_one_after_completion_or_timeout() {
+    let mut p = fitted(&[1, 2]);
+    let t0 = Instant::now();
+    let hot = [load(1, 12.0, 0.0), load(2, 12.0, 0.0)];
+    assert_eq!(p.tick_load(&hot, 2, t0, 1).desired, 3);
+    // Still hot a second later, the new worker not there yet: no step.
+    let t = p.tick_load(&hot, 2, t0 + Duration::from_secs(1), 2);
+    assert_eq!(
+        (t.desired, t.reason, t.changed),
+        (3, Reason::Pending, false)
+    );
+    // The orchestrator reports it done: the next tick may step again.
+    assert!(!p.complete(99, t0), "another id is not this decision");
+    assert!(p.complete(1, t0 + Duration::from_secs(5)));
+    assert_eq!(
+        p.startup(),
+        Duration::from_secs(5),
+        "observed, not configured"
+    );
+    let hot3 = [load(1, 12.0, 0.0), load(2, 12.0, 0.0), load(3, 12.0, 0.0)];
+    let t = p.tick_load(&hot3, 3, t0 + Duration::from_secs(6), 3);
+    assert_eq!((t.desired, t.changed), (4, true));
+    // Never reported: given up after the timeout.
+    let later = t0 + Duration::from_secs(6) + Duration::from_millis(cfg().pending_timeout_ms);
+    let t = p.tick_load(&hot3, 3, later, 4);
+    assert_eq!((t.desired, t.reason), (4, Reason::ScaleUp), "{t:?}");
+    assert!(t.changed == false || t.desired == 4);
+}
+
+#[test]
+fn the_ready_count_reaching_the_target_settles_a_decision() {
+    let mut p = fitted(&[1, 2]);
+    let t0 = Instant::now();
+    let hot = [load(1, 12.0, 0.0), load(2, 12.0, 0.0)];
+    p.tick_load(&hot, 2, t0, 1);
+    assert!(p.scale_up_eta(t0 + Duration::from_secs(5)).unwrap() <= Duration::from_secs(15));
+    p.settle_pending(3, t0 + Duration::from_secs(8));
+    assert!(p.pending.is_none());
+    assert_eq!(p.startup(), Duration::from_secs(8));
+}
+
+#[test]
+fn the_throughput_floor_holds_the_load_loop_up() {
+    let mut c = cfg();
+    c.profile = vec![capacity::ProfileRow {
+        isl: 1000.0,
+        osl: 100.0,
+        rps: 1.0,
+    }];
+    let mut p = ModelPlanner::new(c, 4);
+    for w in [1, 2, 3, 4] {
+        for k in 0..40 {
+            let tokens = f64::from(k) * 500.0;
+            p.observe_ttft(w, tokens, 20.0 * tokens / 1000.0);
+        }
+    }
+    // 30 requests in a 10 s interval at the profiled shape: 3 req/s, 3
+    // replicas of 1 req/s.
+    for _ in 0..30 {
+        p.observe_request(1000, 100, 0);
+    }
+    p.tick_throughput(4);
+    assert_eq!(p.floor, 3);
+    assert_eq!(p.predicted.map(|x| x[0]), Some(30.0));
+    let idle: Vec<WorkerLoad> = (1..=4).map(|w| load(w, 0.0, 0.0)).collect();
+    let t = p.tick_load(&idle, 4, Instant::now(), 1);
+    assert_eq!(
+        (t.desired, t.reason),
+        (3, Reason::ScaleDown),
+        "down by one, to the floor"
+    );
+    p.complete(1, Instant::now());
+    let t = p.tick_load(&idle[..3], 3, Instant::now(), 2);
+    assert_eq!((t.desired, t.reason, t.changed), (3, Reason::Floor, false));
+}
+
+#[test]
+fn bounds_clamp_and_no_estimate_waits() {
+    let mut c = cfg();
+    c.max_replicas = 2;
+    let mut p = ModelPlanner::new(c, 2);
+    let t = p.tick_load(&[load(1, 50.0, 0.0)], 2, Instant::now(), 1);
+    assert_eq!((t.desired, t.reason), (2, Reason::WarmingUp), "no fit yet");
+    for k in 0..40 {
+        p.observe_ttft(1, f64::from(k) * 500.0, f64::from(k) * 10.0);
+        p.observe_ttft(2, f64::from(k) * 500.0, f64::from(k) * 10.0);
+    }
+    let t = p.tick_load(
+        &[load(1, 50.0, 0.0), load(2, 50.0, 0.0)],
+        2,
+        Instant::now(),
+        2,
+    );
+    assert_eq!((t.desired, t.reason, t.changed), (2, Reason::Bound, false));
+}
+
+#[test]
+fn capacity_is_learned_from_the_fits_without_a_profile() {
+    let mut p = fitted(&[1]);
+    // TTFT reaches 200 ms at 10k prompt tokens in flight: 10 requests of
+    // 1000 tokens each held 0.2 s → 50 req/s by prefill. ITL reaches 20 ms
+    // at 20k KV tokens: 20k / 1050 per request ≈ 19 requests held for
+    // 100 × 20 ms → ≈ 9.5 req/s by decode: decode bounds it.
+    let cap = p.learned_capacity(1000.0, 100.0).unwrap();
+    assert!((cap - 9.52).abs() < 0.3, "{cap}");
+    for _ in 0..200 {
+        p.observe_request(1000, 100, 0);
+    }
+    p.tick_throughput(1);
+    // 200 requests in 10 s = 20 req/s over ~9.5 per replica: 3.
+    assert_eq!(p.floor, 3);
+}
+
+#[test]
+fn configuration_is_checked() {
+    let mut c = cfg();
+    assert!(c.validate().is_ok());
+    c.sensitivity = 1.2;
+    assert!(c.validate().unwrap_err().contains("sensitivity"));
+    let mut c = cfg();
+    c.min_replicas = 9;
+    assert!(c.validate().is_err());
+    let mut c = cfg();
+    c.ttft_ms = f64::NAN;
+    assert!(c.validate().is_err());
+}
