@@ -18,6 +18,9 @@
 //! * `thermal` ([`crate::thermalbench`]): a thermal soak, one worker's
 //!   cooling degraded mid-run, with kvgate's thermal control and without.
 //!   `--only thermal` runs just that one.
+//! * `planner` ([`crate::plannerbench`]): the planner in a closed loop
+//!   (this harness as the orchestrator) against static fleets, and its
+//!   predictors' error on the Mooncake trace. `--only planner`.
 //! * `quality` ([`crate::quality`]): routing quality of five policies on 8
 //!   simulated workers, two workloads, several rates; plots in
 //!   `bench/plots/`. `--only quality` runs just that one.
@@ -98,6 +101,14 @@ pub fn run(args: &[String]) -> Result<()> {
                 std::fs::write(dir.join("overhead.json"), serde_json::to_vec_pretty(&v)?)?;
                 (overhead_section(&v), "\n## Filter overhead")
             }
+            "planner" => {
+                let v = crate::plannerbench::run(quick)?;
+                std::fs::write(dir.join("planner.json"), serde_json::to_vec_pretty(&v)?)?;
+                (
+                    crate::plannerbench::report(&v, &repo().join("bench/plots"))?,
+                    "\n## Planner",
+                )
+            }
             "thermal" => {
                 let v = crate::thermalbench::run(quick)?;
                 std::fs::write(dir.join("thermal.json"), serde_json::to_vec_pretty(&v)?)?;
@@ -113,7 +124,7 @@ pub fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "--only knows overhead, kv, sync, dump, shedding, thermal and quality, not {other:?}"
+                    "--only knows overhead, kv, sync, dump, shedding, thermal, planner and quality, not {other:?}"
                 )
             }
         };
@@ -171,6 +182,11 @@ pub fn run(args: &[String]) -> Result<()> {
         dir.join("thermal.json"),
         serde_json::to_vec_pretty(&thermal)?,
     )?;
+    let planner = crate::plannerbench::run(quick)?;
+    std::fs::write(
+        dir.join("planner.json"),
+        serde_json::to_vec_pretty(&planner)?,
+    )?;
 
     let mut report = report(&ingest, &overhead, quick, started.elapsed());
     report.push_str(&kv_report(&kv));
@@ -181,6 +197,10 @@ pub fn run(args: &[String]) -> Result<()> {
     report.push_str(&quality_section(&quality)?);
     report.push_str(&crate::thermalbench::report(
         &thermal,
+        &repo().join("bench/plots"),
+    )?);
+    report.push_str(&crate::plannerbench::report(
+        &planner,
         &repo().join("bench/plots"),
     )?);
     std::fs::write(repo().join("bench/report.md"), &report)?;

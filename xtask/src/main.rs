@@ -16,6 +16,7 @@ mod build;
 mod demo;
 mod fuzz;
 mod kvbench;
+mod plannerbench;
 mod plot;
 mod quality;
 mod setup;
