@@ -44,6 +44,7 @@ impl Sidecar {
                             worker: rank.worker_id,
                             prefill: (met.prefill_tokens + u64::from(*prefill_tokens)) as f64,
                             decode_kv: (met.decode_blocks * u64::from(rank.block_size)) as f64,
+                            uncached: u64::from(*prefill_tokens),
                         });
                     }
                 }
@@ -104,7 +105,8 @@ impl Sidecar {
                         worker,
                         prefill,
                         decode_kv,
-                    } => p.booked(key, &model, worker, prefill, decode_kv),
+                        uncached,
+                    } => p.booked(key, &model, worker, (prefill, decode_kv), uncached),
                     Observed::Ended(key, timing) => p.ended(&key, timing),
                     Observed::Shed(model) => p.shed(&model),
                 }
@@ -230,6 +232,7 @@ enum Observed {
         worker: u64,
         prefill: f64,
         decode_kv: f64,
+        uncached: u64,
     },
     Ended(
         kvgate_core::booking::Key,

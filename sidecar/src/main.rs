@@ -122,6 +122,21 @@ async fn print_status(url: &str) -> anyhow::Result<()> {
     let state: StateView = serde_json::from_slice(&body)
         .with_context(|| format!("{uri} did not answer the state as JSON"))?;
     print!("{}", status::render(&state));
+    // The planner's reasons sit behind the control token, when one is set.
+    let uri: hyper::Uri = format!("{}/v1/planner", url.trim_end_matches('/')).parse()?;
+    let mut req = hyper::Request::get(uri);
+    if let Ok(t) = std::env::var("KVGATE_CONTROL_TOKEN") {
+        req = req.header("authorization", format!("Bearer {}", t.trim()));
+    }
+    if let Ok(req) = req.body(http_body_util::Empty::new())
+        && let Ok(resp) = client.request(req).await
+        && resp.status().is_success()
+    {
+        let body = resp.into_body().collect().await?.to_bytes();
+        if let Ok(v) = serde_json::from_slice::<api::planner::PlannerView>(&body) {
+            print!("{}", status::render_planner(&v));
+        }
+    }
     Ok(())
 }
 

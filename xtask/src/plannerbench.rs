@@ -32,7 +32,7 @@ const ITL_SLA_MS: f64 = 22.0;
 const MAX_TOKENS: u32 = 48;
 /// A model load: from a scale-up decision to the worker serving.
 const STARTUP: Duration = Duration::from_secs(6);
-const BASE_RATE: f64 = 4.0;
+const BASE_RATE: f64 = 8.0;
 
 struct Shape {
     /// (seconds, rate) corners of the piecewise-linear rate.

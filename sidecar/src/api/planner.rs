@@ -47,6 +47,10 @@ pub struct ModelPlanView {
     pub estimates: Vec<Estimate>,
     /// Next interval's requests, ISL and OSL.
     pub predicted: Option<[f64; 3]>,
+    /// The last closed interval: requests, ISL and OSL sums, cached
+    /// prompt tokens, sheds.
+    pub last_interval: Option<crate::planner::Interval>,
+    pub kv_hit_rate: Option<f64>,
     pub ttft_sla_ms: f64,
     pub itl_sla_ms: f64,
 }
@@ -93,6 +97,8 @@ pub(super) async fn status(State(sc): State<Arc<Sidecar>>) -> Response {
                 .collect(),
             estimates: f.estimates(name),
             predicted: p.predicted,
+            last_interval: p.observed,
+            kv_hit_rate: p.observed.map(|i| i.kv_hit_rate()),
             ttft_sla_ms: p.cfg.ttft_ms,
             itl_sla_ms: p.cfg.itl_ms,
         })

@@ -46,6 +46,19 @@ fn model(out: &mut String, m: &ModelView) {
             String::new()
         },
     );
+    if let Some(p) = &m.plan {
+        let _ = writeln!(
+            out,
+            "  planner: desired {}  ready {}{}",
+            p.desired,
+            p.ready,
+            if p.scale_up_eta_s > 0 {
+                format!("  scale-up serving in ~{}s", p.scale_up_eta_s)
+            } else {
+                String::new()
+            },
+        );
+    }
     if m.workers.is_empty() {
         return;
     }
@@ -68,10 +81,75 @@ fn model(out: &mut String, m: &ModelView) {
                 kv,
                 r.running,
                 r.waiting,
-                if r.busy { "BUSY" } else { "ok" },
+                worker_state(w, r.busy),
             );
         }
     }
+}
+
+/// A rank's state: busy or ok, then what the worker is beyond that.
+fn worker_state(w: &WorkerState, busy: bool) -> String {
+    let mut s = if busy { "BUSY" } else { "ok" }.to_string();
+    if w.draining {
+        s.push_str(" DRAINING");
+    }
+    match w.thermal.state {
+        kvgate_core::ThermalState::Throttling => {
+            let _ = write!(s, " HOT cap {}/{}", w.thermal.in_flight, w.thermal.cap);
+        }
+        kvgate_core::ThermalState::Warm => s.push_str(" warm"),
+        kvgate_core::ThermalState::Unknown => s.push_str(" heat-unknown"),
+        _ => {}
+    }
+    s
+}
+
+/// The planner's last tick per model (`GET /v1/planner`): why it wants
+/// what it wants.
+pub fn render_planner(v: &super::planner::PlannerView) -> String {
+    let mut out = String::new();
+    for m in &v.models {
+        let _ = writeln!(
+            out,
+            "\nplanner {}: desired {}  ready {}  floor {}  reason {}  (SLA TTFT {} ms, ITL {} ms)",
+            m.model,
+            m.desired,
+            m.ready,
+            m.lower_bound,
+            m.reason.as_str(),
+            m.ttft_sla_ms,
+            m.itl_sla_ms
+        );
+        if let Some(p) = &m.pending {
+            let _ = writeln!(
+                out,
+                "  pending decision {}: {} -> {} for {} ms",
+                p.id, p.from, p.to, p.age_ms
+            );
+        }
+        if let Some([n, isl, osl]) = m.predicted {
+            let _ = writeln!(
+                out,
+                "  next interval: {n:.0} requests, ISL {isl:.0}, OSL {osl:.0}"
+            );
+        }
+        for e in &m.estimates {
+            let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+            let _ = writeln!(
+                out,
+                "  worker {:>6}: est. TTFT {} ms  ITL {} ms{}",
+                e.worker_id,
+                ms(e.ttft_ms),
+                ms(e.itl_ms),
+                if m.draining.contains(&e.worker_id) {
+                    "  draining"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    out
 }
 
 fn worker_busy(w: &WorkerState) -> bool {

@@ -139,10 +139,21 @@ impl Fleet {
                     .iter()
                     .filter(|w| w.model_name == m.name)
                     .count() as u32;
-                f.planning.models.insert(
-                    m.name.clone(),
-                    crate::planner::ModelPlanner::new(p.clone(), replicas),
-                );
+                let mut planner = crate::planner::ModelPlanner::new(p.clone(), replicas);
+                if let Some(path) = &p.warmup_trace {
+                    let rows = std::fs::read_to_string(path)
+                        .map_err(|e| e.to_string())
+                        .and_then(|t| crate::planner::read_trace(&t))
+                        .map_err(|e| {
+                            FleetError::Invalid(format!(
+                                "model {:?}: warmup_trace {}: {e}",
+                                m.name,
+                                path.display()
+                            ))
+                        })?;
+                    planner.warm_start(&rows);
+                }
+                f.planning.models.insert(m.name.clone(), planner);
             }
         }
         Ok(f)

@@ -44,6 +44,8 @@ struct Watch {
     worker: u64,
     prefill_tokens: f64,
     decode_kv_tokens: f64,
+    /// Its own prompt tokens not cached where it went.
+    uncached: u64,
     at: Instant,
 }
 
@@ -70,8 +72,10 @@ impl std::fmt::Debug for Planning {
 }
 
 impl Planning {
-    /// A routed request: what its worker held then.
-    pub fn booked(&mut self, key: Key, model: &str, worker: u64, prefill: f64, decode_kv: f64) {
+    /// A routed request: what its worker held then (its own `uncached`
+    /// prompt tokens included).
+    pub fn booked(&mut self, key: Key, model: &str, worker: u64, load: (f64, f64), uncached: u64) {
+        let (prefill, decode_kv) = load;
         if !self.models.contains_key(model) {
             return;
         }
@@ -93,6 +97,7 @@ impl Planning {
                 worker,
                 prefill_tokens: prefill,
                 decode_kv_tokens: decode_kv,
+                uncached,
                 at: Instant::now(),
             },
         );
@@ -114,8 +119,12 @@ impl Planning {
                 f64::from(t.total_us - t.first_byte_us) / 1000.0 / f64::from(t.output_tokens - 1);
             p.observe_itl(w.worker, w.decode_kv_tokens, itl);
         }
-        let cached = 0;
-        p.observe_request(u64::from(t.isl_tokens), u64::from(t.output_tokens), cached);
+        let isl = u64::from(t.isl_tokens);
+        p.observe_request(
+            isl,
+            u64::from(t.output_tokens),
+            isl.saturating_sub(w.uncached),
+        );
     }
 
     pub fn shed(&mut self, model: &str) {

@@ -64,6 +64,44 @@ pub struct PlannerConfig {
     /// seen to.
     #[serde(default = "default_startup")]
     pub startup_ms: u64,
+    /// Past intervals to warm the predictors with: a CSV of
+    /// `requests,isl,osl` per throughput interval (a header line is
+    /// skipped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup_trace: Option<std::path::PathBuf>,
+}
+
+/// At most this many warm-up intervals are read: a month of minutes.
+const MAX_TRACE_ROWS: usize = 50_000;
+
+/// Reads a warm-up trace: `requests,isl,osl` per line, numbers not
+/// negative; a first line that is not numbers is a header.
+pub fn read_trace(text: &str) -> Result<Vec<(f64, f64, f64)>, String> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+        let nums: Option<Vec<f64>> = fields.iter().map(|f| f.parse::<f64>().ok()).collect();
+        match nums {
+            Some(v) if v.len() == 3 && v.iter().all(|x| x.is_finite() && *x >= 0.0) => {
+                out.push((v[0], v[1], v[2]));
+            }
+            None if n == 0 => continue,
+            _ => {
+                return Err(format!(
+                    "line {}: expected requests,isl,osl (numbers, not negative), got {line:?}",
+                    n + 1
+                ));
+            }
+        }
+        if out.len() > MAX_TRACE_ROWS {
+            return Err(format!("more than {MAX_TRACE_ROWS} intervals"));
+        }
+    }
+    Ok(out)
 }
 
 fn default_sensitivity() -> f64 {
@@ -114,6 +152,11 @@ impl PlannerConfig {
         }
         if self.season_intervals < 2 {
             return Err("season_intervals must be at least 2".into());
+        }
+        if let Some(p) = &self.warmup_trace {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| format!("warmup_trace {}: {e}", p.display()))?;
+            read_trace(&text).map_err(|e| format!("warmup_trace {}: {e}", p.display()))?;
         }
         capacity::validate(&self.profile)
     }
@@ -186,13 +229,24 @@ pub struct Estimate {
 const KTOK: f64 = 1000.0;
 
 /// One interval's traffic.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Interval {
     pub requests: u64,
     pub isl_sum: u64,
     pub osl_sum: u64,
     pub cached_sum: u64,
     pub shed: u64,
+}
+
+impl Interval {
+    /// Prompt tokens served from cache, of all prompt tokens.
+    pub fn kv_hit_rate(&self) -> f64 {
+        if self.isl_sum == 0 {
+            0.0
+        } else {
+            self.cached_sum as f64 / self.isl_sum as f64
+        }
+    }
 }
 
 /// A decision waiting for the orchestrator.
@@ -227,6 +281,8 @@ pub struct ModelPlanner {
     predictors: [Box<dyn Predictor + Send>; 3],
     /// The last prediction of (requests, ISL, OSL) per interval.
     pub predicted: Option<[f64; 3]>,
+    /// The last closed interval's traffic (its KV hit rate, sheds).
+    pub observed: Option<Interval>,
     pub floor: u32,
     pub desired: u32,
     pub pending: Option<Pending>,
@@ -252,6 +308,7 @@ impl ModelPlanner {
             decode_all: Line::default(),
             interval: Interval::default(),
             predicted: None,
+            observed: None,
             desired,
             pending: None,
             reason: Reason::WarmingUp,
@@ -474,6 +531,7 @@ impl ModelPlanner {
     /// sets the lower bound. Returns the interval that closed.
     pub fn tick_throughput(&mut self, ready: u32) -> Interval {
         let closed = std::mem::take(&mut self.interval);
+        self.observed = Some(closed);
         let n = closed.requests as f64;
         let secs = self.cfg.throughput_interval_ms as f64 / 1000.0;
         self.predictors[0].observe(n);

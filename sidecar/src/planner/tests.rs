@@ -16,6 +16,7 @@ fn cfg() -> PlannerConfig {
         profile: Vec::new(),
         pending_timeout_ms: 30_000,
         startup_ms: 20_000,
+        warmup_trace: None,
     }
 }
 
@@ -206,4 +207,38 @@ fn configuration_is_checked() {
     let mut c = cfg();
     c.ttft_ms = f64::NAN;
     assert!(c.validate().is_err());
+}
+
+#[test]
+fn a_warmup_trace_reads_and_warms_the_predictors() {
+    let rows =
+        read_trace("requests,isl,osl\n10,1000,100\n12, 1100, 90\n\n# a comment\n14,1200,80\n")
+            .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            (10.0, 1000.0, 100.0),
+            (12.0, 1100.0, 90.0),
+            (14.0, 1200.0, 80.0)
+        ]
+    );
+    assert!(read_trace("10,1000\n").is_err());
+    assert!(
+        read_trace("1,2,3\n-1,2,3\n")
+            .unwrap_err()
+            .contains("line 2")
+    );
+    let mut c = cfg();
+    c.predictor = PredictorKind::Kalman;
+    let mut p = ModelPlanner::new(c, 1);
+    let ramp: Vec<(f64, f64, f64)> = (0..20)
+        .map(|i| (f64::from(i) * 10.0, 1000.0, 100.0))
+        .collect();
+    p.warm_start(&ramp);
+    p.tick_throughput(1);
+    // The closed interval had no requests: the ramp's trend still shows in
+    // what it predicts next, not a cold 0.
+    let [n, isl, _] = p.predicted.unwrap();
+    assert!(n > 50.0, "{n}");
+    assert_eq!(isl, 1000.0);
 }
