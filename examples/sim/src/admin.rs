@@ -94,10 +94,8 @@ pub async fn batch(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes)
     let w_per_seq = sim.plant.params().w_per_seq;
     if c.dry_run {
         let evicted = to_evict.min(previous);
-        let new_max = per_rank.map_or_else(
-            || sim.ranks.first().map_or(0, |r| r.max_num_seqs() as u32),
-            |n| n,
-        );
+        let new_max =
+            per_rank.unwrap_or_else(|| sim.ranks.first().map_or(0, |r| r.max_num_seqs() as u32));
         return json_ok(json!({
             "previous_running": previous,
             "new_running": previous - evicted,

@@ -225,7 +225,8 @@ impl Plant {
         }
         let mut out = String::new();
         let p = &g.params;
-        let fields: [(&str, &str, &dyn Fn(&GpuState) -> f64); 6] = [
+        type Field<'a> = (&'a str, &'a str, &'a dyn Fn(&GpuState) -> f64);
+        let fields: [Field<'_>; 6] = [
             ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", &|x| {
                 x.temp_c.round()
             }),

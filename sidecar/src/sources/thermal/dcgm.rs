@@ -93,7 +93,8 @@ fn escape(v: &str) -> String {
 /// series per GPU with `gpu`, `UUID` and the GPU's other labels.
 pub fn render(readings: &[GpuReading]) -> String {
     let mut out = String::new();
-    let fields: [(&str, &str, fn(&GpuReading) -> Option<f64>); 6] = [
+    type Field = (&'static str, &'static str, fn(&GpuReading) -> Option<f64>);
+    let fields: [Field; 6] = [
         (TEMP, "GPU temperature (in C).", |r| Some(r.temp_c)),
         (POWER, "Power draw (in W).", |r| r.power_w),
         (REASONS, "Current clock event reasons (bitmask).", |r| {
