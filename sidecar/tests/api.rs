@@ -571,6 +571,7 @@ async fn json_bodies_keep_their_shapes() {
         keys(wk),
         [
             "block_size",
+            "draining",
             "endpoint",
             "ranks",
             "tenant_id",
@@ -578,6 +579,7 @@ async fn json_bodies_keep_their_shapes() {
             "worker_id"
         ]
     );
+    assert_eq!(wk["draining"], false);
     assert_eq!(
         wk["thermal"],
         json!({"state": "unmonitored", "heat": 0.0, "cap": 0, "in_flight": 2}),

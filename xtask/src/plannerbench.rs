@@ -15,7 +15,6 @@
 use crate::build;
 use crate::plot;
 use anyhow::{Context, Result};
-use bytes::Bytes;
 use kvgate_load::{Outcome, RequestSpec, Target, run_open_loop};
 use kvgate_sidecar::planner::predict::{PredictorKind, mape};
 use kvgate_stack::{Stack, StackConfig, http};
@@ -85,16 +84,7 @@ impl Shape {
             if rng.random_range(0.0..1.0) > self.rate(t) / peak {
                 continue;
             }
-            let prompt: Vec<u32> = (0..256).map(|k| 5_000_000 + i * 300 + k).collect();
-            let body = json!({"model": "demo-model", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": true});
-            out.push(RequestSpec {
-                path: "/v1/completions".into(),
-                body: Bytes::from(body.to_string()),
-                stream: true,
-                at: Duration::from_secs_f64(t),
-                tag: String::new(),
-                prompt_tokens: Some(256),
-            });
+            out.push(crate::shedbench::unique_stream(5_000_000, i, MAX_TOKENS, t));
             i += 1;
         }
     }

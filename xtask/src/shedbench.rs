@@ -143,31 +143,52 @@ fn reply_latency(quick: bool) -> Result<Value> {
 
 /// Streaming requests with Poisson arrivals at `rate` per second.
 fn arrivals(rate: f64, secs: f64, seed: u64) -> Vec<RequestSpec> {
+    // Each seed has its own prompts, so one run's bodies are not another's
+    // retries.
+    poisson_streams(
+        rate,
+        secs,
+        seed,
+        1_000_000 + (seed % 64) as u32 * 10_000_000,
+        32,
+    )
+}
+
+/// Poisson arrivals of [`unique_stream`] requests whose prompts start at
+/// `base`.
+pub(crate) fn poisson_streams(
+    rate: f64,
+    secs: f64,
+    seed: u64,
+    base: u32,
+    max_tokens: u32,
+) -> Vec<RequestSpec> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut t = 0.0;
+    let (mut t, mut i) = (0.0, 0u32);
     let mut out = Vec::new();
-    let mut i: u32 = 0;
     while t < secs {
-        // Unique prompts: nothing is cached, every request costs the same.
-        // Each seed has its own, so one run's bodies are not another's
-        // retries.
-        let base = 1_000_000 + (seed % 64) as u32 * 10_000_000;
-        let prompt: Vec<u32> = (0..256).map(|k| base + i * 300 + k).collect();
-        let body =
-            json!({"model": "demo-model", "prompt": prompt, "max_tokens": 32, "stream": true});
-        out.push(RequestSpec {
-            path: "/v1/completions".into(),
-            body: Bytes::from(body.to_string()),
-            stream: true,
-            at: Duration::from_secs_f64(t),
-            tag: String::new(),
-            prompt_tokens: Some(256),
-        });
+        out.push(unique_stream(base, i, max_tokens, t));
         i += 1;
         let u: f64 = rng.random_range(1e-9..1.0);
         t += -u.ln() / rate;
     }
     out
+}
+
+/// Streaming completion `i` of 256 tokens no other request shares (nothing
+/// is cached, every request costs the same), sent at `at_s`.
+pub(crate) fn unique_stream(base: u32, i: u32, max_tokens: u32, at_s: f64) -> RequestSpec {
+    let prompt: Vec<u32> = (0..256).map(|k| base + i * 300 + k).collect();
+    let body =
+        json!({"model": "demo-model", "prompt": prompt, "max_tokens": max_tokens, "stream": true});
+    RequestSpec {
+        path: "/v1/completions".into(),
+        body: Bytes::from(body.to_string()),
+        stream: true,
+        at: Duration::from_secs_f64(at_s),
+        tag: String::new(),
+        prompt_tokens: Some(256),
+    }
 }
 
 fn wait_drained(stack: &Stack) -> Result<()> {

@@ -18,12 +18,9 @@
 use crate::build;
 use crate::plot;
 use anyhow::{Context, Result};
-use bytes::Bytes;
 use kvgate_load::summary::percentile;
 use kvgate_load::{Outcome, RequestSpec, Target, run_open_loop};
 use kvgate_stack::{Stack, StackConfig, ThermalStack, http};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -122,25 +119,7 @@ pub fn run(quick: bool) -> Result<Value> {
 
 /// Streaming completions of unique prompts, Poisson arrivals.
 fn arrivals(rate: f64, secs: f64, seed: u64) -> Vec<RequestSpec> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let (mut t, mut i) = (0.0, 0u32);
-    let mut out = Vec::new();
-    while t < secs {
-        let prompt: Vec<u32> = (0..256).map(|k| 3_000_000 + i * 300 + k).collect();
-        let body = json!({"model": "demo-model", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": true});
-        out.push(RequestSpec {
-            path: "/v1/completions".into(),
-            body: Bytes::from(body.to_string()),
-            stream: true,
-            at: Duration::from_secs_f64(t),
-            tag: String::new(),
-            prompt_tokens: Some(256),
-        });
-        i += 1;
-        let u: f64 = rng.random_range(1e-9..1.0);
-        t += -u.ln() / rate;
-    }
-    out
+    crate::shedbench::poisson_streams(rate, secs, seed, 3_000_000, MAX_TOKENS)
 }
 
 /// One sample of every worker: hottest GPU, running, cap, state.
