@@ -94,7 +94,9 @@ pub fn scope_chunks(chunks: &mut [u64], scope: crate::hash::CacheScope<'_>) {
 /// What a routing decision's chunks were cut from. The sidecar keeps them
 /// for different times: a text prefix is all kvgate will ever know of a
 /// text prompt, while a token prefix only bridges the moments until the
-/// engine's own KV events report the blocks.
+/// engine's own KV events report the blocks. A text prompt rendered with
+/// its model's template ([`crate::text`]) is reported as `Tokens`: its
+/// events will be matched too, so it needs only the bridge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChunkKind {
     Text = 0,

@@ -28,6 +28,7 @@ pub mod plan;
 pub mod shard;
 pub mod snapshot;
 pub mod state;
+pub mod text;
 pub mod update;
 /// Public so that the sidecar reads its own formats (index dumps) through
 /// the same checks.

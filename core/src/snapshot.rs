@@ -27,7 +27,7 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 6;
+pub const MINOR: u16 = 7;
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 
@@ -191,6 +191,8 @@ impl Snapshot {
             for v in [m.plan.desired, m.plan.ready, m.plan.scale_up_eta_s] {
                 out.extend_from_slice(&v.to_le_bytes());
             }
+            // Minor 7: the prompt template's version.
+            out.extend_from_slice(&m.prompt_template.to_le_bytes());
             end_record(out, rec, "model record")?;
         }
         put_count(out, self.applied.len(), "applied bookings")?;
@@ -313,6 +315,7 @@ impl Snapshot {
                     scale_up_eta_s: m.u32()?,
                 };
             }
+            let prompt_template = if m.remaining() >= 8 { m.u64()? } else { 0 };
             models.push(ModelState {
                 name,
                 thresholds,
@@ -323,6 +326,7 @@ impl Snapshot {
                 policy,
                 service_rate_per_s,
                 plan,
+                prompt_template,
             });
         }
         // Minor 0 ends after the models.
@@ -542,6 +546,7 @@ mod tests {
                         ready: 4,
                         scale_up_eta_s: 12,
                     },
+                    prompt_template: 0xFEED,
                 },
                 ModelState {
                     name: "empty".into(),
@@ -554,7 +559,7 @@ mod tests {
 
     /// What a minor-0 writer produced: no retry hint, no applied list.
     fn minor0(s: &Snapshot) -> Vec<u8> {
-        strip_model_tail(s, 8 + POLICY_LEN + 16 + PLAN_LEN)
+        strip_model_tail(s, 8 + POLICY_LEN + 16 + PLAN_LEN + 8)
     }
 
     /// Cuts the last `by` bytes (the minor-1 and later fields, with no
@@ -593,7 +598,8 @@ mod tests {
     #[test]
     fn minor_two_snapshots_have_no_adapters() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN + 16 + PLAN_LEN)).unwrap();
+        let old =
+            Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN + 16 + PLAN_LEN + 8)).unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert!(old.models[0].lora_adapters.is_empty());
     }
@@ -602,7 +608,7 @@ mod tests {
     fn minor_three_snapshots_carry_the_default_policy() {
         let s = sample();
         assert_ne!(s.models[0].policy, Policy::default());
-        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN + 16 + PLAN_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN + 16 + PLAN_LEN + 8)).unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert_eq!(old.models[0].policy, Policy::default());
         assert_eq!(old.models[0].workers, s.models[0].workers);
@@ -612,7 +618,7 @@ mod tests {
     fn minor_four_snapshots_know_no_service_rate() {
         let s = sample();
         assert!(s.models[0].service_rate_per_s > 0.0);
-        let old = Snapshot::decode(&strip_model_tail(&s, 16 + PLAN_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 16 + PLAN_LEN + 8)).unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 0.0);
         assert_eq!(
             old.models[0].policy.host_weight,
@@ -623,10 +629,19 @@ mod tests {
     #[test]
     fn minor_five_snapshots_weigh_heat_by_default() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 8 + PLAN_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 8 + PLAN_LEN + 8)).unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 42.5);
         assert_eq!(old.models[0].policy.thermal_weight, 1.0);
         assert_eq!(old.models[0].plan, ModelPlan::default());
+    }
+
+    #[test]
+    fn minor_six_snapshots_have_no_prompt_template() {
+        let s = sample();
+        let old = Snapshot::decode(&strip_model_tail(&s, 8)).unwrap();
+        assert_eq!(old.models[0].prompt_template, 0);
+        assert_eq!(old.models[0].plan, s.models[0].plan);
+        assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
     }
 
     /// `s` with the last `by` bytes cut off its first worker's record.
@@ -844,6 +859,7 @@ mod tests {
                             ready: shard_count % 5,
                             scale_up_eta_s: shard_count % 3,
                         },
+                        prompt_template: u64::from(shard_count).wrapping_mul(0x9E37),
                     }
                 },
             );

@@ -69,6 +69,11 @@ pub struct ModelState {
     /// What the planner wants of the model (minor 6; zeros: no planner).
     #[cfg_attr(feature = "serde", serde(default))]
     pub plan: ModelPlan,
+    /// Version of the prompt template the sidecar publishes for the model
+    /// ([`crate::text::template_key`]) and of its text index (minor 7);
+    /// 0: text prompts are matched against the routed-prefix index only.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub prompt_template: u64,
 }
 
 /// The planner's view of a model, as routing and shedding use it.

@@ -41,6 +41,11 @@ pub struct RouterMetrics {
     pub streams_cut: Option<u32>,
     /// Retries admitted on their ticket while every worker was busy.
     pub retry_admitted: Option<u32>,
+    /// Text requests of a templated model rendered for the text index.
+    pub rendered: Option<u32>,
+    /// Those matched approximately instead: the template is not in shared
+    /// data yet, does not compile, or failed on the request.
+    pub render_errors: Option<u32>,
 }
 
 impl RouterMetrics {
@@ -69,6 +74,8 @@ impl RouterMetrics {
             upstream_unavailable: define(MetricType::Counter, "kvgate_upstream_unavailable_total"),
             streams_cut: define(MetricType::Counter, "kvgate_streams_cut_total"),
             retry_admitted: define(MetricType::Counter, "kvgate_retry_admitted_total"),
+            rendered: define(MetricType::Counter, "kvgate_prompts_rendered_total"),
+            render_errors: define(MetricType::Counter, "kvgate_prompt_render_errors_total"),
         }
     }
 

@@ -10,6 +10,7 @@
 use crate::manifest::{self, Manifest};
 use kvgate_core::Snapshot;
 use kvgate_core::shard::ShardView;
+use kvgate_core::text::{self, template::PromptTemplate};
 use kvgate_core::update::{self, shard_key};
 use std::collections::BTreeSet;
 
@@ -91,9 +92,18 @@ impl Poller {
             None => None,
         };
         for s in &u.shards {
+            let bad = |e: &dyn std::fmt::Display| {
+                PollError::Decode(format!("shard {} of {}: {e}", s.shard, s.model))
+            };
+            if text::is_template_namespace(s.model) {
+                if !s.bytes.is_empty() {
+                    PromptTemplate::decode(s.bytes).map_err(|e| bad(&e))?;
+                }
+                continue;
+            }
             ShardView::parse(s.bytes)
                 .and_then(|v| v.validate())
-                .map_err(|e| PollError::Decode(format!("shard {} of {}: {e}", s.shard, s.model)))?;
+                .map_err(|e| bad(&e))?;
         }
         let mut writes = Vec::with_capacity(u.shards.len() + 2);
         let mut written = BTreeSet::new();

@@ -305,6 +305,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                     ready: 2,
                     scale_up_eta_s: 40,
                 },
+                prompt_template: 0x5EED,
             },
             ModelState {
                 name: "no-workers".into(),
@@ -320,6 +321,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 policy: Policy::default(),
                 service_rate_per_s: 0.0,
                 plan: Default::default(),
+                prompt_template: 0,
             },
         ],
         applied: vec![
@@ -619,4 +621,11 @@ fn main() {
         "seeds written under {}",
         kvgate_fuzz::run::corpus_root().display()
     );
+    let chat_template = kvgate_core::text::template::PromptTemplate {
+        chat_template: "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content | trim }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}".into(),
+        bos_token: "<s>".into(),
+        eos_token: "</s>".into(),
+        completion_prefix: "<s>".into(),
+    };
+    write("template", "seed-chat", &chat_template.encode());
 }

@@ -90,6 +90,10 @@ targets! {
     /// A peer's `GET /dump` (`sidecar/src/sources/kv/dump.rs`), as sent and
     /// resealed (so mutants get past the checksum), with a round trip.
     dump => check_dump,
+    /// A prompt template blob (`core/src/text/template.rs`) as the
+    /// snapshot service validates it, round trip, and compiled as a router
+    /// VM compiles it.
+    template => check_template,
 }
 
 /// Looks a target up by name.
@@ -303,6 +307,26 @@ fn check_shard(data: &[u8]) -> bool {
         })
         .collect();
     assert_eq!(shard::encode(&mut entries), data, "shard round trip");
+    true
+}
+
+fn check_template(data: &[u8]) -> bool {
+    use kvgate_core::text::template::{PromptTemplate, Renderer};
+    let Ok(t) = PromptTemplate::decode(data) else {
+        return false;
+    };
+    assert_eq!(t.encode(), data, "template round trip");
+    if let Ok(r) = Renderer::new(t) {
+        let messages = serde_json::Value::Array(vec![serde_json::Value::Object(
+            [
+                ("role".to_string(), "user".into()),
+                ("content".to_string(), "hi".into()),
+            ]
+            .into_iter()
+            .collect(),
+        )]);
+        let _ = r.chat(&messages, None, None, 0);
+    }
     true
 }
 

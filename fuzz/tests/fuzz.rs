@@ -106,7 +106,7 @@ macro_rules! fuzz_tests {
 
 fuzz_tests!(
     kv_batch, msgpack, kv_replay, snapshot, update, shard, booking, routed, request, promtext,
-    dump,
+    dump, template,
 );
 
 #[test]

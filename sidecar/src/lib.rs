@@ -39,6 +39,7 @@ mod ingest;
 mod lifecycle;
 pub mod metrics;
 pub mod planner;
+pub mod prompt;
 pub mod publish;
 mod recovery;
 pub mod replica;

@@ -66,7 +66,26 @@ impl Sidecar {
             },
             versions.clone(),
         )?;
-        let fleet = Fleet::new(&config)?;
+        let mut fleet = Fleet::new(&config)?;
+        for m in &config.models {
+            let Some(pc) = &m.prompt else { continue };
+            let prompt = crate::prompt::Prompt::load(&m.name, pc)?;
+            let version = prompt.template.version();
+            tracing::info!(
+                model = m.name,
+                tokens = prompt.vocab.defined_tokens(),
+                template = format!("{version:#x}"),
+                "text prompts are matched against KV events"
+            );
+            plane.set_vocab(&m.name, prompt.vocab.clone());
+            plane.log.publish(vec![(
+                kvgate_core::text::template_key(&m.name),
+                0,
+                1,
+                prompt.template.encode(),
+            )]);
+            fleet.prompt_templates.insert(m.name.clone(), version);
+        }
         let metrics = Metrics::new()?;
         let (inbound_tx, mut inbound) = tokio::sync::mpsc::channel(1024);
         let replica = match config.replica_sync.listen {

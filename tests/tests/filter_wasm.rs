@@ -689,28 +689,37 @@ fn shards_are_written_and_cleared_on_reset() {
     );
 }
 
-/// Answers the service's poll with fleet 1 (worker i on slot i, 8 index
-/// shards, model `m` with `adapters`) and an index in which each slot holds
-/// its hashes on device.
-fn serve_index(e: &mut Envoy, held: &[(u16, Vec<u64>)], adapters: Vec<String>) {
+/// Encoded shards of an index (`shard_count` shards) in which each slot
+/// holds its hashes on device.
+fn shards_holding(held: &[(u16, Vec<u64>)], shard_count: u32) -> Vec<(u32, Vec<u8>)> {
     use kvgate_core::shard::{TIER_DEVICE, shard_of};
     let mut per_shard: std::collections::BTreeMap<u32, Vec<(u64, Vec<Holder>)>> =
         Default::default();
     for (slot, hashes) in held {
         for &h in hashes {
-            per_shard.entry(shard_of(h, 8)).or_default().push((
-                h,
-                vec![Holder {
-                    slot: *slot,
-                    tiers: TIER_DEVICE,
-                }],
-            ));
+            per_shard
+                .entry(shard_of(h, shard_count))
+                .or_default()
+                .push((
+                    h,
+                    vec![Holder {
+                        slot: *slot,
+                        tiers: TIER_DEVICE,
+                    }],
+                ));
         }
     }
-    let shards: Vec<(u32, Vec<u8>)> = per_shard
+    per_shard
         .into_iter()
         .map(|(s, mut e)| (s, encode_shard(&mut e)))
-        .collect();
+        .collect()
+}
+
+/// Answers the service's poll with fleet 1 (worker i on slot i, 8 index
+/// shards, model `m` with `adapters`) and an index in which each slot holds
+/// its hashes on device.
+fn serve_index(e: &mut Envoy, held: &[(u16, Vec<u64>)], adapters: Vec<String>) {
+    let shards = shards_holding(held, 8);
     let mut snap = fleet(1);
     snap.models[0].shard_count = 8;
     snap.models[0].lora_adapters = adapters;
@@ -1171,5 +1180,87 @@ fn the_service_forwards_bookings_one_batch_at_a_time() {
             .pending()
             .iter()
             .any(|c| path_of(c) == "/v1/bookings")
+    );
+}
+
+/// A chat of a model with a prompt template is rendered in the VM and
+/// matched against the text index: it goes to the rank whose engine holds
+/// the rendered prefix, even with more load; a template blob that does not
+/// decode is refused with the whole frame.
+#[test]
+fn chat_prompts_are_rendered_and_matched_against_the_text_index() {
+    use kvgate_core::hash::CacheScope;
+    use kvgate_core::text::{self, template::PromptTemplate};
+    let mut e = Envoy::start("");
+    let template = PromptTemplate {
+        chat_template: "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content | trim }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}".into(),
+        bos_token: "<s>".into(),
+        eos_token: "</s>".into(),
+        completion_prefix: "<s>".into(),
+    };
+    let system = "You route requests to the worker holding their prefix. ".repeat(60);
+    let messages = json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "which worker?"},
+    ]);
+    let rendered = kvgate_core::text::template::Renderer::new(template.clone())
+        .unwrap()
+        .chat(&messages, None, None, 0)
+        .unwrap();
+    // The engine of worker 3 (slot 2) cached all but the last chunk.
+    let mut keys = text::prefix_keys(&rendered, CacheScope::default());
+    keys.pop();
+    let shards = shards_holding(&[(2, keys)], text::SHARDS);
+    let mut snap = fleet(1);
+    snap.models[0].prompt_template = template.version();
+    for (i, w) in snap.models[0].workers.iter_mut().enumerate() {
+        w.ranks[0].slot = i as u16;
+    }
+    let (text_ns, template_ns) = (text::index_key("m"), text::template_key("m"));
+    let blob = template.encode();
+    let frame = update::encode(
+        1,
+        EPOCH,
+        true,
+        Some(&snap.encode().unwrap()),
+        shards
+            .iter()
+            .map(|(s, b)| (text_ns.as_str(), *s, b.as_slice()))
+            .chain([(template_ns.as_str(), 0, blob.as_slice())]),
+    );
+    let c = e.service.pending().pop().unwrap();
+    e.service.respond(c.token, 200, &[], &frame).unwrap();
+    let body = json!({"model": "m", "messages": messages}).to_string();
+    let ex = e.routers[0].request(&CHAT, &[body.as_bytes()]);
+    assert_eq!(ex.trapped, None);
+    assert_eq!(
+        ex.destination(),
+        Some("10.0.0.3:8000"),
+        "the engine's cached text outweighs 20 decode blocks"
+    );
+    assert_eq!(e.counter("kvgate_prompts_rendered_total"), 1);
+    // Another system prompt matches nothing: least loaded.
+    let other = json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(3000)}]});
+    let ex = e.routers[1].request(&CHAT, &[other.to_string().as_bytes()]);
+    assert_eq!(ex.destination(), Some("10.0.0.2:8000"));
+
+    // A frame whose template blob is garbage changes nothing.
+    let bad = update::encode(
+        2,
+        EPOCH,
+        false,
+        None,
+        [(template_ns.as_str(), 0, &b"KVGT\xff\xff\xff\xff"[..])],
+    );
+    let c = e.service.pending().pop().unwrap();
+    e.service.respond(c.token, 200, &[], &bad).unwrap();
+    assert!(e.counter("kvgate_snapshot_decode_errors_total") >= 1);
+    assert_eq!(
+        e.shared
+            .lock()
+            .unwrap()
+            .get(&update::shard_key(&template_ns, 0)),
+        Some(&blob[..]),
+        "the good blob stays"
     );
 }

@@ -12,6 +12,7 @@ use crate::approx::{self, ChunkKind};
 use crate::hash::{CacheScope, scoped_sequence_hashes};
 use crate::shard::{ShardView, SlotOverlap, overlaps, shard_of};
 use crate::state::{ModelState, WorkerState};
+use crate::text;
 use crate::update::shard_key;
 use std::collections::HashMap;
 
@@ -28,18 +29,31 @@ impl<F: FnMut(&str) -> Option<Vec<u8>>> ShardSource for F {
     }
 }
 
-/// What each slot holds of one request: the engines' events (token
-/// prompts) and the routed-prefix index (requests placed moments ago).
+/// What each slot holds of one request: the engines' events and the
+/// routed-prefix index (requests placed moments ago).
 #[derive(Debug, Clone, Default)]
 pub struct Cached {
     precise: Vec<SlotOverlap>,
     routed: Vec<SlotOverlap>,
-    token_prompt: bool,
+    source: Precise,
+}
+
+/// What the engines' events were matched with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+enum Precise {
+    /// Nothing: a text prompt of a model without a template.
+    #[default]
+    None,
+    /// Token ids, in blocks.
+    Tokens,
+    /// A rendered prompt's prefix keys ([`crate::text`]), in chunks.
+    Text,
 }
 
 impl Cached {
-    /// What the engines' events say `slot` holds, in blocks per tier: no
-    /// routed prefixes in flight. What an API reports as observed.
+    /// What the engines' events say `slot` holds, per tier: no routed
+    /// prefixes in flight. What an API reports as observed. In blocks for
+    /// token prompts, in text chunks for rendered text.
     pub fn reported(&self, slot: u16) -> Overlap {
         of(&self.precise, slot)
     }
@@ -47,10 +61,13 @@ impl Cached {
     /// The overlap `worker`'s rank in `slot` is charged with, in blocks.
     pub fn of(&self, worker: &WorkerState, slot: u16) -> Overlap {
         let routed = chunks_as_blocks(of(&self.routed, slot), worker.block_size);
-        if self.token_prompt {
-            with_in_flight(of(&self.precise, slot), routed)
-        } else {
-            routed
+        match self.source {
+            Precise::Tokens => with_in_flight(of(&self.precise, slot), routed),
+            Precise::Text => with_in_flight(
+                chunks_as_blocks(of(&self.precise, slot), worker.block_size),
+                routed,
+            ),
+            Precise::None => routed,
         }
     }
 }
@@ -88,7 +105,7 @@ pub fn gather(
         let cached = Cached {
             precise,
             routed: Vec::new(),
-            token_prompt: true,
+            source: Precise::Tokens,
         };
         return (cached, None);
     }
@@ -98,12 +115,44 @@ pub fn gather(
             let mut cached = Cached {
                 precise,
                 routed: Vec::new(),
-                token_prompt: true,
+                source: Precise::Tokens,
             };
             if holds_whole_prompt(model, tenant, &cached.precise, tokens.len()) {
                 return (cached, None);
             }
             let mut chunks = approx::token_chunk_hashes(tokens);
+            approx::scope_chunks(&mut chunks, scope);
+            cached.routed = approximate(model, &chunks, &mut read);
+            (cached, Some((ChunkKind::Tokens, chunks)))
+        }
+        (None, Some(text)) if req.rendered && model.prompt_template != 0 => {
+            // The engine's prompt: its events are matched by prefix key,
+            // and routing only bridges until they arrive.
+            let keys = text::prefix_keys(text, scope);
+            let precise = slot_count(model)
+                .map(|slots| {
+                    search(
+                        &text::index_key(&model.name),
+                        text::SHARDS,
+                        &keys,
+                        slots,
+                        &mut HashMap::new(),
+                        &mut read,
+                    )
+                })
+                .unwrap_or_default();
+            let mut cached = Cached {
+                precise,
+                routed: Vec::new(),
+                source: Precise::Text,
+            };
+            // When the events show a rank holding all but the last chunk
+            // (where a request's own question starts), routing has nothing
+            // to bridge: skip the second search and the report.
+            if holds_all_but_last(model, tenant, &cached.precise, keys.len()) {
+                return (cached, None);
+            }
+            let mut chunks = approx::chunk_hashes(text);
             approx::scope_chunks(&mut chunks, scope);
             cached.routed = approximate(model, &chunks, &mut read);
             (cached, Some((ChunkKind::Tokens, chunks)))
@@ -276,6 +325,23 @@ fn holds_whole_prompt(
         })
 }
 
+/// Whether some rank of `tenant` holds, on its device, every one of a
+/// rendered prompt's `keys` chunks but the last.
+fn holds_all_but_last(
+    model: &ModelState,
+    tenant: &str,
+    precise: &[SlotOverlap],
+    keys: usize,
+) -> bool {
+    keys >= 2
+        && model
+            .workers
+            .iter()
+            .filter(|w| w.tenant == tenant)
+            .flat_map(|w| &w.ranks)
+            .any(|r| of(precise, r.slot).device as usize + 1 >= keys)
+}
+
 /// The overlap of one slot, in the selector's terms.
 fn of(table: &[SlotOverlap], slot: u16) -> Overlap {
     table
@@ -312,6 +378,72 @@ mod tests {
                 .collect(),
             ..Default::default()
         }
+    }
+
+    /// The text index's shards with `slot` holding the first `held` keys.
+    fn text_store(keys: &[u64], slot: u16, held: usize) -> HashMap<String, Vec<u8>> {
+        let mut per_shard: HashMap<u32, Vec<(u64, Vec<Holder>)>> = HashMap::new();
+        for k in &keys[..held] {
+            per_shard
+                .entry(shard_of(*k, text::SHARDS))
+                .or_default()
+                .push((
+                    *k,
+                    vec![Holder {
+                        slot,
+                        tiers: TIER_DEVICE,
+                    }],
+                ));
+        }
+        per_shard
+            .into_iter()
+            .map(|(s, mut e)| (shard_key(&text::index_key("m"), s), encode(&mut e)))
+            .collect()
+    }
+
+    #[test]
+    fn rendered_text_is_matched_against_the_text_index() {
+        let mut m = model(8);
+        m.prompt_template = 7;
+        let text = "system prompt words ".repeat(80); // 1600 bytes: 6 keys
+        let keys = text::prefix_keys(&text, CacheScope::default());
+        assert_eq!(keys.len(), 6);
+        let req = |rendered| Parsed {
+            model: "m".into(),
+            tokens: None,
+            text: Some(text.clone()),
+            rendered,
+            chat: None,
+            sequence_hashes: None,
+            isl_tokens: 400,
+            stream: false,
+            max_tokens: None,
+            cache_salt: None,
+            retry_headroom: None,
+        };
+        // Slot 2 holds four of six chunks: 16 blocks of 4 tokens each.
+        let store = text_store(&keys, 2, 4);
+        let mut read = |k: &str| store.get(k).cloned();
+        let (cached, report) = gather(&m, &req(true), &m.workers[0].tenant, &mut read);
+        assert_eq!(cached.reported(2).device, 4, "in chunks");
+        assert_eq!(cached.of(&m.workers[2], 2).device, 4 * 16);
+        assert_eq!(cached.of(&m.workers[1], 1).device, 0);
+        let (kind, chunks) = report.unwrap();
+        assert_eq!(
+            (kind, chunks.len()),
+            (ChunkKind::Tokens, 6),
+            "bridged until events"
+        );
+        // Not rendered (the VM has no template yet): approximate only.
+        let (cached, report) = gather(&m, &req(false), &m.workers[0].tenant, &mut read);
+        assert_eq!(cached.of(&m.workers[2], 2).device, 0);
+        assert_eq!(report.unwrap().0, ChunkKind::Text);
+        // All but the last chunk held: nothing to bridge, nothing reported.
+        let store = text_store(&keys, 2, 5);
+        let mut read = |k: &str| store.get(k).cloned();
+        let (cached, report) = gather(&m, &req(true), &m.workers[0].tenant, &mut read);
+        assert_eq!(cached.reported(2).device, 5);
+        assert!(report.is_none());
     }
 
     #[test]

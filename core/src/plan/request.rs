@@ -1,6 +1,7 @@
 //! OpenAI request bodies, as far as routing needs them.
 
-use serde_json::Value;
+use crate::text::template::{Renderer, TemplateError};
+use serde_json::{Map, Value};
 
 /// The two inference endpoints kvgate routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,8 +27,15 @@ pub struct Parsed {
     pub model: String,
     /// The (first) prompt's token ids when the client sent tokens.
     pub tokens: Option<Vec<u32>>,
-    /// The prompt text (chat messages concatenated) when it sent text.
+    /// The prompt text when it sent text: the chat messages concatenated,
+    /// or once [`Parsed::render`] ran, the prompt exactly as the engine
+    /// tokenizes it.
     pub text: Option<String>,
+    /// `text` is the engine's prompt, rendered with the model's template:
+    /// the engines' own KV events can be matched against it.
+    pub rendered: bool,
+    /// What a chat request's template renders, kept for [`Parsed::render`].
+    pub chat: Option<ChatInput>,
     /// Sequence hashes the client computed itself (Dynamo's, at the
     /// workers' block size), as the selection API accepts; OpenAI bodies
     /// never carry them.
@@ -43,6 +51,34 @@ pub struct Parsed {
     /// busy rank within this headroom over the thresholds (see
     /// [`super::retry`]). Never read from the body.
     pub retry_headroom: Option<f64>,
+}
+
+/// The parts of a chat body its template reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatInput {
+    pub messages: Value,
+    pub tools: Option<Value>,
+    /// vLLM's `chat_template_kwargs` (`enable_thinking` and the like).
+    pub kwargs: Option<Map<String, Value>>,
+}
+
+impl Parsed {
+    /// Replaces the approximate text with the prompt the engine will
+    /// tokenize: the chat rendered with the model's template, or a text
+    /// completion behind the tokens its tokenizer adds. On an error the
+    /// request keeps its approximate text (the engine will likely refuse
+    /// it, but that is for the engine to say).
+    pub fn render(&mut self, r: &Renderer, unix_s: u64) -> Result<(), TemplateError> {
+        let text = match (&self.chat, &self.text) {
+            (Some(c), _) => r.chat(&c.messages, c.tools.as_ref(), c.kwargs.as_ref(), unix_s)?,
+            (None, Some(t)) => r.completion(t),
+            (None, None) => return Ok(()),
+        };
+        self.isl_tokens = estimate_tokens(&text);
+        self.text = Some(text);
+        self.rendered = true;
+        Ok(())
+    }
 }
 
 /// Why a body is refused with 400; the message names the field.
@@ -71,11 +107,11 @@ fn token_list(v: &[Value], field: &str) -> Result<Vec<u32>, BadRequest> {
 }
 
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
-    let v: Value = match serde_json::from_slice(body) {
+    let mut v: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
         Err(e) => return bad(format!("request body is not valid JSON: {e}")),
     };
-    let Some(obj) = v.as_object() else {
+    let Some(obj) = v.as_object_mut() else {
         return bad("request body must be a JSON object");
     };
     let model = match obj.get("model") {
@@ -109,10 +145,32 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
         Endpoint::Completions => prompt(obj.get("prompt"))?,
         Endpoint::Chat => messages(obj.get("messages"))?,
     };
+    let chat = match endpoint {
+        Endpoint::Completions => None,
+        Endpoint::Chat => Some(ChatInput {
+            messages: obj.remove("messages").unwrap_or(Value::Null),
+            tools: obj.remove("tools").filter(|t| !t.is_null()),
+            kwargs: {
+                let mut kw = match obj.remove("chat_template_kwargs") {
+                    None | Some(Value::Null) => None,
+                    Some(Value::Object(m)) => Some(m),
+                    Some(_) => return bad("'chat_template_kwargs' must be an object"),
+                };
+                // vLLM's own request field, handed to the template.
+                if let Some(Value::Bool(b)) = obj.get("add_generation_prompt") {
+                    kw.get_or_insert_default()
+                        .insert("add_generation_prompt".into(), Value::Bool(*b));
+                }
+                kw
+            },
+        }),
+    };
     Ok(Parsed {
         model,
         tokens,
         text,
+        rendered: false,
+        chat,
         sequence_hashes: None,
         isl_tokens,
         stream,
@@ -260,6 +318,55 @@ mod tests {
         );
         assert_eq!(p.text.as_deref(), Some("system\nbe brief\nuser\nhi\n"));
         assert_eq!(p.max_tokens, Some(7));
+    }
+
+    #[test]
+    fn chat_keeps_what_its_template_reads() {
+        let p = ok(
+            Endpoint::Chat,
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}],
+                "chat_template_kwargs":{"enable_thinking":false},"add_generation_prompt":false}"#,
+        );
+        let c = p.chat.unwrap();
+        assert_eq!(c.messages[0]["content"], "hi");
+        assert_eq!(c.tools.unwrap()[0]["type"], "function");
+        let kw = c.kwargs.unwrap();
+        assert_eq!(kw["enable_thinking"], false);
+        assert_eq!(kw["add_generation_prompt"], false);
+        assert!(!p.rendered);
+        assert!(
+            err(Endpoint::Chat, r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":3}"#)
+                .contains("chat_template_kwargs")
+        );
+        assert!(
+            ok(Endpoint::Completions, r#"{"model":"m","prompt":"x"}"#)
+                .chat
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn render_replaces_the_approximate_text() {
+        use crate::text::template::PromptTemplate;
+        let r = Renderer::new(PromptTemplate {
+            chat_template: "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+                .into(),
+            completion_prefix: "<s>".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        let mut p = ok(
+            Endpoint::Chat,
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        p.render(&r, 0).unwrap();
+        assert_eq!((p.text.as_deref(), p.rendered), (Some("[user]hi"), true));
+        let mut p = ok(Endpoint::Completions, r#"{"model":"m","prompt":"abc"}"#);
+        p.render(&r, 0).unwrap();
+        assert_eq!(p.text.as_deref(), Some("<s>abc"));
+        let mut p = ok(Endpoint::Completions, r#"{"model":"m","prompt":[1,2]}"#);
+        p.render(&r, 0).unwrap();
+        assert!(!p.rendered, "token prompts are left alone");
     }
 
     #[test]

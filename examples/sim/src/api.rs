@@ -3,7 +3,6 @@
 
 use crate::cache::Scope;
 use crate::engine::{AdmitError, Admitted, Rank, TimeModel, admit};
-use crate::tokenizer::{render_chat, tokenize};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -17,6 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub struct Sim {
+    /// The model's tokenizer and chat template.
+    pub text: crate::tokenizer::RealText,
     pub worker_id: u64,
     pub model: String,
     /// LoRA adapters served besides the base model.
@@ -102,14 +103,14 @@ struct Job {
     include_usage: bool,
 }
 
-fn parse_prompt(v: &Value) -> Result<Vec<u32>, String> {
+fn parse_prompt(text: &crate::tokenizer::RealText, v: &Value) -> Result<Vec<u32>, String> {
     match v {
-        Value::String(s) => Ok(tokenize(s)),
+        Value::String(s) => text.prompt(s),
         Value::Array(items) if items.is_empty() => Err("prompt is empty".into()),
         Value::Array(items) => match &items[0] {
             // A list of strings or of token lists is a batch; the simulator
             // serves its first element, which is what routing looks at.
-            Value::String(_) | Value::Array(_) => parse_prompt(&items[0]),
+            Value::String(_) | Value::Array(_) => parse_prompt(text, &items[0]),
             _ => items
                 .iter()
                 .map(|t| {
@@ -123,28 +124,26 @@ fn parse_prompt(v: &Value) -> Result<Vec<u32>, String> {
     }
 }
 
-fn parse_messages(v: &Value) -> Result<Vec<(String, String)>, String> {
+fn unix_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Refuses what vLLM refuses before rendering: messages that are not a
+/// list of objects with a role and string or list-of-parts content.
+fn check_messages(v: &Value) -> Result<(), String> {
     let items = v.as_array().ok_or("messages must be a list")?;
-    items
-        .iter()
-        .map(|m| {
-            let role = m["role"]
-                .as_str()
-                .ok_or("each message needs a role")?
-                .to_string();
-            let content = match &m["content"] {
-                Value::String(s) => s.clone(),
-                Value::Array(parts) => parts
-                    .iter()
-                    .filter_map(|p| p["text"].as_str())
-                    .collect::<Vec<_>>()
-                    .join(""),
-                Value::Null => String::new(),
-                _ => return Err("message content must be a string or a list of parts".to_string()),
-            };
-            Ok((role, content))
-        })
-        .collect()
+    for m in items {
+        m["role"].as_str().ok_or("each message needs a role")?;
+        if !matches!(
+            &m["content"],
+            Value::String(_) | Value::Array(_) | Value::Null
+        ) {
+            return Err("message content must be a string or a list of parts".into());
+        }
+    }
+    Ok(())
 }
 
 fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Box<Response>> {
@@ -161,11 +160,10 @@ fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Box<Response>> {
         )));
     }
     let tokens = if chat {
-        tokenize(&render_chat(
-            &parse_messages(&v["messages"]).map_err(|e| Box::new(bad(e)))?,
-        ))
+        check_messages(&v["messages"]).map_err(|e| Box::new(bad(e)))?;
+        sim.text.chat(&v, unix_s()).map_err(|e| Box::new(bad(e)))?
     } else {
-        parse_prompt(&v["prompt"]).map_err(|e| Box::new(bad(e)))?
+        parse_prompt(&sim.text, &v["prompt"]).map_err(|e| Box::new(bad(e)))?
     };
     let max_tokens = v["max_tokens"]
         .as_u64()

@@ -139,6 +139,16 @@ pub struct Args {
     /// `/v1/admin/batch` requires this file's token when given.
     #[arg(long)]
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// A HuggingFace `tokenizer.json`: text prompts are tokenized with it
+    /// (as vLLM does) instead of the built-in Llama-3-style one.
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// `tokenizer_config.json`: the chat template and special tokens.
+    #[arg(long)]
+    pub tokenizer_config: Option<std::path::PathBuf>,
+    /// A Jinja chat template over the config's (vLLM's `--chat-template`).
+    #[arg(long)]
+    pub chat_template: Option<std::path::PathBuf>,
 }
 
 /// The endpoint of DP rank `rank`: TCP port plus the rank, as vLLM does.
@@ -227,7 +237,16 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
         ),
         None => None,
     };
+    let text = match &args.tokenizer {
+        Some(t) => tokenizer::RealText::load(
+            t,
+            args.tokenizer_config.as_deref(),
+            args.chat_template.as_deref(),
+        )?,
+        None => tokenizer::RealText::builtin()?,
+    };
     Ok(Arc::new(api::Sim {
+        text,
         plant,
         admin_token,
         worker_id: args.worker_id,

@@ -1,110 +1,156 @@
-//! A deterministic stand-in tokenizer.
+//! The simulated engine's tokenizer: a real one, used as vLLM uses it.
 //!
-//! Text is split into runs of letters/digits, cut into pieces of at most
-//! four characters, and single other non-space characters; each piece
-//! becomes `1000 + xxh3(piece) mod 100000`. It is not a real BPE, but it has
-//! the two properties prefix caching depends on (the same text always gives
-//! the same tokens, and a shared text prefix gives a shared token prefix up
-//! to the piece that differs), and it counts about as many tokens as a real
-//! BPE vocabulary does for English (about four characters a token), so
-//! prefill times and cache figures for text prompts are of the right size.
-//!
-//! Chat messages are rendered before tokenizing with a fixed template:
-//! `<|{role}|>\n{content}\n` per message, then `<|assistant|>\n`.
+//! A chat is rendered with the model's chat template (the same renderer
+//! kvgate's filter uses, checked against `transformers`) and tokenized
+//! without added special tokens; a text completion is tokenized with them.
+//! So the token ids in the simulator's KV events are those an engine
+//! serving the model would publish. Without `--tokenizer` the simulator
+//! serves the Llama-3-style byte-level BPE of kvgate's test fixtures
+//! (`tests/fixtures/chat`, trained on the project's docs: about four bytes
+//! a token on English, as a real vocabulary).
 
-use xxhash_rust::xxh3::xxh3_64;
+use anyhow::Context;
+use kvgate_core::text::template::{PromptTemplate, Renderer};
+use serde_json::Value;
+use std::path::Path;
 
-pub fn tokenize(text: &str) -> Vec<u32> {
-    let mut out = Vec::with_capacity(text.len() / 4 + 1);
-    let mut start: Option<usize> = None;
-    for (i, c) in text.char_indices() {
-        if c.is_alphanumeric() {
-            start.get_or_insert(i);
-            continue;
-        }
-        if let Some(s) = start.take() {
-            word(&text[s..i], &mut out);
-        }
-        if !c.is_whitespace() {
-            out.push(piece(&text[i..i + c.len_utf8()]));
-        }
-    }
-    if let Some(s) = start {
-        word(&text[s..], &mut out);
-    }
-    out
+const BUILTIN_TOKENIZER: &str =
+    include_str!("../../../tests/fixtures/chat/llama3-style.tokenizer.json");
+const BUILTIN_CONFIG: &str =
+    include_str!("../../../tests/fixtures/chat/llama3-style.tokenizer_config.json");
+
+/// A model's own tokenizer and chat template: the token ids the
+/// simulator caches and reports are those a vLLM serving the model would.
+pub struct RealText {
+    tokenizer: tokenizers::Tokenizer,
+    chat: Option<Renderer>,
 }
 
-/// Longest piece of a word, in characters; real vocabularies split long
-/// and rare words into several tokens.
-const PIECE_CHARS: usize = 4;
+impl RealText {
+    /// The fixtures' Llama-3-style model, built into the simulator.
+    pub fn builtin() -> anyhow::Result<RealText> {
+        let tok: tokenizers::Tokenizer = BUILTIN_TOKENIZER
+            .parse()
+            .map_err(|e| anyhow::anyhow!("the built-in tokenizer: {e}"))?;
+        RealText::with(tok, serde_json::from_str(BUILTIN_CONFIG)?, None)
+    }
 
-fn word(w: &str, out: &mut Vec<u32>) {
-    let mut start = 0;
-    for (n, (i, _)) in w.char_indices().enumerate() {
-        if n > 0 && n % PIECE_CHARS == 0 {
-            out.push(piece(&w[start..i]));
-            start = i;
+    pub fn load(
+        tokenizer: &Path,
+        config: Option<&Path>,
+        chat_template: Option<&Path>,
+    ) -> anyhow::Result<RealText> {
+        let tok = tokenizers::Tokenizer::from_file(tokenizer)
+            .map_err(|e| anyhow::anyhow!("loading {}: {e}", tokenizer.display()))?;
+        let config: Value = match config {
+            Some(p) => serde_json::from_slice(
+                &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+            )
+            .with_context(|| format!("parsing {}", p.display()))?,
+            None => Value::Null,
+        };
+        let template = match chat_template {
+            Some(p) => Some(
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+            ),
+            None => None,
+        };
+        RealText::with(tok, config, template)
+    }
+
+    fn with(
+        tok: tokenizers::Tokenizer,
+        config: Value,
+        template: Option<String>,
+    ) -> anyhow::Result<RealText> {
+        let token = |k: &str| match &config[k] {
+            Value::String(s) => s.clone(),
+            v => v["content"].as_str().unwrap_or_default().to_string(),
+        };
+        let source = template.or_else(|| config["chat_template"].as_str().map(str::to_owned));
+        let chat = source
+            .map(|chat_template| {
+                Renderer::new(PromptTemplate {
+                    chat_template,
+                    bos_token: token("bos_token"),
+                    eos_token: token("eos_token"),
+                    completion_prefix: String::new(),
+                })
+            })
+            .transpose()?;
+        Ok(RealText {
+            tokenizer: tok,
+            chat,
+        })
+    }
+
+    /// A completion prompt's ids, with the special tokens the tokenizer
+    /// adds (vLLM's `/v1/completions`).
+    pub fn prompt(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.encode(text, true)
+    }
+
+    /// A chat request's ids: rendered with the template, then tokenized
+    /// without added special tokens (the template wrote them).
+    pub fn chat(&self, body: &Value, unix_s: u64) -> Result<Vec<u32>, String> {
+        let r = self
+            .chat
+            .as_ref()
+            .ok_or("this model has no chat template")?;
+        let mut kwargs = body["chat_template_kwargs"].as_object().cloned();
+        if let Some(b) = body["add_generation_prompt"].as_bool() {
+            kwargs
+                .get_or_insert_default()
+                .insert("add_generation_prompt".into(), Value::Bool(b));
         }
+        let tools = Some(&body["tools"]).filter(|t| !t.is_null());
+        let text = r
+            .chat(&body["messages"], tools, kwargs.as_ref(), unix_s)
+            .map_err(|e| e.to_string())?;
+        self.encode(&text, false)
     }
-    out.push(piece(&w[start..]));
-}
 
-fn piece(p: &str) -> u32 {
-    1000 + (xxh3_64(p.as_bytes()) % 100_000) as u32
-}
-
-/// Renders OpenAI chat messages with the simulator's template.
-pub fn render_chat(messages: &[(String, String)]) -> String {
-    let mut s = String::new();
-    for (role, content) in messages {
-        s.push_str("<|");
-        s.push_str(role);
-        s.push_str("|>\n");
-        s.push_str(content);
-        s.push('\n');
+    fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, String> {
+        self.tokenizer
+            .encode(text, special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| e.to_string())
     }
-    s.push_str("<|assistant|>\n");
-    s
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
-    fn about_four_characters_a_token_like_a_real_bpe() {
-        let text = "The quick brown fox jumps over the lazy dog, while \
-            transformer inference servers cache attention keys and values \
-            for every prompt prefix they have already computed.";
-        let n = tokenize(text).len();
-        let per_token = text.len() as f64 / n as f64;
-        assert!(
-            (3.0..5.0).contains(&per_token),
-            "{per_token} chars a token ({n})"
+    fn about_four_bytes_a_token_like_a_real_vocabulary() {
+        let t = RealText::builtin().unwrap();
+        let text = "Routing each request to the worker that already caches its prompt \
+            prefix saves the prefill, weighed against the load of every worker.";
+        let ids = t.prompt(text).unwrap();
+        let per_token = text.len() as f64 / (ids.len() - 1) as f64;
+        assert!((3.0..6.0).contains(&per_token), "{per_token} bytes a token");
+        assert_eq!(ids[0], 3000, "<|begin_of_text|> first, as Llama 3 adds it");
+        let again = t.prompt(&format!("{text} And more.")).unwrap();
+        assert_eq!(
+            again[..ids.len() - 1],
+            ids[..ids.len() - 1],
+            "shared prefix"
         );
-        assert_eq!(tokenize("inference").len(), 3, "infe|renc|e");
-        assert_eq!(tokenize("héllo").len(), 2, "cut on characters, not bytes");
     }
 
     #[test]
-    fn deterministic_and_prefix_preserving() {
-        let a = tokenize("You are a helpful assistant. Question: why?");
-        assert_eq!(a, tokenize("You are a helpful assistant. Question: why?"));
-        let b = tokenize("You are a helpful assistant. Question: how?");
-        assert_eq!(a[..6], b[..6]);
-        assert_ne!(a, b);
-        assert_eq!(tokenize("hello, world").len(), 5, "hell|o , worl|d");
-        assert!(tokenize("   ").is_empty());
-        assert!(a.iter().all(|&t| (1000..101_000).contains(&t)));
-    }
-
-    #[test]
-    fn chat_template_is_fixed() {
-        let r = render_chat(&[
-            ("system".into(), "be brief".into()),
-            ("user".into(), "hi".into()),
-        ]);
-        assert_eq!(r, "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n");
+    fn chats_are_rendered_with_the_template() {
+        let t = RealText::builtin().unwrap();
+        let body = json!({"messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"date_string": "1 Jan 2026"}});
+        let ids = t.chat(&body, 0).unwrap();
+        let no_prompt = json!({"messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"date_string": "1 Jan 2026"}, "add_generation_prompt": false});
+        let shorter = t.chat(&no_prompt, 0).unwrap();
+        assert!(ids.starts_with(&shorter) && ids.len() > shorter.len());
+        let bad = json!({"messages": [{"role": "robot", "content": "hi"}]});
+        assert!(t.chat(&bad, 0).unwrap_err().contains("not supported"));
     }
 }

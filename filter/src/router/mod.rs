@@ -14,6 +14,7 @@
 
 mod request;
 mod retry;
+mod templates;
 
 use crate::config::Config;
 use crate::host;
@@ -40,6 +41,7 @@ pub struct RouterState {
     next_seq: u64,
     bookings_queue: Option<u32>,
     local: LocalBookings,
+    templates: templates::Templates,
 }
 
 impl RouterState {
@@ -57,6 +59,7 @@ impl RouterState {
             next_seq: 0,
             bookings_queue: None,
             local: LocalBookings::default(),
+            templates: templates::Templates::default(),
         }
     }
 

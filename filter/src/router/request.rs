@@ -129,7 +129,7 @@ impl Request {
             return Action::Continue;
         };
         let body = host::request_body(body_size).unwrap_or_default();
-        let req = match parse(endpoint, &body) {
+        let mut req = match parse(endpoint, &body) {
             Ok(r) => r,
             Err(e) => return self.reply(&Reply::bad_request(&e.0)),
         };
@@ -160,6 +160,20 @@ impl Request {
             drop(guard);
             return self.reply(&Reply::stale());
         };
+        if req.tokens.is_none()
+            && let Some(m) = snap.model(&req.model)
+            && m.prompt_template != 0
+        {
+            let rendered = st
+                .templates
+                .get(&m.name, m.prompt_template)
+                .is_some_and(|r| req.render(r, host::now_ms() / 1000).is_ok());
+            inc(if rendered {
+                st.metrics.rendered
+            } else {
+                st.metrics.render_errors
+            });
+        }
         st.tie_break = st.tie_break.wrapping_add(1);
         let selecting = host::now_us();
         let mut planned = plan::plan(

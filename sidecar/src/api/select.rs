@@ -254,6 +254,8 @@ pub(super) fn prompt(
         model: model_name.to_string(),
         tokens: None,
         text: None,
+        rendered: false,
+        chat: None,
         sequence_hashes: None,
         isl_tokens: 0,
         stream: false,

@@ -194,6 +194,7 @@ impl Trial {
                 lora_adapters: Vec::new(),
                 thermal: Default::default(),
                 planner: None,
+                prompt: None,
             });
         if let Some((n, o)) = &self.model
             && n == name

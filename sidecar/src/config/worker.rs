@@ -30,6 +30,11 @@ pub struct ModelConfig {
     /// planner leaves the model alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planner: Option<crate::planner::PlannerConfig>,
+    /// `[models.prompt]`: the model's tokenizer and chat template; with
+    /// them, chat and text prompts are matched against the engines' KV
+    /// events. Absent, text prompts use the routed-prefix index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<crate::prompt::PromptConfig>,
 }
 
 fn is_unset(o: &ThermalOverride) -> bool {

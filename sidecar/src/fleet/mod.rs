@@ -85,6 +85,8 @@ pub struct Fleet {
     pub gpus: BTreeMap<String, GpuSeen>,
     /// The planner's models, observations, decisions and draining workers.
     pub planning: Planning,
+    /// Version of each model's published prompt template (`[models.prompt]`).
+    pub prompt_templates: BTreeMap<String, u64>,
     slots: Slots,
     kv_shards: u32,
 }
@@ -126,6 +128,7 @@ impl Fleet {
             workers: BTreeMap::new(),
             gpus: BTreeMap::new(),
             planning: Planning::default(),
+            prompt_templates: BTreeMap::new(),
             slots: Slots::default(),
             kv_shards: config.kv.shards,
         };

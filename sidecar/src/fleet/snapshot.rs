@@ -29,6 +29,11 @@ impl Fleet {
                         policy: m.policy,
                         service_rate_per_s: 0.0,
                         plan: Default::default(),
+                        prompt_template: self
+                            .prompt_templates
+                            .get(name)
+                            .copied()
+                            .unwrap_or_default(),
                     },
                 )
             })

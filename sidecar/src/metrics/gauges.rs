@@ -117,6 +117,12 @@ pub(crate) fn mirror_index(
             .with_label_values(&[model])
             .set(*blocks as i64);
     }
+    for (model, keys, t) in &stats.text {
+        m.text_keys.with_label_values(&[model]).set(*keys as i64);
+        for (why, n) in [("orphan", t.orphans), ("undecodable", t.undecodable)] {
+            set_counter(&m.text_skipped_blocks, &[model.as_str(), why], n);
+        }
+    }
     m.kv_malformed_batches.set(stats.malformed_batches as i64);
     for (slot, why, n) in &stats.unmatchable {
         if let Some((worker, rank)) = workers.owner(*slot) {

@@ -40,6 +40,8 @@ pub struct Metrics {
     pub kv_replayed: IntCounterVec,
     pub kv_disconnects: IntCounterVec,
     pub kv_indexed_blocks: IntGaugeVec,
+    pub text_keys: IntGaugeVec,
+    pub text_skipped_blocks: IntCounterVec,
     pub kv_unmatchable_blocks: IntCounterVec,
     pub kv_block_size_mismatch: IntCounterVec,
     pub kv_malformed_batches: IntGauge,
@@ -326,6 +328,20 @@ impl Metrics {
                 "kvgate_sidecar_kv_indexed_blocks",
                 "Distinct blocks in the prefix index.",
                 &["model"],
+            )?,
+            text_keys: gauge_vec(
+                &r,
+                "kvgate_sidecar_text_indexed_keys",
+                "Distinct prompt-text prefix keys in the text index.",
+                &["model"],
+            )?,
+            text_skipped_blocks: counter(
+                &r,
+                "kvgate_sidecar_text_skipped_blocks_total",
+                "Stored blocks the text index could not key: 'orphan' (parent \
+                 stored before this sidecar saw it) or 'undecodable' (a token id \
+                 outside the vocabulary).",
+                &["model", "reason"],
             )?,
             kv_malformed_batches: gauge(
                 &r,

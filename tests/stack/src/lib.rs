@@ -14,7 +14,7 @@ mod ports;
 mod process;
 
 use anyhow::{Context, Result, bail};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub use paths::Paths;
@@ -64,6 +64,36 @@ pub struct StackConfig {
     /// Workers' simulated GPUs are named in the catalog and read from their
     /// dcgm-exporter pages.
     pub thermal: Option<ThermalStack>,
+}
+
+impl StackConfig {
+    /// Workers tokenize text with a model's own files (`tokenizer.json`,
+    /// `tokenizer_config.json`); with `text_index` the sidecar reads them
+    /// too (`[models.prompt]`) and matches chat and text prompts against
+    /// the workers' events. Call after setting `sim_args` and `model_toml`.
+    pub fn with_prompt_files(
+        mut self,
+        tokenizer: &Path,
+        tokenizer_config: &Path,
+        text_index: bool,
+    ) -> StackConfig {
+        let (t, c) = (
+            tokenizer.display().to_string(),
+            tokenizer_config.display().to_string(),
+        );
+        self.sim_args.extend([
+            "--tokenizer".into(),
+            t.clone(),
+            "--tokenizer-config".into(),
+            c.clone(),
+        ]);
+        if text_index {
+            self.model_toml.push_str(&format!(
+                "\n[models.prompt]\ntokenizer = {t:?}\ntokenizer_config = {c:?}\n"
+            ));
+        }
+        self
+    }
 }
 
 /// The thermal side of a stack.
@@ -306,16 +336,12 @@ impl Stack {
 
     /// Envoy's resident memory in bytes, from `/proc`.
     pub fn envoy_rss(&self) -> Option<u64> {
-        let pid = self.gateways[0].envoy.as_ref()?.pid();
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        let kb: u64 = status
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))?
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()?;
-        Some(kb * 1024)
+        rss(self.gateways[0].envoy.as_ref()?.pid())
+    }
+
+    /// Resident memory of the first gateway's sidecar, in bytes.
+    pub fn sidecar_rss(&self) -> Option<u64> {
+        rss(self.gateways[0].sidecar.as_ref()?.pid())
     }
 
     /// CPU seconds (user + system) used so far by Envoy, the sidecar and
@@ -708,4 +734,17 @@ pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
     Some(ticks as f64 / 100.0)
+}
+
+/// A process's resident memory in bytes, from `/proc`.
+fn rss(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
 }

@@ -15,12 +15,14 @@
 //! its entries are dropped (and the caller resynchronises it) rather than
 //! letting a flood of stores grow the sidecar without bound.
 
+use crate::prompt::Vocab;
 use crate::sources::kv::stage::{Op, Staged};
 use crate::sources::kv::wire::{EngineHash, Medium, Unmatchable};
 use kvgate_core::hash::chain;
 use kvgate_core::shard::{self, Holder, TIER_DEVICE, TIER_DISK, TIER_HOST};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 
 /// Keys here are already hashes (or small engine counters), so a multiply
 /// is all the mixing a table needs; SipHash would dominate ingest.
@@ -102,6 +104,9 @@ pub struct Index {
     max_blocks_per_slot: usize,
     pub stats: IngestStats,
     pub unmatchable: UnmatchableCounts,
+    /// Prefix keys of the engines' cached text, for models with a
+    /// vocabulary (`[models.prompt]`).
+    text: Option<text::TextIndex>,
 }
 
 impl Index {
@@ -114,7 +119,46 @@ impl Index {
             max_blocks_per_slot,
             stats: IngestStats::default(),
             unmatchable: UnmatchableCounts::new(),
+            text: None,
         }
+    }
+
+    /// Starts the text index. The model's prompt files are read once, at
+    /// start-up, before any event: a second call changes nothing.
+    pub fn set_vocab(&mut self, vocab: Arc<Vocab>) {
+        if self.text.is_none() {
+            self.text = Some(text::TextIndex::new(vocab));
+        }
+    }
+
+    /// Whether stored blocks' tokens are wanted (the text index is on).
+    pub fn has_text(&self) -> bool {
+        self.text.is_some()
+    }
+
+    /// The text index's changed shards, encoded: (shard, bytes).
+    pub fn take_text_updates(&mut self) -> Vec<(u32, Vec<u8>)> {
+        let Some(t) = self.text.as_mut() else {
+            return Vec::new();
+        };
+        t.take_dirty()
+            .into_iter()
+            .map(|shard| (shard, t.encode_shard(shard)))
+            .collect()
+    }
+
+    /// One text shard, encoded (what a reader holds after every update).
+    #[cfg(test)]
+    pub fn encode_text_shard(&self, shard: u32) -> Vec<u8> {
+        self.text
+            .as_ref()
+            .map(|t| t.encode_shard(shard))
+            .unwrap_or_default()
+    }
+
+    /// Distinct prefix keys and the skip counters of the text index.
+    pub fn text_stats(&self) -> Option<(usize, text::TextStats)> {
+        self.text.as_ref().map(|t| (t.len(), t.stats))
     }
 
     pub fn shard_count(&self) -> u32 {
@@ -180,6 +224,11 @@ impl Index {
     /// hashed everything, so this cannot fail part-way.
     pub fn apply(&mut self, slot: u16, staged: &Staged) {
         for op in &staged.ops {
+            if let Some(t) = self.text.as_mut()
+                && let Some(stored) = text::Stored::of(op, staged)
+            {
+                t.store(slot, stored);
+            }
             match op {
                 Op::Stored {
                     engine,
@@ -187,6 +236,7 @@ impl Index {
                     parent,
                     medium,
                     unmatchable_from,
+                    ..
                 } => self.store(
                     slot,
                     &staged.engine[engine.clone()],
@@ -204,6 +254,7 @@ impl Index {
                     seed,
                     salt,
                     unmatchable_from,
+                    ..
                 } => self.store_pages(
                     slot,
                     pages::Stored {
@@ -218,7 +269,11 @@ impl Index {
                     },
                 ),
                 Op::Removed { engine, medium } => {
-                    self.remove(slot, &staged.engine[engine.clone()], tier_bit(*medium))
+                    let hashes = &staged.engine[engine.clone()];
+                    if let Some(t) = self.text.as_mut() {
+                        t.remove(slot, hashes, tier_bit(*medium));
+                    }
+                    self.remove(slot, hashes, tier_bit(*medium))
                 }
                 Op::Cleared => {
                     self.stats.cleared += 1;
@@ -410,6 +465,9 @@ impl Index {
 
     /// Drops every block of `slot` (engine cleared, restarted, or lost sync).
     pub fn clear_slot(&mut self, slot: u16) {
+        if let Some(t) = self.text.as_mut() {
+            t.clear(slot);
+        }
         let Some(s) = self.slots.get_mut(slot as usize) else {
             return;
         };
@@ -428,29 +486,15 @@ impl Index {
 
     /// Shards changed since the last call, and clears the marks.
     pub fn take_dirty(&mut self) -> Vec<u32> {
-        let mut out = Vec::new();
-        for (w, word) in self.dirty.iter_mut().enumerate() {
-            let mut bits = std::mem::take(word);
-            while bits != 0 {
-                let b = bits.trailing_zeros();
-                out.push((w * 64) as u32 + b);
-                bits &= bits - 1;
-            }
-        }
-        out
+        take_dirty_bits(&mut self.dirty)
     }
 
     /// Encodes one shard in the filter's format.
     pub fn encode_shard(&self, shard: u32) -> Vec<u8> {
-        let Some(map) = self.shards.get(shard as usize) else {
-            return Vec::new();
-        };
-        if map.is_empty() {
-            return Vec::new();
-        }
-        let mut entries: Vec<(u64, Vec<Holder>)> =
-            map.iter().map(|(k, v)| (*k, v.to_vec())).collect();
-        shard::encode(&mut entries)
+        self.shards
+            .get(shard as usize)
+            .map(encode_map)
+            .unwrap_or_default()
     }
 
     /// Approximate heap bytes held, for the bytes-per-block figure.
@@ -474,13 +518,38 @@ impl Index {
                     + s.pages.values().map(pages::Page::heap_bytes).sum::<usize>()
             })
             .sum();
-        shard_bytes + slot_bytes
+        shard_bytes + slot_bytes + self.text.as_ref().map_or(0, text::TextIndex::heap_bytes)
     }
+}
+
+/// One shard's map in the filter's format; empty when it holds nothing.
+fn encode_map(map: &FastMap<u64, Holders>) -> Vec<u8> {
+    if map.is_empty() {
+        return Vec::new();
+    }
+    let mut entries: Vec<(u64, Vec<Holder>)> = map.iter().map(|(k, v)| (*k, v.to_vec())).collect();
+    shard::encode(&mut entries)
+}
+
+/// The shards a dirty bitmap marks, clearing the marks.
+fn take_dirty_bits(dirty: &mut [u64]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for (w, word) in dirty.iter_mut().enumerate() {
+        let mut bits = std::mem::take(word);
+        while bits != 0 {
+            let b = bits.trailing_zeros();
+            out.push((w * 64) as u32 + b);
+            bits &= bits - 1;
+        }
+    }
+    out
 }
 
 mod pages;
 mod recover;
 #[cfg(test)]
 mod tests;
+mod text;
 
 pub use recover::Restored;
+pub use text::TextStats;

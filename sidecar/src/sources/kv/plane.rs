@@ -60,6 +60,11 @@ enum Control {
     RemoveSlot {
         slot: u16,
     },
+    /// Starts a model's text index with its vocabulary.
+    Vocab {
+        model: String,
+        vocab: Arc<crate::prompt::Vocab>,
+    },
     Stats(Sender<PlaneStats>),
     /// A copy of every slot's blocks; `None` while a recovery is pending
     /// (the index is not what it will be).
@@ -82,6 +87,8 @@ pub enum DumpUnavailable {
 #[derive(Debug, Clone, Default)]
 pub struct PlaneStats {
     pub per_model: Vec<(String, IngestStats, usize)>,
+    /// Per model with a text index: prefix keys held, and what it skipped.
+    pub text: Vec<(String, usize, crate::sources::kv::index::TextStats)>,
     /// Blocks indexed as unmatchable, per slot and reason (running totals).
     pub unmatchable: Vec<(u16, Unmatchable, u64)>,
     pub malformed_batches: u64,
@@ -176,6 +183,15 @@ impl Plane {
             },
             block_size,
             expected_blocks,
+        });
+    }
+
+    /// Starts `model`'s text index; before its workers' events, so that
+    /// their chains are keyed from the root.
+    pub(crate) fn set_vocab(&self, model: &str, vocab: Arc<crate::prompt::Vocab>) {
+        let _ = self.control.send(Control::Vocab {
+            model: model.to_string(),
+            vocab,
         });
     }
 
@@ -288,6 +304,13 @@ impl State {
                 }
                 self.slot_model.insert(slot, owner);
             }
+            Control::Vocab { model, vocab } => {
+                let (shards, max) = (self.config.shard_count, self.config.max_blocks_per_slot);
+                self.models
+                    .entry(model)
+                    .or_insert_with(|| Index::new(shards, max))
+                    .set_vocab(vocab);
+            }
             Control::RemoveSlot { slot } => {
                 if let Some(idx) = self.index_of(slot) {
                     idx.remove_slot(slot);
@@ -301,6 +324,11 @@ impl State {
                     .models
                     .iter()
                     .map(|(k, i)| (k.clone(), i.stats, i.len()))
+                    .collect();
+                s.text = self
+                    .models
+                    .iter()
+                    .filter_map(|(k, i)| i.text_stats().map(|(n, t)| (k.clone(), n, t)))
                     .collect();
                 s.unmatchable = self
                     .models
@@ -336,6 +364,7 @@ impl State {
                     return;
                 };
                 let block_size = idx.block_size(slot);
+                self.staged.keep_tokens = idx.has_text();
                 match self.staged.stage(&payload, block_size) {
                     Ok(()) => {
                         idx.apply(slot, &self.staged);
@@ -389,6 +418,16 @@ impl State {
                 let b = idx.encode_shard(shard);
                 bytes += b.len();
                 updates.push((model.clone(), shard, count, b));
+            }
+            let text_key = kvgate_core::text::index_key(model);
+            for (shard, b) in idx.take_text_updates() {
+                bytes += b.len();
+                updates.push((
+                    text_key.clone(),
+                    shard,
+                    kvgate_core::text::SHARDS as usize,
+                    b,
+                ));
             }
         }
         while !updates.is_empty() {

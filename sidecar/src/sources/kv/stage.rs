@@ -9,7 +9,8 @@
 use crate::sources::kv::wire::{
     BatchMeta, EngineHash, Event, Medium, Scratch, Unmatchable, WireError, decode_batch,
 };
-use kvgate_core::hash::{block_hash_with_seed, lora_seed, salted_root};
+use kvgate_core::hash::{CacheScope, block_hash_with_seed, lora_seed, salted_root};
+use kvgate_core::text::Cursor;
 use std::ops::Range;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +20,11 @@ pub enum Op {
     Stored {
         engine: Range<usize>,
         local: Range<usize>,
+        /// The blocks' tokens, when the model has a text index (empty
+        /// otherwise).
+        tokens: Range<usize>,
+        /// Where a chain without a parent starts in the text index.
+        root: Cursor,
         parent: Option<EngineHash>,
         medium: Medium,
         /// From this block of the op on, nothing a request can produce
@@ -37,6 +43,7 @@ pub enum Op {
         parent: Option<EngineHash>,
         medium: Medium,
         seed: u64,
+        root: Cursor,
         salt: Option<Range<usize>>,
         unmatchable_from: Option<(usize, Unmatchable)>,
     },
@@ -64,6 +71,8 @@ pub struct Staged {
     /// and the last such size: re-chunked, at a cost in memory (the index
     /// keeps every page's unfinished block).
     pub foreign_block_size: (usize, u32),
+    /// Keep stored blocks' tokens (the model has a text index).
+    pub keep_tokens: bool,
     scratch: Scratch,
 }
 
@@ -86,6 +95,7 @@ impl Staged {
         let (ops, engine, local) = (&mut self.ops, &mut self.engine, &mut self.local);
         let (page_tokens, text) = (&mut self.tokens, &mut self.text);
         let foreign = &mut self.foreign_block_size;
+        let keep_tokens = self.keep_tokens;
         let meta = decode_batch(payload, &mut self.scratch, |e| match e {
             Event::Stored(s) => {
                 let bs = if s.block_size > 0 {
@@ -104,6 +114,10 @@ impl Staged {
                     return;
                 }
                 let seed = lora_seed(s.lora_name);
+                let root = Cursor::root(CacheScope {
+                    lora_name: s.lora_name.filter(|n| !n.is_empty()),
+                    cache_salt: s.cache_salt,
+                });
                 if foreign_size {
                     let (e0, t0) = (engine.len(), page_tokens.len());
                     for (h, toks) in s.hashes.iter().zip(s.tokens.chunks_exact(bs)) {
@@ -122,17 +136,21 @@ impl Staged {
                         parent: s.parent,
                         medium: s.medium,
                         seed,
+                        root,
                         salt,
                         unmatchable_from: s.unmatchable_from,
                     });
                     return;
                 }
-                let (e0, l0) = (engine.len(), local.len());
+                let (e0, l0, t0) = (engine.len(), local.len(), page_tokens.len());
                 // Only blocks with all their tokens: a trailing partial block,
                 // or hashes beyond the tokens given, end the event.
                 for (h, toks) in s.hashes.iter().zip(s.tokens.chunks_exact(bs)) {
                     engine.push(*h);
                     local.push(block_hash_with_seed(toks, seed));
+                    if keep_tokens {
+                        page_tokens.extend_from_slice(toks);
+                    }
                 }
                 // The salt enters at the chain's root, as the filter mixes
                 // it into a request's first block; a child event inherits
@@ -144,6 +162,8 @@ impl Staged {
                 ops.push(Op::Stored {
                     engine: e0..engine.len(),
                     local: l0..local.len(),
+                    tokens: t0..page_tokens.len(),
+                    root,
                     parent: s.parent,
                     medium: s.medium,
                     unmatchable_from: s.unmatchable_from,

@@ -53,6 +53,7 @@ pub(super) fn apply(idx: &mut Index, slot: u16, events: Vec<Value>) {
     let mut buf = Vec::new();
     rmpv::encode::write_value(&mut buf, &batch).unwrap();
     let mut st = Staged::default();
+    st.keep_tokens = idx.has_text();
     st.stage(&buf, idx.block_size(slot)).unwrap();
     idx.apply(slot, &st);
 }
@@ -592,4 +593,166 @@ fn rechunked_orphans_and_reused_page_hashes() {
     assert_eq!(overlap_via_shards(&idx, &toks, 1)[0].device, 0);
     let other = [1, 2, 3, 42];
     assert_eq!(overlap_via_shards(&idx, &other, 1)[0].device, 1);
+}
+
+mod text {
+    use super::*;
+    use crate::prompt::Vocab;
+    use kvgate_core::text::{CHUNK_BYTES, SHARDS, prefix_keys};
+
+    /// Token `b` is byte `b`: a text's tokens are its bytes.
+    fn bytes_vocab() -> Arc<Vocab> {
+        let lines: String = (0..=255u8)
+            .map(|b| format!("{} {b}\n", b64(&[b])))
+            .collect();
+        Arc::new(Vocab::from_tiktoken("bytes", lines.as_bytes(), &[]).unwrap())
+    }
+
+    fn b64(b: &[u8]) -> String {
+        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let x = b[0] as usize;
+        format!("{}{}==", A[x >> 2] as char, A[(x & 3) << 4] as char)
+    }
+
+    fn prompt(n: usize) -> String {
+        (0..n).map(|i| char::from(b'a' + (i % 23) as u8)).collect()
+    }
+
+    /// Chunks of `text` each slot holds, read through encoded text shards.
+    fn text_overlap(idx: &Index, text: &str, scope: CacheScope<'_>, slots: usize) -> Vec<u32> {
+        let keys = prefix_keys(text, scope);
+        let mut out = vec![SlotOverlap::default(); slots];
+        overlaps(
+            keys.len(),
+            |i, hs| {
+                let b = idx.encode_text_shard(shard::shard_of(keys[i], SHARDS));
+                if let Ok(view) = ShardView::parse(&b) {
+                    hs.extend(view.holders(keys[i]));
+                }
+            },
+            &mut out,
+        );
+        out.iter().map(|o| o.device).collect()
+    }
+
+    /// Stores `text` as a chain of 4-token blocks, engine hashes from `h0`.
+    fn store_text(idx: &mut Index, slot: u16, text: &str, h0: u64, medium: &str) -> Vec<u64> {
+        let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+        let hashes: Vec<u64> = (0..tokens.len() as u64 / 4).map(|i| h0 + i).collect();
+        // Two events, so the second resumes from its parent's cursor.
+        let half = hashes.len() / 2;
+        apply(
+            idx,
+            slot,
+            vec![
+                stored(&hashes[..half], None, &tokens[..half * 4], medium),
+                stored(
+                    &hashes[half..],
+                    Some(hashes[half - 1]),
+                    &tokens[half * 4..hashes.len() * 4],
+                    medium,
+                ),
+            ],
+        );
+        hashes
+    }
+
+    fn index() -> Index {
+        let mut idx = Index::new(64, 1 << 20);
+        idx.add_slot(0, 4);
+        idx.add_slot(1, 4);
+        idx.set_vocab(bytes_vocab());
+        idx
+    }
+
+    #[test]
+    fn engine_text_is_matched_by_prefix_key_and_follows_evictions() {
+        let mut idx = index();
+        let text = prompt(3 * CHUNK_BYTES + 40);
+        let none = CacheScope::default();
+        assert_eq!(text_overlap(&idx, &text, none, 2), vec![0, 0]);
+        let hashes = store_text(&mut idx, 1, &text, 1000, "GPU");
+        assert_eq!(text_overlap(&idx, &text, none, 2), vec![0, 3]);
+        assert!(
+            !idx.take_text_updates().is_empty(),
+            "changed shards are published"
+        );
+        // A longer request with the same prefix matches the same three.
+        let longer = format!("{text}{}", prompt(1000));
+        assert_eq!(text_overlap(&idx, &longer, none, 2), vec![0, 3]);
+        // Evicting the leaf blocks from byte 512 on leaves two chunks.
+        let first_gone = 2 * CHUNK_BYTES / 4;
+        apply(&mut idx, 1, vec![removed(&hashes[first_gone..], "GPU")]);
+        assert_eq!(text_overlap(&idx, &text, none, 2), vec![0, 2]);
+        // The same text on another rank, offloaded to CPU, counts too.
+        store_text(&mut idx, 0, &text, 5000, "CPU");
+        let keys = prefix_keys(&text, none);
+        let b = idx.encode_text_shard(shard::shard_of(keys[2], SHARDS));
+        let holders: Vec<Holder> = ShardView::parse(&b).unwrap().holders(keys[2]).collect();
+        assert_eq!(
+            holders,
+            vec![Holder {
+                slot: 0,
+                tiers: TIER_HOST
+            }]
+        );
+        apply(&mut idx, 1, vec![cleared()]);
+        assert_eq!(text_overlap(&idx, &text, none, 2), vec![0, 0]);
+        idx.remove_slot(0);
+        assert_eq!(idx.text_stats().unwrap().0, 0, "nothing left keyed");
+    }
+
+    #[test]
+    fn salted_chains_match_only_their_salt_and_orphans_are_skipped() {
+        let mut idx = index();
+        let text = prompt(2 * CHUNK_BYTES);
+        let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+        let hashes: Vec<u64> = (0..tokens.len() as u64 / 4).collect();
+        let ev = with(
+            stored(&hashes, None, &tokens, "GPU"),
+            "cache_salt",
+            v("tenant-a"),
+        );
+        apply(&mut idx, 0, vec![ev]);
+        let salted = CacheScope {
+            lora_name: None,
+            cache_salt: Some("tenant-a"),
+        };
+        let shards: std::collections::HashMap<u32, Vec<u8>> =
+            idx.take_text_updates().into_iter().collect();
+        let holds = |scope| {
+            prefix_keys(&text, scope).iter().all(|k| {
+                shards
+                    .get(&shard::shard_of(*k, SHARDS))
+                    .and_then(|b| ShardView::parse(b).ok())
+                    .is_some_and(|v| v.holders(*k).next().is_some())
+            })
+        };
+        assert!(holds(salted));
+        assert!(!holds(CacheScope::default()));
+        // A child whose parent this sidecar never saw gets no keys.
+        apply(
+            &mut idx,
+            1,
+            vec![stored(&[77], Some(76), &[1, 2, 3, 4], "GPU")],
+        );
+        assert_eq!(idx.text_stats().unwrap().1.orphans, 1);
+    }
+
+    #[test]
+    fn ids_outside_the_vocabulary_stop_the_chain() {
+        let mut idx = index();
+        apply(
+            &mut idx,
+            0,
+            vec![stored(
+                &[1, 2],
+                None,
+                &[97, 98, 99, 100, 999, 1, 2, 3],
+                "GPU",
+            )],
+        );
+        let (_, stats) = idx.text_stats().unwrap();
+        assert_eq!(stats.undecodable, 1);
+    }
 }
