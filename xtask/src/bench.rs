@@ -24,6 +24,9 @@
 //! * `quality` ([`crate::quality`]): routing quality of five policies on 8
 //!   simulated workers, two workloads, several rates; plots in
 //!   `bench/plots/`. `--only quality` runs just that one.
+//! * `text` ([`crate::textbench`]): chat and text prompts through the text
+//!   index against the routed-prefix index and token prompts, hit rates
+//!   next to the offline reference; decision cost and memory. `--only text`.
 
 use crate::build::{self, Profile};
 use crate::{cargo, repo, setup};
@@ -117,6 +120,11 @@ pub fn run(args: &[String]) -> Result<()> {
                     "\n## Thermal soak",
                 )
             }
+            "text" => {
+                let v = crate::textbench::run(quick)?;
+                std::fs::write(dir.join("text.json"), serde_json::to_vec_pretty(&v)?)?;
+                (crate::textbench::report(&v), "\n## Text and chat prompts")
+            }
             "dump" => {
                 let v = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;
                 std::fs::write(dir.join("dump.json"), serde_json::to_vec_pretty(&v)?)?;
@@ -124,7 +132,7 @@ pub fn run(args: &[String]) -> Result<()> {
             }
             other => {
                 bail!(
-                    "--only knows overhead, kv, sync, dump, shedding, thermal, planner and quality, not {other:?}"
+                    "--only knows overhead, kv, sync, dump, shedding, thermal, planner, text and quality, not {other:?}"
                 )
             }
         };
@@ -177,6 +185,8 @@ pub fn run(args: &[String]) -> Result<()> {
         dir.join("quality.json"),
         serde_json::to_vec_pretty(&quality)?,
     )?;
+    let text = crate::textbench::run(quick)?;
+    std::fs::write(dir.join("text.json"), serde_json::to_vec_pretty(&text)?)?;
     let thermal = crate::thermalbench::run(quick)?;
     std::fs::write(
         dir.join("thermal.json"),
@@ -195,6 +205,7 @@ pub fn run(args: &[String]) -> Result<()> {
     report.push_str(&selection_report(&selection));
     report.push_str(&crate::shedbench::report(&shedding));
     report.push_str(&quality_section(&quality)?);
+    report.push_str(&crate::textbench::report(&text));
     report.push_str(&crate::thermalbench::report(
         &thermal,
         &repo().join("bench/plots"),
@@ -373,19 +384,30 @@ fn spread(v: &[f64]) -> f64 {
     if v.is_empty() { 0.0 } else { hi - lo }
 }
 
-/// Envoy's own percentiles of a filter histogram, from `/stats`.
-pub fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
+/// Envoy's own percentiles of a filter histogram, from `/stats`, over
+/// everything since Envoy started.
+pub(crate) fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
+    histogram_column(stack, name, 1)
+}
+
+/// The same over Envoy's last stats flush interval (5 s) only: read while
+/// a steady load runs, it leaves out the warm-up (V8 tiering up the filter).
+pub(crate) fn envoy_histogram_interval(stack: &Stack, name: &str) -> Result<Value> {
+    histogram_column(stack, name, 0)
+}
+
+fn histogram_column(stack: &Stack, name: &str, column: usize) -> Result<Value> {
     let (_, body) = http::get(
         &stack.admin_addr(),
         &format!("/stats?filter=wasmcustom\\.{name}$"),
     )?;
     let text = String::from_utf8_lossy(&body);
-    // "wasmcustom.x: P0(a,b) P25(a,b) ..." — the second value is cumulative.
+    // "wasmcustom.x: P0(a,b) P25(a,b) ...": interval, then cumulative.
     let mut out = serde_json::Map::new();
     for part in text.split_whitespace() {
         if let Some((p, vals)) = part.split_once('(')
-            && let Some(cum) = vals.trim_end_matches(')').split(',').nth(1)
-            && let Ok(v) = cum.parse::<f64>()
+            && let Some(v) = vals.trim_end_matches(')').split(',').nth(column)
+            && let Ok(v) = v.parse::<f64>()
         {
             out.insert(p.to_string(), json!(v));
         }

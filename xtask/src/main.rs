@@ -19,8 +19,10 @@ mod kvbench;
 mod plannerbench;
 mod plot;
 mod quality;
+mod replay;
 mod setup;
 mod shedbench;
+mod textbench;
 mod thermalbench;
 
 use anyhow::{Context, Result, bail};

@@ -36,27 +36,52 @@ const POLICIES: [&str; 5] = [
 /// Busy past half of a rank's KV cache (gateway bookings included).
 const SHED_THRESHOLD: f64 = 0.5;
 
+/// Words the fixture vocabulary knows (it was trained on the project's
+/// docs): a synthetic token id becomes one of them, so equal token
+/// prefixes give equal text prefixes.
+pub(crate) fn dictionary() -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(crate::repo().join("README.md"))?;
+    let mut words: Vec<String> = text
+        .split(|c: char| !c.is_ascii_alphabetic())
+        .filter(|w| (3..=10).contains(&w.len()))
+        .map(str::to_lowercase)
+        .collect();
+    words.sort();
+    words.dedup();
+    anyhow::ensure!(words.len() > 200, "too few words in README.md");
+    Ok(words)
+}
+
+pub(crate) fn words(tokens: &[u32], dict: &[String]) -> String {
+    let mut s = String::with_capacity(tokens.len() * 7);
+    for (i, t) in tokens.iter().enumerate() {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(&dict[*t as usize % dict.len()]);
+    }
+    s
+}
+
 /// The same prompt as words, one per token, for the text (approximate)
-/// policy: equal token prefixes give equal text prefixes.
-fn as_text(spec: &RequestSpec) -> RequestSpec {
+/// policy: equal token prefixes give equal text prefixes, and the workers'
+/// tokenizer makes about as many tokens of them (1.3 a word).
+fn as_text(spec: &RequestSpec, dict: &[String]) -> RequestSpec {
     let mut v: Value = serde_json::from_slice(&spec.body).unwrap_or(Value::Null);
-    let text: String = v["prompt"]
+    let tokens: Vec<u32> = v["prompt"]
         .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|t| format!("w{}", t.as_u64().unwrap_or(0)))
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default();
-    v["prompt"] = json!(text);
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.as_u64().map(|t| t as u32))
+        .collect();
+    v["prompt"] = json!(words(&tokens, dict));
     RequestSpec {
         body: Bytes::from(v.to_string()),
         ..spec.clone()
     }
 }
 
-fn sims(stack: &Stack) -> Vec<Value> {
+pub(crate) fn sims(stack: &Stack) -> Vec<Value> {
     stack
         .workers
         .iter()
@@ -79,7 +104,7 @@ fn counter(states: &[Value], key: &str) -> u64 {
 
 /// Empties every worker's prefix cache and waits until nothing is running
 /// and the index has forgotten it.
-fn reset(stack: &Stack) -> Result<()> {
+pub(crate) fn reset(stack: &Stack) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let running: u64 = counter(&sims(stack), "running") + counter(&sims(stack), "waiting");
@@ -135,7 +160,12 @@ fn ms(sorted: &[u64], p: f64) -> f64 {
 }
 
 /// One policy at one rate: the figures and the TTFT distribution.
-fn summarize(outcomes: &[Outcome], before: &[Value], after: &[Value], workers: usize) -> Value {
+pub(crate) fn summarize(
+    outcomes: &[Outcome],
+    before: &[Value],
+    after: &[Value],
+    workers: usize,
+) -> Value {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.status == 200).collect();
     let mut ttft: Vec<u64> = ok.iter().filter_map(|o| o.ttft_us).collect();
     ttft.sort_unstable();
@@ -199,10 +229,13 @@ fn run_policy(
             (t, specs.to_vec())
         }
         "least_request" => (Target::new(stack.plain_url()), specs.to_vec()),
-        "approximate" => (
-            Target::new(stack.envoy_url()),
-            specs.iter().map(as_text).collect(),
-        ),
+        "approximate" => {
+            let dict = dictionary()?;
+            (
+                Target::new(stack.envoy_url()),
+                specs.iter().map(|s| as_text(s, &dict)).collect(),
+            )
+        }
         _ => (Target::new(stack.envoy_url()), specs.to_vec()),
     };
     let before = sims(stack);
@@ -332,10 +365,29 @@ fn fleet(w: &Workload) -> Result<Stack> {
     )
 }
 
+/// The token prompts of `specs`, in order.
+pub fn token_prompts(specs: &[RequestSpec]) -> Vec<Vec<u32>> {
+    specs
+        .iter()
+        .map(|s| {
+            let v: Value = serde_json::from_slice(&s.body).unwrap_or(Value::Null);
+            v["prompt"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t.as_u64().map(|t| t as u32))
+                .collect()
+        })
+        .collect()
+}
+
 pub fn run(quick: bool) -> Result<Value> {
     let rt = tokio::runtime::Runtime::new()?;
     let mut out = Vec::new();
     for w in workloads(quick)? {
+        let reference = w.runs.first().map(|(_, specs, _)| {
+            crate::replay::replay(&token_prompts(specs), 8, w.kv_blocks as usize, 16)
+        });
         let stack = fleet(&w)?;
         let mut rates = Vec::new();
         for (rate, specs, scale) in &w.runs {
@@ -354,7 +406,9 @@ pub fn run(quick: bool) -> Result<Value> {
         }
         out.push(
             json!({"name": w.name, "describe": w.describe, "kv_blocks_per_worker": w.kv_blocks,
-                        "prefill_us_per_token": w.prefill_us_per_token, "rates": rates}),
+                        "prefill_us_per_token": w.prefill_us_per_token, "rates": rates,
+                        "reference_hit_rate": reference.map(|r| r.reference),
+                        "ideal_hit_rate": reference.map(|r| r.ideal)}),
         );
     }
     Ok(json!({
@@ -376,11 +430,14 @@ pub fn report(v: &Value) -> (String, Vec<(String, String)>) {
     let mut plots = Vec::new();
     for w in v["workloads"].as_array().into_iter().flatten() {
         let name = w["name"].as_str().unwrap_or("?");
+        let reference = w["reference_hit_rate"].as_f64().unwrap_or(f64::NAN);
         md.push_str(&format!(
-            "\n### {name}: {} ({} KV blocks per worker, prefill {} µs per uncached token)\n\n| rate | policy | TTFT p50 / p90 / p99 (ms) | e2e p50 / p90 / p99 (ms) | throughput | hit rate | load max / min | 503 |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n",
+            "\n### {name}: {} ({} KV blocks per worker, prefill {} µs per uncached token)\n\nWith these caches, routing with perfect knowledge (offline replay, load ignored) reaches a {:.1} % hit rate; an unbounded cache {:.1} %.\n\n| rate | policy | TTFT p50 / p90 / p99 (ms) | e2e p50 / p90 / p99 (ms) | throughput | hit rate | of reference | load max / min | 503 |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
             w["describe"].as_str().unwrap_or(""),
             w["kv_blocks_per_worker"],
-            w["prefill_us_per_token"]
+            w["prefill_us_per_token"],
+            100.0 * reference,
+            100.0 * w["ideal_hit_rate"].as_f64().unwrap_or(f64::NAN),
         ));
         let rates = w["rates"].as_array().cloned().unwrap_or_default();
         for r in &rates {
@@ -388,7 +445,7 @@ pub fn report(v: &Value) -> (String, Vec<(String, String)>) {
                 let p = &r["policies"][policy];
                 let f = |a: &str, b: &str| p[a][b].as_f64().unwrap_or(f64::NAN);
                 md.push_str(&format!(
-                    "| {} req/s | {policy} | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.1} req/s | {:.1} % | {} / {} | {:.1} % |\n",
+                    "| {} req/s | {policy} | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} / {:.0} | {:.1} req/s | {:.1} % | {:.0} % | {} / {} | {:.1} % |\n",
                     r["rate_per_s"],
                     f("ttft_ms", "p50"),
                     f("ttft_ms", "p90"),
@@ -398,6 +455,7 @@ pub fn report(v: &Value) -> (String, Vec<(String, String)>) {
                     f("e2e_ms", "p99"),
                     p["throughput_rps"].as_f64().unwrap_or(f64::NAN),
                     100.0 * p["hit_rate"].as_f64().unwrap_or(f64::NAN),
+                    100.0 * p["hit_rate"].as_f64().unwrap_or(f64::NAN) / reference,
                     p["max_min_load"]["max"],
                     p["max_min_load"]["min"],
                     100.0 * p["shed_rate"].as_f64().unwrap_or(f64::NAN),

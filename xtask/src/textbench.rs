@@ -1,0 +1,438 @@
+//! `text`: chat and text prompts routed by the text index (precise text)
+//! against the routed-prefix index (approximate) and token prompts
+//! (precise tokens), on the same requests.
+//!
+//! The workers tokenize with the model's real tokenizer (the Llama-3-style
+//! fixture of `tests/fixtures/chat`), so their KV events carry the ids an
+//! engine would; the token-prompt policy sends exactly those ids.
+//!
+//! * quality: a chat version of the shared-prefix workload and the
+//!   Mooncake trace as text, with caches small enough to evict; hit rates
+//!   next to the offline reference ([`crate::replay`]);
+//! * cost: the filter's decision time for a 2k-token chat prompt, text
+//!   index against routed-prefix index, and Envoy's and the sidecar's
+//!   memory with the tokenizer loaded.
+
+use crate::bench::{envoy_histogram, envoy_histogram_interval};
+use crate::build;
+use crate::quality::{dictionary, reset, sims, summarize, words};
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use kvgate_load::workload::{SharedPrefix, mooncake, shared_prefix};
+use kvgate_load::{RequestSpec, Target, run_open_loop};
+use kvgate_sim::tokenizer::RealText;
+use kvgate_stack::{Stack, StackConfig};
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::time::Duration;
+
+const MODEL: &str = "demo-model";
+const POLICIES: [&str; 3] = ["approximate", "precise_text", "precise_token"];
+const WORKERS: usize = 8;
+
+fn fixture(name: &str) -> PathBuf {
+    crate::repo().join("tests/fixtures/chat").join(name)
+}
+
+fn tokenizer_files() -> (PathBuf, PathBuf) {
+    (
+        fixture("llama3-style.tokenizer.json"),
+        fixture("llama3-style.tokenizer_config.json"),
+    )
+}
+
+/// One request in the three shapes the policies send.
+struct Triple {
+    text: RequestSpec,
+    tokens: RequestSpec,
+    ids: Vec<u32>,
+}
+
+fn with_body(spec: &RequestSpec, path: &str, body: Value) -> RequestSpec {
+    RequestSpec {
+        path: path.into(),
+        body: Bytes::from(body.to_string()),
+        ..spec.clone()
+    }
+}
+
+fn prompt_of(spec: &RequestSpec) -> (Vec<u32>, Value) {
+    let v: Value = serde_json::from_slice(&spec.body).unwrap_or(Value::Null);
+    let p = v["prompt"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t.as_u64().map(|t| t as u32))
+        .collect();
+    (p, v)
+}
+
+/// The shared-prefix workload as chats: the group's prefix is the system
+/// prompt, the question the user message.
+fn chat_shared_prefix(
+    specs: &[RequestSpec],
+    prefix_tokens: usize,
+    dict: &[String],
+    real: &RealText,
+) -> Result<Vec<Triple>> {
+    specs
+        .iter()
+        .map(|s| {
+            let (p, v) = prompt_of(s);
+            let (sys, q) = p.split_at(prefix_tokens.min(p.len()));
+            let chat = json!({
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": words(sys, dict)},
+                    {"role": "user", "content": words(q, dict)},
+                ],
+                "max_tokens": v["max_tokens"],
+                "stream": true,
+                "chat_template_kwargs": {"date_string": "26 Jul 2024"},
+            });
+            let ids = real.chat(&chat, 0).map_err(anyhow::Error::msg)?;
+            let tokens = json!({"model": MODEL, "prompt": ids, "max_tokens": v["max_tokens"], "stream": true});
+            Ok(Triple {
+                text: with_body(s, "/v1/chat/completions", chat),
+                tokens: with_body(s, "/v1/completions", tokens),
+                ids,
+            })
+        })
+        .collect()
+}
+
+/// The Mooncake trace as text completions: each 512-token hash block
+/// becomes the same words wherever it recurs.
+fn text_trace(specs: &[RequestSpec], dict: &[String], real: &RealText) -> Result<Vec<Triple>> {
+    specs
+        .iter()
+        .map(|s| {
+            let (p, v) = prompt_of(s);
+            let text = words(&p, dict);
+            let ids = real.prompt(&text).map_err(anyhow::Error::msg)?;
+            let max = v["max_tokens"].as_u64().unwrap_or(1).min(32);
+            Ok(Triple {
+                text: with_body(
+                    s,
+                    "/v1/completions",
+                    json!({"model": MODEL, "prompt": text, "max_tokens": max, "stream": true}),
+                ),
+                tokens: with_body(
+                    s,
+                    "/v1/completions",
+                    json!({"model": MODEL, "prompt": ids, "max_tokens": max, "stream": true}),
+                ),
+                ids,
+            })
+        })
+        .collect()
+}
+
+struct Workload {
+    name: &'static str,
+    describe: String,
+    kv_blocks: u32,
+    prefill_us_per_token: u32,
+    rate: f64,
+    time_scale: f64,
+    requests: Vec<Triple>,
+}
+
+fn workloads(quick: bool) -> Result<Vec<Workload>> {
+    let dict = dictionary()?;
+    let (tok, cfg) = tokenizer_files();
+    let real = RealText::load(&tok, Some(&cfg), None)?;
+    let (groups, per_group, rate) = if quick {
+        (24, 12, 30.0)
+    } else {
+        (48, 16, 40.0)
+    };
+    let prefix_tokens = 1536;
+    let specs = shared_prefix(
+        MODEL,
+        SharedPrefix {
+            groups,
+            per_group,
+            prefix_tokens,
+            question_tokens: 96,
+            output_tokens: 16,
+            rate,
+        },
+        42,
+    );
+    let chat = Workload {
+        name: "chat_shared_prefix",
+        describe: format!(
+            "{groups} groups × {per_group} chats: a {prefix_tokens}-word system prompt shared by the group, a 96-word question, Llama-3-style template, 16 output tokens, Poisson arrivals"
+        ),
+        // A group's prompt is about 130 blocks: eight workers hold about
+        // three groups each at once, so spreading a group evicts.
+        kv_blocks: 640,
+        prefill_us_per_token: 50,
+        rate,
+        time_scale: 1.0,
+        requests: chat_shared_prefix(&specs, prefix_tokens, &dict, &real)?,
+    };
+    let mut out = vec![chat];
+    let path = std::env::var_os("KVGATE_MOONCAKE_TRACE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| crate::repo().join("../shared/data/mooncake/conversation_trace.jsonl"));
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let n = if quick { 300 } else { 600 };
+            let trace = mooncake(&text, MODEL, n, 512).map_err(anyhow::Error::msg)?;
+            let span = trace.last().map_or(1.0, |s| s.at.as_secs_f64()).max(1.0);
+            let rate = 8.0;
+            out.push(Workload {
+                name: "mooncake_text",
+                describe: format!(
+                    "first {n} requests of the Mooncake conversation trace as text completions (a word per trace token, each 512-token hash block the same words wherever it recurs), outputs capped at 32 tokens"
+                ),
+                // 64k tokens a worker, five or six conversations: the
+                // trace's returning conversations find theirs evicted
+                // unless routing keeps them together.
+                kv_blocks: 4096,
+                prefill_us_per_token: 25,
+                rate,
+                time_scale: (trace.len() as f64 / span) / rate,
+                requests: text_trace(&trace, &dict, &real)?,
+            });
+        }
+        Err(_) => eprintln!(
+            "xtask: bench text: no Mooncake trace at {} (set KVGATE_MOONCAKE_TRACE); chat workload only",
+            path.display()
+        ),
+    }
+    Ok(out)
+}
+
+/// Eight workers with the real tokenizer; the sidecar has the model's
+/// prompt files only when `text_index`.
+fn fleet(w: &Workload, text_index: bool) -> Result<Stack> {
+    let (tok, cfg) = tokenizer_files();
+    Stack::start_with(
+        build::release_paths()?,
+        StackConfig {
+            workers: WORKERS,
+            kv_events: true,
+            sim_args: [
+                "--num-gpu-blocks",
+                &w.kv_blocks.to_string(),
+                "--max-running",
+                "16",
+                "--prefill-lanes",
+                "1",
+                "--prefill-us-per-token",
+                &w.prefill_us_per_token.to_string(),
+                "--decode-ms-per-token",
+                "5",
+            ]
+            .map(String::from)
+            .to_vec(),
+            plugin: json!({"max_body_bytes": 4 << 20}),
+            ..StackConfig::default()
+        }
+        .with_prompt_files(&tok, &cfg, text_index),
+    )
+}
+
+fn quality(w: &Workload, rt: &tokio::runtime::Runtime) -> Result<Value> {
+    let ids: Vec<Vec<u32>> = w.requests.iter().map(|t| t.ids.clone()).collect();
+    let reference = crate::replay::replay(&ids, WORKERS, w.kv_blocks as usize, 16);
+    let mut policies = serde_json::Map::new();
+    for (text_index, names) in [(false, &POLICIES[..1]), (true, &POLICIES[1..])] {
+        let stack = fleet(w, text_index)?;
+        for policy in names {
+            eprintln!(
+                "xtask: bench text: {} at {} req/s, {policy} ({} requests)",
+                w.name,
+                w.rate,
+                w.requests.len()
+            );
+            reset(&stack)?;
+            let specs: Vec<RequestSpec> = w
+                .requests
+                .iter()
+                .map(|t| {
+                    if *policy == "precise_token" {
+                        t.tokens.clone()
+                    } else {
+                        t.text.clone()
+                    }
+                })
+                .collect();
+            let before = sims(&stack);
+            let outcomes = rt.block_on(run_open_loop(
+                &Target::new(stack.envoy_url()),
+                &specs,
+                w.time_scale,
+            ));
+            let after = sims(&stack);
+            let mut v = summarize(&outcomes, &before, &after, WORKERS);
+            v["of_reference"] =
+                json!(v["hit_rate"].as_f64().unwrap_or(0.0) / reference.reference.max(1e-9));
+            policies.insert((*policy).into(), v);
+        }
+    }
+    Ok(json!({
+        "name": w.name,
+        "describe": w.describe,
+        "kv_blocks_per_worker": w.kv_blocks,
+        "rate_per_s": w.rate,
+        "reference_hit_rate": reference.reference,
+        "ideal_hit_rate": reference.ideal,
+        "policies": policies,
+    }))
+}
+
+/// Decision time for a 2k-token chat, and memory, with and without the
+/// text index: the same requests on two otherwise equal stacks.
+fn cost(quick: bool, rt: &tokio::runtime::Runtime) -> Result<Value> {
+    let dict = dictionary()?;
+    // At 200 requests a second: 20 s (quick) or 40 s, several flush
+    // intervals of steady state after the warm-up.
+    let n = if quick { 4000 } else { 8000 };
+    let (tok, cfg) = tokenizer_files();
+    let real = RealText::load(&tok, Some(&cfg), None)?;
+    let system: Vec<u32> = (0..1500u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) >> 7)
+        .collect();
+    let system = words(&system, &dict);
+    let specs: Vec<RequestSpec> = (0..n)
+        .map(|i| {
+            let body = json!({
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": format!("question {i}: which worker holds this prefix?")},
+                ],
+                "max_tokens": 1,
+            });
+            RequestSpec {
+                path: "/v1/chat/completions".into(),
+                body: Bytes::from(body.to_string()),
+                stream: false,
+                at: Duration::from_millis(i as u64 * 5),
+                tag: "cost".into(),
+                prompt_tokens: None,
+            }
+        })
+        .collect();
+    let prompt_tokens = real
+        .chat(&serde_json::from_slice(&specs[0].body)?, 0)
+        .map_err(anyhow::Error::msg)?
+        .len();
+    let mut out = serde_json::Map::new();
+    for (name, text_index) in [("approximate", false), ("precise_text", true)] {
+        eprintln!("xtask: bench text: decision cost, {name} ({n} chats of {prompt_tokens} tokens)");
+        let stack = Stack::start_with(
+            build::release_paths()?,
+            StackConfig {
+                workers: 4,
+                kv_events: true,
+                sim_args: vec!["--instant".into()],
+                envoy_concurrency: 2,
+                plugin: json!({"max_body_bytes": 4 << 20}),
+                ..StackConfig::default()
+            }
+            .with_prompt_files(&tok, &cfg, text_index),
+        )?;
+        // The load runs for n × 5 ms; the steady-state window is read
+        // from Envoy's last full flush interval before it ends, after V8
+        // has tiered the filter up.
+        let target = Target::new(stack.envoy_url());
+        let (outcomes, steady) = std::thread::scope(|sc| {
+            let load = sc.spawn(|| rt.block_on(run_open_loop(&target, &specs, 1.0)));
+            std::thread::sleep(
+                Duration::from_millis(n as u64 * 5).saturating_sub(Duration::from_millis(500)),
+            );
+            let steady = envoy_histogram_interval(&stack, "kvgate_decision_us");
+            (load.join(), steady)
+        });
+        let outcomes = outcomes.map_err(|_| anyhow::anyhow!("the load thread panicked"))?;
+        let steady = steady?;
+        let ok = outcomes.iter().filter(|o| o.status == 200).count();
+        // Envoy computes histogram percentiles at its stats flush (5 s).
+        std::thread::sleep(Duration::from_secs(6));
+        let h = envoy_histogram(&stack, "kvgate_decision_us")?;
+        let rendered = stack
+            .envoy_stat("kvgate_prompts_rendered_total")
+            .unwrap_or(0);
+        out.insert(
+            name.into(),
+            json!({
+                "ok": ok,
+                "sent": n,
+                "decision_us": {"p50": h["P50"], "p99": h["P99"]},
+                "steady_decision_us": {"p50": steady["P50"], "p99": steady["P99"]},
+                "rendered": rendered,
+                "envoy_rss_mb": stack.envoy_rss().map(|b| b as f64 / 1048576.0),
+                "sidecar_rss_mb": stack.sidecar_rss().map(|b| b as f64 / 1048576.0),
+            }),
+        );
+    }
+    Ok(json!({"prompt_tokens": prompt_tokens, "requests": n, "policies": out}))
+}
+
+pub fn run(quick: bool) -> Result<Value> {
+    let rt = tokio::runtime::Runtime::new()?;
+    let cost = cost(quick, &rt).context("decision cost")?;
+    let mut out = Vec::new();
+    for w in workloads(quick)? {
+        out.push(quality(&w, &rt).with_context(|| w.name)?);
+    }
+    Ok(json!({"name": "text", "workers": WORKERS, "cost": cost, "workloads": out}))
+}
+
+pub fn report(v: &Value) -> String {
+    let c = &v["cost"];
+    let p =
+        |policy: &str, k: &str, q: &str| c["policies"][policy][k][q].as_f64().unwrap_or(f64::NAN);
+    let m = |policy: &str, k: &str| c["policies"][policy][k].as_f64().unwrap_or(f64::NAN);
+    let mut md = format!(
+        "\n## Text and chat prompts\n\nChat and text prompts matched against the engines' KV events through the text index (`precise_text`; `docs/text-routing.md`), against the routed-prefix index (`approximate`, what models without prompt files get) and against token prompts of the same requests (`precise_token`). The workers tokenize with the Llama-3-style fixture tokenizer, so their events carry the ids a vLLM would.\n\n\
+Decision cost, {} chats of {} tokens at 200 a second (Envoy histogram `kvgate_decision_us`, 2 Envoy workers), steady state (the last 5 s flush interval of the run, V8 tiered up): approximate P50 {:.0} µs / P99 {:.0} µs; precise text P50 {:.0} µs / P99 {:.0} µs (P50 {:+.0} µs). Over the whole run, warm-up included: approximate P50 {:.0} / P99 {:.0} µs, precise text {:.0} / {:.0} µs. Memory after the run: Envoy {:.0} MB with the text index, {:.0} MB without; sidecar {:.0} MB with the tokenizer's vocabulary, {:.0} MB without.\n",
+        c["requests"],
+        c["prompt_tokens"],
+        p("approximate", "steady_decision_us", "p50"),
+        p("approximate", "steady_decision_us", "p99"),
+        p("precise_text", "steady_decision_us", "p50"),
+        p("precise_text", "steady_decision_us", "p99"),
+        p("precise_text", "steady_decision_us", "p50")
+            - p("approximate", "steady_decision_us", "p50"),
+        p("approximate", "decision_us", "p50"),
+        p("approximate", "decision_us", "p99"),
+        p("precise_text", "decision_us", "p50"),
+        p("precise_text", "decision_us", "p99"),
+        m("precise_text", "envoy_rss_mb"),
+        m("approximate", "envoy_rss_mb"),
+        m("precise_text", "sidecar_rss_mb"),
+        m("approximate", "sidecar_rss_mb"),
+    );
+    for w in v["workloads"].as_array().into_iter().flatten() {
+        md.push_str(&format!(
+            "\n### {}: {} ({} KV blocks per worker, {} req/s)\n\nReference (perfect knowledge, offline replay through the same caches): {:.1} % hit rate; unbounded cache: {:.1} %.\n\n| policy | hit rate | of reference | TTFT p50 / p90 / p99 (ms) | load max / min |\n| --- | --- | --- | --- | --- |\n",
+            w["name"].as_str().unwrap_or("?"),
+            w["describe"].as_str().unwrap_or(""),
+            w["kv_blocks_per_worker"],
+            w["rate_per_s"],
+            100.0 * w["reference_hit_rate"].as_f64().unwrap_or(f64::NAN),
+            100.0 * w["ideal_hit_rate"].as_f64().unwrap_or(f64::NAN),
+        ));
+        for policy in POLICIES {
+            let p = &w["policies"][policy];
+            let f = |a: &str, b: &str| p[a][b].as_f64().unwrap_or(f64::NAN);
+            md.push_str(&format!(
+                "| {policy} | {:.1} % | {:.0} % | {:.0} / {:.0} / {:.0} | {} / {} |\n",
+                100.0 * p["hit_rate"].as_f64().unwrap_or(f64::NAN),
+                100.0 * p["of_reference"].as_f64().unwrap_or(f64::NAN),
+                f("ttft_ms", "p50"),
+                f("ttft_ms", "p90"),
+                f("ttft_ms", "p99"),
+                p["max_min_load"]["max"],
+                p["max_min_load"]["min"],
+            ));
+        }
+    }
+    md
+}
