@@ -43,6 +43,9 @@ pub struct RouterMetrics {
     pub retry_admitted: Option<u32>,
     /// Text requests of a templated model rendered for the text index.
     pub rendered: Option<u32>,
+    /// Those assembled from their conversation shape's skeleton, without
+    /// running the template.
+    pub assembled: Option<u32>,
     /// Those matched approximately instead: the template is not in shared
     /// data yet, does not compile, or failed on the request.
     pub render_errors: Option<u32>,
@@ -75,6 +78,7 @@ impl RouterMetrics {
             streams_cut: define(MetricType::Counter, "kvgate_streams_cut_total"),
             retry_admitted: define(MetricType::Counter, "kvgate_retry_admitted_total"),
             rendered: define(MetricType::Counter, "kvgate_prompts_rendered_total"),
+            assembled: define(MetricType::Counter, "kvgate_prompts_assembled_total"),
             render_errors: define(MetricType::Counter, "kvgate_prompt_render_errors_total"),
         }
     }

@@ -316,16 +316,22 @@ fn check_template(data: &[u8]) -> bool {
         return false;
     };
     assert_eq!(t.encode(), data, "template round trip");
-    if let Ok(r) = Renderer::new(t) {
-        let messages = serde_json::Value::Array(vec![serde_json::Value::Object(
-            [
-                ("role".to_string(), "user".into()),
-                ("content".to_string(), "hi".into()),
-            ]
-            .into_iter()
-            .collect(),
-        )]);
-        let _ = r.chat(&messages, None, None, 0);
+    if let Ok(mut r) = Renderer::new(t) {
+        // Whatever the template, assembling from a skeleton gives what the
+        // template renders, for the shape that built it and the next chat.
+        for content in ["hi", "there </think> now", "second"] {
+            let messages = serde_json::json!([
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": content},
+            ]);
+            let full = r.chat(&messages, None, None, 0);
+            let cached = r.chat_cached(&messages, None, None, 0);
+            match (full, cached) {
+                (Ok(a), Ok((b, _))) => assert_eq!(a, b, "skeleton differs from the template"),
+                (Err(_), Err(_)) => {}
+                (a, b) => panic!("template {a:?} but skeleton {b:?}"),
+            }
+        }
     }
     true
 }

@@ -67,6 +67,42 @@ fn rendered_chats_equal_transformers_text() {
     assert!(chats >= 16);
 }
 
+/// The filter assembles most chats from their shape's skeleton instead of
+/// running the template: every case, rendered through one cache per
+/// template as a router VM does (so later cases reuse earlier shapes, and
+/// each case is rendered a second time from its own), is still the text
+/// `transformers` rendered.
+#[test]
+fn chats_assembled_from_skeletons_equal_transformers_text() {
+    let mut renderers: std::collections::HashMap<String, kvgate_core::text::template::Renderer> =
+        Default::default();
+    let mut assembled = 0;
+    for case in cases() {
+        if case["messages"].is_null() {
+            continue;
+        }
+        let r = renderers
+            .entry(case["tokenizer_config"].as_str().unwrap().to_string())
+            .or_insert_with(|| {
+                kvgate_core::text::template::Renderer::new(prompt(&case).template).unwrap()
+            });
+        let tools = Some(&case["tools"]).filter(|t| !t.is_null());
+        let kwargs = case["chat_template_kwargs"].as_object();
+        for _ in 0..2 {
+            let (text, path) = r
+                .chat_cached(&case["messages"], tools, kwargs, 0)
+                .unwrap_or_else(|e| panic!("{}: {e}", case["name"]));
+            assert_eq!(text, case["text"].as_str().unwrap(), "{}", case["name"]);
+            if path == kvgate_core::text::skeleton::Path::Skeleton {
+                assembled += 1;
+            }
+        }
+    }
+    // Plain chats of both templates take the skeleton; tools, content
+    // parts of the Llama-style template and padded contents do not.
+    assert!(assembled >= 10, "{assembled}");
+}
+
 #[test]
 fn completion_prompts_get_the_tokenizers_special_tokens() {
     for case in cases() {

@@ -1,5 +1,6 @@
 //! OpenAI request bodies, as far as routing needs them.
 
+use crate::text::skeleton::Path;
 use crate::text::template::{Renderer, TemplateError};
 use serde_json::{Map, Value};
 
@@ -68,16 +69,21 @@ impl Parsed {
     /// completion behind the tokens its tokenizer adds. On an error the
     /// request keeps its approximate text (the engine will likely refuse
     /// it, but that is for the engine to say).
-    pub fn render(&mut self, r: &Renderer, unix_s: u64) -> Result<(), TemplateError> {
-        let text = match (&self.chat, &self.text) {
-            (Some(c), _) => r.chat(&c.messages, c.tools.as_ref(), c.kwargs.as_ref(), unix_s)?,
-            (None, Some(t)) => r.completion(t),
-            (None, None) => return Ok(()),
+    /// Returns how a chat was rendered (`None` for a completion prompt).
+    pub fn render(&mut self, r: &mut Renderer, unix_s: u64) -> Result<Option<Path>, TemplateError> {
+        let (text, path) = match (&self.chat, &self.text) {
+            (Some(c), _) => {
+                let (text, path) =
+                    r.chat_cached(&c.messages, c.tools.as_ref(), c.kwargs.as_ref(), unix_s)?;
+                (text, Some(path))
+            }
+            (None, Some(t)) => (r.completion(t), None),
+            (None, None) => return Ok(None),
         };
         self.isl_tokens = estimate_tokens(&text);
         self.text = Some(text);
         self.rendered = true;
-        Ok(())
+        Ok(path)
     }
 }
 
@@ -348,7 +354,7 @@ mod tests {
     #[test]
     fn render_replaces_the_approximate_text() {
         use crate::text::template::PromptTemplate;
-        let r = Renderer::new(PromptTemplate {
+        let mut r = Renderer::new(PromptTemplate {
             chat_template: "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
                 .into(),
             completion_prefix: "<s>".into(),
@@ -359,13 +365,13 @@ mod tests {
             Endpoint::Chat,
             r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
         );
-        p.render(&r, 0).unwrap();
+        p.render(&mut r, 0).unwrap();
         assert_eq!((p.text.as_deref(), p.rendered), (Some("[user]hi"), true));
         let mut p = ok(Endpoint::Completions, r#"{"model":"m","prompt":"abc"}"#);
-        p.render(&r, 0).unwrap();
+        p.render(&mut r, 0).unwrap();
         assert_eq!(p.text.as_deref(), Some("<s>abc"));
         let mut p = ok(Endpoint::Completions, r#"{"model":"m","prompt":[1,2]}"#);
-        p.render(&r, 0).unwrap();
+        p.render(&mut r, 0).unwrap();
         assert!(!p.rendered, "token prompts are left alone");
     }
 

@@ -12,6 +12,7 @@
 //! as a [`PromptTemplate`] blob; every router VM compiles it once per
 //! version.
 
+use super::skeleton::{Path, Skeletons};
 use crate::wire::{Reader, WireError};
 use minijinja::value::Kwargs;
 use minijinja::{Environment, ErrorKind, Value as JinjaValue};
@@ -101,19 +102,26 @@ impl PromptTemplate {
     }
 }
 
-/// A compiled template.
+/// A compiled template, with its cache of conversation skeletons
+/// ([`super::skeleton`]).
 pub struct Renderer {
+    compiled: Compiled,
+    skeletons: Skeletons,
+}
+
+/// The template as minijinja runs it.
+pub(super) struct Compiled {
     env: Environment<'static>,
     template: PromptTemplate,
     /// Whether the template walks a message's content parts itself; if
     /// not, vLLM joins text parts with newlines first.
-    content_parts: bool,
+    pub(super) content_parts: bool,
 }
 
 impl std::fmt::Debug for Renderer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Renderer")
-            .field("version", &self.template.version())
+            .field("version", &self.compiled.template.version())
             .finish()
     }
 }
@@ -131,14 +139,17 @@ impl Renderer {
             .map_err(|e| TemplateError::Compile(e.to_string()))?;
         let content_parts = walks_content(&template.chat_template);
         Ok(Renderer {
-            env,
-            template,
-            content_parts,
+            skeletons: Skeletons::new(&template.chat_template),
+            compiled: Compiled {
+                env,
+                template,
+                content_parts,
+            },
         })
     }
 
     pub fn template(&self) -> &PromptTemplate {
-        &self.template
+        &self.compiled.template
     }
 
     /// Renders a chat request's `messages` (with `tools` and the body's
@@ -151,20 +162,60 @@ impl Renderer {
         kwargs: Option<&Map<String, Value>>,
         unix_s: u64,
     ) -> Result<String, TemplateError> {
-        // One conversion into template values, no copies before it: the
-        // messages are most of a request's bytes.
-        let messages = if self.content_parts {
-            JinjaValue::from_serialize(messages)
+        if self.compiled.content_parts {
+            self.compiled.chat_joined(messages, tools, kwargs, unix_s)
         } else {
-            JinjaValue::from_serialize(joined_text_parts(messages))
-        };
+            let joined = joined_text_parts(messages);
+            self.compiled.chat_joined(&joined, tools, kwargs, unix_s)
+        }
+    }
+
+    /// [`Renderer::chat`], assembled from the conversation shape's skeleton
+    /// where the chat allows (the same text, without running the template).
+    pub fn chat_cached(
+        &mut self,
+        messages: &Value,
+        tools: Option<&Value>,
+        kwargs: Option<&Map<String, Value>>,
+        unix_s: u64,
+    ) -> Result<(String, Path), TemplateError> {
+        self.skeletons
+            .chat(&self.compiled, messages, tools, kwargs, unix_s)
+    }
+
+    /// Skeletons built and chats assembled from one, so far.
+    pub fn skeleton_counts(&self) -> (u64, u64) {
+        self.skeletons.counts()
+    }
+
+    /// A completion prompt as the engine tokenizes it: with the tokens its
+    /// tokenizer adds in front.
+    pub fn completion(&self, prompt: &str) -> String {
+        let prefix = &self.compiled.template.completion_prefix;
+        let mut s = String::with_capacity(prefix.len() + prompt.len());
+        s.push_str(prefix);
+        s.push_str(prompt);
+        s
+    }
+}
+
+impl Compiled {
+    /// Runs the template over `messages` whose content parts are already
+    /// joined where the template wants strings.
+    pub(super) fn chat_joined(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        kwargs: Option<&Map<String, Value>>,
+        unix_s: u64,
+    ) -> Result<String, TemplateError> {
         let add_generation_prompt = kwargs
             .and_then(|k| k.get("add_generation_prompt"))
             .and_then(Value::as_bool)
             .unwrap_or(true);
         let extra = kwargs.map_or(JinjaValue::UNDEFINED, JinjaValue::from_serialize);
         let ctx = minijinja::context! {
-            messages,
+            messages => JinjaValue::from_serialize(messages),
             tools => JinjaValue::from_serialize(tools.unwrap_or(&Value::Null)),
             add_generation_prompt,
             bos_token => self.template.bos_token.as_str(),
@@ -179,20 +230,25 @@ impl Renderer {
         tmpl.render(ctx)
             .map_err(|e| TemplateError::Render(e.to_string()))
     }
+}
 
-    /// A completion prompt as the engine tokenizes it: with the tokens its
-    /// tokenizer adds in front.
-    pub fn completion(&self, prompt: &str) -> String {
-        let mut s = String::with_capacity(self.template.completion_prefix.len() + prompt.len());
-        s.push_str(&self.template.completion_prefix);
-        s.push_str(prompt);
-        s
-    }
+/// Runs `f`, returning with its result every `strftime_now` it called:
+/// (format, what it gave).
+pub(super) fn recording_clock<T>(f: impl FnOnce() -> T) -> (T, Vec<(String, String)>) {
+    CLOCK_READS.with(|r| *r.borrow_mut() = Some(Vec::new()));
+    let out = f();
+    let reads = CLOCK_READS
+        .with(|r| r.borrow_mut().take())
+        .unwrap_or_default();
+    (out, reads)
 }
 
 std::thread_local! {
     /// The render's clock, for `strftime_now`: core reads no clock itself.
     static NOW: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// `strftime_now` calls, while [`recording_clock`] runs.
+    static CLOCK_READS: std::cell::RefCell<Option<Vec<(String, String)>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 /// Whether a `{% for %}` of the template iterates over message content
@@ -206,7 +262,7 @@ fn walks_content(src: &str) -> bool {
 }
 
 /// vLLM's "string" content format: text parts joined with newlines.
-fn joined_text_parts(messages: &Value) -> Value {
+pub(super) fn joined_text_parts(messages: &Value) -> Value {
     let Some(list) = messages.as_array() else {
         return messages.clone();
     };
@@ -241,7 +297,13 @@ fn raise_exception(msg: String) -> Result<JinjaValue, minijinja::Error> {
 }
 
 fn strftime_now(format: String) -> String {
-    strftime(&format, NOW.with(std::cell::Cell::get))
+    let out = strftime(&format, NOW.with(std::cell::Cell::get));
+    CLOCK_READS.with(|r| {
+        if let Some(reads) = r.borrow_mut().as_mut() {
+            reads.push((format, out.clone()));
+        }
+    });
+    out
 }
 
 /// Python's `json.dumps(value, ensure_ascii=False, indent=..., sort_keys=...)`,
@@ -315,7 +377,7 @@ fn py_float(f: f64) -> String {
 }
 
 /// A small `strftime` in UTC: the directives chat templates use.
-fn strftime(format: &str, unix_s: u64) -> String {
+pub(super) fn strftime(format: &str, unix_s: u64) -> String {
     const MONTHS: [&str; 12] = [
         "January",
         "February",

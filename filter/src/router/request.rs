@@ -13,6 +13,7 @@ use kvgate_core::booking::{Event, Key, Timing};
 use kvgate_core::plan::local::Release;
 use kvgate_core::plan::request::{Endpoint, parse};
 use kvgate_core::plan::{self, Placement, Plan, Rejection, retry};
+use kvgate_core::text::skeleton::Path;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
@@ -167,12 +168,16 @@ impl Request {
             let rendered = st
                 .templates
                 .get(&m.name, m.prompt_template)
-                .is_some_and(|r| req.render(r, host::now_ms() / 1000).is_ok());
-            inc(if rendered {
-                st.metrics.rendered
-            } else {
-                st.metrics.render_errors
-            });
+                .map(|r| req.render(r, host::now_ms() / 1000));
+            match rendered {
+                Some(Ok(path)) => {
+                    inc(st.metrics.rendered);
+                    if path == Some(Path::Skeleton) {
+                        inc(st.metrics.assembled);
+                    }
+                }
+                _ => inc(st.metrics.render_errors),
+            }
         }
         st.tie_break = st.tie_break.wrapping_add(1);
         let selecting = host::now_us();

@@ -18,7 +18,7 @@ impl Templates {
     /// The renderer of `model`'s template `version`; `None` while the blob
     /// the snapshot names has not reached shared data, or when it does not
     /// compile (logged once per version).
-    pub fn get(&mut self, model: &str, version: u64) -> Option<&Renderer> {
+    pub fn get(&mut self, model: &str, version: u64) -> Option<&mut Renderer> {
         let fresh = matches!(self.by_model.get(model), Some((v, _)) if *v == version);
         if !fresh {
             let bytes = host::get_shared(&shard_key(&template_key(model), 0))?;
@@ -44,6 +44,6 @@ impl Templates {
                 }
             }
         }
-        self.by_model.get(model).and_then(|(_, r)| r.as_ref())
+        self.by_model.get_mut(model).and_then(|(_, r)| r.as_mut())
     }
 }
