@@ -408,6 +408,7 @@ pub fn run(quick: bool) -> Result<Value> {
             json!({"name": w.name, "describe": w.describe, "kv_blocks_per_worker": w.kv_blocks,
                         "prefill_us_per_token": w.prefill_us_per_token, "rates": rates,
                         "reference_hit_rate": reference.map(|r| r.reference),
+                        "reference_floor_blocks": reference.map(|r| r.floor.0),
                         "ideal_hit_rate": reference.map(|r| r.ideal)}),
         );
     }

@@ -128,6 +128,15 @@ fn text_trace(specs: &[RequestSpec], dict: &[String], real: &RealText) -> Result
         .collect()
 }
 
+/// KV blocks a worker needs so that no request is refused as too long:
+/// its longest prompt and `output_tokens`, in 16-token blocks, rounded up
+/// to a multiple of 1024 and at least 4096.
+fn fitting_blocks(requests: &[Triple], output_tokens: usize) -> u32 {
+    let longest = requests.iter().map(|t| t.ids.len()).max().unwrap_or(0);
+    let need = (longest + output_tokens).div_ceil(16);
+    need.div_ceil(1024).max(4) as u32 * 1024
+}
+
 struct Workload {
     name: &'static str,
     describe: String,
@@ -181,6 +190,7 @@ fn workloads(quick: bool) -> Result<Vec<Workload>> {
         Ok(text) => {
             let n = if quick { 300 } else { 600 };
             let trace = mooncake(&text, MODEL, n, 512).map_err(anyhow::Error::msg)?;
+            let requests = text_trace(&trace, &dict, &real)?;
             let span = trace.last().map_or(1.0, |s| s.at.as_secs_f64()).max(1.0);
             let rate = 8.0;
             out.push(Workload {
@@ -188,14 +198,16 @@ fn workloads(quick: bool) -> Result<Vec<Workload>> {
                 describe: format!(
                     "first {n} requests of the Mooncake conversation trace as text completions (a word per trace token, each 512-token hash block the same words wherever it recurs), outputs capped at 32 tokens"
                 ),
-                // 64k tokens a worker, five or six conversations: the
-                // trace's returning conversations find theirs evicted
-                // unless routing keeps them together.
-                kv_blocks: 4096,
+                // Room for the longest prompt (the words tokenize to about
+                // two tokens each, so the trace's longest need some 15k
+                // blocks) and little more: the fleet holds a fraction of
+                // the trace's prompts, and returning conversations find
+                // theirs evicted unless routing keeps them together.
+                kv_blocks: fitting_blocks(&requests, 32),
                 prefill_us_per_token: 25,
                 rate,
                 time_scale: (trace.len() as f64 / span) / rate,
-                requests: text_trace(&trace, &dict, &real)?,
+                requests,
             });
         }
         Err(_) => eprintln!(
@@ -280,6 +292,8 @@ fn quality(w: &Workload, rt: &tokio::runtime::Runtime) -> Result<Value> {
         "kv_blocks_per_worker": w.kv_blocks,
         "rate_per_s": w.rate,
         "reference_hit_rate": reference.reference,
+        "reference_floor_blocks": reference.floor.0,
+        "reference_floor_fraction": (reference.floor.1 != usize::MAX).then_some(reference.floor.1),
         "ideal_hit_rate": reference.ideal,
         "policies": policies,
     }))
