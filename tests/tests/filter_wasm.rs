@@ -1239,6 +1239,17 @@ fn chat_prompts_are_rendered_and_matched_against_the_text_index() {
         "the engine's cached text outweighs 20 decode blocks"
     );
     assert_eq!(e.counter("kvgate_prompts_rendered_total"), 1);
+    // That system prompt ends in a space the template trims, so the chat
+    // ran the template; without it, the chat is assembled from its
+    // shape's skeleton, renders the same text and goes to the same rank.
+    assert_eq!(e.counter("kvgate_prompts_assembled_total"), 0);
+    let trimmed = json!({"model": "m", "messages": [
+        {"role": "system", "content": system.trim_end()},
+        {"role": "user", "content": "which worker?"},
+    ]});
+    let ex = e.routers[0].request(&CHAT, &[trimmed.to_string().as_bytes()]);
+    assert_eq!(ex.destination(), Some("10.0.0.3:8000"));
+    assert_eq!(e.counter("kvgate_prompts_assembled_total"), 1);
     // Another system prompt matches nothing: least loaded.
     let other = json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(3000)}]});
     let ex = e.routers[1].request(&CHAT, &[other.to_string().as_bytes()]);

@@ -139,7 +139,10 @@ mod tests {
         giant.extend(5000..7000);
         prompts.insert(1, giant);
         let with_giant = replay(&prompts, 2, 64, 16);
-        assert!((with_giant.reference - r.reference).abs() < 1e-9, "{with_giant:?}");
+        assert!(
+            (with_giant.reference - r.reference).abs() < 1e-9,
+            "{with_giant:?}"
+        );
         assert!((with_giant.ideal - r.ideal).abs() < 1e-9);
     }
 

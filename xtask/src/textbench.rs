@@ -425,11 +425,15 @@ Decision cost, {} chats of {} tokens at 200 a second (Envoy histogram `kvgate_de
     );
     for w in v["workloads"].as_array().into_iter().flatten() {
         md.push_str(&format!(
-            "\n### {}: {} ({} KV blocks per worker, {} req/s)\n\nReference (perfect knowledge, offline replay through the same caches): {:.1} % hit rate; unbounded cache: {:.1} %.\n\n| policy | hit rate | of reference | TTFT p50 / p90 / p99 (ms) | load max / min |\n| --- | --- | --- | --- | --- |\n",
+            "\n### {}: {} ({} KV blocks per worker, {} req/s)\n\nReference (perfect knowledge, offline replay through the same caches, best cold floor {} blocks{}): {:.1} % hit rate; unbounded cache: {:.1} %.\n\n| policy | hit rate | of reference | TTFT p50 / p90 / p99 (ms) | load max / min |\n| --- | --- | --- | --- | --- |\n",
             w["name"].as_str().unwrap_or("?"),
             w["describe"].as_str().unwrap_or(""),
             w["kv_blocks_per_worker"],
             w["rate_per_s"],
+            w["reference_floor_blocks"],
+            w["reference_floor_fraction"]
+                .as_u64()
+                .map_or(String::new(), |f| format!(" or 1/{f} of the prompt")),
             100.0 * w["reference_hit_rate"].as_f64().unwrap_or(f64::NAN),
             100.0 * w["ideal_hit_rate"].as_f64().unwrap_or(f64::NAN),
         ));
