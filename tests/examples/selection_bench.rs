@@ -11,9 +11,8 @@
 use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
 use kvgate_core::shard::{Holder, TIER_DEVICE, encode, shard_of};
 use kvgate_core::update;
-use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState};
-use kvgate_tests::filter_wasm;
 use kvgate_tests::host::{Filter, Shared, Vm};
+use kvgate_tests::{bench_snapshot, filter_wasm};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -29,40 +28,12 @@ fn tokens(worker: u16, chain: usize) -> Vec<u32> {
         .collect()
 }
 
-fn snapshot(shard_count: u32) -> Snapshot {
-    Snapshot {
-        version: 1,
-        built_at_ms: 1,
-        models: vec![ModelState {
-            name: "m".into(),
-            shard_count,
-            workers: (0..WORKERS)
-                .map(|w| WorkerState {
-                    id: w as u64 + 1,
-                    endpoint: format!("10.0.0.{}:8000", w + 1),
-                    block_size: 16,
-                    ranks: vec![RankLoad {
-                        slot: w,
-                        kv_total_blocks: 200_000,
-                        ..Default::default()
-                    }],
-                    tenant: "default".into(),
-                    thermal: Default::default(),
-                    draining: false,
-                })
-                .collect(),
-            ..Default::default()
-        }],
-        applied: Vec::new(),
-    }
-}
-
 fn run(with_index: bool, prompts: &[String], shards: &HashMap<u32, Vec<u8>>) -> (Vec<f64>, usize) {
     let filter = Filter::load(&filter_wasm()).expect("filter module");
     let shared = Shared::new();
     let mut svc =
         Vm::start(&filter, &shared, "kvgate", "kvgate_snapshot_service", "").expect("service VM");
-    let snap = snapshot(if with_index { SHARDS } else { 0 })
+    let snap = bench_snapshot(WORKERS, if with_index { SHARDS } else { 0 })
         .encode()
         .expect("snapshot");
     let frame = if with_index {

@@ -8,14 +8,14 @@
 //! sidecar fills it from KV events). Prints one JSON object; the
 //! difference of the medians is what rendering and the text index add.
 
+use kvgate_core::Snapshot;
 use kvgate_core::hash::CacheScope;
 use kvgate_core::shard::{Holder, TIER_DEVICE, encode, shard_of};
 use kvgate_core::text::template::{PromptTemplate, Renderer};
 use kvgate_core::text::{self, prefix_keys};
 use kvgate_core::update;
-use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState};
-use kvgate_tests::filter_wasm;
 use kvgate_tests::host::{Filter, Shared, Vm};
+use kvgate_tests::{bench_snapshot, filter_wasm};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -73,32 +73,9 @@ fn chat(worker: u16, i: usize) -> Value {
 }
 
 fn snapshot(template_version: u64) -> Snapshot {
-    Snapshot {
-        version: 1,
-        built_at_ms: 1,
-        models: vec![ModelState {
-            name: "m".into(),
-            shard_count: 4096,
-            prompt_template: template_version,
-            workers: (0..WORKERS)
-                .map(|w| WorkerState {
-                    id: u64::from(w) + 1,
-                    endpoint: format!("10.0.0.{}:8000", w + 1),
-                    block_size: 16,
-                    ranks: vec![RankLoad {
-                        slot: w,
-                        kv_total_blocks: 200_000,
-                        ..Default::default()
-                    }],
-                    tenant: "default".into(),
-                    thermal: Default::default(),
-                    draining: false,
-                })
-                .collect(),
-            ..Default::default()
-        }],
-        applied: Vec::new(),
-    }
+    let mut s = bench_snapshot(WORKERS, 4096);
+    s.models[0].prompt_template = template_version;
+    s
 }
 
 /// The text index as the sidecar publishes it: worker `w` holds every

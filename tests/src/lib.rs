@@ -4,6 +4,7 @@
 
 pub mod host;
 
+use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState};
 use std::path::PathBuf;
 
 /// The filter module under test: `KVGATE_FILTER_WASM`, or the release-wasm
@@ -15,4 +16,35 @@ pub fn filter_wasm() -> PathBuf {
             PathBuf::from(env!("CARGO_MANIFEST_DIR"))
                 .join("../target/wasm32-wasip1/release-wasm/kvgate_filter.wasm")
         })
+}
+
+/// The fleet the in-process benches route over: model `m` with `workers`
+/// single-rank workers (slot = index, 16-token blocks, 200k KV blocks,
+/// idle) at `10.0.0.<index + 1>:8000`.
+pub fn bench_snapshot(workers: u16, shard_count: u32) -> Snapshot {
+    Snapshot {
+        version: 1,
+        built_at_ms: 1,
+        models: vec![ModelState {
+            name: "m".into(),
+            shard_count,
+            workers: (0..workers)
+                .map(|w| WorkerState {
+                    id: u64::from(w) + 1,
+                    endpoint: format!("10.0.0.{}:8000", w + 1),
+                    block_size: 16,
+                    ranks: vec![RankLoad {
+                        slot: w,
+                        kv_total_blocks: 200_000,
+                        ..Default::default()
+                    }],
+                    tenant: "default".into(),
+                    thermal: Default::default(),
+                    draining: false,
+                })
+                .collect(),
+            ..Default::default()
+        }],
+        applied: Vec::new(),
+    }
 }

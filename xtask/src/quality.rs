@@ -342,27 +342,36 @@ fn workloads(quick: bool) -> Result<Vec<Workload>> {
 fn fleet(w: &Workload) -> Result<Stack> {
     Stack::start_with(
         build::release_paths()?,
-        StackConfig {
-            workers: 8,
-            kv_events: true,
-            sim_args: [
-                "--num-gpu-blocks",
-                &w.kv_blocks.to_string(),
-                "--max-running",
-                "16",
-                "--prefill-lanes",
-                "1",
-                "--prefill-us-per-token",
-                &w.prefill_us_per_token.to_string(),
-                "--decode-ms-per-token",
-                "5",
-            ]
-            .map(String::from)
-            .to_vec(),
-            plugin: json!({"max_body_bytes": 4 << 20}),
-            ..StackConfig::default()
-        },
+        fleet_config(w.kv_blocks, w.prefill_us_per_token),
     )
+}
+
+/// Workers of the quality benches' fleets.
+pub(crate) const WORKERS: usize = 8;
+
+/// The simulated workers as the quality benches run them: KV blocks of 16
+/// tokens, 16 running a worker, one prefill at a time, 5 ms a token.
+pub(crate) fn fleet_config(kv_blocks: u32, prefill_us_per_token: u32) -> StackConfig {
+    StackConfig {
+        workers: WORKERS,
+        kv_events: true,
+        sim_args: [
+            "--num-gpu-blocks",
+            &kv_blocks.to_string(),
+            "--max-running",
+            "16",
+            "--prefill-lanes",
+            "1",
+            "--prefill-us-per-token",
+            &prefill_us_per_token.to_string(),
+            "--decode-ms-per-token",
+            "5",
+        ]
+        .map(String::from)
+        .to_vec(),
+        plugin: json!({"max_body_bytes": 4 << 20}),
+        ..StackConfig::default()
+    }
 }
 
 /// The token prompts of `specs`, in order.
@@ -386,7 +395,7 @@ pub fn run(quick: bool) -> Result<Value> {
     let mut out = Vec::new();
     for w in workloads(quick)? {
         let reference = w.runs.first().map(|(_, specs, _)| {
-            crate::replay::replay(&token_prompts(specs), 8, w.kv_blocks as usize, 16)
+            crate::replay::replay(&token_prompts(specs), WORKERS, w.kv_blocks as usize, 16)
         });
         let stack = fleet(&w)?;
         let mut rates = Vec::new();

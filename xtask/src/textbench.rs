@@ -15,7 +15,7 @@
 
 use crate::bench::{envoy_histogram, envoy_histogram_interval};
 use crate::build;
-use crate::quality::{dictionary, reset, sims, summarize, words};
+use crate::quality::{WORKERS, dictionary, fleet_config, reset, sims, summarize, words};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use kvgate_load::workload::{SharedPrefix, mooncake, shared_prefix};
@@ -28,7 +28,6 @@ use std::time::Duration;
 
 const MODEL: &str = "demo-model";
 const POLICIES: [&str; 3] = ["approximate", "precise_text", "precise_token"];
-const WORKERS: usize = 8;
 
 fn fixture(name: &str) -> PathBuf {
     crate::repo().join("tests/fixtures/chat").join(name)
@@ -224,27 +223,7 @@ fn fleet(w: &Workload, text_index: bool) -> Result<Stack> {
     let (tok, cfg) = tokenizer_files();
     Stack::start_with(
         build::release_paths()?,
-        StackConfig {
-            workers: WORKERS,
-            kv_events: true,
-            sim_args: [
-                "--num-gpu-blocks",
-                &w.kv_blocks.to_string(),
-                "--max-running",
-                "16",
-                "--prefill-lanes",
-                "1",
-                "--prefill-us-per-token",
-                &w.prefill_us_per_token.to_string(),
-                "--decode-ms-per-token",
-                "5",
-            ]
-            .map(String::from)
-            .to_vec(),
-            plugin: json!({"max_body_bytes": 4 << 20}),
-            ..StackConfig::default()
-        }
-        .with_prompt_files(&tok, &cfg, text_index),
+        fleet_config(w.kv_blocks, w.prefill_us_per_token).with_prompt_files(&tok, &cfg, text_index),
     )
 }
 

@@ -494,17 +494,9 @@ fn assemble(s: &Skeleton, contents: &[&str]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::text::template::{PromptTemplate, Renderer};
+    use crate::text::template::Renderer;
+    use crate::text::template::tests::renderer;
     use serde_json::json;
-
-    fn renderer(src: &str) -> Renderer {
-        Renderer::new(PromptTemplate {
-            chat_template: src.into(),
-            bos_token: "<s>".into(),
-            ..Default::default()
-        })
-        .unwrap()
-    }
 
     /// Renders twice through the cache and once by the template; returns
     /// the text and the second render's path.

@@ -452,11 +452,12 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use serde_json::json;
 
-    fn renderer(src: &str) -> Renderer {
+    /// A renderer of `src` with `<s>` and `</s>` as its special tokens.
+    pub(in crate::text) fn renderer(src: &str) -> Renderer {
         Renderer::new(PromptTemplate {
             chat_template: src.into(),
             bos_token: "<s>".into(),
