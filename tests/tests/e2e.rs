@@ -370,28 +370,6 @@ fn stale_state_fails_closed_when_configured() {
     assert_eq!(r.header("x-kvgate-reason"), Some("stale_state"));
 }
 
-/// Waits until the sidecar's snapshot shows `n` busy workers and Envoy
-/// holds that snapshot: the next request is decided on it.
-fn wait_busy(stack: &Stack, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let state = stack.sidecar_state().unwrap();
-        let busy = state["models"][0]["workers"]
-            .as_array()
-            .map(|ws| ws.iter().filter(|w| w["ranks"][0]["busy"] == true).count())
-            .unwrap_or(0);
-        let version = state["version"].as_u64().unwrap_or(u64::MAX);
-        if busy >= n && stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{n} workers never became busy: {state}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// A token prompt: `prefix_blocks` blocks of 16 tokens shared by `group`,
 /// then a few tokens unique to `i`.
 fn grouped(group: u32, i: u32, prefix_blocks: u32) -> Vec<u32> {

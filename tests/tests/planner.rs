@@ -161,11 +161,17 @@ fn a_request_shed_during_a_scale_up_is_told_when_it_serves() {
         .as_u64()
         .expect("a scale-up has an ETA");
     assert!(eta_ms <= 6000, "{m}");
-    // Long requests fill both workers past their thresholds.
+    // Long requests fill both workers past their thresholds. The second
+    // goes only once Envoy holds the snapshot that shows the first worker
+    // busy: two router threads deciding on one snapshot could send both
+    // hogs to the same worker and leave the other free.
     let hogs: Vec<_> = (0..2)
         .map(|k| {
             let addr = stack.envoy_addr();
-            std::thread::spawn(move || completion(&addr, &unique_prompt(800 + k, 100), 30))
+            let hog =
+                std::thread::spawn(move || completion(&addr, &unique_prompt(800 + k, 100), 30));
+            wait_busy(&stack, k as usize + 1);
+            hog
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(10);
