@@ -152,10 +152,11 @@ pub fn gather(
             if holds_all_but_last(model, tenant, &cached.precise, keys.len()) {
                 return (cached, None);
             }
-            let mut chunks = approx::chunk_hashes(text);
-            approx::scope_chunks(&mut chunks, scope);
-            cached.routed = approximate(model, &chunks, &mut read);
-            (cached, Some((ChunkKind::Tokens, chunks)))
+            // A prefix key names its chunk's whole prefix, scope included,
+            // as a chained chunk hash does: the keys serve the routed-prefix
+            // index too, and the text is hashed once.
+            cached.routed = approximate(model, &keys, &mut read);
+            (cached, Some((ChunkKind::Tokens, keys)))
         }
         (None, Some(text)) => {
             let mut chunks = approx::chunk_hashes(text);
@@ -433,6 +434,10 @@ mod tests {
             (kind, chunks.len()),
             (ChunkKind::Tokens, 6),
             "bridged until events"
+        );
+        assert_eq!(
+            chunks, keys,
+            "the routed bridge is keyed by the prefix keys"
         );
         // Not rendered (the VM has no template yet): approximate only.
         let (cached, report) = gather(&m, &req(false), &m.workers[0].tenant, &mut read);
