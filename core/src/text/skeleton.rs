@@ -304,55 +304,50 @@ impl Skeletons {
         kwargs: Option<&Map<String, Value>>,
         unix_s: u64,
     ) -> Result<(String, Path), TemplateError> {
-        let joined;
-        let messages = if c.content_parts {
-            messages
-        } else {
-            joined = super::template::joined_text_parts(messages);
-            &joined
+        let messages = &*c.joined(messages);
+        let assembled = match self.plain(messages, tools) {
+            Some(contents) => self
+                .skeleton(c, messages, kwargs, unix_s)
+                .map(|s| assemble(s, &contents)),
+            None => None,
         };
-        let Some(contents) = self.plain(messages, tools) else {
-            return Ok((
-                c.chat_joined(messages, tools, kwargs, unix_s)?,
-                Path::Template,
-            ));
-        };
+        if let Some(text) = assembled {
+            self.used += 1;
+            return Ok((text, Path::Skeleton));
+        }
+        Ok((
+            c.chat_joined(messages, tools, kwargs, unix_s)?,
+            Path::Template,
+        ))
+    }
+
+    /// The skeleton of the chat's shape, built if it is new or read the
+    /// clock differently now; `None` if the shape fails the check.
+    fn skeleton(
+        &mut self,
+        c: &Compiled,
+        messages: &Value,
+        kwargs: Option<&Map<String, Value>>,
+        unix_s: u64,
+    ) -> Option<&Skeleton> {
         let key = shape_key(messages, kwargs);
-        let fresh = match self.by_shape.get(&key) {
-            None => false,
-            Some(None) => {
-                return Ok((
-                    c.chat_joined(messages, tools, kwargs, unix_s)?,
-                    Path::Template,
-                ));
-            }
-            Some(Some(s)) => s
+        let stale = match self.by_shape.get(&key) {
+            None => true,
+            Some(None) => return None,
+            Some(Some(s)) => !s
                 .clock
                 .iter()
                 .all(|(f, out)| super::template::strftime(f, unix_s) == *out),
         };
-        if !fresh {
+        if stale {
             if self.by_shape.len() >= MAX_SHAPES {
                 self.by_shape.clear();
             }
-            let built = build(c, messages, kwargs, unix_s);
             self.built += 1;
-            self.by_shape.insert(key, built);
-            if self.by_shape.get(&key).is_some_and(Option::is_none) {
-                return Ok((
-                    c.chat_joined(messages, tools, kwargs, unix_s)?,
-                    Path::Template,
-                ));
-            }
+            self.by_shape
+                .insert(key, build(c, messages, kwargs, unix_s));
         }
-        let Some(Some(s)) = self.by_shape.get(&key) else {
-            return Ok((
-                c.chat_joined(messages, tools, kwargs, unix_s)?,
-                Path::Template,
-            ));
-        };
-        self.used += 1;
-        Ok((assemble(s, &contents), Path::Skeleton))
+        self.by_shape.get(&key)?.as_ref()
     }
 
     /// The contents of a chat of plain `{role, content}` messages that the

@@ -17,6 +17,7 @@ use crate::wire::{Reader, WireError};
 use minijinja::value::Kwargs;
 use minijinja::{Environment, ErrorKind, Value as JinjaValue};
 use serde_json::{Map, Value};
+use std::borrow::Cow;
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -115,7 +116,7 @@ pub(super) struct Compiled {
     template: PromptTemplate,
     /// Whether the template walks a message's content parts itself; if
     /// not, vLLM joins text parts with newlines first.
-    pub(super) content_parts: bool,
+    content_parts: bool,
 }
 
 impl std::fmt::Debug for Renderer {
@@ -162,12 +163,8 @@ impl Renderer {
         kwargs: Option<&Map<String, Value>>,
         unix_s: u64,
     ) -> Result<String, TemplateError> {
-        if self.compiled.content_parts {
-            self.compiled.chat_joined(messages, tools, kwargs, unix_s)
-        } else {
-            let joined = joined_text_parts(messages);
-            self.compiled.chat_joined(&joined, tools, kwargs, unix_s)
-        }
+        let messages = self.compiled.joined(messages);
+        self.compiled.chat_joined(&messages, tools, kwargs, unix_s)
     }
 
     /// [`Renderer::chat`], assembled from the conversation shape's skeleton
@@ -200,6 +197,16 @@ impl Renderer {
 }
 
 impl Compiled {
+    /// `messages` as the template reads them: vLLM joins content parts
+    /// with newlines unless the template walks them itself.
+    pub(super) fn joined<'a>(&self, messages: &'a Value) -> Cow<'a, Value> {
+        if self.content_parts {
+            Cow::Borrowed(messages)
+        } else {
+            Cow::Owned(joined_text_parts(messages))
+        }
+    }
+
     /// Runs the template over `messages` whose content parts are already
     /// joined where the template wants strings.
     pub(super) fn chat_joined(
@@ -262,7 +269,7 @@ fn walks_content(src: &str) -> bool {
 }
 
 /// vLLM's "string" content format: text parts joined with newlines.
-pub(super) fn joined_text_parts(messages: &Value) -> Value {
+fn joined_text_parts(messages: &Value) -> Value {
     let Some(list) = messages.as_array() else {
         return messages.clone();
     };
