@@ -58,6 +58,15 @@ pub fn bins(profile: Profile) -> Result<()> {
     sh(&cargo(), &args, &[])
 }
 
+/// The release sidecar alone, for `cargo xtask dist`.
+pub fn sidecar_release() -> Result<()> {
+    sh(
+        &cargo(),
+        &["build", "--locked", "--release", "-p", "kvgate-sidecar"],
+        &[],
+    )
+}
+
 /// Where the release build's parts are, for the demo and the benchmarks.
 pub fn release_paths() -> Result<Paths> {
     let mut paths = Paths::discover()?;

@@ -9,11 +9,16 @@
 //! * `bench`  — benchmarks (see `bench/`); `--quick` for a short run.
 //! * `fuzz`   — fuzzes every decoder of outside input (see `fuzz/README.md`):
 //!   libFuzzer where `cargo +nightly fuzz` works, else the built-in engine.
+//! * `deploy-check` — the `deploy/` checks `test` runs before building:
+//!   the alert rules (promtool) and the manifests' Kubernetes schemas.
+//! * `dist`   — the release sidecar binary and `.wasm` with its sha256 in
+//!   `target/dist/`, for `deploy/docker/` and the platforms' wasm sources.
 
 mod apibench;
 mod bench;
 mod build;
 mod demo;
+mod dist;
 mod fuzz;
 mod kvbench;
 mod plannerbench;
@@ -47,9 +52,15 @@ fn run() -> Result<()> {
         "lint" => lint(),
         "bench" => bench::run(rest),
         "fuzz" => fuzz::run(rest),
+        "dist" => dist::run(),
+        "deploy-check" => {
+            setup::all()?;
+            alert_rules()?;
+            manifests()
+        }
         "help" | "--help" | "-h" => {
             println!(
-                "usage: cargo xtask <setup|demo|test|lint|bench [--quick]|fuzz [--seconds N] [--target NAME] [--engine builtin|libfuzzer]>"
+                "usage: cargo xtask <setup|demo|test|lint|bench [--quick]|fuzz [--seconds N] [--target NAME] [--engine builtin|libfuzzer]|deploy-check|dist>"
             );
             Ok(())
         }
@@ -87,11 +98,13 @@ fn cargo() -> String {
 fn test(rest: &[String]) -> Result<()> {
     setup::all()?;
     alert_rules()?;
+    manifests()?;
     build::wasm()?;
     build::bins(build::Profile::Debug)?;
     let wasm = build::wasm_path();
     let bins = build::Profile::Debug.dir();
     let envoy = setup::envoy_path();
+    let prometheus = setup::prometheus_path();
     let mut args = vec!["test", "--workspace", "--all-targets"];
     args.extend(rest.iter().map(String::as_str));
     sh(
@@ -101,6 +114,7 @@ fn test(rest: &[String]) -> Result<()> {
             ("KVGATE_FILTER_WASM", &wasm),
             ("KVGATE_BIN_DIR", &bins),
             ("KVGATE_ENVOY", &envoy),
+            ("KVGATE_PROMETHEUS", &prometheus),
         ],
     )
 }
@@ -133,6 +147,57 @@ fn alert_rules() -> Result<()> {
     }
     Ok(())
 }
+
+/// The deploy manifests' Kubernetes kinds (Deployment, Service,
+/// ConfigMap, ...) against Kubernetes' JSON schemas, strictly (unknown
+/// fields are errors). Custom resources (Envoy Gateway, Istio, KEDA,
+/// Prometheus Operator) have no schema there and are only warned about;
+/// tests/tests/deploy.rs checks their fields.
+fn manifests() -> Result<()> {
+    let tool = setup::kubernetes_validate_path();
+    let mut files = Vec::new();
+    for dir in MANIFEST_DIRS {
+        let mut found: Vec<PathBuf> = std::fs::read_dir(repo().join(dir))
+            .with_context(|| format!("listing {dir}"))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+            .collect();
+        found.sort();
+        files.extend(found);
+    }
+    let out = Command::new(&tool)
+        .args(["--strict", "-k", KUBERNETES_VERSION])
+        .args(&files)
+        .current_dir(repo())
+        .output()
+        .with_context(|| format!("running {}", tool.display()))?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let passed = text.lines().filter(|l| l.starts_with("INFO")).count();
+    anyhow::ensure!(
+        out.status.success() && !text.contains("ERROR"),
+        "deploy manifests do not validate against Kubernetes {KUBERNETES_VERSION}:\n{text}"
+    );
+    // A file that stopped parsing as Kubernetes objects would pass silently.
+    anyhow::ensure!(passed > 0, "kubernetes-validate validated nothing:\n{text}");
+    eprintln!(
+        "xtask: {passed} Kubernetes objects in {} manifest files validate against {KUBERNETES_VERSION}",
+        files.len()
+    );
+    Ok(())
+}
+
+/// Where the Kubernetes manifests are.
+const MANIFEST_DIRS: [&str; 4] = [
+    "deploy/kubernetes",
+    "deploy/envoy-gateway",
+    "deploy/istio",
+    "deploy/autoscaling",
+];
+
+/// The oldest Kubernetes the plain Deployment runs on without a feature
+/// gate (image volumes are on by default from 1.35).
+const KUBERNETES_VERSION: &str = "1.35";
 
 fn lint() -> Result<()> {
     sh(&cargo(), &["fmt", "--all", "--check"], &[])?;

