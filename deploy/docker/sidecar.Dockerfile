@@ -5,6 +5,9 @@
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
+# The workspace's release profile keeps debug info for profiling; the image
+# needs none of it (nine tenths of the binary's size).
+ENV CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols
 # libzmq is vendored and built by the zmq crate (a C++ compiler is in the
 # image); nothing else is needed from the system.
 COPY . .
