@@ -16,6 +16,17 @@ pub enum OnStale {
     FailClosed,
 }
 
+/// Who polls the sidecar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PollerMode {
+    /// The bootstrap `WasmService` root (`kvgate_snapshot_service`).
+    Singleton,
+    /// One of the router roots, by a lease in shared data
+    /// ([`crate::lease`]): for hosts that load HTTP filters only.
+    Lease,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -50,6 +61,15 @@ pub struct Config {
     pub retry_headroom_pct: u32,
     /// The longest `Retry-After` a shed request is given.
     pub max_retry_after_s: u32,
+    pub poller: PollerMode,
+    /// How long a lease holder that stops renewing keeps the lease;
+    /// absent: [`Config::lease_term`] derives it from `stale_after_ms`.
+    #[serde(rename = "lease_ms", deserialize_with = "millis_opt")]
+    pub lease: Option<Duration>,
+    /// Failover drills only: the lease holder stops ticking this long after
+    /// taking the lease, as a stuck worker thread would (it still serves
+    /// requests), so that another root must take over.
+    pub lease_drill_stop_after_ms: Option<u64>,
 }
 
 impl Default for Config {
@@ -72,6 +92,9 @@ impl Default for Config {
             retry_after_s: 1,
             retry_headroom_pct: 50,
             max_retry_after_s: 30,
+            poller: PollerMode::Singleton,
+            lease: None,
+            lease_drill_stop_after_ms: None,
         }
     }
 }
@@ -92,6 +115,10 @@ fn millis<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     u64::deserialize(d).map(Duration::from_millis)
 }
 
+fn millis_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    Option::<u64>::deserialize(d).map(|v| v.map(Duration::from_millis))
+}
+
 /// A duration in the host clock's unit.
 pub fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -108,6 +135,17 @@ impl Config {
             serde_json::from_slice(bytes).map_err(|e| ConfigError::Json(e.to_string()))?;
         c.validate()?;
         Ok(c)
+    }
+
+    /// The poller lease's term: as configured, else a second, or a third
+    /// of `stale_after_ms` when that is shorter (but two ticks at least),
+    /// so that a takeover always lands before the state goes stale.
+    pub fn lease_term(&self) -> Duration {
+        self.lease.unwrap_or_else(|| {
+            (self.stale_after / 3)
+                .min(Duration::from_secs(1))
+                .max(self.tick * 2)
+        })
     }
 
     fn validate(&mut self) -> Result<(), ConfigError> {
@@ -164,6 +202,19 @@ impl Config {
                 ms(self.poll_wait)
             ));
         }
+        // A lost holder is replaced within a lease and a tick, and the new
+        // holder's first poll does not wait: freshness survives it.
+        let lease = self.lease_term();
+        if self.poller == PollerMode::Lease
+            && (lease < self.tick * 2 || lease + self.tick >= self.stale_after)
+        {
+            return invalid(format!(
+                "lease_ms ({}) must be at least twice tick_ms ({}) and, with a tick, under stale_after_ms ({})",
+                ms(lease),
+                ms(self.tick),
+                ms(self.stale_after)
+            ));
+        }
         Ok(())
     }
 }
@@ -192,6 +243,22 @@ mod tests {
         assert_eq!(c.served_by_header, "", "empty turns the header off");
         let c = Config::parse(Some(br#"{"sidecar_token":"s3cret"}"#)).unwrap();
         assert_eq!(c.sidecar_token.as_deref(), Some("s3cret"));
+        let c = Config::parse(Some(br#"{"poller":"lease","lease_ms":2000}"#)).unwrap();
+        assert_eq!(
+            (c.poller, c.lease_term()),
+            (PollerMode::Lease, Duration::from_secs(2))
+        );
+        let c = Config::parse(Some(br#"{"poller":"lease"}"#)).unwrap();
+        assert_eq!(c.lease_term(), Duration::from_secs(1));
+        let c = Config::parse(Some(
+            br#"{"poller":"lease","stale_after_ms":800,"poll_wait_ms":300}"#,
+        ))
+        .unwrap();
+        assert_eq!(ms(c.lease_term()), 266);
+        assert!(
+            Config::parse(Some(br#"{"lease_ms":50}"#)).is_ok(),
+            "the lease is not checked in singleton mode"
+        );
     }
 
     #[test]
@@ -211,6 +278,9 @@ mod tests {
             br#"{"max_retry_after_s": 0}"#,
             br#"{"retry_after_s": 40, "max_retry_after_s": 30}"#,
             br#"{"retry_headroom_pct": 5000}"#,
+            br#"{"poller": "elected"}"#,
+            br#"{"poller": "lease", "lease_ms": 150}"#,
+            br#"{"poller": "lease", "lease_ms": 5000}"#,
         ] {
             assert!(
                 Config::parse(Some(bad)).is_err(),

@@ -37,6 +37,16 @@ pub fn set_shared(key: &str, value: &[u8]) -> Result<(), Status> {
     hostcalls::set_shared_data(key, Some(value), None)
 }
 
+/// A shared-data value with its compare-and-swap token.
+pub fn get_shared_cas(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+    hostcalls::get_shared_data(key).unwrap_or((None, None))
+}
+
+/// Writes `value` unless the key changed since `cas` was read.
+pub fn set_shared_cas(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
+    hostcalls::set_shared_data(key, Some(value), cas)
+}
+
 /// Rewrites a shared-data value that other VMs may be rewriting too:
 /// `f` maps the current value to the new one (None: leave it), and the
 /// write is retried on a compare-and-swap mismatch, a few times at most.

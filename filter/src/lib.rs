@@ -8,6 +8,10 @@
 //! * `kvgate_router` ([`router`]): the HTTP filter on every worker thread
 //!   that, per request, routes to a worker or answers locally.
 //!
+//! Where only HTTP filters can be loaded (Envoy Gateway, Istio),
+//! `"poller": "lease"` has one router root at a time play the service's
+//! part instead ([`lease`], [`standby`]).
+//!
 //! The decision itself is `kvgate_core::plan`, shared with the sidecar's
 //! selection API. What is left here is host-agnostic and tested natively
 //! ([`config`], [`poller`], [`manifest`], [`reply`]) or thin glue over
@@ -20,19 +24,22 @@
 
 mod config;
 mod host;
+mod lease;
 mod manifest;
 mod metrics;
 mod poller;
 mod reply;
 mod router;
 mod service;
+mod standby;
 mod view;
 
-use config::Config;
+use config::{Config, PollerMode};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 use router::{Request, RouterState};
 use service::Service;
+use standby::Standby;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -42,7 +49,8 @@ pub const SERVICE_ROOT_ID: &str = "kvgate_snapshot_service";
 enum Root {
     Unconfigured,
     Service(Box<Service>),
-    Router(Rc<RefCell<RouterState>>),
+    /// A router; in lease mode also a candidate poller.
+    Router(Rc<RefCell<RouterState>>, Option<Box<Standby>>),
 }
 
 impl Context for Root {
@@ -53,8 +61,10 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
-        if let Root::Service(s) = self {
-            s.on_response(token, body_size);
+        match self {
+            Root::Service(s) => s.on_response(token, body_size),
+            Root::Router(_, Some(standby)) => standby.on_response(token, body_size),
+            _ => {}
         }
     }
 }
@@ -94,21 +104,43 @@ impl RootContext for Root {
             let vm_id = host::property(&["plugin_vm_id"])
                 .and_then(|b| String::from_utf8(b).ok())
                 .unwrap_or_else(|| "kvgate".into());
-            *self = Root::Router(Rc::new(RefCell::new(RouterState::new(config, vm_id))));
+            let standby = match config.poller {
+                PollerMode::Singleton => None,
+                PollerMode::Lease => {
+                    if let Err(s) = host::set_tick_period(config.tick) {
+                        host::log(
+                            LogLevel::Error,
+                            &format!("kvgate: cannot set tick period: {s:?}"),
+                        );
+                        return false;
+                    }
+                    Some(Box::new(Standby::new(config.clone())))
+                }
+            };
+            *self = Root::Router(
+                Rc::new(RefCell::new(RouterState::new(config, vm_id))),
+                standby,
+            );
         }
         true
     }
 
     fn on_tick(&mut self) {
-        if let Root::Service(s) = self {
-            s.poll();
-            s.send_bookings();
+        match self {
+            Root::Service(s) => {
+                s.poll();
+                s.send_bookings();
+            }
+            Root::Router(_, Some(standby)) => standby.on_tick(),
+            _ => {}
         }
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        if let Root::Service(s) = self {
-            s.on_queue_ready(queue_id);
+        match self {
+            Root::Service(s) => s.on_queue_ready(queue_id),
+            Root::Router(_, Some(standby)) => standby.on_queue_ready(queue_id),
+            _ => {}
         }
     }
 
@@ -117,7 +149,7 @@ impl RootContext for Root {
         // expected to see streams) still hands out a context that does
         // nothing.
         match self {
-            Root::Router(state) => Some(Box::new(Request::new(state.clone()))),
+            Root::Router(state, _) => Some(Box::new(Request::new(state.clone()))),
             _ => Some(Box::new(PassThrough)),
         }
     }

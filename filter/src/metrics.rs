@@ -88,6 +88,11 @@ impl RouterMetrics {
     }
 }
 
+/// Times a router root took the poller lease (lease mode).
+pub fn lease_takeovers() -> Option<u32> {
+    define(MetricType::Counter, "kvgate_lease_takeovers_total")
+}
+
 #[derive(Debug, Default)]
 pub struct ServiceMetrics {
     pub polls: Option<u32>,

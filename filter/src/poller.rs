@@ -33,6 +33,17 @@ pub enum PollError {
 }
 
 impl Poller {
+    /// Carries on from the manifest another poller left in shared data
+    /// (a lease taken over): the next poll asks for what changed since.
+    /// Shards the last holder wrote and a later reset drops are cleared
+    /// only if this poller wrote them too (the ABI cannot list keys).
+    pub fn resume(manifest: Manifest) -> Poller {
+        Poller {
+            manifest,
+            ..Poller::default()
+        }
+    }
+
     pub fn due(&self, now_ms: u64) -> bool {
         !self.in_flight && now_ms >= self.retry_at_ms
     }

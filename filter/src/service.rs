@@ -26,6 +26,9 @@ pub struct Service {
     routed_token: Option<u32>,
     /// `Bearer <token>` when the sidecar requires one.
     authorization: Option<String>,
+    /// The next poll asks for an immediate answer: a lease just taken
+    /// over, when the manifest's freshness may be running out.
+    prompt: bool,
 }
 
 fn register(name: &str) -> Option<u32> {
@@ -43,10 +46,25 @@ fn register(name: &str) -> Option<u32> {
 
 impl Service {
     pub fn new(config: Config) -> Service {
+        Self::with_poller(config, Poller::default(), false)
+    }
+
+    /// Takes over from the root that held the poller lease: carries on
+    /// from the manifest it left, and registers the queues again so that
+    /// their notifications now wake this root.
+    pub fn take_over(config: Config) -> Service {
+        let manifest = host::get_shared(crate::manifest::KEY)
+            .and_then(|b| crate::manifest::Manifest::decode(&b))
+            .unwrap_or_default();
+        Self::with_poller(config, Poller::resume(manifest), true)
+    }
+
+    fn with_poller(config: Config, poller: Poller, prompt: bool) -> Service {
         Service {
             authorization: config.sidecar_token.as_ref().map(|t| format!("Bearer {t}")),
             config,
-            poller: Poller::default(),
+            poller,
+            prompt,
             metrics: ServiceMetrics::define(),
             poll_token: None,
             queue: register(host::ROUTED_QUEUE),
@@ -143,12 +161,14 @@ impl Service {
             return;
         }
         let c = &self.config;
-        let path = self.poller.path(ms(c.poll_wait));
+        let wait = if self.prompt { 0 } else { ms(c.poll_wait) };
+        let path = self.poller.path(wait);
         // The call's own timeout leaves the sidecar time to answer a full wait.
         let timeout = c.poll_wait + Duration::from_secs(2);
         match host::dispatch_get(&c.sidecar_cluster, &c.sidecar_authority, &path, timeout) {
             Ok(token) => {
                 self.poll_token = Some(token);
+                self.prompt = false;
                 self.poller.sent();
                 inc(self.metrics.polls);
             }

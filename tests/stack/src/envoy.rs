@@ -64,3 +64,20 @@ pub fn render(template: &Path, v: &Vars) -> Result<String> {
     }
     Ok(out)
 }
+
+/// `yaml` with the bootstrap snapshot service taken out: what a host that
+/// loads HTTP filters only runs.
+pub fn without_snapshot_service(yaml: &str) -> Result<String> {
+    let start = yaml
+        .find("bootstrap_extensions:")
+        .context("envoy.yaml has no bootstrap_extensions")?;
+    let end = yaml[start..]
+        .find("\nstatic_resources:")
+        .map(|i| start + i + 1)
+        .context("envoy.yaml has no static_resources after its bootstrap_extensions")?;
+    let out = format!("{}{}", &yaml[..start], &yaml[end..]);
+    if out.contains("WasmService") {
+        bail!("envoy.yaml still names a WasmService once its bootstrap extensions are out");
+    }
+    Ok(out)
+}

@@ -64,6 +64,11 @@ pub struct StackConfig {
     /// Workers' simulated GPUs are named in the catalog and read from their
     /// dcgm-exporter pages.
     pub thermal: Option<ThermalStack>,
+    /// Envoy loads the filter as an HTTP filter only, with no bootstrap
+    /// snapshot service (`"poller": "lease"`), as Envoy Gateway and Istio
+    /// do. Defaults to whether `KVGATE_HTTP_FILTER_ONLY` is set, so that a
+    /// test binary's suite can run again in that mode unchanged.
+    pub http_filter_only: bool,
 }
 
 impl StackConfig {
@@ -139,6 +144,7 @@ impl Default for StackConfig {
             replica_sync: false,
             selection_api: false,
             thermal: None,
+            http_filter_only: std::env::var_os("KVGATE_HTTP_FILTER_ONLY").is_some(),
         }
     }
 }
@@ -499,9 +505,13 @@ impl Stack {
             o.entry("sidecar_token")
                 .or_insert_with(|| serde_json::Value::String(token.clone()));
         }
+        if let (true, Some(o)) = (self.config.http_filter_only, overrides.as_object_mut()) {
+            o.entry("poller")
+                .or_insert_with(|| serde_json::Value::String("lease".into()));
+        }
         let plugin = envoy::plugin_config(&overrides);
         let endpoints: Vec<String> = self.workers.iter().map(Worker::endpoint).collect();
-        let yaml = envoy::render(
+        let mut yaml = envoy::render(
             &self.paths.repo.join("envoy/envoy.yaml"),
             &envoy::Vars {
                 admin_port: gw.admin_port,
@@ -515,6 +525,9 @@ impl Stack {
                 tenant_jwks: jwt::jwks(&self.tenant_key),
             },
         )?;
+        if self.config.http_filter_only {
+            yaml = envoy::without_snapshot_service(&yaml)?;
+        }
         let path = self.run_dir.join(format!("envoy{}.yaml", gw.tag));
         std::fs::write(&path, yaml).context("writing envoy.yaml")?;
         let args = vec![
