@@ -18,6 +18,21 @@ pub fn filter_wasm() -> PathBuf {
         })
 }
 
+/// The filter module, compiled once per test binary (compiling takes most
+/// of a wasm test's time).
+pub fn shared_filter() -> &'static host::Filter {
+    static F: std::sync::OnceLock<host::Filter> = std::sync::OnceLock::new();
+    F.get_or_init(|| {
+        let path = filter_wasm();
+        assert!(
+            path.exists(),
+            "{} is missing: build the filter first: cargo xtask test builds it (or cargo build -p kvgate-filter --target wasm32-wasip1 --profile release-wasm)",
+            path.display()
+        );
+        host::Filter::load(&path).unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()))
+    })
+}
+
 /// The fleet the in-process benches route over: model `m` with `workers`
 /// single-rank workers (slot = index, 16-token blocks, 200k KV blocks,
 /// idle) at `10.0.0.<index + 1>:8000`.

@@ -16,7 +16,6 @@ use serde_json::{Value, json};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 /// The header kvgate's filter names its destination in, unless configured.
 const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -407,18 +406,8 @@ fn the_plain_deployment_runs_both_containers_unprivileged() {
     }
 }
 
-/// Compiled once: compiling the module takes most of this file's time.
 fn filter() -> &'static Filter {
-    static F: OnceLock<Filter> = OnceLock::new();
-    F.get_or_init(|| {
-        let path = filter_wasm();
-        assert!(
-            path.exists(),
-            "{} is missing: cargo xtask test builds it",
-            path.display()
-        );
-        Filter::load(&path).unwrap()
-    })
+    kvgate_tests::shared_filter()
 }
 
 /// The filter's configuration without `poller`, when the filter refuses

@@ -5,22 +5,12 @@
 use kvgate_core::shard::{Holder, encode as encode_shard};
 use kvgate_core::update;
 use kvgate_core::{ModelState, RankLoad, Snapshot, Thermal, ThermalState, WorkerState};
-use kvgate_tests::filter_wasm;
+
 use kvgate_tests::host::{Filter, Shared, SharedRef, Vm};
 use serde_json::{Value, json};
-use std::sync::OnceLock;
 
 fn filter() -> &'static Filter {
-    static F: OnceLock<Filter> = OnceLock::new();
-    F.get_or_init(|| {
-        let path = filter_wasm();
-        assert!(
-            path.exists(),
-            "{} is missing: build the filter first: cargo xtask test builds it (or cargo build -p kvgate-filter --target wasm32-wasip1 --profile release-wasm)",
-            path.display()
-        );
-        Filter::load(&path).unwrap()
-    })
+    kvgate_tests::shared_filter()
 }
 
 fn rank(rank: u32, decode: u64, busy: bool) -> RankLoad {

