@@ -28,6 +28,12 @@ impl Sidecar {
         for ev in events {
             // Peers hear what this sidecar's gateways booked and released.
             let copy = self.replica().is_some().then(|| ev.clone());
+            let isl = match &ev {
+                kvgate_core::booking::Event::Done {
+                    timing: Some(t), ..
+                } => Some(u64::from(t.isl_tokens)),
+                _ => None,
+            };
             // The planner learns latency against the load the request met.
             match &ev {
                 kvgate_core::booking::Event::Book {
@@ -84,6 +90,21 @@ impl Sidecar {
                 }
                 Effect::Refused => {
                     tracing::debug!("booking for a rank that is gone: ignored");
+                }
+                // The predicted hit rate counts requests whose prompt
+                // length the gateway reported, once they end.
+                Effect::Ended { slot, uncached } => {
+                    if let (Some(rank), Some(isl)) = (owners.get(slot), isl) {
+                        let model = [rank.model.as_str()];
+                        metrics
+                            .routed_prompt_tokens
+                            .with_label_values(&model)
+                            .inc_by(isl);
+                        metrics
+                            .routed_cached_tokens
+                            .with_label_values(&model)
+                            .inc_by(isl.saturating_sub(*uncached));
+                    }
                 }
                 Effect::Released | Effect::Unknown => {}
             }
@@ -268,7 +289,9 @@ fn gateway_sync(
         (Event::FirstByte { key }, Effect::Released) => {
             Some(SyncEvent::PrefillComplete(SyncId::Gateway(key)))
         }
-        (Event::Done { key, .. }, Effect::Released) => Some(SyncEvent::Free(SyncId::Gateway(key))),
+        (Event::Done { key, .. }, Effect::Ended { .. }) => {
+            Some(SyncEvent::Free(SyncId::Gateway(key)))
+        }
         _ => None,
     }
 }

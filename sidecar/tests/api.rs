@@ -367,14 +367,40 @@ async fn bookings_load_ranks_until_released() {
     })
     .await;
     assert_eq!(rank().await["active_decode_blocks"], 200);
+    // The request's prompt was 4096 tokens, of which 3000 were booked as
+    // uncached: 1096 were predicted cached.
+    let timing = kvgate_core::booking::Timing {
+        first_byte_us: 20_000,
+        total_us: 90_000,
+        isl_tokens: 4096,
+        output_tokens: 8,
+    };
     assert_eq!(
-        post(Event::Done { key, timing: None }.encode()).await.0,
+        post(
+            Event::Done {
+                key,
+                timing: Some(timing)
+            }
+            .encode()
+        )
+        .await
+        .0,
         204
     );
     wait_until("decode released", async || {
         rank().await["active_decode_blocks"] == 0
     })
     .await;
+    let (_, _, m) = call("GET", &format!("{base}/metrics"), None).await;
+    let m = String::from_utf8(m).unwrap();
+    assert!(
+        m.contains("kvgate_sidecar_routed_prompt_tokens_total{model=\"m\"} 4096"),
+        "{m}"
+    );
+    assert!(
+        m.contains("kvgate_sidecar_routed_cached_tokens_total{model=\"m\"} 1096"),
+        "{m}"
+    );
     // A malformed batch is refused whole and changes nothing.
     let (status, _, body) = post(vec![42, 1, 2]).await;
     assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));

@@ -134,6 +134,14 @@ pub(crate) fn mirror_index(
             );
         }
     }
+    for (slot, lag) in &stats.event_lag {
+        if let Some((worker, rank)) = workers.owner(*slot) {
+            let (w, r) = (worker.to_string(), rank.to_string());
+            m.kv_event_lag
+                .with_label_values(&[w.as_str(), r.as_str()])
+                .set(*lag);
+        }
+    }
     let mut mismatched = Vec::new();
     for (slot, mm) in &stats.block_size_mismatch {
         let Some((worker, rank)) = workers.owner(*slot) else {

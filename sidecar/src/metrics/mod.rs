@@ -29,6 +29,8 @@ pub struct Metrics {
     pub ledger_holders: IntGaugeVec,
     pub booking_batches: IntCounterVec,
     pub routed: IntCounterVec,
+    pub routed_prompt_tokens: IntCounterVec,
+    pub routed_cached_tokens: IntCounterVec,
     pub rejected: IntCounterVec,
     pub retry_after: IntGaugeVec,
     pub threshold_changes: IntCounterVec,
@@ -44,6 +46,7 @@ pub struct Metrics {
     pub text_skipped_blocks: IntCounterVec,
     pub kv_unmatchable_blocks: IntCounterVec,
     pub kv_block_size_mismatch: IntCounterVec,
+    pub kv_event_lag: GaugeVec,
     pub kv_malformed_batches: IntGauge,
     pub approx_learned: IntCounter,
     pub replica_events: IntCounterVec,
@@ -252,6 +255,18 @@ impl Metrics {
                 "Requests the gateway routed, by model and worker.",
                 &["model", "worker_id"],
             )?,
+            routed_prompt_tokens: counter(
+                &r,
+                "kvgate_sidecar_routed_prompt_tokens_total",
+                "Prompt tokens of the requests the gateway routed and saw end (estimated for text), by model.",
+                &["model"],
+            )?,
+            routed_cached_tokens: counter(
+                &r,
+                "kvgate_sidecar_routed_cached_tokens_total",
+                "Of those, the tokens the gateway found cached where it sent them: over routed_prompt_tokens_total, kvgate's predicted prefix hit rate.",
+                &["model"],
+            )?,
             rejected: counter(
                 &r,
                 "kvgate_sidecar_rejected_total",
@@ -321,6 +336,12 @@ impl Metrics {
                 &r,
                 "kvgate_sidecar_kv_block_size_mismatch_total",
                 "Stored-block events whose block size is not the worker's block_size (e.g. SGLang's default --page-size 1): re-chunked into the worker's blocks along their chains, at the cost of an index entry per page.",
+                wr,
+            )?,
+            kv_event_lag: float_gauge_vec(
+                &r,
+                "kvgate_sidecar_kv_event_lag_seconds",
+                "Seconds from the engine stamping the rank's latest KV event batch to the prefix index applying it (engine wall clock: host clock skew adds to it).",
                 wr,
             )?,
             kv_indexed_blocks: gauge_vec(

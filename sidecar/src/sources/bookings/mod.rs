@@ -83,6 +83,9 @@ pub struct Load {
 struct Live {
     slot: u16,
     prefill: u64,
+    /// The prompt tokens booked as uncached: `prefill` as it was booked,
+    /// which the first byte empties.
+    uncached: u64,
     /// Blocks the request holds: its prompt's new blocks plus the output
     /// blocks reported since.
     blocks: u64,
@@ -116,6 +119,12 @@ pub enum Effect {
         reason: String,
     },
     Released,
+    /// A gateway booking's `Done`: its slot, and the prompt tokens it
+    /// booked as uncached.
+    Ended {
+        slot: u16,
+        uncached: u64,
+    },
     /// A `FirstByte`/`Done` for a booking this process never saw (booked
     /// before a sidecar restart) or one that already expired.
     Unknown,
@@ -194,10 +203,14 @@ impl Bookings {
                     false => Effect::Unknown,
                 }
             }
-            Event::Done { key, .. } => match self.free(&Holder::here(Id::Gateway(key))) {
-                Some(_) => Effect::Released,
-                None => Effect::Unknown,
-            },
+            Event::Done { key, .. } => {
+                let holder = Holder::here(Id::Gateway(key));
+                let uncached = self.live.get(&holder).map_or(0, |l| l.uncached);
+                match self.free(&holder) {
+                    Some(slot) => Effect::Ended { slot, uncached },
+                    None => Effect::Unknown,
+                }
+            }
             Event::Rejected { model, reason } => Effect::Rejected { model, reason },
         }
     }
@@ -209,6 +222,7 @@ impl Bookings {
         let live = Live {
             slot: load.slot,
             prefill: load.prefill_tokens,
+            uncached: load.prefill_tokens,
             blocks: load.decode_blocks,
             weight: 1.0,
             decode: load.decode_blocks,

@@ -37,13 +37,20 @@ fn a_request_books_prefill_then_decode_and_releases_everything() {
     );
     b.apply(Event::FirstByte { key: key(1) }, t, any_slot);
     assert_eq!(b.slot(3).prefill_tokens, 500);
-    b.apply(
-        Event::Done {
-            key: key(1),
-            timing: None,
-        },
-        t,
-        any_slot,
+    // Its end still knows what it booked as uncached, for the hit rate.
+    assert_eq!(
+        b.apply(
+            Event::Done {
+                key: key(1),
+                timing: None,
+            },
+            t,
+            any_slot,
+        ),
+        Effect::Ended {
+            slot: 3,
+            uncached: 1000
+        }
     );
     b.apply(
         Event::Done {

@@ -96,6 +96,11 @@ pub struct PlaneStats {
     /// Per slot: stored events whose block size is not the slot's (running
     /// total), the last such size, and the slot's.
     pub block_size_mismatch: std::collections::BTreeMap<u16, BlockSizeMismatch>,
+    /// Per slot: seconds from the engine stamping its latest batch to the
+    /// index applying it (publisher, network, and this thread's queue).
+    /// Engines stamp with their own wall clock, so skew between hosts adds
+    /// to it; a batch stamped in our future counts as no lag.
+    pub event_lag: std::collections::BTreeMap<u16, f64>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -317,6 +322,7 @@ impl State {
                 }
                 self.slot_model.remove(&slot);
                 self.stats.block_size_mismatch.remove(&slot);
+                self.stats.event_lag.remove(&slot);
             }
             Control::Stats(tx) => {
                 let mut s = self.stats.clone();
@@ -377,6 +383,9 @@ impl State {
                         }
                         if self.staged.clears() {
                             self.note_cleared(slot);
+                        }
+                        if let Some(lag) = self.staged.meta.and_then(|m| lag_seconds(m.ts)) {
+                            self.stats.event_lag.insert(slot, lag);
                         }
                     }
                     Err(e) => {
@@ -447,6 +456,19 @@ const MAX_SHARDS_PER_VERSION: usize = 64;
 /// bulk load every round touches nearly every shard, and re-sending the
 /// whole index every 5 ms would only burn CPU and Envoy memory.
 const PUBLISH_BUDGET_BYTES_PER_S: f64 = 32.0 * 1024.0 * 1024.0;
+
+/// How long ago an engine stamped a batch (`ts`, Unix seconds), or None
+/// when it carries no usable stamp (0 or not finite: some shapes omit it).
+fn lag_seconds(ts: f64) -> Option<f64> {
+    if !ts.is_finite() || ts <= 0.0 {
+        return None;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_secs_f64();
+    Some((now - ts).max(0.0))
+}
 
 fn run(
     config: PlaneConfig,

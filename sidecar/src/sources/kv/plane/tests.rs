@@ -9,6 +9,11 @@ fn batch(hashes: &[u64], tokens: &[u32]) -> Vec<u8> {
 
 /// A store whose first block's parent is `parent`.
 fn batch_after(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
+    stamped(1.0, hashes, parent, tokens)
+}
+
+/// The same, stamped by the engine at `ts` (Unix seconds).
+fn stamped(ts: f64, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
     let ev = Value::Map(vec![
         ("type".into(), "BlockStored".into()),
         (
@@ -31,7 +36,7 @@ fn batch_after(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
     let mut buf = Vec::new();
     rmpv::encode::write_value(
         &mut buf,
-        &Value::Array(vec![1.0f64.into(), Value::Array(vec![ev]), 0.into()]),
+        &Value::Array(vec![ts.into(), Value::Array(vec![ev]), 0.into()]),
     )
     .unwrap();
     buf
@@ -192,6 +197,54 @@ fn events_of_another_block_size_are_counted_per_slot() {
     // A reused slot starts its count over.
     plane.remove_slot(1);
     assert!(plane.stats().unwrap().block_size_mismatch.is_empty());
+}
+
+#[test]
+fn each_slot_reports_its_latest_batch_lag() {
+    let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+    plane.add_slot(0, "m", rank(0), 4, 0);
+    plane.add_slot(1, "m", rank(1), 4, 0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let tx = plane.sender();
+    // Slot 0: stamped 30 s ago, then 3 s ago (the latest counts); slot 1:
+    // by a clock 60 s ahead of ours.
+    for (slot, seq, ts) in [(0, 0, now - 30.0), (0, 1, now - 3.0), (1, 0, now + 60.0)] {
+        tx.send(Ingest::Batch {
+            slot,
+            seq,
+            payload: stamped(ts, &[200 + seq + 10 * u64::from(slot)], None, &[1, 2, 3, 4]),
+        })
+        .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let lag = loop {
+        let stats = plane.stats().unwrap();
+        if stats
+            .per_model
+            .first()
+            .is_some_and(|m| m.1.stored_blocks == 3)
+        {
+            break stats.event_lag;
+        }
+        assert!(Instant::now() < deadline, "{:?}", stats.per_model);
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let l0 = lag[&0];
+    assert!((3.0..5.0).contains(&l0), "slot 0 lag {l0}");
+    assert_eq!(lag[&1], 0.0, "a stamp from the future is no lag");
+    // A removed slot's figure goes with it.
+    plane.remove_slot(1);
+    assert!(!plane.stats().unwrap().event_lag.contains_key(&1));
+}
+
+#[test]
+fn unstamped_batches_report_no_lag() {
+    assert_eq!(lag_seconds(0.0), None);
+    assert_eq!(lag_seconds(f64::NAN), None);
+    assert!(lag_seconds(1.0).is_some_and(|l| l > 1e9));
 }
 
 fn indexed(plane: &Plane) -> (usize, IngestStats) {
