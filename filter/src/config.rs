@@ -41,6 +41,12 @@ pub struct Config {
     pub poll_backoff: Duration,
     #[serde(rename = "tick_ms", deserialize_with = "millis")]
     pub tick: Duration,
+    /// How long a router VM holds its bookings and routing reports before
+    /// handing them to the snapshot service in one queue item; 0 hands
+    /// each over as it happens. Other gateways see a booking that much
+    /// later; this VM's own view counts it at once.
+    #[serde(rename = "flush_ms", deserialize_with = "millis")]
+    pub flush: Duration,
     pub destination_header: String,
     pub rank_header: String,
     pub fallback_header: String,
@@ -66,9 +72,10 @@ pub struct Config {
     /// absent: [`Config::lease_term`] derives it from `stale_after_ms`.
     #[serde(rename = "lease_ms", deserialize_with = "millis_opt")]
     pub lease: Option<Duration>,
-    /// Failover drills only: the lease holder stops ticking this long after
-    /// taking the lease, as a stuck worker thread would (it still serves
-    /// requests), so that another root must take over.
+    /// Failover drills only: the lease holder stops its lease work this
+    /// long after taking the lease, as a stuck holder would (it still
+    /// serves requests and flushes their events), so that another root
+    /// must take over.
     pub lease_drill_stop_after_ms: Option<u64>,
 }
 
@@ -81,6 +88,7 @@ impl Default for Config {
             poll_wait: Duration::from_millis(1000),
             poll_backoff: Duration::from_millis(100),
             tick: Duration::from_millis(100),
+            flush: Duration::from_millis(2),
             destination_header: "x-gateway-destination-endpoint".into(),
             rank_header: "x-data-parallel-rank".into(),
             fallback_header: "x-kvgate-fallback".into(),
@@ -109,6 +117,10 @@ pub enum ConfigError {
 
 /// The cap on `poll_wait_ms`: the sidecar holds a poll at most 10 s.
 pub const MAX_POLL_WAIT: Duration = Duration::from_secs(10);
+
+/// The cap on `flush_ms`: held longer, bookings would reach the other
+/// gateways after the load they announce has come and gone.
+pub const MAX_FLUSH: Duration = Duration::from_millis(100);
 
 /// Durations are whole milliseconds in the JSON, as the `_ms` keys say.
 fn millis<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
@@ -195,6 +207,9 @@ impl Config {
         if self.tick.is_zero() || self.poll_backoff.is_zero() {
             return invalid("tick_ms and poll_backoff_ms must be above 0".into());
         }
+        if self.flush > MAX_FLUSH {
+            return invalid(format!("flush_ms must be at most {}", ms(MAX_FLUSH)));
+        }
         if self.stale_after <= self.poll_wait {
             return invalid(format!(
                 "stale_after_ms ({}) must exceed poll_wait_ms ({}), or every quiet poll would look stale",
@@ -241,6 +256,8 @@ mod tests {
         assert_eq!(c.max_body_bytes, 10);
         let c = Config::parse(Some(br#"{"served_by_header":""}"#)).unwrap();
         assert_eq!(c.served_by_header, "", "empty turns the header off");
+        let c = Config::parse(Some(br#"{"flush_ms":0}"#)).unwrap();
+        assert!(c.flush.is_zero(), "0 sends each event at once");
         let c = Config::parse(Some(br#"{"sidecar_token":"s3cret"}"#)).unwrap();
         assert_eq!(c.sidecar_token.as_deref(), Some("s3cret"));
         let c = Config::parse(Some(br#"{"poller":"lease","lease_ms":2000}"#)).unwrap();
@@ -281,6 +298,7 @@ mod tests {
             br#"{"poller": "elected"}"#,
             br#"{"poller": "lease", "lease_ms": 150}"#,
             br#"{"poller": "lease", "lease_ms": 5000}"#,
+            br#"{"flush_ms": 1000}"#,
         ] {
             assert!(
                 Config::parse(Some(bad)).is_err(),

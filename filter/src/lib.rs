@@ -106,17 +106,23 @@ impl RootContext for Root {
                 .unwrap_or_else(|| "kvgate".into());
             let standby = match config.poller {
                 PollerMode::Singleton => None,
-                PollerMode::Lease => {
-                    if let Err(s) = host::set_tick_period(config.tick) {
-                        host::log(
-                            LogLevel::Error,
-                            &format!("kvgate: cannot set tick period: {s:?}"),
-                        );
-                        return false;
-                    }
-                    Some(Box::new(Standby::new(config.clone())))
-                }
+                PollerMode::Lease => Some(Box::new(Standby::new(config.clone()))),
             };
+            // The root ticks to flush what its requests hold back and, in
+            // lease mode, for the lease (which keeps its own pace).
+            let tick = match (standby.is_some(), config.flush.is_zero()) {
+                (false, true) => None,
+                (false, false) => Some(config.flush),
+                (true, true) => Some(config.tick),
+                (true, false) => Some(config.flush.min(config.tick)),
+            };
+            if let Some(Err(s)) = tick.map(host::set_tick_period) {
+                host::log(
+                    LogLevel::Error,
+                    &format!("kvgate: cannot set tick period: {s:?}"),
+                );
+                return false;
+            }
             *self = Root::Router(
                 Rc::new(RefCell::new(RouterState::new(config, vm_id))),
                 standby,
@@ -131,8 +137,15 @@ impl RootContext for Root {
                 s.poll();
                 s.send_bookings();
             }
-            Root::Router(_, Some(standby)) => standby.on_tick(),
-            _ => {}
+            Root::Router(state, standby) => {
+                if let Ok(mut st) = state.try_borrow_mut() {
+                    st.flush();
+                }
+                if let Some(standby) = standby {
+                    standby.on_tick();
+                }
+            }
+            Root::Unconfigured => {}
         }
     }
 

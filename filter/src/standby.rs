@@ -14,9 +14,13 @@ pub struct Standby {
     lease: Lease,
     /// Present while this root holds the lease.
     service: Option<Box<Service>>,
-    /// Failover drills: when this root stops ticking (only the first
-    /// holder since Envoy started does).
+    /// Failover drills: when this root stops its lease work (only the
+    /// first holder since Envoy started does).
     stop_at_ms: Option<u64>,
+    /// The drill stopped it.
+    halted: bool,
+    /// The root ticks at the flush interval too; the lease keeps `tick_ms`.
+    next_step_ms: u64,
     takeovers: Option<u32>,
 }
 
@@ -30,19 +34,27 @@ impl Standby {
             config,
             service: None,
             stop_at_ms: None,
+            halted: false,
+            next_step_ms: 0,
             takeovers: lease_takeovers(),
         }
     }
 
     pub fn on_tick(&mut self) {
         let now = host::now_ms();
+        if self.halted || now < self.next_step_ms {
+            return;
+        }
+        self.next_step_ms = now.saturating_add(crate::config::ms(self.config.tick));
         if self.stop_at_ms.is_some_and(|t| now >= t) {
-            // As a stuck thread: no renewal, no poll, no forwarding.
-            let _ = host::set_tick_period(std::time::Duration::ZERO);
+            // As a stuck lease holder: no renewal, no poll, no forwarding.
+            // Its requests still hand their events over, for whoever holds
+            // the lease next.
+            self.halted = true;
             self.service = None;
             host::log(
                 LogLevel::Warn,
-                "kvgate: lease drill: this root stops ticking",
+                "kvgate: lease drill: this root stops its lease work",
             );
             return;
         }

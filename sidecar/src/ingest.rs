@@ -25,6 +25,10 @@ impl Sidecar {
         let metrics = self.metrics();
         let mut b = self.bookings();
         let mut observed: Vec<Observed> = Vec::new();
+        // Per slot: requests routed, then prompt and cached tokens of those
+        // that ended. Counted into Prometheus once per batch: a label
+        // lookup per event was most of a booking's cost.
+        let mut tally: HashMap<u16, [u64; 3]> = HashMap::new();
         for ev in events {
             // Peers hear what this sidecar's gateways booked and released.
             let copy = self.replica().is_some().then(|| ev.clone());
@@ -68,14 +72,7 @@ impl Sidecar {
                 owners.get(&slot).is_some_and(|r| r.model == model)
             });
             match &effect {
-                Effect::Booked { model, slot } => {
-                    if let Some(rank) = owners.get(slot) {
-                        metrics
-                            .routed
-                            .with_label_values(&[model.as_str(), &rank.worker_id.to_string()])
-                            .inc();
-                    }
-                }
+                Effect::Booked { slot, .. } => tally.entry(*slot).or_default()[0] += 1,
                 Effect::Rejected { model, reason } => {
                     // Requests refused before their body named a model.
                     let model = if model.is_empty() {
@@ -94,22 +91,41 @@ impl Sidecar {
                 // The predicted hit rate counts requests whose prompt
                 // length the gateway reported, once they end.
                 Effect::Ended { slot, uncached } => {
-                    if let (Some(rank), Some(isl)) = (owners.get(slot), isl) {
-                        let model = [rank.model.as_str()];
-                        metrics
-                            .routed_prompt_tokens
-                            .with_label_values(&model)
-                            .inc_by(isl);
-                        metrics
-                            .routed_cached_tokens
-                            .with_label_values(&model)
-                            .inc_by(isl.saturating_sub(*uncached));
+                    if let Some(isl) = isl {
+                        let t = tally.entry(*slot).or_default();
+                        t[1] += isl;
+                        t[2] += isl.saturating_sub(*uncached);
                     }
                 }
                 Effect::Released | Effect::Unknown => {}
             }
             if let Some(ev) = copy.and_then(|ev| gateway_sync(ev, &effect, &owners)) {
                 self.announce(|| ev);
+            }
+        }
+        drop(b);
+        for (slot, [routed, prompt, cached]) in tally {
+            // A booking is only accepted for a slot of its model, so the
+            // rank names the model.
+            let Some(rank) = owners.get(&slot) else {
+                continue;
+            };
+            let model = rank.model.as_str();
+            if routed > 0 {
+                metrics
+                    .routed
+                    .with_label_values(&[model, &rank.worker_id.to_string()])
+                    .inc_by(routed);
+            }
+            if prompt > 0 {
+                metrics
+                    .routed_prompt_tokens
+                    .with_label_values(&[model])
+                    .inc_by(prompt);
+                metrics
+                    .routed_cached_tokens
+                    .with_label_values(&[model])
+                    .inc_by(cached);
             }
         }
         if !observed.is_empty() {

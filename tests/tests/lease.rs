@@ -1,6 +1,6 @@
 //! HTTP-filter-only mode on real Envoy: no bootstrap snapshot service, one
 //! router thread polls by holding a lease in shared data. When that thread
-//! stops ticking, another takes the lease over in time for no request to
+//! stops its lease work, another takes the lease over in time for no request to
 //! see a stale snapshot, and bookings and reports keep reaching the sidecar.
 //!
 //! The main suite's routing, shedding and failover tests run in this mode
@@ -58,7 +58,7 @@ fn a_stuck_lease_holder_is_replaced_before_any_request_sees_stale_state() {
     assert_eq!(takeovers(), 1, "one root polls\n{}", stack.log_tails());
     let start = Instant::now();
 
-    // Requests throughout the drill: the first holder stops ticking within
+    // Requests throughout the drill: the first holder stops within
     // DRILL_MS of taking the lease, its lease runs out LEASE_MS later, and
     // the next tick of the other thread takes it.
     let bound = Duration::from_millis(DRILL_MS + LEASE_MS + 2 * TICK_MS + 1000);

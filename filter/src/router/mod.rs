@@ -6,12 +6,14 @@
 //!
 //! A routed request books its load (see `kvgate_core::booking`): prefill
 //! tokens until its first response byte, decode blocks until it ends. The
-//! booking goes to the sidecar through a shared queue and, until a snapshot
-//! counts it, into this VM's own view (`kvgate_core::plan::local`).
+//! booking goes to the sidecar through a shared queue, held back for the
+//! flush interval with the VM's other events ([`outbox`]), and, until a
+//! snapshot counts it, into this VM's own view (`kvgate_core::plan::local`).
 //!
 //! The decision itself is `kvgate_core::plan`; this module is the glue:
 //! host calls in, headers, replies and bookings out.
 
+mod outbox;
 mod request;
 mod retry;
 mod templates;
@@ -23,15 +25,17 @@ use crate::view::View;
 use kvgate_core::approx::Routed;
 use kvgate_core::booking::{Event, Key};
 use kvgate_core::plan::local::LocalBookings;
+use outbox::Outbox;
 
 pub(crate) use request::Request;
 
 /// State shared by the router root and its requests (one VM, one thread).
 pub struct RouterState {
     pub config: Config,
-    /// Envoy's vm_id, where the routed-decisions queue lives.
+    /// Envoy's vm_id, where the service's queues live.
     vm_id: String,
-    queue: Option<u32>,
+    /// Routing decisions for the sidecar's routed-prefix index.
+    reports: Outbox,
     view: View,
     metrics: RouterMetrics,
     tie_break: u64,
@@ -39,17 +43,19 @@ pub struct RouterState {
     /// sharing a sidecar never collide.
     vm_tag: u64,
     next_seq: u64,
-    bookings_queue: Option<u32>,
+    /// Bookings, their releases and local replies.
+    bookings: Outbox,
     local: LocalBookings,
     templates: templates::Templates,
 }
 
 impl RouterState {
     pub fn new(config: Config, vm_id: String) -> RouterState {
+        let immediate = config.flush.is_zero();
         RouterState {
             config,
             vm_id,
-            queue: None,
+            reports: Outbox::new(immediate),
             view: View::default(),
             metrics: RouterMetrics::define(),
             // Each worker thread's VM starts at a different point, so two
@@ -57,7 +63,7 @@ impl RouterState {
             tie_break: host::now_us().wrapping_mul(0x9E37_79B9_7F4A_7C15),
             vm_tag: host::random_u64(),
             next_seq: 0,
-            bookings_queue: None,
+            bookings: Outbox::new(immediate),
             local: LocalBookings::default(),
             templates: templates::Templates::default(),
         }
@@ -94,33 +100,60 @@ impl RouterState {
     /// Sends a booking event to the snapshot service. A failure costs
     /// accuracy only: the sidecar expires what it never hears the end of.
     fn send(&mut self, ev: &Event) {
-        if self.bookings_queue.is_none() {
-            self.bookings_queue = host::resolve_queue(&self.vm_id, host::BOOKINGS_QUEUE);
-        }
-        match self.bookings_queue.map(|q| host::enqueue(q, &ev.encode())) {
-            Some(Ok(())) => {}
-            _ => {
-                self.bookings_queue = None;
-                inc(self.metrics.booking_errors);
-            }
+        let vm_id = &self.vm_id;
+        let sent = self.bookings.push(
+            |b| ev.encode_into(b),
+            |q, bytes| enqueue_on(vm_id, host::BOOKINGS_QUEUE, q, bytes),
+        );
+        if !sent {
+            inc(self.metrics.booking_errors);
         }
     }
 
     /// Hands a routing decision to the snapshot service, which forwards it
-    /// to the sidecar's routed-prefix index. The queue is resolved on first
-    /// use: the service registers it when it starts, possibly after this VM.
+    /// to the sidecar's routed-prefix index.
     fn report(&mut self, record: &Routed) {
-        if self.queue.is_none() {
-            self.queue = host::resolve_queue(&self.vm_id, host::ROUTED_QUEUE);
+        let vm_id = &self.vm_id;
+        let sent = self.reports.push(
+            |b| record.encode_into(b),
+            |q, bytes| enqueue_on(vm_id, host::ROUTED_QUEUE, q, bytes),
+        );
+        if !sent {
+            inc(self.metrics.report_errors);
         }
-        let mut bytes = Vec::with_capacity(16 + record.hashes.len() * 8);
-        record.encode_into(&mut bytes);
-        match self.queue.map(|q| host::enqueue(q, &bytes)) {
-            Some(Ok(())) => {}
-            _ => {
-                self.queue = None;
-                inc(self.metrics.report_errors);
-            }
+    }
+
+    /// Hands everything held back to the snapshot service: every flush
+    /// interval, on the router root's tick.
+    pub fn flush(&mut self) {
+        let vm_id = &self.vm_id;
+        if !self
+            .bookings
+            .flush(|q, bytes| enqueue_on(vm_id, host::BOOKINGS_QUEUE, q, bytes))
+        {
+            inc(self.metrics.booking_errors);
+        }
+        if !self
+            .reports
+            .flush(|q, bytes| enqueue_on(vm_id, host::ROUTED_QUEUE, q, bytes))
+        {
+            inc(self.metrics.report_errors);
+        }
+    }
+}
+
+/// Enqueues `bytes` on the service's `name` queue, resolving it first when
+/// unknown, and forgetting it on failure so that the next send resolves it
+/// again (the service may have restarted and registered it anew).
+fn enqueue_on(vm_id: &str, name: &str, queue: &mut Option<u32>, bytes: &[u8]) -> bool {
+    if queue.is_none() {
+        *queue = host::resolve_queue(vm_id, name);
+    }
+    match queue.map(|q| host::enqueue(q, bytes)) {
+        Some(Ok(())) => true,
+        _ => {
+            *queue = None;
+            false
         }
     }
 }
