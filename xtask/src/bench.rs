@@ -2,9 +2,11 @@
 //! measured in the same run, written to `bench/results/<name>.json` and
 //! summarised in `bench/report.md`. Benchmarks never fail on speed.
 //!
-//! * `overhead`: the same requests through Envoy with the kvgate filter and
-//!   through the same Envoy's plain listener (same upstream workers in
-//!   instant mode), alternating, closed loop; plus the filter's own
+//! * `overhead`: the same requests through four routes of one Envoy (same
+//!   upstream workers in instant mode), alternating, closed loop: the plain
+//!   listener, Envoy's least-request balancing, the kvgate filter, and
+//!   kvgate's decision through `ext_proc` (`kvgate-extproc`, the peers'
+//!   architecture); CPU per request per process, and the filter's own
 //!   decision-time histogram from Envoy.
 //! * `ingest`: KV events decoded, hashed and indexed on one thread, against
 //!   a generic msgpack decode of the same bytes.
@@ -415,9 +417,21 @@ fn histogram_column(stack: &Stack, name: &str, column: usize) -> Result<Value> {
     Ok(Value::Object(out))
 }
 
+/// The routes `overhead` measures, in the order of even repetitions: the
+/// plain Envoy route (baseline), Envoy's least-request balancing, the
+/// kvgate filter, and kvgate's decision outside the proxy through
+/// `ext_proc` (the peers' architecture).
+const ROUTES: [&str; 4] = ["plain", "least_request", "kvgate", "extproc"];
+
+/// The processes whose CPU `overhead` reports, per request.
+const CPU_PARTS: [&str; 5] = ["envoy", "sidecar", "extproc", "workers", "load_generator"];
+
 fn overhead(quick: bool) -> Result<Value> {
     let (reps, n, concurrency) = if quick { (3, 1500, 8) } else { (5, 5000, 8) };
-    eprintln!("xtask: bench overhead ({reps} × {n} requests per route, concurrency {concurrency})");
+    eprintln!(
+        "xtask: bench overhead ({reps} × {n} requests per route, {} routes, concurrency {concurrency})",
+        ROUTES.len()
+    );
     let paths = build::release_paths()?;
     let stack = Stack::start_with(
         paths,
@@ -425,46 +439,57 @@ fn overhead(quick: bool) -> Result<Value> {
             workers: 4,
             sim_args: vec!["--instant".into()],
             envoy_concurrency: 2,
+            extproc: true,
             ..StackConfig::default()
         },
     )?;
     let rt = tokio::runtime::Runtime::new()?;
-    // Warm connections and caches on both routes.
-    measure(&rt, &stack.plain_url(), 200, concurrency);
-    measure(&rt, &stack.envoy_url(), 200, concurrency);
-    let (mut plain, mut kv) = (Vec::new(), Vec::new());
-    // CPU seconds per route: Envoy, sidecar, workers, load generator.
-    let (mut plain_cpu, mut kv_cpu) = ([0.0f64; 4], [0.0f64; 4]);
+    let urls = [
+        stack.plain_url(),
+        stack.least_request_url(),
+        stack.envoy_url(),
+        stack.extproc_url(),
+    ];
+    // Warm connections and caches on every route.
+    for url in &urls {
+        measure(&rt, url, 200, concurrency);
+    }
+    let mut runs: [Vec<Run>; 4] = Default::default();
+    // CPU seconds per route, by CPU_PARTS.
+    let mut cpu = [[0.0f64; 5]; 4];
     let cpu_now = |s: &Stack| {
         let [e, sc, w] = s.cpu_seconds();
         [
             e,
             sc,
+            s.extproc_cpu_seconds(),
             w,
             kvgate_stack::process_cpu_seconds(std::process::id()).unwrap_or(0.0),
         ]
     };
-    let timed = |url: &str, acc: &mut [f64; 4]| {
-        let before = cpu_now(&stack);
-        let run = measure(&rt, url, n, concurrency);
-        for (a, (x, y)) in acc.iter_mut().zip(cpu_now(&stack).iter().zip(before)) {
-            *a += x - y;
-        }
-        run
-    };
     for rep in 0..reps {
-        // Alternate the order so drift on a shared machine hits both sides.
-        if rep % 2 == 0 {
-            plain.push(timed(&stack.plain_url(), &mut plain_cpu));
-            kv.push(timed(&stack.envoy_url(), &mut kv_cpu));
+        // Reverse the order every other repetition so that drift on a
+        // shared machine hits every route alike.
+        let order: Vec<usize> = if rep % 2 == 0 {
+            (0..ROUTES.len()).collect()
         } else {
-            kv.push(timed(&stack.envoy_url(), &mut kv_cpu));
-            plain.push(timed(&stack.plain_url(), &mut plain_cpu));
+            (0..ROUTES.len()).rev().collect()
+        };
+        for i in order {
+            let before = cpu_now(&stack);
+            runs[i].push(measure(&rt, &urls[i], n, concurrency));
+            for (a, (x, y)) in cpu[i].iter_mut().zip(cpu_now(&stack).iter().zip(before)) {
+                *a += x - y;
+            }
         }
     }
-    let per_request = |cpu: [f64; 4]| {
+    let per_request = |cpu: &[f64; 5]| {
         let us = |s: f64| (s * 1e6 / (reps * n) as f64).round();
-        json!({"envoy": us(cpu[0]), "sidecar": us(cpu[1]), "workers": us(cpu[2]), "load_generator": us(cpu[3])})
+        let mut m = serde_json::Map::new();
+        for (part, s) in CPU_PARTS.iter().zip(cpu) {
+            m.insert((*part).to_string(), json!(us(*s)));
+        }
+        Value::Object(m)
     };
     let col = |v: &[Run], f: fn(&Run) -> f64| v.iter().map(f).collect::<Vec<f64>>();
     let side = |v: &[Run]| {
@@ -478,10 +503,23 @@ fn overhead(quick: bool) -> Result<Value> {
             "errors": v.iter().map(|r| r.errors).sum::<usize>(),
         })
     };
-    let (p, k) = (side(&plain), side(&kv));
+    let sides: Vec<Value> = runs.iter().map(|r| side(r)).collect();
+    let (p, k) = (&sides[0], &sides[2]);
     // Envoy computes histogram percentiles at its stats flush (every 5 s).
     std::thread::sleep(Duration::from_secs(6));
     let f = |v: &Value, key: &str| v[key].as_f64().unwrap_or(0.0);
+    let vs_plain = |v: &Value| {
+        json!({
+            "added_p50_us": f(v, "p50_us") - f(p, "p50_us"),
+            "added_p99_us": f(v, "p99_us") - f(p, "p99_us"),
+            "p50_ratio": f(v, "p50_us") / f(p, "p50_us").max(1.0),
+            "throughput_ratio": f(v, "rps") / f(p, "rps").max(1e-9),
+        })
+    };
+    let mut cpu_json = serde_json::Map::new();
+    for (route, c) in ROUTES.iter().zip(&cpu) {
+        cpu_json.insert((*route).to_string(), per_request(c));
+    }
     Ok(json!({
         "name": "overhead",
         "requests_per_run": n,
@@ -489,13 +527,20 @@ fn overhead(quick: bool) -> Result<Value> {
         "concurrency": concurrency,
         "envoy_concurrency": 2,
         "baseline_plain_route": p,
+        "least_request_route": sides[1],
         "kvgate_route": k,
-        "added_p50_us": f(&k, "p50_us") - f(&p, "p50_us"),
-        "added_p99_us": f(&k, "p99_us") - f(&p, "p99_us"),
-        "p50_ratio": f(&k, "p50_us") / f(&p, "p50_us").max(1.0),
-        "throughput_ratio": f(&k, "rps") / f(&p, "rps").max(1e-9),
+        "extproc_route": sides[3],
+        "added_p50_us": f(k, "p50_us") - f(p, "p50_us"),
+        "added_p99_us": f(k, "p99_us") - f(p, "p99_us"),
+        "p50_ratio": f(k, "p50_us") / f(p, "p50_us").max(1.0),
+        "throughput_ratio": f(k, "rps") / f(p, "rps").max(1e-9),
+        "vs_plain": {
+            "least_request": vs_plain(&sides[1]),
+            "kvgate": vs_plain(k),
+            "extproc": vs_plain(&sides[3]),
+        },
         "filter_decision_us": envoy_histogram(&stack, "kvgate_decision_us")?,
-        "cpu_us_per_request": {"plain": per_request(plain_cpu), "kvgate": per_request(kv_cpu)},
+        "cpu_us_per_request": Value::Object(cpu_json),
     }))
 }
 
@@ -571,39 +616,77 @@ fn report(ingest: &Value, overhead: &Value, quick: bool, took: Duration) -> Stri
 fn overhead_section(o: &Value) -> String {
     let f = |path: &[&str]| num(o, path);
     let cpu = |route: &str, part: &str| num(o, &["cpu_us_per_request", route, part]);
-    let parts = ["envoy", "sidecar", "workers", "load_generator"];
+    // Results from before the ext_proc server existed have no column for
+    // it: count it as nothing rather than NaN.
+    let cpu0 = |route: &str, part: &str| match cpu(route, part) {
+        v if v.is_nan() && part == "extproc" => 0.0,
+        v => v,
+    };
+    let names = [
+        (
+            "baseline_plain_route",
+            "plain",
+            "plain Envoy route (baseline)",
+        ),
+        (
+            "least_request_route",
+            "least_request",
+            "Envoy least request (static cluster)",
+        ),
+        ("kvgate_route", "kvgate", "kvgate filter (in-proxy wasm)"),
+        (
+            "extproc_route",
+            "extproc",
+            "kvgate over ext_proc (gRPC, out of proxy)",
+        ),
+    ];
+    let mut rows = String::new();
     let mut cpu_rows = String::new();
-    for route in ["plain", "kvgate"] {
-        let total: f64 = parts.iter().map(|p| cpu(route, p)).sum();
+    for (key, route, label) in names {
+        let g = |k: &str| f(&[key, k]);
+        let (added, ratio) = match route {
+            "plain" => ("—".to_string(), "—".to_string()),
+            _ => (
+                format!(
+                    "{:+.0} µs, ×{:.2}",
+                    f(&["vs_plain", route, "added_p50_us"]),
+                    f(&["vs_plain", route, "p50_ratio"]),
+                ),
+                format!("×{:.2}", f(&["vs_plain", route, "throughput_ratio"])),
+            ),
+        };
+        rows.push_str(&format!(
+            "| {label} | {:.0} µs [{:.0}] | {:.0} µs [{:.0}] | {:.0} req/s [{:.0}] | {added} | {ratio} |\n",
+            g("p50_us"),
+            g("p50_spread_us"),
+            g("p99_us"),
+            g("p99_spread_us"),
+            g("rps"),
+            g("rps_spread"),
+        ));
+        let total: f64 = CPU_PARTS.iter().map(|p| cpu0(route, p)).sum();
         cpu_rows.push_str(&format!(
-            "| {route} | {:.0} | {:.0} | {:.0} | {:.0} | {total:.0} |\n",
-            cpu(route, "envoy"),
-            cpu(route, "sidecar"),
-            cpu(route, "workers"),
-            cpu(route, "load_generator"),
+            "| {label} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {total:.0} |\n",
+            cpu0(route, "envoy"),
+            cpu0(route, "sidecar"),
+            cpu0(route, "extproc"),
+            cpu0(route, "workers"),
+            cpu0(route, "load_generator"),
         ));
     }
     format!(
-        "\n## Filter overhead (Envoy 1.40, 2 worker threads, 4 instant workers, closed loop ×{})\n\n\
-| route | p50 | p99 | throughput |\n| --- | --- | --- | --- |\n\
-| plain Envoy route (baseline) | {:.0} µs [{:.0}] | {:.0} µs [{:.0}] | {:.0} req/s [{:.0}] |\n\
-| kvgate filter | {:.0} µs [{:.0}] | {:.0} µs [{:.0}] | {:.0} req/s [{:.0}] |\n\n\
-Added latency: p50 {:+.0} µs (ratio {:.2}), p99 {:+.0} µs; throughput ratio {:.2}. The filter's own decision time (Envoy histogram `kvgate_decision_us`): P50 {:.0} µs, P99 {:.0} µs.\n\n\
-The loop keeps both cores busy, so latency and throughput follow CPU per request. Where it goes (CPU µs per request, user + system, from `/proc`):\n\n\
-| route | Envoy | sidecar | workers | load generator | total |\n| --- | --- | --- | --- | --- | --- |\n{cpu_rows}",
+        "\n## Filter overhead against Envoy's own balancing and ext_proc (Envoy 1.40, 2 worker threads, 4 instant workers, closed loop ×{})\n\n\
+The same requests through four routes of one Envoy, in one run, the order reversed every other repetition. \
+The ext_proc route is the architecture peers use (Gateway API Inference Extension, llm-d, AIBrix): Envoy's `ext_proc` filter \
+streams each request to an endpoint picker outside the proxy over gRPC (HTTP/2, Envoy's gRPC client), here `kvgate-extproc`, \
+which holds the fleet state in-process (a whole kvgate sidecar) and makes the filter's decision over it \
+(request headers, the buffered body, and the response headers cross; a reservation per request).\n\n\
+| route | p50 | p99 | throughput | added p50, p50 ratio | throughput ratio |\n| --- | --- | --- | --- | --- | --- |\n{rows}\n\
+Added latency of the filter: p50 {:+.0} µs (ratio {:.2}), p99 {:+.0} µs; throughput ratio {:.2}. The filter's own decision time (Envoy histogram `kvgate_decision_us`): P50 {:.0} µs, P99 {:.0} µs.\n\n\
+The loop keeps both cores busy, so latency and throughput follow CPU per request. Where it goes (CPU µs per request, user + system, from `/proc`; \
+the sidecars' background work, scraping and publishing, is counted on every route, so the ext_proc server's column on the other routes is its idle cost):\n\n\
+| route | Envoy | sidecar | ext_proc server | workers | load generator | total |\n| --- | --- | --- | --- | --- | --- | --- |\n{cpu_rows}",
         f(&["concurrency"]),
-        f(&["baseline_plain_route", "p50_us"]),
-        f(&["baseline_plain_route", "p50_spread_us"]),
-        f(&["baseline_plain_route", "p99_us"]),
-        f(&["baseline_plain_route", "p99_spread_us"]),
-        f(&["baseline_plain_route", "rps"]),
-        f(&["baseline_plain_route", "rps_spread"]),
-        f(&["kvgate_route", "p50_us"]),
-        f(&["kvgate_route", "p50_spread_us"]),
-        f(&["kvgate_route", "p99_us"]),
-        f(&["kvgate_route", "p99_spread_us"]),
-        f(&["kvgate_route", "rps"]),
-        f(&["kvgate_route", "rps_spread"]),
         f(&["added_p50_us"]),
         f(&["p50_ratio"]),
         f(&["added_p99_us"]),

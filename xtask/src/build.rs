@@ -51,6 +51,8 @@ pub fn bins(profile: Profile) -> Result<()> {
         "kvgate-sim",
         "-p",
         "kvgate-load",
+        "-p",
+        "kvgate-extproc",
     ];
     if profile == Profile::Release {
         args.push("--release");

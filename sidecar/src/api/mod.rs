@@ -42,6 +42,9 @@
 //! Each resource has its module; the bodies they answer are types in
 //! [`views`]. A new resource is a new module beside them, registered in
 //! [`router`].
+//!
+//! [`route`] is the selection path without HTTP, for a front door that
+//! routes in another process's place (the ext_proc server).
 
 mod auth;
 mod discovery;
@@ -60,6 +63,8 @@ mod thermal;
 mod thresholds;
 pub mod views;
 mod workers;
+
+pub use select::route;
 
 use crate::Sidecar;
 use crate::fleet::FleetError;

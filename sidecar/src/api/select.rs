@@ -1,7 +1,8 @@
 //! `POST /select` and `/select_and_reserve`: Dynamo's selection API,
 //! answered by the same `kvgate_core::plan` the filter runs in Envoy, over
 //! the index shards this sidecar publishes and the fleet with its load as
-//! the ledger holds it now (see `crate::reservations`).
+//! the ledger holds it now (see `crate::reservations`). [`route`] is the
+//! same path for a front door that routes an OpenAI body itself.
 
 use super::views::{OverlapView, PromptFields, SelectRequest, SelectionView};
 use super::{error, json_response};
@@ -15,8 +16,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kvgate_core::ModelState;
 use kvgate_core::hash::sequence_hashes;
+use kvgate_core::plan::overlap::Cached;
 use kvgate_core::plan::request::{Parsed, estimate_tokens};
-use kvgate_core::plan::{self, Choice, Plan, Rejection, ShardSource, overlap};
+use kvgate_core::plan::{self, Choice, Placement, Plan, Rejection, Route, ShardSource, overlap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -172,19 +174,8 @@ fn selection(
 ) -> Result<Selected, Refused> {
     let parsed = prompt(&req.model_name, req.prompt(), model).map_err(Refused::BadRequest)?;
     // A selection is not a routing decision: nothing to report.
-    let (cached, _) = overlap::gather(model, &parsed, &req.tenant_id, shards);
-    let route = match plan::place(
-        model,
-        &parsed,
-        &req.tenant_id,
-        tie_break,
-        &cached,
-        None,
-        &[],
-    ) {
-        Plan::Route(r) => r,
-        Plan::Reject(r) => return Err(Refused::Plan(r)),
-    };
+    let (route, cached) = place_in(model, &parsed, &req.tenant_id, tie_break, shards, false)
+        .map_err(Refused::Plan)?;
     let first = &route.first;
     let worker = first.choice.worker;
     let view = SelectionView {
@@ -203,16 +194,42 @@ fn selection(
     };
     Ok(Selected {
         slot: first.choice.rank.slot,
-        rank: RankId {
-            model: model.name.clone(),
-            tenant: worker.tenant.clone(),
-            block_size: worker.block_size,
-            worker_id: worker.id,
-            dp_rank: first.choice.rank.rank,
-        },
+        rank: rank_id(model, first),
         decode_blocks: first.decode_blocks,
         view,
     })
+}
+
+/// Places `parsed` in `model` as the filter would: the overlap from
+/// `shards`, then `kvgate_core::plan`. With `report`, the route keeps the
+/// prefix record a front door that routes sends to the routed-prefix
+/// index, as the filter does; a selection keeps none.
+fn place_in<'m>(
+    model: &'m ModelState,
+    parsed: &Parsed,
+    tenant: &str,
+    tie_break: u64,
+    shards: &mut impl ShardSource,
+    report: bool,
+) -> Result<(Route<'m>, Cached), Rejection> {
+    let (cached, record) = overlap::gather(model, parsed, tenant, shards);
+    let record = record.filter(|_| report);
+    match plan::place(model, parsed, tenant, tie_break, &cached, record, &[]) {
+        Plan::Route(r) => Ok((r, cached)),
+        Plan::Reject(r) => Err(r),
+    }
+}
+
+/// The ledger's name for the rank a placement chose.
+fn rank_id(model: &ModelState, p: &Placement<'_>) -> RankId {
+    let worker = p.choice.worker;
+    RankId {
+        model: model.name.clone(),
+        tenant: worker.tenant.clone(),
+        block_size: worker.block_size,
+        worker_id: worker.id,
+        dp_rank: p.choice.rank.rank,
+    }
 }
 
 fn reported(c: &Choice<'_>, of: impl Fn(u16) -> plan::Overlap) -> OverlapView {
@@ -300,5 +317,6 @@ pub(super) fn prompt(
     Ok(p)
 }
 
+pub mod route;
 #[cfg(test)]
 mod tests;

@@ -31,11 +31,10 @@ pub fn plugin_config(overrides: &serde_json::Value) -> String {
     cfg.to_string()
 }
 
-pub fn render(template: &Path, v: &Vars) -> Result<String> {
-    let text = std::fs::read_to_string(template)
-        .with_context(|| format!("reading {}", template.display()))?;
-    let endpoints: String = v
-        .fallback
+/// `lb_endpoints` entries for `host:port` endpoints, indented for a
+/// static cluster's `load_assignment`.
+fn lb_endpoints(endpoints: &[String]) -> String {
+    endpoints
         .iter()
         .map(|ep| {
             let (host, port) = ep.rsplit_once(':').unwrap_or((ep, "80"));
@@ -43,7 +42,13 @@ pub fn render(template: &Path, v: &Vars) -> Result<String> {
                 "        - endpoint:\n            address:\n              socket_address: {{ address: {host}, port_value: {port} }}\n"
             )
         })
-        .collect();
+        .collect()
+}
+
+pub fn render(template: &Path, v: &Vars) -> Result<String> {
+    let text = std::fs::read_to_string(template)
+        .with_context(|| format!("reading {}", template.display()))?;
+    let endpoints = lb_endpoints(&v.fallback);
     // The plugin JSON sits inside a single-quoted YAML scalar.
     let plugin = v.plugin_config.replace('\'', "''");
     let out = text
@@ -81,3 +86,199 @@ pub fn without_snapshot_service(yaml: &str) -> Result<String> {
     }
     Ok(out)
 }
+
+/// Where the comparison routes listen, and what they reach.
+pub struct Comparison {
+    pub least_request_port: u16,
+    pub extproc_port: u16,
+    /// `kvgate-extproc`'s gRPC listener.
+    pub extproc_grpc_port: u16,
+    pub workers: Vec<String>,
+    pub tenant_jwks: String,
+}
+
+/// `yaml` with the routes kvgate is compared with: Envoy's least-request
+/// balancing over the workers (a static cluster), and kvgate's decision
+/// made outside the proxy through `ext_proc`, the peers' architecture,
+/// into the same routed cluster the filter's listener uses.
+pub fn with_comparison(yaml: &str, c: &Comparison) -> Result<String> {
+    let listeners = EXTPROC_LISTENER
+        .replace("${EXTPROC_PORT}", &c.extproc_port.to_string())
+        .replace("${TENANT_JWKS}", &c.tenant_jwks.replace('\'', "''"))
+        + &LEAST_REQUEST_LISTENER
+            .replace("${LEAST_REQUEST_PORT}", &c.least_request_port.to_string());
+    let clusters = COMPARISON_CLUSTERS
+        .replace("${EXTPROC_GRPC_PORT}", &c.extproc_grpc_port.to_string())
+        .replace("${WORKER_ENDPOINTS}\n", &lb_endpoints(&c.workers));
+    let at = yaml
+        .find("\n  listeners:\n")
+        .context("envoy.yaml has no static listeners")?
+        + "\n  listeners:\n".len();
+    let mut out = format!("{}{listeners}{}", &yaml[..at], &yaml[at..]);
+    let at = out
+        .find("\n  clusters:\n")
+        .context("envoy.yaml has no static clusters")?
+        + "\n  clusters:\n".len();
+    out.insert_str(at, &clusters);
+    if let Some(at) = out.find("${") {
+        bail!(
+            "unfilled placeholder in the comparison routes near {:?}",
+            &out[at..(at + 30).min(out.len())]
+        );
+    }
+    Ok(out)
+}
+
+/// The ext_proc listener: the kvgate listener's header hygiene, tenant
+/// authentication and routed cluster, with the decision made by
+/// `kvgate-extproc` over Envoy's gRPC client (HTTP/2, one connection pool
+/// per worker thread, streams multiplexed).
+///
+/// Processing mode: the decision needs the whole body, so the body goes
+/// BUFFERED in one message, as the filter reads it whole; response
+/// headers are sent because they mark the end of prefill (the filter
+/// releases its prefill booking at the first response byte); the
+/// response body and trailers are not needed and do not cross. Envoy
+/// closes the stream when the request ends, which frees its reservation.
+/// `failure_mode_allow: false`: a request the server cannot decide is
+/// refused, as the filter refuses what it cannot route.
+const EXTPROC_LISTENER: &str = r#"  # Comparison: kvgate's decision outside the proxy, through ext_proc.
+  - name: kvgate_extproc
+    address:
+      socket_address: { address: 127.0.0.1, port_value: ${EXTPROC_PORT} }
+    per_connection_buffer_limit_bytes: 8388608
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: kvgate_extproc
+          stream_idle_timeout: 300s
+          early_header_mutation_extensions:
+          - name: envoy.http.early_header_mutation.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation
+              mutations:
+              - remove: x-gateway-destination-endpoint
+              - remove: x-data-parallel-rank
+              - remove: x-kvgate-fallback
+              - remove: x-kvgate-tenant
+              - remove: x-envoy-max-retries
+              - remove: x-envoy-retry-on
+              - remove: x-envoy-retry-grpc-on
+              - remove: x-envoy-upstream-rq-timeout-ms
+              - remove: x-envoy-upstream-rq-per-try-timeout-ms
+              - remove: x-envoy-hedge-on-per-try-timeout
+              - remove: x-envoy-original-dst-host
+          route_config:
+            name: extproc
+            virtual_hosts:
+            - name: extproc
+              domains: ["*"]
+              routes:
+              - match:
+                  path: "/v1/completions"
+                  headers: [{ name: ":method", string_match: { exact: POST } }]
+                route: &extproc_routed
+                  cluster: kvgate_workers
+                  timeout: 300s
+                  retry_policy:
+                    retry_on: connect-failure,refused-stream,reset-before-request
+                    num_retries: 1
+              - match:
+                  path: "/v1/chat/completions"
+                  headers: [{ name: ":method", string_match: { exact: POST } }]
+                route: *extproc_routed
+              - match: { prefix: "/" }
+                route: { cluster: kvgate_fallback, timeout: 60s }
+          http_filters:
+          - name: envoy.filters.http.jwt_authn
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication
+              providers:
+                kvgate_tenant:
+                  local_jwks: { inline_string: '${TENANT_JWKS}' }
+                  from_headers: [{ name: authorization, value_prefix: "Bearer " }]
+                  forward: true
+                  claim_to_headers: [{ header_name: x-kvgate-tenant, claim_name: tenant }]
+              rules:
+              - match: { prefix: "/" }
+                requires:
+                  requires_any:
+                    requirements:
+                    - provider_name: kvgate_tenant
+                    - allow_missing_or_failed: {}
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: { cluster_name: kvgate_extproc }
+              failure_mode_allow: false
+              # Per message; a stream lives as long as its request.
+              message_timeout: 5s
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: BUFFERED
+                response_body_mode: NONE
+                request_trailer_mode: SKIP
+                response_trailer_mode: SKIP
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+
+"#;
+
+/// Envoy's own least-request balancing over the workers, no kvgate.
+const LEAST_REQUEST_LISTENER: &str = r#"  # Comparison: Envoy's least-request balancing over the workers.
+  - name: least_request_baseline
+    address:
+      socket_address: { address: 127.0.0.1, port_value: ${LEAST_REQUEST_PORT} }
+    per_connection_buffer_limit_bytes: 8388608
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: least_request
+          route_config:
+            name: least_request
+            virtual_hosts:
+            - name: least_request
+              domains: ["*"]
+              routes:
+              - match: { prefix: "/" }
+                route: { cluster: kvgate_least_request, timeout: 300s }
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+
+"#;
+
+const COMPARISON_CLUSTERS: &str = r#"  - name: kvgate_least_request
+    type: STATIC
+    lb_policy: LEAST_REQUEST
+    connect_timeout: 2s
+    load_assignment:
+      cluster_name: kvgate_least_request
+      endpoints:
+      - lb_endpoints:
+${WORKER_ENDPOINTS}
+  # kvgate-extproc's gRPC listener: HTTP/2, as Envoy's gRPC client needs.
+  - name: kvgate_extproc
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: { http2_protocol_options: {} }
+    load_assignment:
+      cluster_name: kvgate_extproc
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              socket_address: { address: 127.0.0.1, port_value: ${EXTPROC_GRPC_PORT} }
+
+"#;

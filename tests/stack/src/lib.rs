@@ -69,6 +69,13 @@ pub struct StackConfig {
     /// do. Defaults to whether `KVGATE_HTTP_FILTER_ONLY` is set, so that a
     /// test binary's suite can run again in that mode unchanged.
     pub http_filter_only: bool,
+    /// The routes kvgate is compared with, on Envoy listeners of their own
+    /// ([`Stack::least_request_url`], [`Stack::extproc_url`]): Envoy's
+    /// least-request balancing over the workers, and kvgate's decision
+    /// outside the proxy through `ext_proc` (`kvgate-extproc`, from the bin
+    /// directory, running its own sidecar in-process with this stack's
+    /// sidecar configuration), the architecture peers use.
+    pub extproc: bool,
 }
 
 impl StackConfig {
@@ -145,6 +152,7 @@ impl Default for StackConfig {
             selection_api: false,
             thermal: None,
             http_filter_only: std::env::var_os("KVGATE_HTTP_FILTER_ONLY").is_some(),
+            extproc: false,
         }
     }
 }
@@ -178,11 +186,19 @@ pub struct Gateway {
     pub selection_port: u16,
     /// The sidecar's replica-sync PUB socket, when the stack syncs.
     pub sync_port: u16,
+    /// With [`StackConfig::extproc`]: Envoy's least-request listener, its
+    /// ext_proc listener, `kvgate-extproc`'s gRPC listener and its
+    /// in-process sidecar's HTTP API.
+    pub least_request_port: u16,
+    pub extproc_port: u16,
+    pub extproc_grpc_port: u16,
+    pub extproc_sidecar_port: u16,
     /// Names its config and logs apart from the other gateways' ("" for
     /// the first).
     tag: String,
     envoy: Option<Proc>,
     sidecar: Option<Proc>,
+    extproc: Option<Proc>,
 }
 
 /// A running stack. Dropping it stops every process.
@@ -208,9 +224,19 @@ impl Stack {
     /// Like [`Stack::start`] with explicit locations of the parts.
     pub fn start_with(paths: Paths, config: StackConfig) -> Result<Stack> {
         paths.check()?;
+        if config.extproc && config.replica_sync {
+            // Its in-process sidecar would bind the sidecar's sync port.
+            bail!("the ext_proc comparison route does not run with replica sync");
+        }
+        if config.extproc && !paths.bin("kvgate-extproc").exists() {
+            bail!(
+                "missing {}: build it with `cargo build -p kvgate-extproc`",
+                paths.bin("kvgate-extproc").display()
+            );
+        }
         let run_dir = paths.new_run_dir()?;
         let n_gateways = config.gateways.max(1);
-        let mut ports = ports::free_ports(7 * n_gateways + config.workers)?.into_iter();
+        let mut ports = ports::free_ports(11 * n_gateways + config.workers)?.into_iter();
         let mut next = || ports.next().context("ran out of allocated ports");
         let mut gateways = Vec::with_capacity(n_gateways);
         for g in 0..n_gateways {
@@ -222,6 +248,10 @@ impl Stack {
                 control_port: next()?,
                 selection_port: next()?,
                 sync_port: next()?,
+                least_request_port: next()?,
+                extproc_port: next()?,
+                extproc_grpc_port: next()?,
+                extproc_sidecar_port: next()?,
                 tag: if g == 0 {
                     String::new()
                 } else {
@@ -229,6 +259,7 @@ impl Stack {
                 },
                 envoy: None,
                 sidecar: None,
+                extproc: None,
             });
         }
 
@@ -306,10 +337,18 @@ impl Stack {
         }
         for g in 0..stack.gateways.len() {
             stack.start_sidecar(g, &[])?;
+            if stack.config.extproc {
+                stack.start_extproc(g)?;
+            }
             stack.start_envoy(g)?;
         }
         for g in 0..stack.gateways.len() {
             stack.wait_gateway_ready(g, Duration::from_secs(60))?;
+        }
+        if stack.config.extproc {
+            for g in 0..stack.gateways.len() {
+                stack.wait_extproc_ready(g, Duration::from_secs(60))?;
+            }
         }
         Ok(stack)
     }
@@ -322,6 +361,23 @@ impl Stack {
     }
     pub fn plain_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.gateways[0].plain_port)
+    }
+    /// Envoy's least-request balancing over the workers (with
+    /// [`StackConfig::extproc`]).
+    pub fn least_request_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.gateways[0].least_request_port)
+    }
+    /// Envoy deciding through `ext_proc` (with [`StackConfig::extproc`]).
+    pub fn extproc_url(&self) -> String {
+        format!("http://{}", self.extproc_addr())
+    }
+    pub fn extproc_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.gateways[0].extproc_port)
+    }
+    /// The HTTP API of `kvgate-extproc`'s in-process sidecar, whose ledger
+    /// holds the ext_proc route's reservations.
+    pub fn extproc_sidecar_addr(&self) -> String {
+        self.gateways[0].extproc_sidecar_addr()
     }
     pub fn sidecar_addr(&self) -> String {
         self.gateways[0].sidecar_addr()
@@ -359,6 +415,16 @@ impl Stack {
             of(self.gateways[0].sidecar.as_ref()),
             self.workers.iter().map(|w| of(w.proc.as_ref())).sum(),
         ]
+    }
+
+    /// CPU seconds (user + system) used so far by `kvgate-extproc`; 0
+    /// without it.
+    pub fn extproc_cpu_seconds(&self) -> f64 {
+        self.gateways[0]
+            .extproc
+            .as_ref()
+            .and_then(|p| process_cpu_seconds(p.pid()))
+            .unwrap_or(0.0)
     }
 
     /// Starts (or restarts) worker `i` with the arguments it was created with.
@@ -497,6 +563,54 @@ impl Stack {
         Ok(())
     }
 
+    /// Starts gateway `g`'s `kvgate-extproc` with its sidecar's
+    /// configuration, so that its in-process sidecar scrapes the same
+    /// workers; its HTTP API and gRPC listener get ports of their own.
+    fn start_extproc(&mut self, g: usize) -> Result<()> {
+        let gw = &self.gateways[g];
+        let config = self.run_dir.join(format!("sidecar{}.toml", gw.tag));
+        let args = vec![
+            "--config".to_string(),
+            config.display().to_string(),
+            "--grpc-listen".into(),
+            format!("127.0.0.1:{}", gw.extproc_grpc_port),
+            "--listen".into(),
+            gw.extproc_sidecar_addr(),
+        ];
+        let proc = Proc::spawn(
+            &format!("extproc{}", gw.tag),
+            &self.paths.bin("kvgate-extproc"),
+            &args,
+            &self.run_dir,
+        )?;
+        let addr = gw.extproc_sidecar_addr();
+        self.gateways[g].extproc = Some(proc);
+        http::wait_for_status(&addr, "/health", 200, Duration::from_secs(20))
+            .context("kvgate-extproc did not come up")
+            .map_err(|e| self.explain(e))?;
+        Ok(())
+    }
+
+    /// Waits until `kvgate-extproc`'s sidecar sees every running worker up.
+    fn wait_extproc_ready(&self, g: usize, timeout: Duration) -> Result<()> {
+        let want = self.workers.iter().filter(|w| w.proc.is_some()).count();
+        let gw = &self.gateways[g];
+        let deadline = Instant::now() + timeout;
+        loop {
+            let up = gw.extproc_workers_up().unwrap_or(0);
+            if up >= want {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(self.explain(anyhow::anyhow!(
+                    "kvgate-extproc at gateway{} sees {up}/{want} workers up",
+                    gw.tag
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     fn start_envoy(&mut self, g: usize) -> Result<()> {
         let gw = &self.gateways[g];
         let mut overrides = self.config.plugin.clone();
@@ -527,6 +641,18 @@ impl Stack {
         )?;
         if self.config.http_filter_only {
             yaml = envoy::without_snapshot_service(&yaml)?;
+        }
+        if self.config.extproc {
+            yaml = envoy::with_comparison(
+                &yaml,
+                &envoy::Comparison {
+                    least_request_port: gw.least_request_port,
+                    extproc_port: gw.extproc_port,
+                    extproc_grpc_port: gw.extproc_grpc_port,
+                    workers: self.workers.iter().map(Worker::endpoint).collect(),
+                    tenant_jwks: jwt::jwks(&self.tenant_key),
+                },
+            )?;
         }
         let path = self.run_dir.join(format!("envoy{}.yaml", gw.tag));
         std::fs::write(&path, yaml).context("writing envoy.yaml")?;
@@ -621,6 +747,19 @@ impl Gateway {
     pub fn selection_addr(&self) -> String {
         format!("127.0.0.1:{}", self.selection_port)
     }
+    /// `kvgate-extproc`'s in-process sidecar, when the stack runs it.
+    pub fn extproc_sidecar_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.extproc_sidecar_port)
+    }
+
+    /// Workers up in `kvgate-extproc`'s in-process sidecar's snapshot.
+    pub fn extproc_workers_up(&self) -> Result<usize> {
+        let (status, body) = http::get(&self.extproc_sidecar_addr(), "/v1/state")?;
+        if status != 200 {
+            bail!("kvgate-extproc /v1/state answered {status}");
+        }
+        Ok(workers_listed(&serde_json::from_slice(&body)?))
+    }
 
     /// Waits until the filter has a snapshot in which `want` workers are
     /// up, served by the sidecar now running (versions restart with it),
@@ -687,15 +826,7 @@ impl Gateway {
 
     /// Number of workers the current snapshot lists (all models).
     pub fn sidecar_workers_up(&self) -> Result<usize> {
-        let s = self.sidecar_state()?;
-        Ok(s["models"]
-            .as_array()
-            .map(|ms| {
-                ms.iter()
-                    .map(|m| m["workers"].as_array().map_or(0, Vec::len))
-                    .sum()
-            })
-            .unwrap_or(0))
+        Ok(workers_listed(&self.sidecar_state()?))
     }
 
     /// Reads one of the filter's metrics from Envoy's admin `/stats`.
@@ -725,7 +856,10 @@ impl Gateway {
 impl Drop for Stack {
     fn drop(&mut self) {
         for g in &mut self.gateways {
-            for mut p in [g.envoy.take(), g.sidecar.take()].into_iter().flatten() {
+            for mut p in [g.envoy.take(), g.sidecar.take(), g.extproc.take()]
+                .into_iter()
+                .flatten()
+            {
                 p.kill();
             }
         }
@@ -735,6 +869,18 @@ impl Drop for Stack {
             }
         }
     }
+}
+
+/// Workers a snapshot's JSON view lists, all models together.
+fn workers_listed(state: &serde_json::Value) -> usize {
+    state["models"]
+        .as_array()
+        .map(|ms| {
+            ms.iter()
+                .map(|m| m["workers"].as_array().map_or(0, Vec::len))
+                .sum()
+        })
+        .unwrap_or(0)
 }
 
 /// CPU seconds (user + system) a process has used, from `/proc/PID/stat`.
