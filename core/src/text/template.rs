@@ -128,6 +128,18 @@ impl std::fmt::Debug for Renderer {
 }
 
 impl Renderer {
+    /// Compiles a published template blob if it is `version`; `None` when
+    /// the blob is another version (its store still holds the previous
+    /// one, or already a newer one).
+    pub fn from_blob(bytes: &[u8], version: u64) -> Result<Option<Renderer>, TemplateError> {
+        let t = PromptTemplate::decode(bytes)?;
+        if t.version() == version {
+            Renderer::new(t).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     pub fn new(template: PromptTemplate) -> Result<Renderer, TemplateError> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);

@@ -2,7 +2,7 @@
 //! snapshot names a new version: the filter renders a chat with its
 //! model's template before it plans, so this server does too.
 
-use kvgate_core::text::template::{PromptTemplate, Renderer};
+use kvgate_core::text::template::Renderer;
 use kvgate_core::text::template_key;
 use kvgate_core::update::shard_key;
 use kvgate_sidecar::Sidecar;
@@ -46,13 +46,7 @@ impl Templates {
             let Some(bytes) = route::published(sc, &shard_key(&template_key(model), 0)) else {
                 return Rendered::Unusable;
             };
-            let compiled = PromptTemplate::decode(&bytes).and_then(|t| {
-                if t.version() == version {
-                    Renderer::new(t).map(Some)
-                } else {
-                    Ok(None)
-                }
-            });
+            let compiled = Renderer::from_blob(&bytes, version);
             match compiled {
                 // The store still holds the previous blob.
                 Ok(None) => return Rendered::Unusable,

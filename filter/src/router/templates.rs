@@ -2,7 +2,7 @@
 //! when the snapshot names a new version.
 
 use crate::host;
-use kvgate_core::text::template::{PromptTemplate, Renderer};
+use kvgate_core::text::template::Renderer;
 use kvgate_core::text::template_key;
 use kvgate_core::update::shard_key;
 use std::collections::HashMap;
@@ -22,13 +22,7 @@ impl Templates {
         let fresh = matches!(self.by_model.get(model), Some((v, _)) if *v == version);
         if !fresh {
             let bytes = host::get_shared(&shard_key(&template_key(model), 0))?;
-            let compiled = PromptTemplate::decode(&bytes).and_then(|t| {
-                if t.version() == version {
-                    Renderer::new(t).map(Some)
-                } else {
-                    Ok(None)
-                }
-            });
+            let compiled = Renderer::from_blob(&bytes, version);
             match compiled {
                 // Shared data still holds the previous blob.
                 Ok(None) => return None,
