@@ -88,7 +88,7 @@ impl Default for Config {
             poll_wait: Duration::from_millis(1000),
             poll_backoff: Duration::from_millis(100),
             tick: Duration::from_millis(100),
-            flush: Duration::from_millis(2),
+            flush: Duration::from_millis(5),
             destination_header: "x-gateway-destination-endpoint".into(),
             rank_header: "x-data-parallel-rank".into(),
             fallback_header: "x-kvgate-fallback".into(),

@@ -76,6 +76,12 @@ pub fn set_request_header(name: &str, value: &str) -> Result<(), Status> {
     hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value))
 }
 
+pub fn response_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
+        .ok()
+        .flatten()
+}
+
 pub fn set_response_header(name: &str, value: &str) -> Result<(), Status> {
     hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value))
 }

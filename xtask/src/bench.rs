@@ -374,7 +374,7 @@ fn measure(rt: &tokio::runtime::Runtime, base: &str, n: usize, concurrency: usiz
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
@@ -396,6 +396,69 @@ pub(crate) fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
 /// a steady load runs, it leaves out the warm-up (V8 tiering up the filter).
 pub(crate) fn envoy_histogram_interval(stack: &Stack, name: &str) -> Result<Value> {
     histogram_column(stack, name, 0)
+}
+
+/// A filter histogram's detailed buckets (`lower`, `width`, count), all
+/// recorded since Envoy started.
+pub(crate) fn histogram_buckets(stack: &Stack, name: &str) -> Result<Vec<(f64, f64, u64)>> {
+    let (_, body) = http::get(
+        &stack.admin_addr(),
+        &format!("/stats?filter=wasmcustom\\.{name}$&histogram_buckets=detailed"),
+    )?;
+    let text = String::from_utf8_lossy(&body);
+    // "  totals=7,0.1:1, 8,0.1:304, ...": lower,width:count.
+    let totals = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("totals="))
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for b in totals.split(", ").filter(|b| !b.is_empty()) {
+        let parsed = b.split_once(':').and_then(|(range, n)| {
+            let (lower, width) = range.split_once(',')?;
+            Some((lower.parse().ok()?, width.parse().ok()?, n.parse().ok()?))
+        });
+        out.push(parsed.with_context(|| format!("histogram bucket {b:?} of {name}"))?);
+    }
+    Ok(out)
+}
+
+/// Percentiles of what a histogram recorded between two readings of
+/// [`histogram_buckets`]: a measured window without the warm-up before it.
+/// Linear within a bucket, as Envoy's own summary.
+pub(crate) fn percentiles_between(
+    before: &[(f64, f64, u64)],
+    after: &[(f64, f64, u64)],
+    ps: &[f64],
+) -> Value {
+    let mut window: Vec<(f64, f64, u64)> = after
+        .iter()
+        .map(|&(lower, width, n)| {
+            let old = before
+                .iter()
+                .find(|b| b.0 == lower && b.1 == width)
+                .map_or(0, |b| b.2);
+            (lower, width, n.saturating_sub(old))
+        })
+        .filter(|b| b.2 > 0)
+        .collect();
+    window.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total: u64 = window.iter().map(|b| b.2).sum();
+    let mut out = serde_json::Map::new();
+    out.insert("count".into(), json!(total));
+    for &p in ps {
+        let target = p / 100.0 * total as f64;
+        let mut seen = 0.0;
+        let mut value = f64::NAN;
+        for &(lower, width, n) in &window {
+            if seen + n as f64 >= target {
+                value = lower + width * ((target - seen) / n as f64).clamp(0.0, 1.0);
+                break;
+            }
+            seen += n as f64;
+        }
+        out.insert(format!("P{p}"), json!(value));
+    }
+    Value::Object(out)
 }
 
 fn histogram_column(stack: &Stack, name: &str, column: usize) -> Result<Value> {
@@ -450,10 +513,14 @@ fn overhead(quick: bool) -> Result<Value> {
         stack.envoy_url(),
         stack.extproc_url(),
     ];
-    // Warm connections and caches on every route.
+    // Warm connections and caches on every route, and let V8 tier the
+    // filter up: its first requests run in baseline code.
     for url in &urls {
-        measure(&rt, url, 200, concurrency);
+        measure(&rt, url, 1000, concurrency);
     }
+    // Envoy records histograms at its stats flush (every 5 s).
+    std::thread::sleep(Duration::from_secs(6));
+    let decision_before = histogram_buckets(&stack, "kvgate_decision_us")?;
     let mut runs: [Vec<Run>; 4] = Default::default();
     // CPU seconds per route, by CPU_PARTS.
     let mut cpu = [[0.0f64; 5]; 4];
@@ -504,9 +571,16 @@ fn overhead(quick: bool) -> Result<Value> {
         })
     };
     let sides: Vec<Value> = runs.iter().map(|r| side(r)).collect();
-    let (p, k) = (&sides[0], &sides[2]);
     // Envoy computes histogram percentiles at its stats flush (every 5 s).
     std::thread::sleep(Duration::from_secs(6));
+    let decision = percentiles_between(
+        &decision_before,
+        &histogram_buckets(&stack, "kvgate_decision_us")?,
+        &[50.0, 90.0, 99.0, 99.9],
+    );
+    drop(stack);
+    let shapes = crate::shapebench::run(quick)?;
+    let (p, k) = (&sides[0], &sides[2]);
     let f = |v: &Value, key: &str| v[key].as_f64().unwrap_or(0.0);
     let vs_plain = |v: &Value| {
         json!({
@@ -539,8 +613,9 @@ fn overhead(quick: bool) -> Result<Value> {
             "kvgate": vs_plain(k),
             "extproc": vs_plain(&sides[3]),
         },
-        "filter_decision_us": envoy_histogram(&stack, "kvgate_decision_us")?,
+        "filter_decision_us": decision,
         "cpu_us_per_request": Value::Object(cpu_json),
+        "by_shape": shapes,
     }))
 }
 
@@ -682,7 +757,7 @@ streams each request to an endpoint picker outside the proxy over gRPC (HTTP/2, 
 which holds the fleet state in-process (a whole kvgate sidecar) and makes the filter's decision over it \
 (request headers, the buffered body, and the response headers cross; a reservation per request).\n\n\
 | route | p50 | p99 | throughput | added p50, p50 ratio | throughput ratio |\n| --- | --- | --- | --- | --- | --- |\n{rows}\n\
-Added latency of the filter: p50 {:+.0} µs (ratio {:.2}), p99 {:+.0} µs; throughput ratio {:.2}. The filter's own decision time (Envoy histogram `kvgate_decision_us`): P50 {:.0} µs, P99 {:.0} µs.\n\n\
+Added latency of the filter: p50 {:+.0} µs (ratio {:.2}), p99 {:+.0} µs; throughput ratio {:.2}. The filter's own decision time (Envoy histogram `kvgate_decision_us`, the measured runs only, warm-up excluded): P50 {:.0} µs, P99 {:.0} µs.\n\n\
 The loop keeps both cores busy, so latency and throughput follow CPU per request. Where it goes (CPU µs per request, user + system, from `/proc`; \
 the sidecars' background work, scraping and publishing, is counted on every route, so the ext_proc server's column on the other routes is its idle cost):\n\n\
 | route | Envoy | sidecar | ext_proc server | workers | load generator | total |\n| --- | --- | --- | --- | --- | --- | --- |\n{cpu_rows}",
@@ -693,7 +768,7 @@ the sidecars' background work, scraping and publishing, is counted on every rout
         f(&["throughput_ratio"]),
         f(&["filter_decision_us", "P50"]),
         f(&["filter_decision_us", "P99"]),
-    )
+    ) + &crate::shapebench::report(&o["by_shape"])
 }
 
 fn ingest_section(i: &Value) -> String {

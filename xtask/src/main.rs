@@ -26,6 +26,7 @@ mod plot;
 mod quality;
 mod replay;
 mod setup;
+mod shapebench;
 mod shedbench;
 mod textbench;
 mod thermalbench;

@@ -19,6 +19,10 @@ use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
 use std::rc::Rc;
 
+/// Envoy's count of upstream attempts, in the response when the virtual
+/// host sets `include_attempt_count_in_response`.
+const ATTEMPT_COUNT: &str = "x-envoy-attempt-count";
+
 /// The worker Envoy retries on when the chosen one refuses the connection,
 /// and the load the request books there if it does.
 #[derive(Debug, Clone)]
@@ -333,6 +337,13 @@ impl Request {
         let Some(fb) = self.fallback.take() else {
             return;
         };
+        // A first attempt that answered is the common case, and a header
+        // read is several times cheaper than a property; the property
+        // decides where the header is absent (not configured) or names a
+        // retry.
+        if host::response_header(ATTEMPT_COUNT).as_deref() == Some("1") {
+            return;
+        }
         let served_by = host::property(&["upstream", "address"]);
         if served_by.as_deref() != Some(fb.endpoint.as_bytes()) {
             return;

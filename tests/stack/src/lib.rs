@@ -417,6 +417,37 @@ impl Stack {
         ]
     }
 
+    /// The first Envoy's CPU seconds so far, split into its main thread
+    /// (xDS, stats, the snapshot service) and its worker threads (`wrk:*`,
+    /// where requests and the filter run).
+    pub fn envoy_thread_cpu_seconds(&self) -> [f64; 2] {
+        let Some(pid) = self.gateways[0].envoy.as_ref().map(Proc::pid) else {
+            return [0.0; 2];
+        };
+        let mut out = [0.0; 2];
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return out;
+        };
+        for task in tasks.flatten() {
+            let dir = task.path();
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            let Some(tid) = task
+                .file_name()
+                .to_str()
+                .and_then(|t| t.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let cpu = task_cpu_seconds(pid, tid).unwrap_or(0.0);
+            if comm.starts_with("wrk:") {
+                out[1] += cpu;
+            } else if tid == pid {
+                out[0] += cpu;
+            }
+        }
+        out
+    }
+
     /// CPU seconds (user + system) used so far by `kvgate-extproc`; 0
     /// without it.
     pub fn extproc_cpu_seconds(&self) -> f64 {
@@ -885,7 +916,16 @@ fn workers_listed(state: &serde_json::Value) -> usize {
 
 /// CPU seconds (user + system) a process has used, from `/proc/PID/stat`.
 pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    cpu_seconds_of(&format!("/proc/{pid}/stat"))
+}
+
+/// One thread's CPU seconds (user + system).
+fn task_cpu_seconds(pid: u32, tid: u32) -> Option<f64> {
+    cpu_seconds_of(&format!("/proc/{pid}/task/{tid}/stat"))
+}
+
+fn cpu_seconds_of(stat_path: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(stat_path).ok()?;
     // Fields after the parenthesised command name; utime and stime are
     // the 14th and 15th of the whole line, in clock ticks (100 a second on
     // Linux).

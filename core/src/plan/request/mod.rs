@@ -1,7 +1,12 @@
 //! OpenAI request bodies, as far as routing needs them.
 
+mod prompt;
+
 use crate::text::skeleton::Path;
 use crate::text::template::{Renderer, TemplateError};
+use prompt::Prompt;
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 /// The two inference endpoints kvgate routes.
@@ -101,75 +106,118 @@ pub fn estimate_tokens(text: &str) -> u64 {
     (text.len() as u64).div_ceil(4).max(1)
 }
 
-fn token_list(v: &[Value], field: &str) -> Result<Vec<u32>, BadRequest> {
-    v.iter()
-        .map(|t| match t.as_u64().and_then(|t| u32::try_from(t).ok()) {
-            Some(t) => Ok(t),
-            None => bad(format!(
-                "{field} must contain token ids (integers from 0 to 4294967295)"
-            )),
-        })
-        .collect()
+/// The top-level fields routing reads, each left as raw JSON until it is
+/// checked, except the prompt, read in the same pass (see [`prompt`]);
+/// the rest of the body is skipped without being built.
+#[derive(Deserialize)]
+struct Fields<'a> {
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_completion_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    cache_salt: Option<&'a RawValue>,
+    prompt: Option<Prompt>,
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow)]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(borrow)]
+    add_generation_prompt: Option<&'a RawValue>,
+}
+
+/// A field's value as `T`; absent and `null` are `None`.
+fn field<'a, T: Deserialize<'a>>(
+    raw: Option<&'a RawValue>,
+    msg: impl FnOnce() -> String,
+) -> Result<Option<T>, BadRequest> {
+    match raw.map(RawValue::get) {
+        None | Some("null") => Ok(None),
+        Some(json) => serde_json::from_str(json)
+            .map(Some)
+            .map_err(|_| BadRequest(msg())),
+    }
 }
 
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
-    let mut v: Value = match serde_json::from_slice(body) {
-        Ok(v) => v,
+    let f: Fields = match serde_json::from_slice(body) {
+        Ok(f) => f,
+        Err(e) if e.is_data() => {
+            // Valid JSON of the wrong shape, or a key given twice: an
+            // engine would read a repeated key differently, so neither
+            // routes.
+            return match serde_json::from_slice::<Value>(body) {
+                Ok(Value::Object(_)) => bad(format!("request body is ambiguous: {e}")),
+                _ => bad("request body must be a JSON object"),
+            };
+        }
         Err(e) => return bad(format!("request body is not valid JSON: {e}")),
     };
-    let Some(obj) = v.as_object_mut() else {
-        return bad("request body must be a JSON object");
-    };
-    let model = match obj.get("model") {
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+    let model: String = match field(f.model, || "'model' must be a non-empty string".into())? {
+        Some(m) if !String::is_empty(&m) => m,
         Some(_) => return bad("'model' must be a non-empty string"),
         None => return bad("'model' is required"),
     };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return bad("'stream' must be a boolean"),
-    };
+    let stream = field(f.stream, || "'stream' must be a boolean".into())?.unwrap_or(false);
     let mut max_tokens = None;
-    for key in ["max_tokens", "max_completion_tokens"] {
-        match obj.get(key) {
-            None | Some(Value::Null) => {}
-            Some(v) => match v.as_u64() {
-                Some(n) => max_tokens = Some(n),
-                None => return bad(format!("'{key}' must be a non-negative integer")),
-            },
+    for (key, raw) in [
+        ("max_tokens", f.max_tokens),
+        ("max_completion_tokens", f.max_completion_tokens),
+    ] {
+        if let Some(n) = field(raw, || format!("'{key}' must be a non-negative integer"))? {
+            max_tokens = Some(n);
         }
     }
     // vLLM refuses an empty or non-string salt; so does kvgate, rather
     // than route a request the engine will reject.
-    let cache_salt = match obj.get("cache_salt") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
-        Some(_) => return bad("'cache_salt' must be a non-empty string"),
+    let cache_salt = match field::<String>(f.cache_salt, || {
+        "'cache_salt' must be a non-empty string".into()
+    })? {
+        Some(s) if s.is_empty() => return bad("'cache_salt' must be a non-empty string"),
+        s => s,
     };
-    let (tokens, text, isl_tokens) = match endpoint {
-        Endpoint::Completions => prompt(obj.get("prompt"))?,
-        Endpoint::Chat => messages(obj.get("messages"))?,
-    };
-    let chat = match endpoint {
-        Endpoint::Completions => None,
-        Endpoint::Chat => Some(ChatInput {
-            messages: obj.remove("messages").unwrap_or(Value::Null),
-            tools: obj.remove("tools").filter(|t| !t.is_null()),
-            kwargs: {
-                let mut kw = match obj.remove("chat_template_kwargs") {
-                    None | Some(Value::Null) => None,
-                    Some(Value::Object(m)) => Some(m),
-                    Some(_) => return bad("'chat_template_kwargs' must be an object"),
-                };
-                // vLLM's own request field, handed to the template.
-                if let Some(Value::Bool(b)) = obj.get("add_generation_prompt") {
-                    kw.get_or_insert_default()
-                        .insert("add_generation_prompt".into(), Value::Bool(*b));
-                }
-                kw
-            },
-        }),
+    let (tokens, text, isl_tokens, chat) = match endpoint {
+        Endpoint::Completions => match f.prompt {
+            None => return bad("'prompt' is required for /v1/completions"),
+            Some(Prompt::Invalid(why)) => return bad(why),
+            Some(Prompt::Text { first, isl_tokens }) => (None, Some(first), isl_tokens, None),
+            Some(Prompt::Tokens { first, isl_tokens }) => {
+                (Some(first), None, isl_tokens.max(1), None)
+            }
+        },
+        Endpoint::Chat => {
+            let messages: Value = field(f.messages, String::new)
+                .ok()
+                .flatten()
+                .unwrap_or(Value::Null);
+            let (tokens, text, n) = self::messages(&messages)?;
+            let tools: Option<Value> = field(f.tools, String::new).ok().flatten();
+            let mut kwargs = match field::<Value>(f.chat_template_kwargs, || {
+                "'chat_template_kwargs' must be an object".into()
+            })? {
+                None => None,
+                Some(Value::Object(m)) => Some(m),
+                Some(_) => return bad("'chat_template_kwargs' must be an object"),
+            };
+            // vLLM's own request field, handed to the template.
+            if let Ok(Some(b)) = field::<bool>(f.add_generation_prompt, String::new) {
+                kwargs
+                    .get_or_insert_default()
+                    .insert("add_generation_prompt".into(), Value::Bool(b));
+            }
+            let chat = ChatInput {
+                messages,
+                tools,
+                kwargs,
+            };
+            (tokens, text, n, Some(chat))
+        }
     };
     Ok(Parsed {
         model,
@@ -188,51 +236,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
 
 type PromptParts = (Option<Vec<u32>>, Option<String>, u64);
 
-fn prompt(p: Option<&Value>) -> Result<PromptParts, BadRequest> {
-    match p {
-        None | Some(Value::Null) => bad("'prompt' is required for /v1/completions"),
-        Some(Value::String(s)) => Ok((None, Some(s.clone()), estimate_tokens(s))),
-        Some(Value::Array(items)) => match items.first() {
-            None => bad("'prompt' must not be empty"),
-            Some(Value::String(_)) => {
-                // A batch of prompts: route on the first, account for all.
-                let mut total = 0;
-                for it in items {
-                    match it.as_str() {
-                        Some(s) => total += estimate_tokens(s),
-                        None => return bad("'prompt' must not mix strings and other values"),
-                    }
-                }
-                Ok((None, items[0].as_str().map(str::to_owned), total))
-            }
-            Some(Value::Array(_)) => {
-                let mut first = None;
-                let mut total = 0;
-                for it in items {
-                    let Some(list) = it.as_array() else {
-                        return bad("'prompt' must not mix token lists and other values");
-                    };
-                    if list.is_empty() {
-                        return bad("'prompt' must not contain an empty token list");
-                    }
-                    let toks = token_list(list, "'prompt'")?;
-                    total += toks.len() as u64;
-                    first.get_or_insert(toks);
-                }
-                Ok((first, None, total.max(1)))
-            }
-            Some(_) => {
-                let toks = token_list(items, "'prompt'")?;
-                let n = toks.len() as u64;
-                Ok((Some(toks), None, n.max(1)))
-            }
-        },
-        Some(_) => bad("'prompt' must be a string, a list of strings, or token ids"),
-    }
-}
-
-fn messages(m: Option<&Value>) -> Result<PromptParts, BadRequest> {
-    let Some(Value::Array(items)) = m else {
+fn messages(m: &Value) -> Result<PromptParts, BadRequest> {
+    let Value::Array(items) = m else {
         return bad("'messages' is required for /v1/chat/completions and must be a list");
     };
     if items.is_empty() {
@@ -373,6 +378,32 @@ mod tests {
         let mut p = ok(Endpoint::Completions, r#"{"model":"m","prompt":[1,2]}"#);
         p.render(&mut r, 0).unwrap();
         assert!(!p.rendered, "token prompts are left alone");
+    }
+
+    #[test]
+    fn reads_only_what_routing_needs() {
+        // Fields routing does not read are skipped, however nested.
+        let p = ok(
+            Endpoint::Completions,
+            r#"{"user":{"a":[1,{"b":null}]},"model":"m","logprobs":3,"prompt":[7,8,9],"n":2}"#,
+        );
+        assert_eq!((p.model.as_str(), p.tokens), ("m", Some(vec![7, 8, 9])));
+        // A key given twice is read differently by different parsers: the
+        // engine must not run a prompt or model other than the one routed.
+        for body in [
+            r#"{"model":"m","prompt":[1],"prompt":[2]}"#,
+            r#"{"model":"a","model":"b","prompt":[1]}"#,
+        ] {
+            assert!(
+                err(Endpoint::Completions, body).contains("ambiguous"),
+                "{body}"
+            );
+        }
+        let p = ok(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"x","stream":null}"#,
+        );
+        assert!(!p.stream, "null is absent");
     }
 
     #[test]
