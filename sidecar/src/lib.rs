@@ -50,3 +50,13 @@ mod thermal;
 mod tick;
 
 pub use sidecar::Sidecar;
+
+/// Logs to stderr at `RUST_LOG`'s levels (`info` without it): the sidecar
+/// and the programs that embed one (`kvgate-extproc`) log alike.
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+}

@@ -85,11 +85,7 @@ struct RunArgs {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    kvgate_sidecar::init_logging();
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Status { url }) => print_status(&url).await,

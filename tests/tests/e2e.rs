@@ -180,27 +180,11 @@ fn sheds_a_mixed_vllm_and_sglang_fleet_with_503_when_every_worker_is_busy() {
 /// --metrics-flavor`).
 fn sheds_when_every_worker_is_busy(metrics_flavors: [&str; 2]) {
     let _g = serial();
-    // Tiny KV caches and slow decoding: one long request makes a worker busy
-    // by the decode-blocks rule (threshold 10 % of 64 blocks).
     let stack = start(StackConfig {
-        workers: 2,
-        sim_args: [
-            "--num-gpu-blocks",
-            "64",
-            "--decode-ms-per-token",
-            "40",
-            "--speedup",
-            "1",
-            "--default-max-tokens",
-            "4",
-        ]
-        .map(String::from)
-        .to_vec(),
         worker_sim_args: metrics_flavors
             .map(|f| vec!["--metrics-flavor".to_string(), f.to_string()])
             .to_vec(),
-        model_toml: "active_decode_blocks_threshold = 0.1".into(),
-        ..StackConfig::default()
+        ..busy_prone()
     });
     // Each hog makes one worker busy; the second goes out only once the
     // first worker shows busy, so it cannot land on the same one.

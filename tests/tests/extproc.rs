@@ -77,26 +77,9 @@ fn decided(r: &Reply) -> String {
 #[test]
 fn extproc_routes_sheds_and_frees_its_reservations() {
     let _g = serial();
-    // Tiny KV caches and slow decoding: one long request books more
-    // decode blocks than the threshold (10 % of 64), so its rank is busy
-    // for as long as it runs.
     let stack = start(StackConfig {
-        workers: 2,
-        sim_args: [
-            "--num-gpu-blocks",
-            "64",
-            "--decode-ms-per-token",
-            "40",
-            "--speedup",
-            "1",
-            "--default-max-tokens",
-            "4",
-        ]
-        .map(String::from)
-        .to_vec(),
-        model_toml: "active_decode_blocks_threshold = 0.1".into(),
         extproc: true,
-        ..StackConfig::default()
+        ..busy_prone()
     });
     let ids: Vec<String> = stack.workers.iter().map(|w| w.id.to_string()).collect();
 

@@ -69,11 +69,7 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    kvgate_sidecar::init_logging();
     let cli = Cli::parse();
     let mut config = Config::load(&cli.config)?;
     if let Some(l) = cli.listen {

@@ -103,6 +103,7 @@ pub struct Comparison {
 /// into the same routed cluster the filter's listener uses.
 pub fn with_comparison(yaml: &str, c: &Comparison) -> Result<String> {
     let listeners = EXTPROC_LISTENER
+        .replace("${HEADER_HYGIENE}", header_hygiene(yaml)?)
         .replace("${EXTPROC_PORT}", &c.extproc_port.to_string())
         .replace("${TENANT_JWKS}", &c.tenant_jwks.replace('\'', "''"))
         + &LEAST_REQUEST_LISTENER
@@ -127,6 +128,24 @@ pub fn with_comparison(yaml: &str, c: &Comparison) -> Result<String> {
         );
     }
     Ok(out)
+}
+
+/// The kvgate listener's header hygiene, its HTTP connection manager's
+/// `early_header_mutation_extensions` block as `envoy.yaml` writes it, so
+/// that the ext_proc listener scrubs exactly the same headers.
+fn header_hygiene(yaml: &str) -> Result<&str> {
+    const KEY: &str = "          early_header_mutation_extensions:\n";
+    let start = yaml
+        .find(KEY)
+        .context("envoy.yaml's kvgate listener has no early_header_mutation_extensions")?;
+    let mut end = start + KEY.len();
+    for line in yaml[end..].split_inclusive('\n') {
+        if !(line.starts_with("          - ") || line.starts_with("           ")) {
+            break;
+        }
+        end += line.len();
+    }
+    Ok(&yaml[start..end])
 }
 
 /// The ext_proc listener: the kvgate listener's header hygiene, tenant
@@ -154,23 +173,7 @@ const EXTPROC_LISTENER: &str = r#"  # Comparison: kvgate's decision outside the 
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: kvgate_extproc
           stream_idle_timeout: 300s
-          early_header_mutation_extensions:
-          - name: envoy.http.early_header_mutation.header_mutation
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation
-              mutations:
-              - remove: x-gateway-destination-endpoint
-              - remove: x-data-parallel-rank
-              - remove: x-kvgate-fallback
-              - remove: x-kvgate-tenant
-              - remove: x-envoy-max-retries
-              - remove: x-envoy-retry-on
-              - remove: x-envoy-retry-grpc-on
-              - remove: x-envoy-upstream-rq-timeout-ms
-              - remove: x-envoy-upstream-rq-per-try-timeout-ms
-              - remove: x-envoy-hedge-on-per-try-timeout
-              - remove: x-envoy-original-dst-host
-          route_config:
+${HEADER_HYGIENE}          route_config:
             name: extproc
             virtual_hosts:
             - name: extproc
@@ -282,3 +285,51 @@ ${WORKER_ENDPOINTS}
               socket_address: { address: 127.0.0.1, port_value: ${EXTPROC_GRPC_PORT} }
 
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_extproc_listener_scrubs_what_the_kvgate_listener_scrubs() {
+        let yaml = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../envoy/envoy.yaml"),
+        )
+        .unwrap();
+        let hygiene = header_hygiene(&yaml).unwrap();
+        let removed: Vec<&str> = hygiene
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("- remove: "))
+            .collect();
+        for h in [
+            "x-gateway-destination-endpoint",
+            "x-data-parallel-rank",
+            "x-kvgate-fallback",
+            "x-kvgate-tenant",
+            "x-envoy-retry-on",
+        ] {
+            assert!(removed.contains(&h), "{h} in {removed:?}");
+        }
+        assert_eq!(
+            removed.len(),
+            yaml.matches("- remove: ").count(),
+            "the whole block, and only it"
+        );
+        assert!(hygiene.ends_with('\n') && !hygiene.contains("local_reply_config"));
+        let c = Comparison {
+            least_request_port: 1,
+            extproc_port: 2,
+            extproc_grpc_port: 3,
+            workers: vec!["127.0.0.1:4".into()],
+            tenant_jwks: "{}".into(),
+        };
+        // The template's own placeholders, filled as `render` would.
+        let mut rendered = yaml.clone();
+        while let Some(at) = rendered.find("${") {
+            let end = at + rendered[at..].find('}').unwrap() + 1;
+            rendered.replace_range(at..end, "0");
+        }
+        let out = with_comparison(&rendered, &c).unwrap();
+        assert_eq!(out.matches("early_header_mutation_extensions:").count(), 2);
+    }
+}

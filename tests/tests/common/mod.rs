@@ -66,6 +66,29 @@ pub fn chat(stack: &Stack, model: &str, text: &str, max_tokens: u32) -> Reply {
     )
 }
 
+/// Two workers that a single long request makes busy: tiny KV caches and
+/// slow decoding, so its decode blocks pass the threshold (10 % of 64)
+/// for as long as it runs.
+pub fn busy_prone() -> StackConfig {
+    StackConfig {
+        workers: 2,
+        sim_args: [
+            "--num-gpu-blocks",
+            "64",
+            "--decode-ms-per-token",
+            "40",
+            "--speedup",
+            "1",
+            "--default-max-tokens",
+            "4",
+        ]
+        .map(String::from)
+        .to_vec(),
+        model_toml: "active_decode_blocks_threshold = 0.1".into(),
+        ..StackConfig::default()
+    }
+}
+
 pub fn start(config: StackConfig) -> Stack {
     Stack::start(config).unwrap_or_else(|e| panic!("stack failed to start: {e:#}"))
 }
