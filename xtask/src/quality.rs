@@ -8,7 +8,11 @@
 //!   routing decisions (the same prompts rendered as words);
 //! * `precise`: kvgate with token prompts and the workers' KV events;
 //! * `precise_shedding`: the same with busy thresholds on, set through the
-//!   control listener.
+//!   control listener;
+//! * `precise_credit_3`: `precise` with the model's `overlap_credit` at 3.0
+//!   instead of Dynamo's 1.0 (a cached block outweighs three blocks of
+//!   another request's load), on a second fleet configured so: the
+//!   evidence for or against a higher default.
 //!
 //! Between runs every worker's prefix cache is reset, so each run starts
 //! cold. Hit rates come from the workers' own counters.
@@ -25,13 +29,17 @@ use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-const POLICIES: [&str; 5] = [
+const POLICIES: [&str; 6] = [
     "round_robin",
     "least_request",
     "approximate",
     "precise",
     "precise_shedding",
+    CREDIT_3,
 ];
+
+/// The policy that runs on a fleet whose model weighs cached blocks 3×.
+const CREDIT_3: &str = "precise_credit_3";
 
 /// Busy past half of a rank's KV cache (gateway bookings included).
 const SHED_THRESHOLD: f64 = 0.5;
@@ -339,13 +347,6 @@ fn workloads(quick: bool) -> Result<Vec<Workload>> {
 /// Eight workers whose prefills take turns (one lane each), as an
 /// engine's shared compute does, so a rank's queued prefill is what a new
 /// request waits behind.
-fn fleet(w: &Workload) -> Result<Stack> {
-    Stack::start_with(
-        build::release_paths()?,
-        fleet_config(w.kv_blocks, w.prefill_us_per_token),
-    )
-}
-
 /// Workers of the quality benches' fleets.
 pub(crate) const WORKERS: usize = 8;
 
@@ -397,22 +398,35 @@ pub fn run(quick: bool) -> Result<Value> {
         let reference = w.runs.first().map(|(_, specs, _)| {
             crate::replay::replay(&token_prompts(specs), WORKERS, w.kv_blocks as usize, 16)
         });
-        let stack = fleet(&w)?;
-        let mut rates = Vec::new();
-        for (rate, specs, scale) in &w.runs {
-            let mut policies = serde_json::Map::new();
-            for policy in POLICIES {
-                eprintln!(
-                    "xtask: bench quality: {} at {rate} req/s, {policy} ({} requests)",
-                    w.name,
-                    specs.len()
-                );
-                let v = run_policy(&stack, &rt, policy, specs, *scale)
-                    .with_context(|| format!("{} {policy} at {rate}", w.name))?;
-                policies.insert(policy.into(), v);
+        let mut by_rate: Vec<serde_json::Map<String, Value>> =
+            w.runs.iter().map(|_| serde_json::Map::new()).collect();
+        // Dynamo's weights first, then a fleet whose model credits 3×;
+        // one fleet at a time on the shared cores.
+        for (credit, names) in [(None, &POLICIES[..5]), (Some(3.0), &POLICIES[5..])] {
+            let mut config = fleet_config(w.kv_blocks, w.prefill_us_per_token);
+            if let Some(c) = credit {
+                config.model_toml = format!("policy = {{ overlap_credit = {c:.1} }}");
             }
-            rates.push(json!({"rate_per_s": rate, "policies": policies}));
+            let stack = Stack::start_with(build::release_paths()?, config)?;
+            for ((rate, specs, scale), policies) in w.runs.iter().zip(&mut by_rate) {
+                for &policy in names {
+                    eprintln!(
+                        "xtask: bench quality: {} at {rate} req/s, {policy} ({} requests)",
+                        w.name,
+                        specs.len()
+                    );
+                    let v = run_policy(&stack, &rt, policy, specs, *scale)
+                        .with_context(|| format!("{} {policy} at {rate}", w.name))?;
+                    policies.insert(policy.into(), v);
+                }
+            }
         }
+        let rates: Vec<Value> = w
+            .runs
+            .iter()
+            .zip(by_rate)
+            .map(|((rate, _, _), policies)| json!({"rate_per_s": rate, "policies": policies}))
+            .collect();
         out.push(
             json!({"name": w.name, "describe": w.describe, "kv_blocks_per_worker": w.kv_blocks,
                         "prefill_us_per_token": w.prefill_us_per_token, "rates": rates,
