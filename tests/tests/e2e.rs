@@ -1028,18 +1028,7 @@ fn one_busy_rank_of_two_leaves_the_worker_open() {
     let stack = start(StackConfig {
         workers: 1,
         dp_size: 2,
-        sim_args: [
-            "--num-gpu-blocks",
-            "64",
-            "--decode-ms-per-token",
-            "40",
-            "--speedup",
-            "1",
-        ]
-        .map(String::from)
-        .to_vec(),
-        model_toml: "active_decode_blocks_threshold = 0.1".into(),
-        ..StackConfig::default()
+        ..busy_prone()
     });
     let rank_busy = |rank: &str| -> bool {
         let s = stack.sidecar_state().unwrap();
