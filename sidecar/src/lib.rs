@@ -60,3 +60,13 @@ pub fn init_logging() {
         )
         .init();
 }
+
+/// Resolves on Ctrl-C or SIGTERM (how Kubernetes stops a pod): the
+/// servers' graceful-shutdown signal.
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {},
+    }
+}

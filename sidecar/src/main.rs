@@ -181,14 +181,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         });
     }
-    let shutdown = async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {},
-        }
-    };
+    let shutdown = kvgate_sidecar::shutdown_signal();
     // Long-poll answers and bookings are small writes; Nagle would hold
     // them for the peer's delayed ACK.
     let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {

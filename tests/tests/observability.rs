@@ -43,14 +43,6 @@ fn prometheus_bin() -> PathBuf {
         .unwrap_or_else(|| repo().join(".tools/prometheus/usr/bin/prometheus"))
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn encode(q: &str) -> String {
     q.bytes()
         .map(|b| match b {
@@ -90,7 +82,7 @@ impl Prometheus {
         );
         let file = stack.run_dir.join("prometheus.yml");
         std::fs::write(&file, config).unwrap();
-        let addr = format!("127.0.0.1:{}", free_port());
+        let addr = format!("127.0.0.1:{}", kvgate_stack::free_ports(1).unwrap()[0]);
         let args = vec![
             format!("--config.file={}", file.display()),
             format!(

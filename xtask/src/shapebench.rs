@@ -193,8 +193,9 @@ pub fn run(quick: bool) -> Result<Value> {
                 envoy[r].push((e1 - e0) * 1e6 / n);
                 sidecar[r].push((s1 - s0) * 1e6 / n);
                 errors[r] += outcomes.iter().filter(|o| o.status != 200).count();
-                let mut lat: Vec<f64> = outcomes.iter().map(|o| o.latency_us as f64).collect();
-                p50[r].push(median(std::mem::take(&mut lat)));
+                p50[r].push(median(
+                    outcomes.iter().map(|o| o.latency_us as f64).collect(),
+                ));
             }
         }
         let route = |r: usize| {

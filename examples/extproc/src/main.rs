@@ -99,14 +99,7 @@ async fn main() -> anyhow::Result<()> {
         templates: templates::Templates::default(),
     });
     tracing::info!(grpc = %cli.grpc_listen, sidecar = %listen, workers = sc.worker_count(), "kvgate-extproc serving");
-    let shutdown = async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {},
-        }
-    };
+    let shutdown = kvgate_sidecar::shutdown_signal();
     tonic::transport::Server::builder()
         // Answers are small and each one gates a request in Envoy.
         .tcp_nodelay(true)

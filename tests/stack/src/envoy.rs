@@ -94,7 +94,6 @@ pub struct Comparison {
     /// `kvgate-extproc`'s gRPC listener.
     pub extproc_grpc_port: u16,
     pub workers: Vec<String>,
-    pub tenant_jwks: String,
 }
 
 /// `yaml` with the routes kvgate is compared with: Envoy's least-request
@@ -104,8 +103,8 @@ pub struct Comparison {
 pub fn with_comparison(yaml: &str, c: &Comparison) -> Result<String> {
     let listeners = EXTPROC_LISTENER
         .replace("${HEADER_HYGIENE}", header_hygiene(yaml)?)
+        .replace("${TENANT_AUTH}", tenant_auth(yaml)?)
         .replace("${EXTPROC_PORT}", &c.extproc_port.to_string())
-        .replace("${TENANT_JWKS}", &c.tenant_jwks.replace('\'', "''"))
         + &LEAST_REQUEST_LISTENER
             .replace("${LEAST_REQUEST_PORT}", &c.least_request_port.to_string());
     let clusters = COMPARISON_CLUSTERS
@@ -130,22 +129,38 @@ pub fn with_comparison(yaml: &str, c: &Comparison) -> Result<String> {
     Ok(out)
 }
 
-/// The kvgate listener's header hygiene, its HTTP connection manager's
-/// `early_header_mutation_extensions` block as `envoy.yaml` writes it, so
-/// that the ext_proc listener scrubs exactly the same headers.
-fn header_hygiene(yaml: &str) -> Result<&str> {
-    const KEY: &str = "          early_header_mutation_extensions:\n";
+/// A block of the kvgate listener as `envoy.yaml` writes it: the line
+/// `head`, and what follows it deeper (or, under a key, its list items),
+/// so that the comparison listeners configure a piece exactly as the
+/// kvgate listener does rather than from a copy.
+fn listener_block<'a>(yaml: &'a str, head: &str) -> Result<&'a str> {
     let start = yaml
-        .find(KEY)
-        .context("envoy.yaml's kvgate listener has no early_header_mutation_extensions")?;
-    let mut end = start + KEY.len();
+        .find(head)
+        .with_context(|| format!("envoy.yaml has no {:?}", head.trim()))?;
+    let indent = head.len() - head.trim_start().len();
+    let items = format!("{}- ", " ".repeat(indent));
+    let under_key = head.trim_end().ends_with(':');
+    let mut end = start + head.len();
     for line in yaml[end..].split_inclusive('\n') {
-        if !(line.starts_with("          - ") || line.starts_with("           ")) {
+        let deeper = line.len() - line.trim_start().len() > indent;
+        if !(deeper || (under_key && line.starts_with(&items))) {
             break;
         }
         end += line.len();
     }
     Ok(&yaml[start..end])
+}
+
+/// The kvgate listener's header hygiene: its HTTP connection manager's
+/// `early_header_mutation_extensions`.
+fn header_hygiene(yaml: &str) -> Result<&str> {
+    listener_block(yaml, "          early_header_mutation_extensions:\n")
+}
+
+/// The kvgate listener's tenant authentication: its `jwt_authn` filter,
+/// with the stack's key.
+fn tenant_auth(yaml: &str) -> Result<&str> {
+    listener_block(yaml, "          - name: envoy.filters.http.jwt_authn\n")
 }
 
 /// The ext_proc listener: the kvgate listener's header hygiene, tenant
@@ -195,23 +210,7 @@ ${HEADER_HYGIENE}          route_config:
               - match: { prefix: "/" }
                 route: { cluster: kvgate_fallback, timeout: 60s }
           http_filters:
-          - name: envoy.filters.http.jwt_authn
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication
-              providers:
-                kvgate_tenant:
-                  local_jwks: { inline_string: '${TENANT_JWKS}' }
-                  from_headers: [{ name: authorization, value_prefix: "Bearer " }]
-                  forward: true
-                  claim_to_headers: [{ header_name: x-kvgate-tenant, claim_name: tenant }]
-              rules:
-              - match: { prefix: "/" }
-                requires:
-                  requires_any:
-                    requirements:
-                    - provider_name: kvgate_tenant
-                    - allow_missing_or_failed: {}
-          - name: envoy.filters.http.ext_proc
+${TENANT_AUTH}          - name: envoy.filters.http.ext_proc
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
               grpc_service:
@@ -321,7 +320,6 @@ mod tests {
             extproc_port: 2,
             extproc_grpc_port: 3,
             workers: vec!["127.0.0.1:4".into()],
-            tenant_jwks: "{}".into(),
         };
         // The template's own placeholders, filled as `render` would.
         let mut rendered = yaml.clone();
@@ -329,7 +327,14 @@ mod tests {
             let end = at + rendered[at..].find('}').unwrap() + 1;
             rendered.replace_range(at..end, "0");
         }
+        let auth = tenant_auth(&rendered).unwrap();
+        assert!(auth.contains("claim_to_headers") && auth.contains("allow_missing_or_failed"));
+        assert!(
+            !auth.contains("envoy.filters.http.wasm"),
+            "the filter alone"
+        );
         let out = with_comparison(&rendered, &c).unwrap();
         assert_eq!(out.matches("early_header_mutation_extensions:").count(), 2);
+        assert_eq!(out.matches("claim_to_headers:").count(), 2);
     }
 }

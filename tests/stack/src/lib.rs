@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub use paths::Paths;
+pub use ports::free_ports;
 pub use process::Proc;
 
 /// What to start.
@@ -431,17 +432,10 @@ impl Stack {
         for task in tasks.flatten() {
             let dir = task.path();
             let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-            let Some(tid) = task
-                .file_name()
-                .to_str()
-                .and_then(|t| t.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            let cpu = task_cpu_seconds(pid, tid).unwrap_or(0.0);
+            let cpu = cpu_seconds_of(&dir.join("stat")).unwrap_or(0.0);
             if comm.starts_with("wrk:") {
                 out[1] += cpu;
-            } else if tid == pid {
+            } else if task.file_name().to_str() == Some(&pid.to_string()) {
                 out[0] += cpu;
             }
         }
@@ -681,7 +675,6 @@ impl Stack {
                     extproc_port: gw.extproc_port,
                     extproc_grpc_port: gw.extproc_grpc_port,
                     workers: self.workers.iter().map(Worker::endpoint).collect(),
-                    tenant_jwks: jwt::jwks(&self.tenant_key),
                 },
             )?;
         }
@@ -916,15 +909,11 @@ fn workers_listed(state: &serde_json::Value) -> usize {
 
 /// CPU seconds (user + system) a process has used, from `/proc/PID/stat`.
 pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
-    cpu_seconds_of(&format!("/proc/{pid}/stat"))
+    cpu_seconds_of(Path::new(&format!("/proc/{pid}/stat")))
 }
 
-/// One thread's CPU seconds (user + system).
-fn task_cpu_seconds(pid: u32, tid: u32) -> Option<f64> {
-    cpu_seconds_of(&format!("/proc/{pid}/task/{tid}/stat"))
-}
-
-fn cpu_seconds_of(stat_path: &str) -> Option<f64> {
+/// CPU seconds (user + system) of a process's or a thread's `stat` file.
+fn cpu_seconds_of(stat_path: &Path) -> Option<f64> {
     let stat = std::fs::read_to_string(stat_path).ok()?;
     // Fields after the parenthesised command name; utime and stime are
     // the 14th and 15th of the whole line, in clock ticks (100 a second on
