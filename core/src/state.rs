@@ -297,9 +297,11 @@ impl Thresholds {
     }
 }
 
-/// Cost weights of [`crate::plan::select`], with Dynamo's defaults. Configured
-/// per model and published in the snapshot, so an operator tunes them in
-/// one place and every router uses the same ones.
+/// Cost weights of [`crate::plan::select`]: Dynamo's, except that a cached
+/// block is credited three blocks of load by default instead of one
+/// (measured in `docs/selection.md`). Configured per model and published in
+/// the snapshot, so an operator tunes them in one place and every router
+/// uses the same ones.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
 #[cfg_attr(feature = "serde", serde(default, deny_unknown_fields))]
@@ -325,7 +327,7 @@ pub struct Policy {
 impl Default for Policy {
     fn default() -> Self {
         Policy {
-            overlap_credit: 1.0,
+            overlap_credit: 3.0,
             host_weight: 0.75,
             disk_weight: 0.25,
             prefill_load_scale: 1.0,

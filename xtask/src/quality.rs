@@ -9,10 +9,10 @@
 //! * `precise`: kvgate with token prompts and the workers' KV events;
 //! * `precise_shedding`: the same with busy thresholds on, set through the
 //!   control listener;
-//! * `precise_credit_3`: `precise` with the model's `overlap_credit` at 3.0
-//!   instead of Dynamo's 1.0 (a cached block outweighs three blocks of
-//!   another request's load), on a second fleet configured so: the
-//!   evidence for or against a higher default.
+//! * `precise_credit_1`: `precise` with the model's `overlap_credit` at
+//!   Dynamo's 1.0 instead of kvgate's 3.0 (a cached block weighs one block
+//!   of another request's load, not three), on a second fleet configured
+//!   so: what the default gains over Dynamo's weights.
 //!
 //! Between runs every worker's prefix cache is reset, so each run starts
 //! cold. Hit rates come from the workers' own counters.
@@ -35,28 +35,39 @@ const POLICIES: [&str; 6] = [
     "approximate",
     "precise",
     "precise_shedding",
-    CREDIT_3,
+    CREDIT_1,
 ];
 
-/// The policy that runs on a fleet whose model weighs cached blocks 3×.
-const CREDIT_3: &str = "precise_credit_3";
+/// The policy that runs on a fleet whose model has Dynamo's weights.
+const CREDIT_1: &str = "precise_credit_1";
 
 /// Busy past half of a rank's KV cache (gateway bookings included).
 const SHED_THRESHOLD: f64 = 0.5;
 
-/// Words the fixture vocabulary knows (it was trained on the project's
-/// docs): a synthetic token id becomes one of them, so equal token
-/// prefixes give equal text prefixes.
+/// Words the fixture tokenizer (the simulated workers' own) keeps whole
+/// after a space: a synthetic token id becomes one of them, so equal token
+/// prefixes give equal text prefixes of as many tokens. Taken from the
+/// vocabulary, which is frozen, so the prompts do not move with the docs.
 pub(crate) fn dictionary() -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(crate::repo().join("README.md"))?;
-    let mut words: Vec<String> = text
-        .split(|c: char| !c.is_ascii_alphabetic())
-        .filter(|w| (3..=10).contains(&w.len()))
-        .map(str::to_lowercase)
+    let path = crate::repo().join("tests/fixtures/chat/llama3-style.tokenizer.json");
+    let tokenizer: Value = serde_json::from_slice(
+        &std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
+    )?;
+    // Byte-level BPE writes the leading space as 'Ġ'.
+    let mut words: Vec<String> = tokenizer["model"]["vocab"]
+        .as_object()
+        .into_iter()
+        .flat_map(|vocab| vocab.keys())
+        .filter_map(|token| token.strip_prefix('Ġ'))
+        .filter(|w| (3..=10).contains(&w.len()) && w.bytes().all(|b| b.is_ascii_lowercase()))
+        .map(str::to_owned)
         .collect();
     words.sort();
-    words.dedup();
-    anyhow::ensure!(words.len() > 200, "too few words in README.md");
+    anyhow::ensure!(
+        words.len() > 200,
+        "too few whole words in {}",
+        path.display()
+    );
     Ok(words)
 }
 
@@ -73,7 +84,7 @@ pub(crate) fn words(tokens: &[u32], dict: &[String]) -> String {
 
 /// The same prompt as words, one per token, for the text (approximate)
 /// policy: equal token prefixes give equal text prefixes, and the workers'
-/// tokenizer makes about as many tokens of them (1.3 a word).
+/// tokenizer makes one token of each word.
 fn as_text(spec: &RequestSpec, dict: &[String]) -> RequestSpec {
     let mut v: Value = serde_json::from_slice(&spec.body).unwrap_or(Value::Null);
     let tokens: Vec<u32> = v["prompt"]
@@ -400,9 +411,9 @@ pub fn run(quick: bool) -> Result<Value> {
         });
         let mut by_rate: Vec<serde_json::Map<String, Value>> =
             w.runs.iter().map(|_| serde_json::Map::new()).collect();
-        // Dynamo's weights first, then a fleet whose model credits 3×;
+        // kvgate's weights first, then a fleet whose model has Dynamo's;
         // one fleet at a time on the shared cores.
-        for (credit, names) in [(None, &POLICIES[..5]), (Some(3.0), &POLICIES[5..])] {
+        for (credit, names) in [(None, &POLICIES[..5]), (Some(1.0), &POLICIES[5..])] {
             let mut config = fleet_config(w.kv_blocks, w.prefill_us_per_token);
             if let Some(c) = credit {
                 config.model_toml = format!("policy = {{ overlap_credit = {c:.1} }}");

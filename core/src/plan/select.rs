@@ -653,9 +653,10 @@ mod tests {
         match d {
             Decision::Route(c) => {
                 assert_eq!(c.worker.id, 2);
-                // (160 + 32) / 16 = 12 raw, minus 8 credit, plus the 2 of the
-                // request's 10 blocks that are not resident yet.
-                assert_eq!(c.logit, 4.0 + 2.0);
+                // (160 + 32) / 16 = 12 raw, less 3 × 8 credit, floored at
+                // 0, plus the 2 of the request's 10 blocks that are not
+                // resident yet.
+                assert_eq!(c.logit, 0.0 + 2.0);
             }
             other => panic!("unexpected {other:?}"),
         }
@@ -683,7 +684,8 @@ mod tests {
         match d {
             Decision::Route(c) => {
                 assert_eq!(c.worker.id, 1, "the group stays with its prefix");
-                assert_eq!(c.logit, 8.0 + 136.0 + 8.0);
+                // 136 raw prefill blocks less 3 × 128 credit, floored at 0.
+                assert_eq!(c.logit, 0.0 + 136.0 + 8.0);
             }
             other => panic!("unexpected {other:?}"),
         }

@@ -14,7 +14,7 @@ pub struct ModelConfig {
     /// Dynamo's threshold keys, directly in the model's table.
     #[serde(flatten)]
     pub thresholds: Thresholds,
-    /// `[models.policy]`: the cost weights; Dynamo's defaults when absent.
+    /// `[models.policy]`: the cost weights; kvgate's defaults when absent.
     #[serde(default)]
     pub policy: Policy,
     /// LoRA adapters every worker of this model serves (vLLM
