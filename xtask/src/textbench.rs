@@ -173,9 +173,10 @@ fn workloads(quick: bool) -> Result<Vec<Workload>> {
         describe: format!(
             "{groups} groups × {per_group} chats: a {prefix_tokens}-word system prompt shared by the group, a 96-word question, Llama-3-style template, 16 output tokens, Poisson arrivals"
         ),
-        // A group's prompt is about 130 blocks: eight workers hold about
-        // three groups each at once, so spreading a group evicts.
-        kv_blocks: 640,
+        // A group's prompt is about 105 blocks (a token a word): eight
+        // workers hold about three groups each, so the quick run's 24
+        // groups fit and the full run's 48 are twice what the fleet holds.
+        kv_blocks: 320,
         prefill_us_per_token: 50,
         rate,
         time_scale: 1.0,
@@ -197,11 +198,11 @@ fn workloads(quick: bool) -> Result<Vec<Workload>> {
                 describe: format!(
                     "first {n} requests of the Mooncake conversation trace as text completions (a word per trace token, each 512-token hash block the same words wherever it recurs), outputs capped at 32 tokens"
                 ),
-                // Room for the longest prompt (the words tokenize to about
-                // two tokens each, so the trace's longest need some 15k
-                // blocks) and little more: the fleet holds a fraction of
-                // the trace's prompts, and returning conversations find
-                // theirs evicted unless routing keeps them together.
+                // Room for the longest prompt (a token a word, so the
+                // trace's longest need some 8k blocks) and little more:
+                // the fleet holds a fraction of the trace's prompts, and
+                // returning conversations find theirs evicted unless
+                // routing keeps them together.
                 kv_blocks: fitting_blocks(&requests, 32),
                 prefill_us_per_token: 25,
                 rate,
@@ -287,7 +288,7 @@ fn cost(quick: bool, rt: &tokio::runtime::Runtime) -> Result<Value> {
     let n = if quick { 4000 } else { 8000 };
     let (tok, cfg) = tokenizer_files();
     let real = RealText::load(&tok, Some(&cfg), None)?;
-    let system: Vec<u32> = (0..1500u32)
+    let system: Vec<u32> = (0..1950u32)
         .map(|i| i.wrapping_mul(2_654_435_761) >> 7)
         .collect();
     let system = words(&system, &dict);

@@ -239,11 +239,11 @@ impl Request {
                 }
                 let c = &st.config;
                 let mut ok = host::set_request_header(&c.destination_header, &destination).is_ok();
-                ok &= if route.set_rank {
-                    host::set_request_header(&c.rank_header, &rank.rank.to_string()).is_ok()
-                } else {
-                    host::remove_request_header(&c.rank_header).is_ok()
-                };
+                // Without a rank to name, the header stays as the request
+                // headers left it: scrubbed of any client's copy.
+                if route.set_rank {
+                    ok &= host::set_request_header(&c.rank_header, &rank.rank.to_string()).is_ok();
+                }
                 if !ok {
                     host::log(LogLevel::Error, "kvgate: could not set routing headers");
                 }
