@@ -1092,20 +1092,12 @@ fn one_busy_rank_of_two_leaves_the_worker_open() {
 #[test]
 fn thresholds_change_live_through_envoys_control_listener() {
     let _g = serial();
+    // The busy-prone worker, with no threshold until the test sets one.
     let stack = start(StackConfig {
         workers: 1,
-        sim_args: [
-            "--num-gpu-blocks",
-            "64",
-            "--decode-ms-per-token",
-            "40",
-            "--speedup",
-            "1",
-        ]
-        .map(String::from)
-        .to_vec(),
+        model_toml: String::new(),
         control_token: Some("letmein".into()),
-        ..StackConfig::default()
+        ..busy_prone()
     });
     let control = stack.control_addr();
     let auth = [
