@@ -96,6 +96,23 @@ pub fn request_body(size: usize) -> Option<Vec<u8>> {
         .flatten()
 }
 
+/// Replaces the whole buffered request body (Envoy drains the buffer and
+/// writes `body` when the range starts at 0 and is not empty). The caller
+/// sets `content-length` to match. The SDK traps on any status but `Ok`;
+/// a range from 0 of a buffered body is always `Ok`.
+#[expect(
+    dead_code,
+    reason = "the disaggregated request splices the prefill answer into the body; first caller there"
+)]
+pub fn set_request_body(body: &[u8]) -> Result<(), Status> {
+    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, body)
+}
+
+/// Lets a request paused in a request callback go on to the upstream.
+pub fn resume_request() -> Result<(), Status> {
+    hostcalls::resume_http_request()
+}
+
 pub fn plugin_configuration() -> Option<Vec<u8>> {
     hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
         .ok()
@@ -123,13 +140,25 @@ pub fn clear_route_cache() -> Result<(), Status> {
     hostcalls::call_foreign_function("clear_route_cache", None).map(|_| ())
 }
 
+/// Calls `cluster` from the current context: the answer goes to that
+/// context's `on_http_call_response` (the root's, or a request's, which
+/// stays paused until it resumes).
+pub fn dispatch(
+    cluster: &str,
+    headers: Vec<(&str, &str)>,
+    body: Option<&[u8]>,
+    timeout: Duration,
+) -> Result<u32, Status> {
+    hostcalls::dispatch_http_call(cluster, headers, body, vec![], timeout)
+}
+
 pub fn dispatch_get(
     cluster: &str,
     authority: &str,
     path: &str,
     timeout: Duration,
 ) -> Result<u32, Status> {
-    hostcalls::dispatch_http_call(
+    dispatch(
         cluster,
         vec![
             (":method", "GET"),
@@ -137,7 +166,6 @@ pub fn dispatch_get(
             (":authority", authority),
         ],
         None,
-        vec![],
         timeout,
     )
 }
@@ -160,7 +188,7 @@ pub fn dispatch_post(
     if let Some(a) = authorization {
         headers.push(("authorization", a));
     }
-    hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
+    dispatch(cluster, headers, Some(body), timeout)
 }
 
 /// The queue routing decisions travel through, from router VMs to the

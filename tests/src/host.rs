@@ -7,6 +7,15 @@
 //! HTTP callouts the test answers; foreign functions; a clock the test
 //! moves. A guest trap (a panic) is reported as a value and marks the VM
 //! dead, as Envoy's fail-closed policy would.
+//!
+//! Each HTTP stream keeps its own headers, body, local reply and resumes,
+//! and host calls act on the effective context's stream. Callouts behave
+//! as measured on Envoy 1.40 (`docs/envoy-callouts.md`): the answer is
+//! delivered to the root context and the SDK hands it to the context that
+//! made the call; a stream that ends does not cancel its callout, whose
+//! answer still arrives (and finds no context); a resume inside
+//! `on_request_headers` or after a local reply, which makes Envoy send the
+//! request upstream twice or beside the reply, traps.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -24,6 +33,7 @@ const UNIMPLEMENTED: i32 = 12;
 const MAP_REQUEST_HEADERS: i32 = 0;
 const MAP_CALL_RESPONSE_HEADERS: i32 = 6;
 const BUF_REQUEST_BODY: i32 = 0;
+const STREAM_REQUEST: i32 = 0;
 const BUF_CALL_RESPONSE_BODY: i32 = 4;
 const BUF_VM_CONFIGURATION: i32 = 6;
 const BUF_PLUGIN_CONFIGURATION: i32 = 7;
@@ -102,6 +112,8 @@ impl Shared {
 }
 
 const EMPTY: i32 = 7;
+/// The root context's id; streams count up from 2.
+const ROOT_CONTEXT: i32 = 1;
 
 pub type SharedRef = Arc<Mutex<Shared>>;
 
@@ -128,6 +140,8 @@ impl LocalReply {
 #[derive(Debug, Clone)]
 pub struct Callout {
     pub token: u32,
+    /// The context that made it, where its answer goes.
+    pub context: i32,
     pub cluster: String,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
@@ -143,20 +157,37 @@ impl Callout {
     }
 }
 
+/// One HTTP stream as the filter sees it, kept per stream as Envoy does.
+#[derive(Debug, Clone, Default)]
+pub struct Stream {
+    /// Request headers as the upstream would see them.
+    pub headers: Vec<(String, String)>,
+    /// The request body Envoy buffered, as the upstream would get it.
+    pub body: Vec<u8>,
+    pub reply: Option<LocalReply>,
+    /// `proxy_continue_stream` calls for the request: the filter resumed a
+    /// paused request (after a callout answered).
+    pub resumes: u32,
+    /// The request callback running now, if any.
+    in_headers: bool,
+    pub foreign_calls: Vec<String>,
+}
+
 /// Per-VM host state.
 pub struct HostState {
     shared: SharedRef,
     vm_id: String,
     root_id: String,
     plugin_config: Vec<u8>,
-    request_headers: Vec<(String, String)>,
-    request_body: Vec<u8>,
+    /// Open HTTP streams by context id.
+    streams: HashMap<i32, Stream>,
+    /// The context host calls act on: the one whose callback runs, or the
+    /// one `proxy_set_effective_context` named.
+    current: i32,
     call_headers: Vec<(String, String)>,
     call_body: Vec<u8>,
-    local_reply: Option<LocalReply>,
     pub callouts: Vec<Callout>,
     next_token: u32,
-    foreign_calls: Vec<String>,
     pub tick_ms: u32,
     pub logs: Vec<(i32, String)>,
     pub stdout: Vec<u8>,
@@ -177,6 +208,10 @@ pub struct Exchange {
     pub reply: Option<LocalReply>,
     pub foreign_calls: Vec<String>,
     pub trapped: Option<String>,
+    /// The request body as the upstream would get it.
+    pub body: Vec<u8>,
+    /// Times the filter resumed the request.
+    pub resumes: u32,
 }
 
 impl Exchange {
@@ -296,11 +331,35 @@ fn deserialize_map(b: &[u8]) -> Vec<(String, String)> {
     out
 }
 
+impl HostState {
+    /// The effective context's stream; none for the root context.
+    fn stream_mut(&mut self) -> Option<&mut Stream> {
+        self.streams.get_mut(&self.current)
+    }
+}
+
 fn map_mut(st: &mut HostState, map: i32) -> Option<&mut Vec<(String, String)>> {
     match map {
-        MAP_REQUEST_HEADERS => Some(&mut st.request_headers),
+        MAP_REQUEST_HEADERS => st.stream_mut().map(|s| &mut s.headers),
         MAP_CALL_RESPONSE_HEADERS => Some(&mut st.call_headers),
         _ => None,
+    }
+}
+
+/// Writes `data` into `buf` as Envoy's wasm buffer `copyFrom` does: a
+/// range from 0 drains its `len` bytes and prepends `data` (so `len` of
+/// the whole buffer replaces it), a range from the end appends, and
+/// anything else is refused.
+fn copy_from(buf: &mut Vec<u8>, start: usize, len: usize, data: &[u8]) -> i32 {
+    if start == 0 {
+        buf.drain(..len.min(buf.len()));
+        buf.splice(0..0, data.iter().copied());
+        OK
+    } else if start >= buf.len() {
+        buf.extend_from_slice(data);
+        OK
+    } else {
+        BAD_ARGUMENT
     }
 }
 
@@ -419,9 +478,12 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          po: i32,
          lo: i32|
          -> Result<i32> {
-            let st = c.data();
+            let st = c.data_mut();
             let buf = match kind {
-                BUF_REQUEST_BODY => st.request_body.clone(),
+                BUF_REQUEST_BODY => match st.stream_mut() {
+                    Some(s) => s.body.clone(),
+                    None => return Ok(NOT_FOUND),
+                },
                 BUF_CALL_RESPONSE_BODY => st.call_body.clone(),
                 BUF_PLUGIN_CONFIGURATION => st.plugin_config.clone(),
                 BUF_VM_CONFIGURATION => Vec::new(),
@@ -439,7 +501,27 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_set_buffer_bytes",
-        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
+        |mut c: Caller<'_, HostState>,
+         kind: i32,
+         start: i32,
+         len: i32,
+         dp: i32,
+         dl: i32|
+         -> Result<i32> {
+            let data = read(&mut c, dp, dl)?;
+            if kind != BUF_REQUEST_BODY {
+                return Ok(BAD_ARGUMENT);
+            }
+            let Some(stream) = c.data_mut().stream_mut() else {
+                return Ok(NOT_FOUND);
+            };
+            Ok(copy_from(
+                &mut stream.body,
+                start as u32 as usize,
+                len as u32 as usize,
+                &data,
+            ))
+        },
     )?;
     linker.func_wrap(
         "env",
@@ -696,7 +778,10 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          -> Result<i32> {
             let body = read(&mut c, bp, bl)?;
             let headers = deserialize_map(&read(&mut c, hp, hl)?);
-            c.data_mut().local_reply = Some(LocalReply {
+            let Some(stream) = c.data_mut().stream_mut() else {
+                return Ok(NOT_FOUND);
+            };
+            stream.reply = Some(LocalReply {
                 status: status as u32,
                 headers,
                 body,
@@ -738,6 +823,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
             let token = st.next_token;
             st.callouts.push(Callout {
                 token,
+                context: st.current,
                 cluster,
                 headers,
                 body,
@@ -760,7 +846,9 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          -> Result<i32> {
             let name = read_str(&mut c, np, nl)?;
             let known = name == "clear_route_cache";
-            c.data_mut().foreign_calls.push(name);
+            if let Some(stream) = c.data_mut().stream_mut() {
+                stream.foreign_calls.push(name);
+            }
             Ok(if known { OK } else { NOT_FOUND })
         },
     )?;
@@ -847,12 +935,34 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_set_effective_context",
-        |_: Caller<'_, HostState>, _: i32| -> i32 { OK },
+        |mut c: Caller<'_, HostState>, ctx: i32| -> i32 {
+            let st = c.data_mut();
+            if ctx != ROOT_CONTEXT && !st.streams.contains_key(&ctx) {
+                return BAD_ARGUMENT;
+            }
+            st.current = ctx;
+            OK
+        },
     )?;
     linker.func_wrap(
         "env",
         "proxy_continue_stream",
-        |_: Caller<'_, HostState>, _: i32| -> i32 { OK },
+        |mut c: Caller<'_, HostState>, kind: i32| -> Result<i32> {
+            if kind != STREAM_REQUEST {
+                return Ok(BAD_ARGUMENT);
+            }
+            let Some(s) = c.data_mut().stream_mut() else {
+                return Ok(NOT_FOUND);
+            };
+            if s.in_headers {
+                bail!("resumed inside on_request_headers: Envoy sends the request upstream twice");
+            }
+            if s.reply.is_some() {
+                bail!("resumed after a local reply: Envoy sends the request upstream as well");
+            }
+            s.resumes += 1;
+            Ok(OK)
+        },
     )?;
     linker.func_wrap(
         "env",
@@ -1018,14 +1128,12 @@ impl Vm {
             vm_id: vm_id.into(),
             root_id: root_id.into(),
             plugin_config: config.as_bytes().to_vec(),
-            request_headers: Vec::new(),
-            request_body: Vec::new(),
+            streams: HashMap::new(),
+            current: ROOT_CONTEXT,
             call_headers: Vec::new(),
             call_body: Vec::new(),
-            local_reply: None,
             callouts: Vec::new(),
             next_token: 0,
-            foreign_calls: Vec::new(),
             tick_ms: 0,
             logs: Vec::new(),
             stdout: Vec::new(),
@@ -1038,16 +1146,16 @@ impl Vm {
         let mut vm = Vm {
             store,
             instance,
-            root: 1,
+            root: ROOT_CONTEXT,
             next_ctx: 2,
             configured: false,
             trapped: None,
         };
         vm.call::<(), ()>("_initialize", ())?;
-        vm.call::<(i32, i32), ()>("proxy_on_context_create", (1, 0))?;
-        vm.call::<(i32, i32), i32>("proxy_on_vm_start", (1, 0))?;
+        vm.call::<(i32, i32), ()>("proxy_on_context_create", (ROOT_CONTEXT, 0))?;
+        vm.call::<(i32, i32), i32>("proxy_on_vm_start", (ROOT_CONTEXT, 0))?;
         let len = config.len() as i32;
-        vm.configured = vm.call::<(i32, i32), i32>("proxy_on_configure", (1, len))? != 0;
+        vm.configured = vm.call::<(i32, i32), i32>("proxy_on_configure", (ROOT_CONTEXT, len))? != 0;
         Ok(vm)
     }
 
@@ -1094,9 +1202,21 @@ impl Vm {
             .join("\n")
     }
 
+    /// Calls a context's callback with that context effective, as Envoy
+    /// does.
+    fn call_on<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+        &mut self,
+        ctx: i32,
+        name: &str,
+        params: P,
+    ) -> Result<R> {
+        self.state_mut().current = ctx;
+        self.call(name, params)
+    }
+
     pub fn tick(&mut self) -> Result<()> {
         let root = self.root;
-        self.call::<i32, ()>("proxy_on_tick", root)
+        self.call_on::<i32, ()>(root, "proxy_on_tick", root)
     }
 
     /// Delivers `on_queue_ready` for every queue this VM registered that
@@ -1110,7 +1230,7 @@ impl Vm {
                 .is_some_and(|(_, _, q)| !q.is_empty());
             if pending {
                 let root = self.root;
-                self.call::<(i32, i32), ()>("proxy_on_queue_ready", (root, id as i32))?;
+                self.call_on::<(i32, i32), ()>(root, "proxy_on_queue_ready", (root, id as i32))?;
             }
         }
         Ok(())
@@ -1121,7 +1241,10 @@ impl Vm {
         self.state().callouts.clone()
     }
 
-    /// Answers a callout as the upstream would.
+    /// Answers a callout as the upstream would. Envoy delivers every
+    /// answer to the root context, and the SDK finds the context that made
+    /// the call, which may have ended meanwhile. A callout that is not
+    /// pending (never made, or answered) is an error.
     pub fn respond(
         &mut self,
         token: u32,
@@ -1129,30 +1252,31 @@ impl Vm {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<()> {
-        let st = self.state_mut();
-        st.callouts.retain(|c| c.token != token);
-        st.call_headers = std::iter::once((":status".to_string(), status.to_string()))
+        let headers = std::iter::once((":status".to_string(), status.to_string()))
             .chain(headers.iter().map(|(k, v)| (k.to_string(), v.to_string())))
             .collect();
-        st.call_body = body.to_vec();
-        let n = st.call_headers.len() as i32;
-        let root = self.root;
-        self.call::<(i32, i32, i32, i32, i32), ()>(
-            "proxy_on_http_call_response",
-            (root, token as i32, n, body.len() as i32, 0),
-        )
+        self.answer(token, headers, body.to_vec())
     }
 
     /// Fails a callout the way Envoy reports a reset: no headers, no body.
     pub fn fail(&mut self, token: u32) -> Result<()> {
+        self.answer(token, Vec::new(), Vec::new())
+    }
+
+    fn answer(&mut self, token: u32, headers: Vec<(String, String)>, body: Vec<u8>) -> Result<()> {
         let st = self.state_mut();
-        st.callouts.retain(|c| c.token != token);
-        st.call_headers.clear();
-        st.call_body.clear();
+        let Some(i) = st.callouts.iter().position(|c| c.token == token) else {
+            bail!("callout {token} is not pending");
+        };
+        st.callouts.remove(i);
+        let (n, size) = (headers.len() as i32, body.len() as i32);
+        st.call_headers = headers;
+        st.call_body = body;
         let root = self.root;
-        self.call::<(i32, i32, i32, i32, i32), ()>(
+        self.call_on::<(i32, i32, i32, i32, i32), ()>(
+            root,
             "proxy_on_http_call_response",
-            (root, token as i32, 0, 0, 0),
+            (root, token as i32, n, size, 0),
         )
     }
 
@@ -1172,69 +1296,119 @@ impl Vm {
     /// Like [`Vm::request`], but leaves the stream open: the upstream has
     /// not answered yet. End it with [`Vm::finish`].
     pub fn open(&mut self, headers: &[(&str, &str)], chunks: &[&[u8]]) -> (Exchange, i32) {
-        let ctx = self.next_ctx;
-        self.next_ctx += 1;
-        let st = self.state_mut();
-        st.request_headers = headers
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        st.request_body.clear();
-        st.local_reply = None;
-        st.foreign_calls.clear();
-        let mut ex = Exchange::default();
-        let root = self.root;
-        let result = (|| -> Result<bool> {
-            self.call::<(i32, i32), ()>("proxy_on_context_create", (ctx, root))?;
-            let n = headers.len() as i32;
-            let eos = chunks.is_empty();
-            let mut action = self.call::<(i32, i32, i32), i32>(
-                "proxy_on_request_headers",
-                (ctx, n, i32::from(eos)),
-            )?;
-            let mut replied = self.state().local_reply.is_some();
-            for (i, chunk) in chunks.iter().enumerate() {
-                if replied {
-                    break;
-                }
-                self.state_mut().request_body.extend_from_slice(chunk);
-                let total = self.state().request_body.len() as i32;
-                let last = i + 1 == chunks.len();
-                action = self.call::<(i32, i32, i32), i32>(
-                    "proxy_on_request_body",
-                    (ctx, total, i32::from(last)),
-                )?;
-                replied = self.state().local_reply.is_some();
+        let (mut ex, ctx) = self.begin(headers, chunks.is_empty());
+        for (i, chunk) in chunks.iter().enumerate() {
+            if ex.reply.is_some() || ex.trapped.is_some() {
+                break;
             }
-            Ok(!replied && action == ACTION_CONTINUE)
-        })();
-        match result {
-            Ok(continued) => ex.continued = continued,
-            Err(e) => ex.trapped = Some(e.to_string()),
-        }
-        let st = self.state();
-        ex.headers = st.request_headers.clone();
-        ex.reply = st.local_reply.clone();
-        ex.foreign_calls = st.foreign_calls.clone();
-        if ex.trapped.is_none() {
-            ex.trapped = self.trapped.clone();
+            ex = self.body(ctx, chunk, i + 1 == chunks.len());
         }
         (ex, ctx)
     }
 
+    /// Opens a stream with its request headers (`end_of_stream` when the
+    /// request has no body); returns what the filter did and the stream's
+    /// context.
+    pub fn begin(&mut self, headers: &[(&str, &str)], end_of_stream: bool) -> (Exchange, i32) {
+        let ctx = self.next_ctx;
+        self.next_ctx += 1;
+        let stream = Stream {
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Stream::default()
+        };
+        self.state_mut().streams.insert(ctx, stream);
+        let root = self.root;
+        let n = headers.len() as i32;
+        let created = self.call_on::<(i32, i32), ()>(ctx, "proxy_on_context_create", (ctx, root));
+        let result = created.and_then(|()| {
+            self.set_in_headers(ctx, true);
+            let r = self.call_on::<(i32, i32, i32), i32>(
+                ctx,
+                "proxy_on_request_headers",
+                (ctx, n, i32::from(end_of_stream)),
+            );
+            self.set_in_headers(ctx, false);
+            r
+        });
+        (self.exchange(ctx, result), ctx)
+    }
+
+    fn set_in_headers(&mut self, ctx: i32, on: bool) {
+        if let Some(s) = self.state_mut().streams.get_mut(&ctx) {
+            s.in_headers = on;
+        }
+    }
+
+    /// Delivers the next body chunk of stream `ctx` (`last` ends the
+    /// request), as Envoy reports it: the size of all the body so far.
+    pub fn body(&mut self, ctx: i32, chunk: &[u8], last: bool) -> Exchange {
+        let total = match self.state_mut().streams.get_mut(&ctx) {
+            Some(s) => {
+                s.body.extend_from_slice(chunk);
+                s.body.len() as i32
+            }
+            None => {
+                return Exchange {
+                    trapped: Some(format!("stream {ctx} is not open")),
+                    ..Exchange::default()
+                };
+            }
+        };
+        let result = self.call_on::<(i32, i32, i32), i32>(
+            ctx,
+            "proxy_on_request_body",
+            (ctx, total, i32::from(last)),
+        );
+        self.exchange(ctx, result)
+    }
+
+    /// What stream `ctx` looks like now, after a callback that returned
+    /// `action`.
+    pub fn exchange(&self, ctx: i32, action: Result<i32>) -> Exchange {
+        let mut ex = Exchange::default();
+        if let Some(s) = self.stream(ctx) {
+            ex.headers = s.headers.clone();
+            ex.reply = s.reply.clone();
+            ex.foreign_calls = s.foreign_calls.clone();
+            ex.body = s.body.clone();
+            ex.resumes = s.resumes;
+        }
+        match action {
+            Ok(a) => ex.continued = ex.reply.is_none() && a == ACTION_CONTINUE,
+            Err(e) => ex.trapped = Some(e.to_string()),
+        }
+        if ex.trapped.is_none() {
+            ex.trapped = self.trapped.clone();
+        }
+        ex
+    }
+
+    /// An open stream's state.
+    pub fn stream(&self, ctx: i32) -> Option<&Stream> {
+        self.state().streams.get(&ctx)
+    }
+
     /// The upstream's first `size` response body bytes reach the filter.
     pub fn response_body(&mut self, ctx: i32, size: usize) -> Result<()> {
-        self.call::<(i32, i32, i32), i32>("proxy_on_response_body", (ctx, size as i32, 0))?;
+        self.call_on::<(i32, i32, i32), i32>(ctx, "proxy_on_response_body", (ctx, size as i32, 0))?;
         Ok(())
     }
 
-    /// Ends a stream as Envoy does: done, log, delete.
+    /// Ends a stream as Envoy does, whether it completed or the client
+    /// reset it: log, done, delete. Its pending callouts stay pending:
+    /// Envoy does not cancel them, and their answers arrive later.
     pub fn finish(&mut self, ctx: i32) {
         if self.trapped.is_none() {
-            let _ = self.call::<i32, i32>("proxy_on_done", ctx);
-            let _ = self.call::<i32, ()>("proxy_on_log", ctx);
-            let _ = self.call::<i32, ()>("proxy_on_delete", ctx);
+            let _ = self.call_on::<i32, ()>(ctx, "proxy_on_log", ctx);
+            let _ = self.call_on::<i32, i32>(ctx, "proxy_on_done", ctx);
+            let _ = self.call_on::<i32, ()>(ctx, "proxy_on_delete", ctx);
         }
+        let st = self.state_mut();
+        st.streams.remove(&ctx);
+        st.current = ROOT_CONTEXT;
     }
 
     /// Takes every item waiting in a queue (as the consumer would).
@@ -1246,5 +1420,25 @@ impl Vm {
             .find(|(v, n, _)| v == vm_id && n == name)
             .map(|(_, _, q)| q.drain(..).collect())
             .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffer_writes_follow_envoys_copy_from() {
+        let mut b = b"hello".to_vec();
+        assert_eq!(copy_from(&mut b, 0, 5, b"bye"), OK, "the whole range");
+        assert_eq!(b, b"bye");
+        assert_eq!(copy_from(&mut b, 0, 0, b">"), OK, "an empty range prepends");
+        assert_eq!(b, b">bye");
+        assert_eq!(copy_from(&mut b, 4, 0, b"!"), OK, "from the end appends");
+        assert_eq!(b, b">bye!");
+        assert_eq!(copy_from(&mut b, 2, 1, b"x"), BAD_ARGUMENT, "the middle");
+        assert_eq!(b, b">bye!");
+        assert_eq!(copy_from(&mut b, 0, usize::MAX, b"all"), OK);
+        assert_eq!(b, b"all", "a range past the end drains what there is");
     }
 }

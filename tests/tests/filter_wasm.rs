@@ -409,6 +409,30 @@ fn other_paths_and_methods_pass_through_untouched() {
     assert_eq!(e.counter("kvgate_requests_total"), 0);
 }
 
+/// Streams on one VM interleave, as on one Envoy worker thread: each
+/// keeps its own headers, body and reply, whichever finishes first.
+#[test]
+fn interleaved_streams_keep_their_own_state() {
+    let mut e = Envoy::ready("");
+    let vm = &mut e.routers[0];
+    let (a, ctx_a) = vm.begin(&CHAT, false);
+    let (b, ctx_b) = vm.begin(&CHAT, false);
+    assert!(!a.continued && !b.continued, "both wait for their bodies");
+    let b = vm.body(ctx_b, b"{not json", true);
+    let a = vm.body(ctx_a, &chat("m"), true);
+    assert_eq!(b.reply.as_ref().map(|r| r.status), Some(400));
+    assert_eq!(b.destination(), None);
+    assert!(a.continued, "{:?}", a.reply);
+    assert!(a.reply.is_none(), "the other stream's reply is its own");
+    assert!(a.destination().is_some());
+    assert_eq!(a.body, chat("m"));
+    vm.finish(ctx_b);
+    assert!(vm.stream(ctx_b).is_none());
+    assert!(vm.stream(ctx_a).is_some(), "A is still open");
+    vm.finish(ctx_a);
+    assert_eq!(vm.trapped, None);
+}
+
 #[test]
 fn data_parallel_ranks_are_chosen() {
     let mut e = Envoy::ready("");
@@ -756,6 +780,83 @@ fn token_prompts_go_where_their_prefix_is_cached() {
         &[other.as_bytes()],
     );
     assert_eq!(ex.destination(), Some("10.0.0.2:8000"));
+}
+
+/// Index shard reads since `before`, by key.
+fn shard_reads(
+    e: &Envoy,
+    before: &std::collections::HashMap<String, u64>,
+) -> std::collections::BTreeMap<String, u64> {
+    e.shared
+        .lock()
+        .unwrap()
+        .reads
+        .iter()
+        .filter(|(k, _)| k.starts_with("kvgate.idx."))
+        .map(|(k, n)| (k.clone(), n - before.get(k).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
+/// A retry holding its ticket is placed twice when every worker is busy
+/// (without, then with the headroom), but its prompt is hashed and its
+/// shards read once: it reads exactly what one ordinary decision reads.
+#[test]
+fn a_redeemed_retry_reads_the_index_once() {
+    use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+    let mut e = Envoy::start(r#"{"retry_after_s": 1}"#);
+    let tokens: Vec<u32> = (0..600).map(|t| 7000 + t).collect();
+    let seq = sequence_hashes(&block_hashes(&tokens, 16, XXH3_SEED));
+    let shards = shards_holding(&[(0, seq)], 8);
+    // Every worker busy by prefill (1200 over a 1000 threshold), within
+    // the default 50 % headroom.
+    let mut snap = fleet(1);
+    let m = &mut snap.models[0];
+    m.shard_count = 8;
+    m.thresholds.active_prefill_tokens = Some(1000);
+    m.service_rate_per_s = 10.0;
+    for (i, w) in m.workers.iter_mut().enumerate() {
+        w.ranks[0].slot = i as u16;
+        w.ranks[0].busy = true;
+        w.ranks[0].active_prefill_tokens = 1200;
+    }
+    let bytes = snap.encode().unwrap();
+    let frame = update::encode(
+        1,
+        EPOCH,
+        true,
+        Some(&bytes),
+        shards.iter().map(|(s, b)| ("m", *s, b.as_slice())),
+    );
+    let c = e.service.pending().pop().unwrap();
+    e.service.respond(c.token, 200, &[], &frame).unwrap();
+    let body = json!({"model": "m", "prompt": tokens}).to_string();
+    let completion = [(":method", "POST"), (":path", "/v1/completions")];
+
+    let before = e.shared.lock().unwrap().reads.clone();
+    let ex = e.routers[0].request(&completion, &[body.as_bytes()]);
+    assert_eq!(ex.reply.as_ref().map(|r| r.status), Some(503));
+    let one_decision = shard_reads(&e, &before);
+    assert!(
+        !one_decision.is_empty(),
+        "the prompt's prefix is indexed: a decision reads its shards"
+    );
+
+    e.shared.lock().unwrap().advance_ms(1000);
+    let before = e.shared.lock().unwrap().reads.clone();
+    let ex = e.routers[0].request(&completion, &[body.as_bytes()]);
+    assert!(
+        ex.continued,
+        "the ticket holder is admitted: {:?}",
+        ex.reply
+    );
+    assert_eq!(e.counter("kvgate_retry_admitted_total"), 1);
+    assert_eq!(
+        ex.destination(),
+        Some("10.0.0.1:8000"),
+        "placed where its prefix is cached"
+    );
+    assert_eq!(shard_reads(&e, &before), one_decision);
 }
 
 /// The KV events of a LoRA adapter and of a salted prompt are indexed

@@ -3,7 +3,7 @@
 //! in Envoy, the sidecar's selection API).
 //!
 //! ```text
-//! request::parse ─► overlap::gather ─► select (Policy + terms) ─► Plan
+//! request::parse ─► gather (once) ─► place (Policy + terms, per Ask) ─► Plan
 //!                     ▲ shards (caller's)     ▲ snapshot + local::LocalBookings
 //! ```
 //!
@@ -81,75 +81,124 @@ pub struct Placement<'a> {
     pub decode_blocks: u64,
 }
 
-/// Decides where `req` goes. `tie_break` spreads ties and seeds sampling;
-/// any per-request value works.
+/// How one placement of a gathered request is asked for: what may differ
+/// between two placements of the same request, never read from its body.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Ask {
+    /// Spreads ties and seeds sampling; any per-request value works.
+    pub tie_break: u64,
+    /// A retry holding its ticket may go to a busy rank within this
+    /// headroom over the thresholds (see [`retry`]).
+    pub retry_headroom: Option<f64>,
+}
+
+/// A request's overlap with every rank's cache, read from the index once:
+/// each [`Gathered::place`] after that reads no shard and hashes nothing.
+#[derive(Debug, Clone)]
+pub struct Gathered<'a> {
+    /// The model the fleet knows the request by (the base model when the
+    /// request names an adapter).
+    pub model: &'a ModelState,
+    pub cached: overlap::Cached,
+    /// The chunks to report for the routed-prefix index if routed.
+    report: Option<(ChunkKind, Vec<u64>)>,
+}
+
+impl<'a> Gathered<'a> {
+    /// Looks `req` up in `model`'s index shards ([`overlap::gather`]).
+    pub fn new(
+        model: &'a ModelState,
+        req: &Parsed,
+        tenant: &str,
+        shards: &mut impl ShardSource,
+    ) -> Gathered<'a> {
+        let (cached, report) = overlap::gather(model, req, tenant, shards);
+        Gathered {
+            model,
+            cached,
+            report,
+        }
+    }
+
+    /// Keeps no prefix record: for a caller that places without routing
+    /// (a selection that books nothing).
+    pub fn without_report(mut self) -> Gathered<'a> {
+        self.report = None;
+        self
+    }
+
+    /// Decides where `req` goes, as `ask` says, from the gathered overlap.
+    pub fn place(&self, req: &Parsed, tenant: &str, ask: &Ask, terms: &[&dyn Term]) -> Plan<'a> {
+        let model = self.model;
+        let shape = RequestShape {
+            isl_tokens: req.isl_tokens,
+            tie_break: ask.tie_break,
+            sample: (ask.tie_break % 1_000_003) as f64 / 1_000_003.0,
+            retry_headroom: ask.retry_headroom,
+        };
+        let cached = &self.cached;
+        let (decision, runner_up) =
+            select_with_runner_up(model, tenant, &shape, &model.policy, terms, |w, r| {
+                cached.of(w, r.slot)
+            });
+        match decision {
+            Decision::Route(first) => {
+                let set_rank = first.worker.ranks.len() > 1;
+                // A fallback must take the same headers: with a rank header
+                // it needs a rank of that number.
+                let fallback = runner_up.filter(|r| {
+                    !set_rank || (r.worker.ranks.len() > 1 && r.rank.rank == first.rank.rank)
+                });
+                Plan::Route(Route {
+                    model,
+                    first: placement(req, first),
+                    fallback: fallback.map(|c| placement(req, c)),
+                    set_rank,
+                    report: self.report.as_ref().filter(|(_, h)| !h.is_empty()).map(
+                        |(kind, hashes)| Routed {
+                            model: model.name.clone(),
+                            slot: first.rank.slot,
+                            kind: *kind,
+                            hashes: hashes.clone(),
+                        },
+                    ),
+                })
+            }
+            Decision::AllBusy => Plan::Reject(Rejection::AllBusy {
+                retry_after_s: model.retry_after_s,
+            }),
+            Decision::AllHot => Plan::Reject(Rejection::Thermal {
+                retry_after_s: model.retry_after_s,
+            }),
+            Decision::NoWorkers => Plan::Reject(Rejection::NoWorkers),
+        }
+    }
+}
+
+/// Gathers `req`'s overlap in the snapshot: the model it names, or why
+/// the request is refused before any shard is read.
+pub fn gather<'a>(
+    snap: &'a Snapshot,
+    req: &Parsed,
+    tenant: &str,
+    shards: &mut impl ShardSource,
+) -> Result<Gathered<'a>, Rejection> {
+    let model = snap.model(&req.model).ok_or(Rejection::UnknownModel)?;
+    Ok(Gathered::new(model, req, tenant, shards))
+}
+
+/// Decides where `req` goes: [`gather`], then one [`Gathered::place`].
 pub fn plan<'a>(
     snap: &'a Snapshot,
     req: &Parsed,
     tenant: &str,
-    tie_break: u64,
+    ask: &Ask,
     shards: &mut impl ShardSource,
     terms: &[&dyn Term],
 ) -> Plan<'a> {
-    let Some(model) = snap.model(&req.model) else {
-        return Plan::Reject(Rejection::UnknownModel);
-    };
-    let (cached, report) = overlap::gather(model, req, tenant, shards);
-    place(model, req, tenant, tie_break, &cached, report, terms)
-}
-
-/// [`plan`] once the request's model is known and its overlap gathered
-/// ([`overlap::gather`]): for a caller that also reports the overlap, so
-/// the shards are read once. `report` is the chunks to record if routed.
-pub fn place<'a>(
-    model: &'a ModelState,
-    req: &Parsed,
-    tenant: &str,
-    tie_break: u64,
-    cached: &overlap::Cached,
-    report: Option<(ChunkKind, Vec<u64>)>,
-    terms: &[&dyn Term],
-) -> Plan<'a> {
-    let shape = RequestShape {
-        isl_tokens: req.isl_tokens,
-        tie_break,
-        sample: (tie_break % 1_000_003) as f64 / 1_000_003.0,
-        retry_headroom: req.retry_headroom,
-    };
-    let (decision, runner_up) =
-        select_with_runner_up(model, tenant, &shape, &model.policy, terms, |w, r| {
-            cached.of(w, r.slot)
-        });
-    match decision {
-        Decision::Route(first) => {
-            let set_rank = first.worker.ranks.len() > 1;
-            // A fallback must take the same headers: with a rank header it
-            // needs a rank of that number.
-            let fallback = runner_up.filter(|r| {
-                !set_rank || (r.worker.ranks.len() > 1 && r.rank.rank == first.rank.rank)
-            });
-            Plan::Route(Route {
-                model,
-                first: placement(req, first),
-                fallback: fallback.map(|c| placement(req, c)),
-                set_rank,
-                report: report
-                    .filter(|(_, h)| !h.is_empty())
-                    .map(|(kind, hashes)| Routed {
-                        model: model.name.clone(),
-                        slot: first.rank.slot,
-                        kind,
-                        hashes,
-                    }),
-            })
-        }
-        Decision::AllBusy => Plan::Reject(Rejection::AllBusy {
-            retry_after_s: model.retry_after_s,
-        }),
-        Decision::AllHot => Plan::Reject(Rejection::Thermal {
-            retry_after_s: model.retry_after_s,
-        }),
-        Decision::NoWorkers => Plan::Reject(Rejection::NoWorkers),
+    match gather(snap, req, tenant, shards) {
+        Ok(g) => g.place(req, tenant, ask, terms),
+        Err(r) => Plan::Reject(r),
     }
 }
 
@@ -226,7 +275,14 @@ mod tests {
 
     fn run<'a>(snap: &'a Snapshot, body: &str) -> Plan<'a> {
         let req = parse(Endpoint::Completions, body.as_bytes()).unwrap();
-        plan(snap, &req, DEFAULT_TENANT, 0, &mut no_shards, &[])
+        plan(
+            snap,
+            &req,
+            DEFAULT_TENANT,
+            &Ask::default(),
+            &mut no_shards,
+            &[],
+        )
     }
 
     fn text(model: &str) -> String {
@@ -288,7 +344,7 @@ mod tests {
         );
         let req = parse(Endpoint::Completions, text("m").as_bytes()).unwrap();
         assert_eq!(
-            plan(&s, &req, "team-x", 0, &mut no_shards, &[]),
+            plan(&s, &req, "team-x", &Ask::default(), &mut no_shards, &[]),
             Plan::Reject(Rejection::NoWorkers),
             "another tenant's workers are not this tenant's"
         );
@@ -361,7 +417,14 @@ mod tests {
         let store = index(&tokens, 6, CacheScope::default());
         let req = parse(Endpoint::Completions, tokens_body("m", &tokens).as_bytes()).unwrap();
         let mut read = |k: &str| store.get(k).cloned();
-        let r = route(plan(&s, &req, DEFAULT_TENANT, 0, &mut read, &[]));
+        let r = route(plan(
+            &s,
+            &req,
+            DEFAULT_TENANT,
+            &Ask::default(),
+            &mut read,
+            &[],
+        ));
         assert_eq!(r.first.choice.worker.id, 2, "the holder of the prefix");
         assert_eq!(r.first.choice.overlap.device, 6);
         assert_eq!(r.first.prefill_tokens, 160 - 6 * 16);
@@ -382,7 +445,14 @@ mod tests {
         let store = index(&tokens, 4, CacheScope::default());
         let req = parse(Endpoint::Completions, tokens_body("m", &tokens).as_bytes()).unwrap();
         let mut read = |k: &str| store.get(k).cloned();
-        let r = route(plan(&s, &req, DEFAULT_TENANT, 0, &mut read, &[]));
+        let r = route(plan(
+            &s,
+            &req,
+            DEFAULT_TENANT,
+            &Ask::default(),
+            &mut read,
+            &[],
+        ));
         assert_eq!(
             (r.first.choice.worker.id, r.first.choice.overlap.device),
             (2, 4)
@@ -405,13 +475,27 @@ mod tests {
             tokens_body("m-lora", &tokens).as_bytes(),
         )
         .unwrap();
-        let r = route(plan(&s, &req, DEFAULT_TENANT, 0, &mut read, &[]));
+        let r = route(plan(
+            &s,
+            &req,
+            DEFAULT_TENANT,
+            &Ask::default(),
+            &mut read,
+            &[],
+        ));
         assert_eq!(
             (r.model.name.as_str(), r.first.choice.overlap.device),
             ("m", 4)
         );
         let base = parse(Endpoint::Completions, tokens_body("m", &tokens).as_bytes()).unwrap();
-        let r = route(plan(&s, &base, DEFAULT_TENANT, 0, &mut read, &[]));
+        let r = route(plan(
+            &s,
+            &base,
+            DEFAULT_TENANT,
+            &Ask::default(),
+            &mut read,
+            &[],
+        ));
         assert_eq!(
             r.first.choice.overlap.device, 0,
             "the base model never matches adapter blocks"

@@ -420,7 +420,6 @@ mod tests {
             stream: false,
             max_tokens: None,
             cache_salt: None,
-            retry_headroom: None,
         };
         // Slot 2 holds four of six chunks: 16 blocks of 4 tokens each.
         let store = text_store(&keys, 2, 4);

@@ -18,7 +18,9 @@ use kvgate_core::ModelState;
 use kvgate_core::hash::sequence_hashes;
 use kvgate_core::plan::overlap::Cached;
 use kvgate_core::plan::request::{Parsed, estimate_tokens};
-use kvgate_core::plan::{self, Choice, Placement, Plan, Rejection, Route, ShardSource, overlap};
+use kvgate_core::plan::{
+    self, Ask, Choice, Gathered, Placement, Plan, Rejection, Route, ShardSource,
+};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -212,10 +214,16 @@ fn place_in<'m>(
     shards: &mut impl ShardSource,
     report: bool,
 ) -> Result<(Route<'m>, Cached), Rejection> {
-    let (cached, record) = overlap::gather(model, parsed, tenant, shards);
-    let record = record.filter(|_| report);
-    match plan::place(model, parsed, tenant, tie_break, &cached, record, &[]) {
-        Plan::Route(r) => Ok((r, cached)),
+    let mut gathered = Gathered::new(model, parsed, tenant, shards);
+    if !report {
+        gathered = gathered.without_report();
+    }
+    let ask = Ask {
+        tie_break,
+        retry_headroom: None,
+    };
+    match gathered.place(parsed, tenant, &ask, &[]) {
+        Plan::Route(r) => Ok((r, gathered.cached)),
         Plan::Reject(r) => Err(r),
     }
 }
@@ -278,7 +286,6 @@ pub(super) fn prompt(
         stream: false,
         max_tokens: None,
         cache_salt: req.cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
-        retry_headroom: None,
     };
     if let Some(hashes) = req
         .sequence_hashes

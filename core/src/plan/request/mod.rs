@@ -53,10 +53,6 @@ pub struct Parsed {
     /// vLLM's `cache_salt`: the request may reuse only blocks cached
     /// under the same salt.
     pub cache_salt: Option<String>,
-    /// Set by the router for a retry that holds its ticket: it may go to a
-    /// busy rank within this headroom over the thresholds (see
-    /// [`super::retry`]). Never read from the body.
-    pub retry_headroom: Option<f64>,
 }
 
 /// The parts of a chat body its template reads.
@@ -230,7 +226,6 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
         stream,
         max_tokens,
         cache_salt,
-        retry_headroom: None,
     })
 }
 

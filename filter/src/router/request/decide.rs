@@ -1,0 +1,177 @@
+//! The first two steps of a request's decision: prepare (the view of the
+//! fleet, the VM's own bookings settled into it, the prompt rendered) and
+//! decide (the prompt's overlap gathered once, then placed as often as
+//! the request needs). What they decide is owned, not borrowed from the
+//! snapshot: it can be applied at once or once a callout has answered.
+
+use super::super::RouterState;
+use super::super::retry as router_retry;
+use crate::config::ms;
+use crate::host;
+use crate::manifest;
+use crate::metrics::{inc, record};
+use crate::reply::Reply;
+use kvgate_core::approx::Routed;
+use kvgate_core::plan::request::Parsed;
+use kvgate_core::plan::{self, Ask, Placement, Plan, Rejection, retry};
+use kvgate_core::text::skeleton::Path;
+use proxy_wasm::types::LogLevel;
+
+/// What the router does with a request.
+#[derive(Debug)]
+pub(super) enum Decision {
+    Route(Routing),
+    Reply(Reply),
+}
+
+/// A routed request: where it goes, and what it books and reports there.
+#[derive(Debug)]
+pub(super) struct Routing {
+    /// The model the fleet knows it by: bookings and reports, a retry's
+    /// included, go under the base model.
+    pub model: String,
+    pub first: Target,
+    /// Where Envoy retries when the first worker refuses the connection.
+    pub fallback: Option<Target>,
+    /// The worker has several ranks: the rank header names the target's.
+    pub set_rank: bool,
+    /// The prompt's prefix chunks for the routed-prefix index.
+    pub report: Option<Routed>,
+    pub isl_tokens: u32,
+    pub output_tokens: u32,
+}
+
+/// A worker and rank, and the load a request books there.
+#[derive(Debug, Clone)]
+pub(super) struct Target {
+    pub endpoint: String,
+    pub worker_id: u64,
+    pub rank: u32,
+    pub slot: u16,
+    pub prefill_tokens: u64,
+    pub decode_blocks: u64,
+}
+
+impl Target {
+    fn new(p: &Placement<'_>) -> Target {
+        Target {
+            endpoint: p.choice.worker.endpoint.clone(),
+            worker_id: p.choice.worker.id,
+            rank: p.choice.rank.rank,
+            slot: p.choice.rank.slot,
+            prefill_tokens: p.prefill_tokens,
+            decode_blocks: p.decode_blocks,
+        }
+    }
+
+    /// The served-by header's value.
+    pub fn served_by(&self) -> String {
+        format!("worker_id={}; dp_rank={}", self.worker_id, self.rank)
+    }
+}
+
+/// Brings the VM's view up to the manifest's snapshot version, settles
+/// the VM's own bookings into a new snapshot, and renders a text prompt
+/// with its model's template. `None`: no snapshot to decide from.
+pub(super) fn prepare(st: &mut RouterState, req: &mut Parsed, version: u64) -> Option<()> {
+    match st
+        .view
+        .refresh(version, || host::get_shared(manifest::SNAPSHOT_KEY))
+    {
+        Ok(true) => {
+            if let Some(snap) = st.view.snapshot.as_mut() {
+                st.local
+                    .settle(snap, st.vm_tag, host::now_ms(), ms(st.config.stale_after));
+            }
+        }
+        Ok(false) => {}
+        Err(e) => {
+            inc(st.metrics.snapshot_decode_errors);
+            host::log(
+                LogLevel::Error,
+                &format!("kvgate: snapshot {version} does not decode: {e}"),
+            );
+        }
+    }
+    let snap = st.view.snapshot.as_ref()?;
+    if req.tokens.is_none()
+        && let Some(m) = snap.model(&req.model)
+        && m.prompt_template != 0
+    {
+        let rendered = st
+            .templates
+            .get(&m.name, m.prompt_template)
+            .map(|r| req.render(r, host::now_ms() / 1000));
+        match rendered {
+            Some(Ok(path)) => {
+                inc(st.metrics.rendered);
+                if path == Some(Path::Skeleton) {
+                    inc(st.metrics.assembled);
+                }
+            }
+            _ => inc(st.metrics.render_errors),
+        }
+    }
+    Some(())
+}
+
+/// Gathers the prompt's overlap from the index shards once, and places
+/// it: again, with the retry headroom, when every worker is busy and the
+/// request holds a due ticket. `body` names the ticket. Call after
+/// [`prepare`] found a snapshot.
+pub(super) fn decide(st: &mut RouterState, req: &Parsed, tenant: &str, body: &[u8]) -> Decision {
+    st.tie_break = st.tie_break.wrapping_add(1);
+    let mut ask = Ask {
+        tie_break: st.tie_break,
+        retry_headroom: None,
+    };
+    let Some(snap) = st.view.snapshot.as_ref() else {
+        return Decision::Reply(Reply::stale());
+    };
+    let selecting = host::now_us();
+    let gathered = plan::gather(snap, req, tenant, &mut host::get_shared);
+    let place = |ask: &Ask| match &gathered {
+        Ok(g) => g.place(req, tenant, ask, &[]),
+        Err(r) => Plan::Reject(*r),
+    };
+    let mut planned = place(&ask);
+    // Every worker is busy: a retry that holds its ticket may go ahead of
+    // new work; anything else is shed with a place in the queue.
+    let mut ticket = None;
+    if matches!(planned, Plan::Reject(Rejection::AllBusy { .. }))
+        && st.config.retry_headroom_pct > 0
+    {
+        let hash = retry::ticket_hash(tenant, body);
+        if router_retry::redeem(hash, host::now_ms()) {
+            ask.retry_headroom = Some(f64::from(st.config.retry_headroom_pct) / 100.0);
+            planned = place(&ask);
+            if matches!(planned, Plan::Route(_)) {
+                inc(st.metrics.retry_admitted);
+            }
+        }
+        ticket = Some(hash);
+    }
+    record(
+        st.metrics.selection_us,
+        host::now_us().saturating_sub(selecting),
+    );
+    match planned {
+        Plan::Route(route) => Decision::Route(Routing {
+            model: route.model.name.clone(),
+            first: Target::new(&route.first),
+            fallback: route.fallback.as_ref().map(Target::new),
+            set_rank: route.set_rank,
+            report: route.report,
+            isl_tokens: u32::try_from(req.isl_tokens).unwrap_or(u32::MAX),
+            output_tokens: req
+                .max_tokens
+                .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
+        }),
+        Plan::Reject(r) => Decision::Reply(match (r, ticket) {
+            (Rejection::AllBusy { retry_after_s }, Some(hash)) => {
+                router_retry::shed(&st.config, snap, &req.model, hash, retry_after_s)
+            }
+            (r, _) => Reply::rejected(r, &req.model, st.config.retry_after_s),
+        }),
+    }
+}
