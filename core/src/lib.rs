@@ -11,6 +11,8 @@
 //! * [`plan`]: the decision for one request, from its body to a placement
 //!   or a rejection, with the cost in [`plan::select`];
 //! * [`busy`]: the shedding rules; [`hash`]: block and prefix hashes;
+//! * [`disagg`]: disaggregated prefill and decode: the legs' bodies and
+//!   when a request needs no prefill leg;
 //! * the binary formats between the parts, all read through one
 //!   bounds-checked reader: [`snapshot`], [`update`] frames, [`booking`]
 //!   events, [`approx`] routing reports and index [`shard`]s.
@@ -23,6 +25,7 @@
 pub mod approx;
 pub mod booking;
 pub mod busy;
+pub mod disagg;
 pub mod hash;
 pub mod plan;
 pub mod shard;

@@ -1,0 +1,71 @@
+//! Disaggregated prefill and decode: a request's prompt is computed on a
+//! prefill worker, and its KV blocks move to the decode worker that
+//! generates the answer.
+//!
+//! * [`nixl`]: vLLM's NIXL protocol, the bodies of its two legs: the
+//!   prefill leg's rewrite of the client's body, the parameters its answer
+//!   carries, and the decode leg's body with them spliced in;
+//! * [`Conditional`]: when the decode worker computes the prompt itself,
+//!   with no prefill leg.
+
+pub mod nixl;
+
+/// Skips the prefill leg when the decode worker would compute little of
+/// the prompt itself: its uncached part is short in tokens and as a share
+/// of the prompt (Dynamo's conditional disaggregation: under 2048 tokens
+/// and under 70 %). A remote prefill costs a second hop and a transfer;
+/// for a short or mostly cached prompt that is more than computing it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Conditional {
+    /// Fewer uncached tokens than this can be computed locally.
+    pub max_uncached_tokens: u64,
+    /// And only if they are less than this share of the prompt.
+    pub max_uncached_ratio: f64,
+}
+
+impl Default for Conditional {
+    fn default() -> Conditional {
+        Conditional {
+            max_uncached_tokens: 2048,
+            max_uncached_ratio: 0.7,
+        }
+    }
+}
+
+impl Conditional {
+    /// Whether a prompt of `isl_tokens`, of which the decode worker holds
+    /// `cached_tokens`, is computed on the decode worker.
+    pub fn local(&self, isl_tokens: u64, cached_tokens: u64) -> bool {
+        let uncached = isl_tokens.saturating_sub(cached_tokens);
+        uncached < self.max_uncached_tokens
+            && (uncached as f64) < self.max_uncached_ratio * isl_tokens as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_or_mostly_cached_prompts_stay_local() {
+        let c = Conditional::default();
+        // Short but nothing cached: 100 % uncached is over the 70 %.
+        assert!(!c.local(1000, 0));
+        // Short and mostly cached.
+        assert!(c.local(1000, 400));
+        assert!(!c.local(1000, 300), "exactly 70 % uncached is not under it");
+        // Mostly cached but long: 3000 uncached tokens.
+        assert!(!c.local(10_000, 7000));
+        assert!(c.local(10_000, 8000));
+        assert!(!c.local(10_000, 7952), "2048 uncached is not under 2048");
+        // Fully cached, and an empty prompt with nothing to compute.
+        assert!(c.local(4096, 4096));
+        assert!(!c.local(0, 0), "0 is not under 70 % of 0");
+        // Turned off by a zero bound.
+        let never = Conditional {
+            max_uncached_tokens: 0,
+            ..c
+        };
+        assert!(!never.local(4096, 4096));
+    }
+}
