@@ -37,7 +37,8 @@ pub enum BodyError {
 pub enum AnswerError {
     #[error("the prefill answer is not a JSON object")]
     NotAnObject,
-    /// Absent or null: vLLM's sign that the prefill was aborted or failed.
+    /// Absent, null or empty: vLLM's sign that the prefill was aborted or
+    /// failed.
     #[error("the prefill answer carries no kv_transfer_params")]
     Absent,
     #[error("the prefill answer's kv_transfer_params is not an object")]
@@ -162,10 +163,18 @@ pub fn answer_params(answer: &[u8]) -> Result<&str, AnswerError> {
     let fields = Fields::parse(answer).map_err(|_| AnswerError::NotAnObject)?;
     let params = fields.get(PARAMS).ok_or(AnswerError::Absent)?.get();
     match params.as_bytes().first() {
+        // An empty object hands nothing over, as vLLM's proxy reads it.
+        Some(b'{') if is_empty_object(params) => Err(AnswerError::Absent),
         Some(b'{') => Ok(params),
         _ if params == "null" => Err(AnswerError::Absent),
         _ => Err(AnswerError::NotAnObjectParams),
     }
+}
+
+fn is_empty_object(raw: &str) -> bool {
+    raw.strip_prefix('{')
+        .and_then(|r| r.strip_suffix('}'))
+        .is_some_and(|inner| inner.trim().is_empty())
 }
 
 /// The decode leg's body: the client's own bytes with the prefill's
@@ -192,6 +201,19 @@ pub fn decode_body(client: &[u8], params: &str) -> Result<Vec<u8>, BodyError> {
     out.extend_from_slice(params.as_bytes());
     out.extend_from_slice(&client[end..]);
     Ok(out)
+}
+
+/// The body a decode worker gets when it computes the prompt itself (no
+/// transfer to hand on): the client's own bytes, or, when the client sent
+/// `kv_transfer_params` of its own, the body without them.
+pub fn local_body(client: &[u8]) -> Result<Cow<'_, [u8]>, BodyError> {
+    let fields = Fields::parse(client)?;
+    if fields.get(PARAMS).is_none() {
+        return Ok(Cow::Borrowed(client));
+    }
+    Ok(Cow::Owned(
+        fields.write(|k, v| (k != PARAMS).then_some(v), &[]),
+    ))
 }
 
 #[cfg(test)]

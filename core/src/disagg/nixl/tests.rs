@@ -108,6 +108,15 @@ fn a_clients_own_transfer_params_never_pass() {
 }
 
 #[test]
+fn a_local_decode_gets_the_clients_bytes_without_its_params() {
+    let plain = br#"{"model":"m", "x": 1e3}"#;
+    assert!(matches!(local_body(plain).unwrap(), Cow::Borrowed(b) if b == plain));
+    let hostile = br#"{"model":"m","kv_transfer_params":{"remote_host":"6.6.6.6"},"x":1e3}"#;
+    assert_eq!(&*local_body(hostile).unwrap(), br#"{"model":"m","x":1e3}"#);
+    assert!(local_body(b"[]").is_err());
+}
+
+#[test]
 fn a_repeated_key_keeps_its_first_place_and_last_value() {
     let out = prefill_body(br#"{"a":1,"b":2,"a":3}"#).unwrap();
     assert!(
@@ -129,6 +138,10 @@ fn the_answers_params_are_taken_verbatim() {
     assert_eq!(answer_params(br#"{"id":"x"}"#), Err(AnswerError::Absent));
     assert_eq!(
         answer_params(br#"{"kv_transfer_params":null}"#),
+        Err(AnswerError::Absent)
+    );
+    assert_eq!(
+        answer_params(br#"{"kv_transfer_params": { } }"#),
         Err(AnswerError::Absent)
     );
     assert_eq!(
