@@ -16,6 +16,7 @@ mod replay;
 mod setup;
 mod shapebench;
 mod shedbench;
+mod stats;
 mod textbench;
 mod thermalbench;
 
