@@ -252,9 +252,27 @@ pub fn run(args: &Args) -> Result<()> {
         &planner,
         &repo().join("bench/plots"),
     )?);
-    std::fs::write(repo().join("bench/report.md"), &report)?;
+    let path = repo().join("bench/report.md");
+    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    let report = keep_summary(&old, &report);
+    std::fs::write(&path, &report)?;
     println!("\n{report}");
     Ok(())
+}
+
+/// The report's hand-kept summary: figures gathered from several runs,
+/// which no single run can rewrite.
+const SUMMARY: &str = "\n## Summary";
+
+/// `new` with `old`'s summary, if it has one, before its first section.
+fn keep_summary(old: &str, new: &str) -> String {
+    let Some(at) = old.find(SUMMARY) else {
+        return new.to_string();
+    };
+    let rest = &old[at + 1..];
+    let summary = &old[at..rest.find("\n## ").map_or(old.len(), |e| at + 1 + e)];
+    let first = new.find("\n## ").unwrap_or(new.len());
+    format!("{}{summary}{}", &new[..first], &new[first..])
 }
 
 /// `report` with the section under `heading` replaced by `section`, or
@@ -824,4 +842,20 @@ Ingest is {:.2}× the baseline's decode alone. Sidecar heap per indexed block: {
         f(&["ratio_ingest_vs_baseline_decode"]),
         f(&["sidecar_heap_bytes_per_block"]),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::keep_summary;
+
+    #[test]
+    fn a_full_run_keeps_the_summary_and_replaces_the_rest() {
+        let old = "# b\n\nold run\n\n## Summary\n\nkept\n\n## A\n\nold a\n";
+        let new = "# b\n\nnew run\n\n## A\n\nnew a\n";
+        assert_eq!(
+            keep_summary(old, new),
+            "# b\n\nnew run\n\n## Summary\n\nkept\n\n## A\n\nnew a\n"
+        );
+        assert_eq!(keep_summary("# b\n\n## A\n", new), new);
+    }
 }
