@@ -7,6 +7,8 @@ mod build;
 mod cli;
 mod demo;
 mod dist;
+#[cfg(test)]
+mod docs;
 mod fuzz;
 mod kvbench;
 mod plannerbench;
