@@ -1211,16 +1211,7 @@ fn a_burst_across_envoy_threads_spreads_by_cost_not_onto_one_worker() {
     let stack = start(StackConfig {
         workers: 4,
         kv_events: true,
-        sim_args: [
-            "--max-running",
-            "256",
-            "--decode-ms-per-token",
-            "10",
-            "--speedup",
-            "1",
-        ]
-        .map(String::from)
-        .to_vec(),
+        sim_args: burst_sim_args(),
         ..StackConfig::default()
     });
     // Every worker caches the burst's prompt first, straight from the

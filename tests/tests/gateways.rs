@@ -55,16 +55,7 @@ fn split_burst(sync: bool) -> (usize, BTreeMap<String, usize>) {
         gateways: 2,
         replica_sync: sync,
         kv_events: true,
-        sim_args: [
-            "--max-running",
-            "256",
-            "--decode-ms-per-token",
-            "10",
-            "--speedup",
-            "1",
-        ]
-        .map(String::from)
-        .to_vec(),
+        sim_args: burst_sim_args(),
         ..StackConfig::default()
     });
     let (a, b) = (&stack.gateways[0], &stack.gateways[1]);

@@ -33,6 +33,7 @@
 use crate::build::{self, Profile};
 use crate::{cargo, repo, setup};
 use anyhow::{Context, Result, bail};
+use clap::ValueEnum;
 use kvgate_load::summary::percentile;
 use kvgate_load::workload::mixed_demo;
 use kvgate_load::{Outcome, Target, run_closed_loop};
@@ -41,7 +42,49 @@ use serde_json::{Value, json};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-pub fn run(args: &[String]) -> Result<()> {
+/// `cargo xtask bench`'s flags.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Short runs: fewer repetitions, rates and seconds; a check that each
+    /// benchmark works more than a figure to quote.
+    #[arg(long)]
+    pub quick: bool,
+    /// Runs just this benchmark and replaces its section of
+    /// `bench/report.md` (the ingest and wasmtime-selection figures come
+    /// only from a full run).
+    #[arg(long, value_enum)]
+    pub only: Option<Only>,
+}
+
+/// The benchmarks `--only` can run alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Only {
+    Overhead,
+    Kv,
+    Sync,
+    Dump,
+    Shedding,
+    Thermal,
+    Planner,
+    Text,
+    Quality,
+}
+
+impl Args {
+    /// The flags again, for the optimised re-run.
+    fn to_flags(&self) -> Vec<String> {
+        let mut flags = Vec::new();
+        if self.quick {
+            flags.push("--quick".to_string());
+        }
+        if let Some(only) = self.only.and_then(|o| o.to_possible_value()) {
+            flags.extend(["--only".to_string(), only.get_name().to_string()]);
+        }
+        flags
+    }
+}
+
+pub fn run(args: &Args) -> Result<()> {
     // The load generator runs in this process: an unoptimised build of it
     // would take CPU from the Envoy it measures. Run again, optimised.
     if cfg!(debug_assertions) {
@@ -54,17 +97,15 @@ pub fn run(args: &[String]) -> Result<()> {
             "--",
             "bench",
         ];
-        a.extend(args.iter().map(String::as_str));
+        let flags = args.to_flags();
+        a.extend(flags.iter().map(String::as_str));
         return crate::sh(&cargo(), &a, &[]);
     }
-    let quick = args.iter().any(|a| a == "--quick");
-    let only = args
-        .iter()
-        .position(|a| a == "--only")
-        .and_then(|i| args.get(i + 1));
+    let quick = args.quick;
+    let only = args.only;
     let started = Instant::now();
     // The dump benchmark runs its sidecars in process: no Envoy, no filter.
-    if only.is_none_or(|o| o != "dump") {
+    if only != Some(Only::Dump) {
         setup::all()?;
         build::wasm()?;
         build::bins(Profile::Release)?;
@@ -73,18 +114,18 @@ pub fn run(args: &[String]) -> Result<()> {
     std::fs::create_dir_all(&dir)?;
     if let Some(name) = only {
         // One benchmark: its results, and its section of the report replaced.
-        let (section, heading) = match name.as_str() {
-            "shedding" => {
+        let (section, heading) = match name {
+            Only::Shedding => {
                 let v = crate::shedbench::run(quick)?;
                 std::fs::write(dir.join("shedding.json"), serde_json::to_vec_pretty(&v)?)?;
                 (crate::shedbench::report(&v), "\n## Load shedding")
             }
-            "quality" => {
+            Only::Quality => {
                 let v = crate::quality::run(quick)?;
                 std::fs::write(dir.join("quality.json"), serde_json::to_vec_pretty(&v)?)?;
                 (quality_section(&v)?, "\n## Routing quality")
             }
-            "sync" => {
+            Only::Sync => {
                 let v = crate::apibench::sync(quick)?;
                 std::fs::write(dir.join("sync.json"), serde_json::to_vec_pretty(&v)?)?;
                 let kv: Value = std::fs::read(dir.join("kv.json"))
@@ -96,17 +137,17 @@ pub fn run(args: &[String]) -> Result<()> {
                     "\n## Selection API and replica sync",
                 )
             }
-            "kv" => {
+            Only::Kv => {
                 let v = crate::kvbench::run(quick, envoy_histogram)?;
                 std::fs::write(dir.join("kv.json"), serde_json::to_vec_pretty(&v)?)?;
                 (kv_report(&v), "\n## KV-aware routing")
             }
-            "overhead" => {
+            Only::Overhead => {
                 let v = overhead(quick)?;
                 std::fs::write(dir.join("overhead.json"), serde_json::to_vec_pretty(&v)?)?;
                 (overhead_section(&v), "\n## Filter overhead")
             }
-            "planner" => {
+            Only::Planner => {
                 let v = crate::plannerbench::run(quick)?;
                 std::fs::write(dir.join("planner.json"), serde_json::to_vec_pretty(&v)?)?;
                 (
@@ -114,7 +155,7 @@ pub fn run(args: &[String]) -> Result<()> {
                     "\n## Planner",
                 )
             }
-            "thermal" => {
+            Only::Thermal => {
                 let v = crate::thermalbench::run(quick)?;
                 std::fs::write(dir.join("thermal.json"), serde_json::to_vec_pretty(&v)?)?;
                 (
@@ -122,26 +163,21 @@ pub fn run(args: &[String]) -> Result<()> {
                     "\n## Thermal soak",
                 )
             }
-            "text" => {
+            Only::Text => {
                 let v = crate::textbench::run(quick)?;
                 std::fs::write(dir.join("text.json"), serde_json::to_vec_pretty(&v)?)?;
                 (crate::textbench::report(&v), "\n## Text and chat prompts")
             }
-            "dump" => {
+            Only::Dump => {
                 let v = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;
                 std::fs::write(dir.join("dump.json"), serde_json::to_vec_pretty(&v)?)?;
                 (dump_section(&v), "\n## Index dump and recovery")
-            }
-            other => {
-                bail!(
-                    "--only knows overhead, kv, sync, dump, shedding, thermal, planner, text and quality, not {other:?}"
-                )
             }
         };
         let path = repo().join("bench/report.md");
         let old = std::fs::read_to_string(&path).unwrap_or_default();
         let mut updated = replace_section(&old, heading, &section);
-        if name == "kv" {
+        if name == Only::Kv {
             // The API's figures come from the same index.
             let sync: Value = std::fs::read(dir.join("sync.json"))
                 .ok()
@@ -216,9 +252,27 @@ pub fn run(args: &[String]) -> Result<()> {
         &planner,
         &repo().join("bench/plots"),
     )?);
-    std::fs::write(repo().join("bench/report.md"), &report)?;
+    let path = repo().join("bench/report.md");
+    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    let report = keep_summary(&old, &report);
+    std::fs::write(&path, &report)?;
     println!("\n{report}");
     Ok(())
+}
+
+/// The report's hand-kept summary: figures gathered from several runs,
+/// which no single run can rewrite.
+const SUMMARY: &str = "\n## Summary";
+
+/// `new` with `old`'s summary, if it has one, before its first section.
+fn keep_summary(old: &str, new: &str) -> String {
+    let Some(at) = old.find(SUMMARY) else {
+        return new.to_string();
+    };
+    let rest = &old[at + 1..];
+    let summary = &old[at..rest.find("\n## ").map_or(old.len(), |e| at + 1 + e)];
+    let first = new.find("\n## ").unwrap_or(new.len());
+    format!("{}{summary}{}", &new[..first], &new[first..])
 }
 
 /// `report` with the section under `heading` replaced by `section`, or
@@ -788,4 +842,20 @@ Ingest is {:.2}× the baseline's decode alone. Sidecar heap per indexed block: {
         f(&["ratio_ingest_vs_baseline_decode"]),
         f(&["sidecar_heap_bytes_per_block"]),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::keep_summary;
+
+    #[test]
+    fn a_full_run_keeps_the_summary_and_replaces_the_rest() {
+        let old = "# b\n\nold run\n\n## Summary\n\nkept\n\n## A\n\nold a\n";
+        let new = "# b\n\nnew run\n\n## A\n\nnew a\n";
+        assert_eq!(
+            keep_summary(old, new),
+            "# b\n\nnew run\n\n## Summary\n\nkept\n\n## A\n\nnew a\n"
+        );
+        assert_eq!(keep_summary("# b\n\n## A\n", new), new);
+    }
 }

@@ -10,7 +10,7 @@ use kvgate_load::{Summary, Target, run_open_loop};
 use kvgate_stack::{Stack, StackConfig, http};
 use std::time::Duration;
 
-pub fn run(_args: &[String]) -> Result<()> {
+pub fn run() -> Result<()> {
     setup::all()?;
     build::wasm()?;
     build::bins(Profile::Release)?;

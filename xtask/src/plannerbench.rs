@@ -14,6 +14,7 @@
 
 use crate::build;
 use crate::plot;
+use crate::stats::points;
 use anyhow::{Context, Result};
 use kvgate_load::{Outcome, RequestSpec, Target, run_open_loop};
 use kvgate_sidecar::planner::predict::{PredictorKind, mape};
@@ -421,14 +422,6 @@ fn summarize(
             "itl_est_ms": series(|s| s.itl_est),
         },
     }))
-}
-
-fn points(v: &Value) -> Vec<(f64, f64)> {
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|p| Some((p[0].as_f64()?, p[1].as_f64()?)))
-        .collect()
 }
 
 /// The report section; its plots go under `plots`.

@@ -19,9 +19,9 @@
 
 use crate::build;
 use crate::plot;
+use crate::stats::{admitted_latency_us, admitted_ttft_us, ms};
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use kvgate_load::summary::percentile;
 use kvgate_load::workload::{SharedPrefix, mooncake, shared_prefix};
 use kvgate_load::{Outcome, RequestSpec, Target, run_open_loop};
 use kvgate_stack::{Stack, StackConfig, http};
@@ -174,10 +174,6 @@ fn set_shedding(stack: &Stack, on: bool) -> Result<()> {
     Ok(())
 }
 
-fn ms(sorted: &[u64], p: f64) -> f64 {
-    percentile(sorted, p).unwrap_or(0) as f64 / 1000.0
-}
-
 /// One policy at one rate: the figures and the TTFT distribution.
 pub(crate) fn summarize(
     outcomes: &[Outcome],
@@ -186,10 +182,8 @@ pub(crate) fn summarize(
     workers: usize,
 ) -> Value {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.status == 200).collect();
-    let mut ttft: Vec<u64> = ok.iter().filter_map(|o| o.ttft_us).collect();
-    ttft.sort_unstable();
-    let mut e2e: Vec<u64> = ok.iter().map(|o| o.latency_us).collect();
-    e2e.sort_unstable();
+    let ttft = admitted_ttft_us(outcomes);
+    let e2e = admitted_latency_us(outcomes);
     let shed = outcomes.iter().filter(|o| o.status == 503).count();
     let failed = outcomes.len() - ok.len() - shed;
     let first = outcomes.iter().map(|o| o.start_us).min().unwrap_or(0);

@@ -13,6 +13,7 @@
 //!    retries that are admitted.
 
 use crate::build;
+use crate::stats::{self, admitted_ttft_us};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use kvgate_load::summary::percentile;
@@ -206,13 +207,8 @@ fn wait_drained(stack: &Stack) -> Result<()> {
 }
 
 fn ttft_summary(outcomes: &[Outcome], secs: f64) -> Value {
-    let mut ttft: Vec<u64> = outcomes
-        .iter()
-        .filter(|o| o.status == 200)
-        .filter_map(|o| o.ttft_us)
-        .collect();
-    ttft.sort_unstable();
-    let ms = |p: f64| percentile(&ttft, p).unwrap_or(0) as f64 / 1000.0;
+    let ttft = admitted_ttft_us(outcomes);
+    let ms = |p: f64| stats::ms(&ttft, p);
     let shed = outcomes.iter().filter(|o| o.status == 503).count();
     let other = outcomes.len() - ttft.len() - shed;
     json!({

@@ -17,8 +17,8 @@
 
 use crate::build;
 use crate::plot;
+use crate::stats::{self, admitted_latency_us, admitted_ttft_us, points};
 use anyhow::{Context, Result};
-use kvgate_load::summary::percentile;
 use kvgate_load::{Outcome, RequestSpec, Target, run_open_loop};
 use kvgate_stack::{Stack, StackConfig, ThermalStack, http};
 use serde_json::{Value, json};
@@ -253,20 +253,10 @@ fn summarize(
     entries: &[f64],
     batch_calls: f64,
 ) -> Result<Value> {
-    let mut ttft: Vec<u64> = outcomes
-        .iter()
-        .filter(|o| o.status == 200)
-        .filter_map(|o| o.ttft_us)
-        .collect();
-    ttft.sort_unstable();
-    let ms = |p: f64| percentile(&ttft, p).unwrap_or(0) as f64 / 1000.0;
-    let mut total: Vec<u64> = outcomes
-        .iter()
-        .filter(|o| o.status == 200)
-        .map(|o| o.latency_us)
-        .collect();
-    total.sort_unstable();
-    let total_ms = |p: f64| percentile(&total, p).unwrap_or(0) as f64 / 1000.0;
+    let ttft = admitted_ttft_us(outcomes);
+    let ms = |p: f64| stats::ms(&ttft, p);
+    let total = admitted_latency_us(outcomes);
+    let total_ms = |p: f64| stats::ms(&total, p);
     let ok = outcomes.iter().filter(|o| o.status == 200).count();
     let settled_from = t.degrade_at + t.settle;
     let settled: Vec<&Sample> = samples.iter().filter(|x| x.at_s >= settled_from).collect();
@@ -319,14 +309,6 @@ fn summarize(
             "completions_per_s": per_s.iter().enumerate().map(|(i, v)| (i as f64, *v)).collect::<Vec<_>>(),
         },
     }))
-}
-
-fn points(v: &Value) -> Vec<(f64, f64)> {
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|p| Some((p[0].as_f64()?, p[1].as_f64()?)))
-        .collect()
 }
 
 /// The report section, and its plots written under `plots`.

@@ -89,6 +89,23 @@ pub fn busy_prone() -> StackConfig {
     }
 }
 
+/// Workers that take a whole burst at once (256 running) and decode in
+/// real time, slowly (10 ms a token): the load each request of a burst
+/// books lasts while the burst arrives, so where the burst goes shows how
+/// the cost spreads load.
+pub fn burst_sim_args() -> Vec<String> {
+    [
+        "--max-running",
+        "256",
+        "--decode-ms-per-token",
+        "10",
+        "--speedup",
+        "1",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 pub fn start(config: StackConfig) -> Stack {
     Stack::start(config).unwrap_or_else(|e| panic!("stack failed to start: {e:#}"))
 }
