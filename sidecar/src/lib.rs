@@ -32,6 +32,7 @@
 )]
 
 pub mod api;
+mod clock;
 pub mod config;
 mod control;
 pub(crate) mod fleet;

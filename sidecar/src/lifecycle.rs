@@ -5,7 +5,8 @@
 
 use crate::config::WorkerSpec;
 use crate::sources::kv::plane::{Plane, RankId};
-use crate::sources::kv::subscriber::{SocketLimits, Subscriber, SubscriberSpec, SubscriberStats};
+use crate::sources::kv::socket::SocketLimits;
+use crate::sources::kv::subscriber::{Subscriber, SubscriberSpec, SubscriberStats};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::time::Duration;
@@ -143,10 +144,8 @@ impl Lifecycle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::publish::Versions;
     use crate::sources::kv::plane::PlaneConfig;
     use serde_json::json;
-    use std::sync::Arc;
     use tokio::task::AbortHandle;
 
     fn worker(extra: serde_json::Value) -> WorkerSpec {
@@ -160,7 +159,7 @@ mod tests {
     }
 
     fn plane() -> Plane {
-        Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap()
+        Plane::start(PlaneConfig::default(), Box::new(|_| {})).unwrap()
     }
 
     fn lifecycle() -> Lifecycle {

@@ -83,7 +83,7 @@ async fn recover(sc: &Arc<Sidecar>) {
         );
         return;
     };
-    let age_ms = crate::sidecar::now_ms().saturating_sub(dump.created_at_ms);
+    let age_ms = crate::clock::now_ms().saturating_sub(dump.created_at_ms);
     let offered = dump.blocks();
     let Some(report) = sc.plane().restore(dump).await else {
         tracing::error!(peer = %peer, "the index thread is gone: nothing recovered");

@@ -1,22 +1,23 @@
 //! The sidecar's state, shared by its tasks and its HTTP handlers.
 
+use crate::clock::now_ms;
 use crate::config::Config;
 use crate::fleet::Fleet;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
-use crate::publish::{SnapshotStore, Versions};
+use crate::publish::{ShardLog, SnapshotStore, Versions};
 use crate::replica::ReplicaSync;
 use crate::replica::wire::SyncEvent;
 use crate::sources::bookings::Bookings;
 use crate::sources::kv::plane::{Plane, PlaneConfig};
-use crate::sources::kv::subscriber::SocketLimits;
+use crate::sources::kv::socket::SocketLimits;
 use crate::sources::metrics::scrape::{self, HttpClient};
 use crate::sources::routed::ApproxIndex;
 use crate::{recovery, tick};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// One sidecar process: its configuration, the fleet, what the sources
 /// feed in and what it publishes. Its tasks and HTTP handlers share it
@@ -28,6 +29,8 @@ pub struct Sidecar {
     fleet: Mutex<Fleet>,
     versions: Arc<Versions>,
     store: SnapshotStore,
+    /// Every model's index shards as last published.
+    shards: Arc<ShardLog>,
     plane: Plane,
     metrics: Metrics,
     routed: Mutex<ApproxIndex>,
@@ -44,18 +47,13 @@ pub struct Sidecar {
     recovering: AtomicBool,
 }
 
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 impl Sidecar {
     /// Builds the sidecar and starts its background work on the current
     /// tokio runtime. Call [`crate::api::router`] to serve it.
     pub fn start(config: Config) -> anyhow::Result<Arc<Sidecar>> {
         let versions = Arc::new(Versions::new());
+        let shards = Arc::new(ShardLog::new(versions.clone()));
+        let sink = shards.clone();
         let plane = Plane::start(
             PlaneConfig {
                 shard_count: config.kv.shards,
@@ -64,7 +62,7 @@ impl Sidecar {
                 hold: recovery::hold(&config.indexer),
                 ..Default::default()
             },
-            versions.clone(),
+            Box::new(move |changed| sink.publish(changed)),
         )?;
         let mut fleet = Fleet::new(&config)?;
         for m in &config.models {
@@ -78,7 +76,7 @@ impl Sidecar {
                 "text prompts are matched against KV events"
             );
             plane.set_vocab(&m.name, prompt.vocab.clone());
-            plane.log.publish(vec![(
+            shards.publish(vec![(
                 kvgate_core::text::template_key(&m.name),
                 0,
                 1,
@@ -106,6 +104,7 @@ impl Sidecar {
             fleet: Mutex::new(fleet),
             versions,
             store: SnapshotStore::default(),
+            shards,
             plane,
             metrics,
             routed: Mutex::new(ApproxIndex::new(
@@ -171,6 +170,11 @@ impl Sidecar {
 
     pub fn store(&self) -> &SnapshotStore {
         &self.store
+    }
+
+    /// Every model's index shards as last published.
+    pub(crate) fn shards(&self) -> &ShardLog {
+        &self.shards
     }
 
     pub fn plane(&self) -> &Plane {

@@ -2,8 +2,8 @@
 //! per worker. Each tick rebuilds what changed and publishes it.
 
 use crate::Sidecar;
+use crate::clock::now_ms;
 use crate::metrics::gauges;
-use crate::sidecar::now_ms;
 use crate::sources::metrics::scrape;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -51,7 +51,7 @@ impl Sidecar {
             a.take_updates()
         };
         if !updates.is_empty() {
-            self.plane().log.publish(updates);
+            self.shards().publish(updates);
         }
     }
 }

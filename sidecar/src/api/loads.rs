@@ -89,7 +89,7 @@ fn looked_up(
     })?;
     let parsed =
         prompt(&req.model_name, req.prompt(), &model).map_err(|m| (StatusCode::BAD_REQUEST, m))?;
-    let log = &sc.plane().log;
+    let log = sc.shards();
     let (cached, _) = overlap::gather(&model, &parsed, &req.tenant_id, &mut |k: &str| log.read(k));
     Ok((req, model, cached, parsed.isl_tokens))
 }

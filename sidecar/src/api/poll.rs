@@ -36,7 +36,7 @@ pub(super) async fn snapshot(
         if let Some(frame) = publish::frame::frame(
             sc.versions(),
             sc.store(),
-            Some(&sc.plane().log),
+            Some(sc.shards()),
             q.after,
             q.epoch,
         ) {

@@ -35,7 +35,7 @@ pub(super) async fn create(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Respo
         return error(StatusCode::BAD_REQUEST, m);
     }
     let snap = sc.store().snapshot();
-    let log = &sc.plane().log;
+    let log = sc.shards();
     let mut ledger = sc.bookings();
     let Some(model) = fresh_model(&snap, &req.model_name, &ledger) else {
         return error(

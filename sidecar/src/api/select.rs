@@ -52,7 +52,7 @@ fn choose(sc: &Sidecar, body: &[u8], reserve: bool) -> Response {
     }
     let snap = sc.store().snapshot();
     let tie = TIE_BREAK.fetch_add(1, Ordering::Relaxed);
-    let log = &sc.plane().log;
+    let log = sc.shards();
     // Held from the view to the booking when reserving: two concurrent
     // reservations must not both see the same idle rank.
     let mut ledger = sc.bookings();

@@ -50,7 +50,7 @@ pub enum RouteError {
 pub fn route_and_reserve(sc: &Sidecar, req: &Parsed, tenant: &str) -> Result<Routed, RouteError> {
     let snap = sc.store().snapshot();
     let tie = TIE_BREAK.fetch_add(1, Ordering::Relaxed);
-    let log = &sc.plane().log;
+    let log = sc.shards();
     // Held from the view to the booking: concurrent streams must not both
     // see the same idle rank.
     let mut ledger = sc.bookings();
@@ -101,5 +101,5 @@ pub fn free(sc: &Sidecar, reservation_id: &str) -> Result<(), RouteError> {
 /// prompt template blob): what the filter reads from Envoy's shared data,
 /// for a front door that renders prompts as the filter does.
 pub fn published(sc: &Sidecar, key: &str) -> Option<Vec<u8>> {
-    sc.plane().log.read(key)
+    sc.shards().read(key)
 }

@@ -18,6 +18,7 @@ mod monitor;
 
 use crate::sources::kv::replay::replay;
 use crate::sources::kv::seq::{SeqCheck, SeqTracker};
+use crate::sources::kv::socket::SocketLimits;
 use monitor::Monitor;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -59,34 +60,6 @@ pub enum Ingest {
         slot: u16,
         reason: ResyncReason,
     },
-}
-
-/// What one rank's sockets may hold: at most `queue_messages` messages of
-/// frames no larger than `max_message_bytes`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SocketLimits {
-    /// A peer sending a larger frame is disconnected by libzmq, never
-    /// buffered (the subscriber then connects again).
-    pub max_message_bytes: u64,
-    /// The receive high-water mark: messages past it are dropped.
-    pub queue_messages: u32,
-}
-
-impl Default for SocketLimits {
-    fn default() -> Self {
-        SocketLimits {
-            max_message_bytes: 8 << 20,
-            queue_messages: 1000,
-        }
-    }
-}
-
-impl SocketLimits {
-    /// Sets both on a socket; must come before it connects.
-    pub fn apply(&self, sock: &zmq::Socket) -> Result<(), zmq::Error> {
-        sock.set_maxmsgsize(i64::try_from(self.max_message_bytes).unwrap_or(i64::MAX))?;
-        sock.set_rcvhwm(i32::try_from(self.queue_messages).unwrap_or(i32::MAX))
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -385,23 +358,6 @@ fn run(
         cx.tracker.applied(seq);
     }
     Ok(())
-}
-
-/// The endpoint of DP rank `rank`, as engines derive it: the port after the
-/// last colon plus the rank for TCP, a `_dp{rank}` suffix for inproc.
-pub fn offset_port(endpoint: &str, rank: u32) -> Option<String> {
-    if rank == 0 {
-        return Some(endpoint.to_string());
-    }
-    if let Some(name) = endpoint.strip_prefix("inproc://") {
-        return Some(format!("inproc://{name}_dp{rank}"));
-    }
-    if !endpoint.starts_with("tcp://") {
-        return None;
-    }
-    let (host, port) = endpoint.rsplit_once(':')?;
-    let port: u32 = port.parse().ok()?;
-    Some(format!("{host}:{}", port + rank))
 }
 
 #[cfg(test)]

@@ -243,24 +243,3 @@ fn malformed_messages_are_counted_and_skipped() {
     assert_eq!(collect(&rx, 1), ["0:1"]);
     assert_eq!(sub.stats.malformed_frames.load(Ordering::Relaxed), 2);
 }
-
-#[test]
-fn rank_endpoints_follow_the_engines_port_offsets() {
-    assert_eq!(
-        offset_port("tcp://10.0.0.1:5557", 0).as_deref(),
-        Some("tcp://10.0.0.1:5557")
-    );
-    assert_eq!(
-        offset_port("tcp://10.0.0.1:5557", 3).as_deref(),
-        Some("tcp://10.0.0.1:5560")
-    );
-    assert_eq!(
-        offset_port("tcp://*:5557", 1).as_deref(),
-        Some("tcp://*:5558")
-    );
-    assert_eq!(
-        offset_port("inproc://kv", 2).as_deref(),
-        Some("inproc://kv_dp2")
-    );
-    assert_eq!(offset_port("ipc:///tmp/kv", 1), None);
-}
