@@ -75,7 +75,8 @@ async fn recover(sc: &Arc<Sidecar>) {
     let Some((peer, dump, bytes)) = got else {
         sc.plane().release();
         sc.metrics()
-            .index_recovery_seconds
+            .kv
+            .recovery_seconds
             .set(started.elapsed().as_secs_f64());
         tracing::warn!(
             peers = ?ix.peers,
@@ -105,14 +106,14 @@ async fn recover(sc: &Arc<Sidecar>) {
 }
 
 fn record(sc: &Sidecar, report: &RestoreReport, seconds: f64) {
-    let m = sc.metrics();
-    m.index_recovered_blocks.inc_by(report.recovered);
+    let m = &sc.metrics().kv;
+    m.recovered_blocks.inc_by(report.recovered);
     for (why, n) in &report.dropped {
-        m.index_recovery_dropped
+        m.recovery_dropped
             .with_label_values(&[why.as_str()])
             .inc_by(*n);
     }
-    m.index_recovery_seconds.set(seconds);
+    m.recovery_seconds.set(seconds);
 }
 
 /// One peer's dump, decoded, and its size in bytes.

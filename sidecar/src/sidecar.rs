@@ -93,13 +93,21 @@ impl Sidecar {
                     &config.replica_sync.peers,
                     config.control.token.clone(),
                     inbound_tx,
-                    crate::replica::SyncStats::from_metrics(&metrics),
+                    crate::replica::SyncStats::from_metrics(&metrics.ledger),
                 )?;
                 tracing::info!(endpoint = r.endpoint(), peers = ?config.replica_sync.peers, origin = r.origin(), "replica sync on");
                 Some(r)
             }
             None => None,
         };
+        let workers = Lifecycle::new(
+            config.kv.replay_timeout,
+            SocketLimits {
+                max_message_bytes: config.kv.max_message_bytes,
+                queue_messages: config.kv.queue_messages,
+            },
+            metrics.kv.subscribers.clone(),
+        );
         let sc = Arc::new(Sidecar {
             fleet: Mutex::new(fleet),
             versions,
@@ -114,13 +122,7 @@ impl Sidecar {
             bookings: Mutex::new(Bookings::new(config.load.booking_ttl)),
             last_poll_ms: AtomicU64::new(now_ms()),
             client: scrape::client(),
-            workers: Lifecycle::new(
-                config.kv.replay_timeout,
-                SocketLimits {
-                    max_message_bytes: config.kv.max_message_bytes,
-                    queue_messages: config.kv.queue_messages,
-                },
-            ),
+            workers,
             replica,
             dump_turn: tokio::sync::Mutex::new(()),
             recovering: AtomicBool::new(!config.indexer.peers.is_empty()),

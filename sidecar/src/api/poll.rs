@@ -41,7 +41,8 @@ pub(super) async fn snapshot(
             q.epoch,
         ) {
             sc.metrics()
-                .snapshot_polls
+                .snapshot
+                .polls
                 .with_label_values(&["changed"])
                 .inc();
             sc.polled();
@@ -59,7 +60,8 @@ pub(super) async fn snapshot(
             .is_err()
         {
             sc.metrics()
-                .snapshot_polls
+                .snapshot
+                .polls
                 .with_label_values(&["timeout"])
                 .inc();
             sc.polled();

@@ -49,7 +49,7 @@ pub(super) async fn ready(State(sc): State<Arc<Sidecar>>) -> Response {
 }
 
 pub(super) async fn metrics(State(sc): State<Arc<Sidecar>>) -> Response {
-    sc.metrics().snapshot_age.set(sc.poll_age().as_secs_f64());
+    sc.metrics().snapshot.age.set(sc.poll_age().as_secs_f64());
     (
         StatusCode::OK,
         [("content-type", "text/plain; version=0.0.4")],

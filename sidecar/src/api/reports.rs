@@ -25,6 +25,7 @@ pub(super) async fn bookings(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Res
     match kvgate_core::booking::decode_batch(&body) {
         Ok(events) => {
             sc.metrics()
+                .ledger
                 .booking_batches
                 .with_label_values(&["ok"])
                 .inc();
@@ -33,6 +34,7 @@ pub(super) async fn bookings(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Res
         }
         Err(e) => {
             sc.metrics()
+                .ledger
                 .booking_batches
                 .with_label_values(&["malformed"])
                 .inc();

@@ -76,7 +76,8 @@ fn report(sc: &Sidecar, model: &str, s: &Stepped, hottest: Option<&crate::fleet:
     match s.change {
         Change::Entered => {
             sc.metrics()
-                .thermal_entries
+                .thermal
+                .entries
                 .with_label_values(&[model, id.as_str()])
                 .inc();
             tracing::warn!(worker = s.worker_id, cap = s.cap, running = s.running, temp_c = ?temp, gpu = ?gpu, "worker is throttling: new requests capped");
@@ -101,7 +102,7 @@ struct Shown {
 
 impl Shown {
     fn refresh(&mut self, sc: &Sidecar, f: &crate::fleet::Fleet, now: Instant) {
-        let m = sc.metrics();
+        let m = &sc.metrics().thermal;
         let stale_after = sc.config().thermal.stale_after;
         let mut gpus = HashSet::new();
         let mut workers = HashSet::new();
@@ -110,9 +111,9 @@ impl Shown {
             let model = w.spec.model_name.clone();
             let wl = [model.as_str(), ids.as_str()];
             let c = &w.thermal;
-            m.thermal_cap.with_label_values(&wl).set(i64::from(c.cap()));
+            m.cap.with_label_values(&wl).set(i64::from(c.cap()));
             for st in kvgate_core::ThermalState::ALL {
-                m.thermal_state
+                m.state
                     .with_label_values(&[wl[0], wl[1], st.as_str()])
                     .set(i64::from(c.state() == st));
             }
@@ -180,7 +181,8 @@ async fn scrape_all(
             }
             Err(e) => {
                 sc.metrics()
-                    .thermal_source_errors
+                    .thermal
+                    .source_errors
                     .with_label_values(&["dcgm"])
                     .inc();
                 if failing.insert(url.clone()) {
@@ -309,7 +311,8 @@ async fn actuate(sc: Arc<Sidecar>, batch: BatchClient, a: Actuation) {
         }
     };
     sc.metrics()
-        .thermal_batch_calls
+        .thermal
+        .batch_calls
         .with_label_values(&[result])
         .inc();
 }
