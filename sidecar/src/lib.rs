@@ -35,7 +35,7 @@ pub mod api;
 mod clock;
 pub mod config;
 mod control;
-pub(crate) mod fleet;
+pub mod fleet;
 mod ingest;
 mod lifecycle;
 pub mod metrics;

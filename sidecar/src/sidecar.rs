@@ -1,14 +1,15 @@
 //! The sidecar's state, shared by its tasks and its HTTP handlers.
 
+use crate::api::Backend;
 use crate::clock::now_ms;
-use crate::config::Config;
-use crate::fleet::Fleet;
+use crate::config::{Config, WorkerSpec};
+use crate::fleet::{Fleet, FleetError, RankId, WorkerEntry};
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::publish::{ShardLog, SnapshotStore, Versions};
 use crate::replica::ReplicaSync;
 use crate::replica::wire::SyncEvent;
-use crate::sources::bookings::Bookings;
+use crate::sources::bookings::{Bookings, LedgerError, Load};
 use crate::sources::kv::plane::{Plane, PlaneConfig};
 use crate::sources::kv::socket::SocketLimits;
 use crate::sources::metrics::scrape::{self, HttpClient};
@@ -241,5 +242,114 @@ impl Sidecar {
     /// How long since a gateway last heard from us.
     pub(crate) fn poll_age(&self) -> Duration {
         Duration::from_millis(now_ms().saturating_sub(self.last_poll_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// The API's view of the sidecar: each method is the sidecar's own.
+impl Backend for Sidecar {
+    fn config(&self) -> &Config {
+        Sidecar::config(self)
+    }
+
+    fn fleet(&self) -> MutexGuard<'_, Fleet> {
+        Sidecar::fleet(self)
+    }
+
+    fn bookings(&self) -> MutexGuard<'_, Bookings> {
+        Sidecar::bookings(self)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        Sidecar::metrics(self)
+    }
+
+    fn store(&self) -> &SnapshotStore {
+        Sidecar::store(self)
+    }
+
+    fn versions(&self) -> &Versions {
+        Sidecar::versions(self)
+    }
+
+    fn shards(&self) -> &ShardLog {
+        Sidecar::shards(self)
+    }
+
+    fn plane(&self) -> &Plane {
+        Sidecar::plane(self)
+    }
+
+    fn replica(&self) -> Option<&ReplicaSync> {
+        Sidecar::replica(self)
+    }
+
+    fn dump_turn(&self) -> &tokio::sync::Mutex<()> {
+        Sidecar::dump_turn(self)
+    }
+
+    fn recovering(&self) -> bool {
+        Sidecar::recovering(self)
+    }
+
+    fn polled(&self) {
+        Sidecar::polled(self)
+    }
+
+    fn poll_age(&self) -> Duration {
+        Sidecar::poll_age(self)
+    }
+
+    fn add_worker(self: Arc<Self>, spec: WorkerSpec) -> Result<WorkerEntry, FleetError> {
+        Sidecar::add_worker(&self, spec)
+    }
+
+    fn patch_worker(
+        self: Arc<Self>,
+        id: u64,
+        patch: &serde_json::Value,
+    ) -> Result<WorkerEntry, FleetError> {
+        Sidecar::patch_worker(&self, id, patch)
+    }
+
+    fn remove_worker(&self, id: u64) -> Result<(), FleetError> {
+        Sidecar::remove_worker(self, id)
+    }
+
+    fn set_thresholds(&self, model: &str, t: kvgate_core::Thresholds) -> Result<(), FleetError> {
+        Sidecar::set_thresholds(self, model, t)
+    }
+
+    fn book(&self, events: Vec<kvgate_core::booking::Event>) {
+        Sidecar::book(self, events)
+    }
+
+    fn learn(&self, records: &[kvgate_core::approx::Routed]) -> usize {
+        Sidecar::learn(self, records)
+    }
+
+    fn reserve(
+        &self,
+        ledger: &mut Bookings,
+        id: &str,
+        rank: &RankId,
+        load: Load,
+    ) -> Result<(), LedgerError> {
+        Sidecar::reserve(self, ledger, id, rank, load)
+    }
+
+    fn reservation_prefill_complete(&self, id: &str) -> Result<(), LedgerError> {
+        Sidecar::reservation_prefill_complete(self, id)
+    }
+
+    fn reservation_output_block(
+        &self,
+        id: &str,
+        decay_fraction: Option<f64>,
+    ) -> Result<(), LedgerError> {
+        Sidecar::reservation_output_block(self, id, decay_fraction)
+    }
+
+    fn free_reservation(&self, id: &str) -> Result<(), LedgerError> {
+        Sidecar::free_reservation(self, id)
     }
 }
