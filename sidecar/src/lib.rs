@@ -19,18 +19,20 @@
 //!   fleet.
 //! * [`fleet`]: the state kept from them. The worker catalog (from the
 //!   config file and the `/workers` API), health, thermal controllers,
-//!   the planner's state, and the snapshot built from all of it.
+//!   the planner's state, and the snapshot built from all of it. Beside
+//!   it, the thermal loop, which steps the controllers with the handles
+//!   it is given.
 //! * [`publish`] and [`api`]: what goes out. Versioned snapshots and index
 //!   shards, long-polled by the snapshot service inside Envoy; the HTTP
 //!   APIs, metrics and the catalog as Envoy's routed cluster. `publish`
 //!   reads only the fleet, never a source; the API reaches the running
 //!   sidecar through [`api::Backend`].
-//! * The wiring, which may import everything: [`Sidecar`] and its
-//!   start-up; the lifecycle module, which starts and stops each worker's
-//!   scraper and KV subscribers as the catalog changes; the tick module's
-//!   publish, scrape and planner loops; the thermal loop; and what acts on
-//!   the whole sidecar (inputs applied, catalog changes, reservations,
-//!   start-up recovery of the index).
+//! * The wiring, which may import everything: [`Sidecar`] (its start-up,
+//!   and what acts on all of it: publishing, catalog changes, inputs
+//!   applied, reservations); the lifecycle module, which starts and stops
+//!   each worker's scraper and KV subscribers as the catalog changes; the
+//!   tick module's publish, scrape and planner loops; and start-up
+//!   recovery of the index.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(
@@ -41,9 +43,7 @@
 pub mod api;
 mod clock;
 pub mod config;
-mod control;
 pub mod fleet;
-mod ingest;
 mod lifecycle;
 pub mod metrics;
 pub mod planner;
@@ -51,7 +51,6 @@ pub mod prompt;
 pub mod publish;
 mod recovery;
 pub mod replica;
-mod reservations;
 mod sidecar;
 pub mod sources;
 mod thermal;

@@ -11,53 +11,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-impl Sidecar {
-    /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
-    pub(crate) fn publish_now(&self) {
-        let snap = {
-            let now = Instant::now();
-            let mut b = self.bookings();
-            let expired = b.sweep(now);
-            if expired > 0 {
-                tracing::warn!(expired, "bookings expired without their end being reported");
-                self.metrics()
-                    .ledger
-                    .bookings_expired
-                    .inc_by(expired as u64);
-            }
-            let mut f = self.fleet();
-            f.expire(now, self.config().scrape.down_after);
-            let snap = f.build_snapshot(&b, self.config().load.max_retry_after_s);
-            let m = self.metrics();
-            f.show(&b, &snap, &m.snapshot, &m.ledger);
-            snap
-        };
-        let m = &self.metrics().snapshot;
-        if let Some(v) = self.store().publish(self.versions(), snap, now_ms()) {
-            tracing::debug!(version = v, "published snapshot");
-            m.bytes.set(self.store().bytes().len() as i64);
-        }
-        m.version.set(self.versions().current() as i64);
-    }
-
-    /// Expires and publishes the routed-prefix index's changed shards;
-    /// ranks whose engine emptied its cache forget their routed prefixes.
-    fn publish_routed(&self) {
-        let cleared = self.plane().take_cleared();
-        let updates = {
-            let mut a = self.routed();
-            for slot in cleared {
-                a.forget_slot(slot);
-            }
-            a.sweep(Instant::now());
-            a.take_updates()
-        };
-        if !updates.is_empty() {
-            self.shards().publish(updates);
-        }
-    }
-}
-
 pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
     // At least 1 ms, as tokio requires; at most a second, so index
     // statistics come once every `stats_every` ticks, at least.

@@ -33,9 +33,10 @@ const LAYERS: &[Layer] = &[
         reads: &["ground"],
     },
     Layer {
-        // The state kept from the sources.
+        // The state kept from the sources, and the thermal loop that
+        // steps its controllers.
         name: "fleet",
-        modules: &["fleet"],
+        modules: &["fleet", "thermal"],
         reads: &["ground", "sources"],
     },
     Layer {
@@ -53,17 +54,7 @@ const LAYERS: &[Layer] = &[
     Layer {
         // Starts, connects and runs the rest: may import everything.
         name: "wiring",
-        modules: &[
-            "lib",
-            "sidecar",
-            "tick",
-            "lifecycle",
-            "thermal",
-            "control",
-            "ingest",
-            "reservations",
-            "recovery",
-        ],
+        modules: &["lib", "sidecar", "tick", "lifecycle", "recovery"],
         reads: &["ground", "sources", "fleet", "publish", "api"],
     },
 ];

@@ -1,4 +1,11 @@
-//! The sidecar's state, shared by its tasks and its HTTP handlers.
+//! The sidecar's state, shared by its tasks and its HTTP handlers, and
+//! what acts on all of it: publishing, catalog changes (`control`), the
+//! sources' reports applied (`ingest`) and reservations told to peers
+//! (`reservations`).
+
+mod control;
+mod ingest;
+mod reservations;
 
 use crate::api::Backend;
 use crate::clock::now_ms;
@@ -18,7 +25,7 @@ use crate::{recovery, tick};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One sidecar process: its configuration, the fleet, what the sources
 /// feed in and what it publishes. Its tasks and HTTP handlers share it
@@ -26,8 +33,8 @@ use std::time::Duration;
 /// another is taken, except the bookings before the fleet when a snapshot
 /// is built.
 pub struct Sidecar {
-    config: Config,
-    fleet: Mutex<Fleet>,
+    config: Arc<Config>,
+    fleet: Arc<Mutex<Fleet>>,
     versions: Arc<Versions>,
     store: SnapshotStore,
     /// Every model's index shards as last published.
@@ -110,7 +117,7 @@ impl Sidecar {
             metrics.kv.subscribers.clone(),
         );
         let sc = Arc::new(Sidecar {
-            fleet: Mutex::new(fleet),
+            fleet: Arc::new(Mutex::new(fleet)),
             versions,
             store: SnapshotStore::default(),
             shards,
@@ -127,7 +134,7 @@ impl Sidecar {
             replica,
             dump_turn: tokio::sync::Mutex::new(()),
             recovering: AtomicBool::new(!config.indexer.peers.is_empty()),
-            config,
+            config: Arc::new(config),
         });
         if sc.replica.is_some() {
             let weak = Arc::downgrade(&sc);
@@ -149,7 +156,12 @@ impl Sidecar {
         }
         sc.publish_now();
         tokio::spawn(tick::publish_loop(sc.clone()));
-        tokio::spawn(crate::thermal::thermal_loop(sc.clone()));
+        tokio::spawn(crate::thermal::thermal_loop(crate::thermal::Handles {
+            config: sc.config.clone(),
+            fleet: sc.fleet.clone(),
+            metrics: sc.metrics.thermal.clone(),
+            client: sc.client.clone(),
+        }));
         tokio::spawn(tick::planner_loop(sc.clone()));
         Ok(sc)
     }
@@ -242,6 +254,53 @@ impl Sidecar {
     /// How long since a gateway last heard from us.
     pub(crate) fn poll_age(&self) -> Duration {
         Duration::from_millis(now_ms().saturating_sub(self.last_poll_ms.load(Ordering::Relaxed)))
+    }
+}
+
+impl Sidecar {
+    /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
+    pub(crate) fn publish_now(&self) {
+        let snap = {
+            let now = Instant::now();
+            let mut b = self.bookings();
+            let expired = b.sweep(now);
+            if expired > 0 {
+                tracing::warn!(expired, "bookings expired without their end being reported");
+                self.metrics()
+                    .ledger
+                    .bookings_expired
+                    .inc_by(expired as u64);
+            }
+            let mut f = self.fleet();
+            f.expire(now, self.config().scrape.down_after);
+            let snap = f.build_snapshot(&b, self.config().load.max_retry_after_s);
+            let m = self.metrics();
+            f.show(&b, &snap, &m.snapshot, &m.ledger);
+            snap
+        };
+        let m = &self.metrics().snapshot;
+        if let Some(v) = self.store().publish(self.versions(), snap, now_ms()) {
+            tracing::debug!(version = v, "published snapshot");
+            m.bytes.set(self.store().bytes().len() as i64);
+        }
+        m.version.set(self.versions().current() as i64);
+    }
+
+    /// Expires and publishes the routed-prefix index's changed shards;
+    /// ranks whose engine emptied its cache forget their routed prefixes.
+    pub(crate) fn publish_routed(&self) {
+        let cleared = self.plane().take_cleared();
+        let updates = {
+            let mut a = self.routed();
+            for slot in cleared {
+                a.forget_slot(slot);
+            }
+            a.sweep(Instant::now());
+            a.take_updates()
+        };
+        if !updates.is_empty() {
+            self.shards().publish(updates);
+        }
     }
 }
 

@@ -2,9 +2,9 @@
 //! selection API, in the same ledger as the gateways' bookings, and told
 //! to the replica-sync peers as the gateways' bookings are.
 
+use super::ingest::placed;
 use crate::Sidecar;
 use crate::fleet::RankId;
-use crate::ingest::placed;
 use crate::replica::wire::{SyncEvent, SyncId};
 use crate::sources::bookings::{Bookings, Holder, Id, LedgerError, Load};
 use std::time::Instant;
