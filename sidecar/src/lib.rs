@@ -16,7 +16,8 @@
 //!   routing decisions ([`sources::bookings`], `sources::routed`); GPU
 //!   readings ([`sources::thermal`]). [`replica`] is a source too: the
 //!   load other gateway pods' sidecars book, so that several pods see one
-//!   fleet.
+//!   fleet; and so is the start-up recovery of the index from a peer's
+//!   dump.
 //! * [`fleet`]: the state kept from them. The worker catalog (from the
 //!   config file and the `/workers` API), health, thermal controllers,
 //!   the planner's state, and the snapshot built from all of it. Beside
@@ -30,9 +31,8 @@
 //! * The wiring, which may import everything: [`Sidecar`] (its start-up,
 //!   and what acts on all of it: publishing, catalog changes, inputs
 //!   applied, reservations); the lifecycle module, which starts and stops
-//!   each worker's scraper and KV subscribers as the catalog changes; the
-//!   tick module's publish, scrape and planner loops; and start-up
-//!   recovery of the index.
+//!   each worker's scraper and KV subscribers as the catalog changes; and
+//!   the tick module's publish, scrape and planner loops.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(

@@ -27,9 +27,10 @@ const LAYERS: &[Layer] = &[
     },
     Layer {
         // What comes in: KV events and the index they feed, scrapes,
-        // bookings, routing decisions, GPU readings, replica sync.
+        // bookings, routing decisions, GPU readings, replica sync, and a
+        // peer's index dump at start-up.
         name: "sources",
-        modules: &["sources", "replica"],
+        modules: &["sources", "replica", "recovery"],
         reads: &["ground"],
     },
     Layer {
@@ -54,7 +55,7 @@ const LAYERS: &[Layer] = &[
     Layer {
         // Starts, connects and runs the rest: may import everything.
         name: "wiring",
-        modules: &["lib", "sidecar", "tick", "lifecycle", "recovery"],
+        modules: &["lib", "sidecar", "tick", "lifecycle"],
         reads: &["ground", "sources", "fleet", "publish", "api"],
     },
 ];

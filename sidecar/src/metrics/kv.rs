@@ -75,6 +75,7 @@ subscriber_counters! {
 }
 
 /// The KV event family.
+#[derive(Clone)]
 pub struct KvMetrics {
     /// Counted by the subscribers themselves, each through its own handles.
     pub subscribers: SubscriberSeries,

@@ -39,7 +39,7 @@ pub struct Sidecar {
     store: SnapshotStore,
     /// Every model's index shards as last published.
     shards: Arc<ShardLog>,
-    plane: Plane,
+    plane: Arc<Plane>,
     metrics: Metrics,
     routed: Mutex<ApproxIndex>,
     bookings: Mutex<Bookings>,
@@ -52,7 +52,7 @@ pub struct Sidecar {
     /// `GET /dump` one at a time: each holds a copy of the index.
     dump_turn: tokio::sync::Mutex<()>,
     /// Start-up recovery of the index from peers is under way: not ready.
-    recovering: AtomicBool,
+    recovering: Arc<AtomicBool>,
 }
 
 impl Sidecar {
@@ -121,7 +121,7 @@ impl Sidecar {
             versions,
             store: SnapshotStore::default(),
             shards,
-            plane,
+            plane: Arc::new(plane),
             metrics,
             routed: Mutex::new(ApproxIndex::new(
                 config.kv.approx_ttl,
@@ -133,7 +133,7 @@ impl Sidecar {
             workers,
             replica,
             dump_turn: tokio::sync::Mutex::new(()),
-            recovering: AtomicBool::new(!config.indexer.peers.is_empty()),
+            recovering: Arc::new(AtomicBool::new(!config.indexer.peers.is_empty())),
             config: Arc::new(config),
         });
         if sc.replica.is_some() {
@@ -152,7 +152,13 @@ impl Sidecar {
         if !sc.config.indexer.peers.is_empty() {
             // The subscribers above are connecting; their batches wait for
             // this (see `Plane`).
-            tokio::spawn(recovery::run(sc.clone()));
+            tokio::spawn(recovery::run(recovery::Handles {
+                indexer: sc.config.indexer.clone(),
+                client: sc.client.clone(),
+                plane: sc.plane.clone(),
+                metrics: sc.metrics.kv.clone(),
+                recovering: sc.recovering.clone(),
+            }));
         }
         sc.publish_now();
         tokio::spawn(tick::publish_loop(sc.clone()));
@@ -239,11 +245,6 @@ impl Sidecar {
     /// Whether start-up recovery from index peers is still under way.
     pub(crate) fn recovering(&self) -> bool {
         self.recovering.load(Ordering::Acquire)
-    }
-
-    /// Start-up recovery ended, whatever it found.
-    pub(crate) fn recovered(&self) {
-        self.recovering.store(false, Ordering::Release);
     }
 
     /// Notes that a gateway's long poll was answered.
