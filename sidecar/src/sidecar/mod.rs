@@ -256,9 +256,7 @@ impl Sidecar {
     pub(crate) fn poll_age(&self) -> Duration {
         Duration::from_millis(now_ms().saturating_sub(self.last_poll_ms.load(Ordering::Relaxed)))
     }
-}
 
-impl Sidecar {
     /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
     pub(crate) fn publish_now(&self) {
         let snap = {
