@@ -1,29 +1,38 @@
 //! kvgate-sidecar: keeps Envoy's routing state fresh.
 //!
 //! It runs next to Envoy in each gateway pod and does everything that must
-//! stay off the request path. Data flows one way through its folders:
+//! stay off the request path. Data flows one way through its modules, and
+//! so do their imports: none imports from a module later in the flow
+//! (`tests/data_flow.rs` checks it; docs/architecture.md, "Data flow
+//! inside the sidecar", has the table).
 //!
+//! * Ground, importable by all: [`config`], [`metrics`] (one module per
+//!   family), the clock, and the pure libraries configuration names:
+//!   [`planner`] (the replica planner's decision math) and [`prompt`] (a
+//!   model's prompt files).
 //! * [`sources`]: what comes in. Every worker's Prometheus page, scraped
 //!   for load ([`sources::metrics`]); every rank's ZMQ KV events, folded
 //!   into the prefix index ([`sources::kv`]); the gateways' bookings and
-//!   routing decisions (`sources::bookings`, `sources::routed`).
-//! * `fleet`: the state kept from them. The worker catalog (from the
-//!   config file and the `/workers` API), health, and the snapshot built
-//!   from all of it.
+//!   routing decisions ([`sources::bookings`], `sources::routed`); GPU
+//!   readings ([`sources::thermal`]). [`replica`] is a source too: the
+//!   load other gateway pods' sidecars book, so that several pods see one
+//!   fleet; and so is the start-up recovery of the index from a peer's
+//!   dump.
+//! * [`fleet`]: the state kept from them. The worker catalog (from the
+//!   config file and the `/workers` API), health, thermal controllers,
+//!   the planner's state, and the snapshot built from all of it. Beside
+//!   it, the thermal loop, which steps the controllers with the handles
+//!   it is given.
 //! * [`publish`] and [`api`]: what goes out. Versioned snapshots and index
 //!   shards, long-polled by the snapshot service inside Envoy; the HTTP
-//!   APIs, metrics and the catalog as Envoy's routed cluster.
-//!
-//! * [`replica`]: what other gateway pods' sidecars share: the load each
-//!   books, so that several pods see one fleet.
-//! * `thermal`: the loop that reads GPU temperatures, steps each worker's
-//!   thermal controller and cuts engines' running batches.
-//! * [`planner`]: how many replicas each model needs (the decision math;
-//!   its state and loop are `fleet`'s and `tick`'s).
-//!
-//! [`Sidecar`] holds it together; the lifecycle module starts and stops
-//! each worker's scraper and KV subscribers as the catalog changes, and
-//! the tick module runs the publish and scrape loops.
+//!   APIs, metrics and the catalog as Envoy's routed cluster. `publish`
+//!   reads only the fleet, never a source; the API reaches the running
+//!   sidecar through [`api::Backend`].
+//! * The wiring, which may import everything: [`Sidecar`] (its start-up,
+//!   and what acts on all of it: publishing, catalog changes, inputs
+//!   applied, reservations); the lifecycle module, which starts and stops
+//!   each worker's scraper and KV subscribers as the catalog changes; and
+//!   the tick module's publish, scrape and planner loops.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(
@@ -32,10 +41,9 @@
 )]
 
 pub mod api;
+mod clock;
 pub mod config;
-mod control;
-pub(crate) mod fleet;
-mod ingest;
+pub mod fleet;
 mod lifecycle;
 pub mod metrics;
 pub mod planner;
@@ -43,7 +51,6 @@ pub mod prompt;
 pub mod publish;
 mod recovery;
 pub mod replica;
-mod reservations;
 mod sidecar;
 pub mod sources;
 mod thermal;

@@ -4,8 +4,10 @@
 //! changed.
 
 use crate::config::WorkerSpec;
+use crate::metrics::SubscriberSeries;
 use crate::sources::kv::plane::{Plane, RankId};
-use crate::sources::kv::subscriber::{SocketLimits, Subscriber, SubscriberSpec, SubscriberStats};
+use crate::sources::kv::socket::SocketLimits;
+use crate::sources::kv::subscriber::{Subscriber, SubscriberSpec};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::time::Duration;
@@ -25,17 +27,25 @@ pub(crate) struct Lifecycle {
     zmq: zmq::Context,
     replay_timeout: Duration,
     limits: SocketLimits,
+    /// Where each rank's subscriber counts: a subscriber started again
+    /// for the same rank counts on in the same series.
+    counters: SubscriberSeries,
     scrapers: Mutex<HashMap<u64, JoinHandle<()>>>,
     /// By slot.
     subscriptions: Mutex<HashMap<u16, Subscription>>,
 }
 
 impl Lifecycle {
-    pub(crate) fn new(replay_timeout: Duration, limits: SocketLimits) -> Lifecycle {
+    pub(crate) fn new(
+        replay_timeout: Duration,
+        limits: SocketLimits,
+        counters: SubscriberSeries,
+    ) -> Lifecycle {
         Lifecycle {
             zmq: zmq::Context::new(),
             replay_timeout,
             limits,
+            counters,
             scrapers: Mutex::new(HashMap::new()),
             subscriptions: Mutex::new(HashMap::new()),
         }
@@ -82,6 +92,7 @@ impl Lifecycle {
                     limits: self.limits,
                 },
                 plane.sender(),
+                self.counters.of(id, r),
             );
             match sub {
                 Ok(subscriber) => {
@@ -132,21 +143,25 @@ impl Lifecycle {
             .map(|s| (s.worker, s.rank))
     }
 
-    /// Calls `f` with each subscription's worker, rank and counters.
-    pub(crate) fn for_each_subscription(&self, mut f: impl FnMut(u64, u32, &SubscriberStats)) {
-        for s in self.subscriptions.lock().values() {
-            f(s.worker, s.rank, &s.subscriber.stats);
-        }
+    /// Each subscription's worker, rank and counters.
+    #[cfg(test)]
+    fn subscriptions(&self) -> Vec<(u64, u32, crate::metrics::SubscriberCounters)> {
+        let subs = self.subscriptions.lock();
+        let mut all: Vec<_> = subs
+            .values()
+            .map(|s| (s.worker, s.rank, s.subscriber.counters.clone()))
+            .collect();
+        all.sort_by_key(|(w, r, _)| (*w, *r));
+        all
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::publish::Versions;
+    use crate::metrics::Metrics;
     use crate::sources::kv::plane::PlaneConfig;
     use serde_json::json;
-    use std::sync::Arc;
     use tokio::task::AbortHandle;
 
     fn worker(extra: serde_json::Value) -> WorkerSpec {
@@ -160,11 +175,16 @@ mod tests {
     }
 
     fn plane() -> Plane {
-        Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap()
+        Plane::start(PlaneConfig::default(), Box::new(|_| {})).unwrap()
     }
 
     fn lifecycle() -> Lifecycle {
-        Lifecycle::new(Duration::from_millis(100), SocketLimits::default())
+        let m = Metrics::new().unwrap();
+        Lifecycle::new(
+            Duration::from_millis(100),
+            SocketLimits::default(),
+            m.kv.subscribers,
+        )
     }
 
     /// A scrape task that runs until aborted.
@@ -185,10 +205,10 @@ mod tests {
     }
 
     fn subscribed(l: &Lifecycle) -> Vec<(u64, u32)> {
-        let mut seen = Vec::new();
-        l.for_each_subscription(|w, r, _| seen.push((w, r)));
-        seen.sort();
-        seen
+        l.subscriptions()
+            .into_iter()
+            .map(|(w, r, _)| (w, r))
+            .collect()
     }
 
     #[tokio::test]
@@ -257,5 +277,42 @@ mod tests {
         assert_eq!(subscribed(&l), [(7, 0)]);
         assert!(ended(&b_running).await);
         assert!(!a_running.is_finished());
+    }
+
+    /// `PATCH /workers` stops a worker's subscribers and starts new ones
+    /// for the same ranks: each counter goes on from its old count.
+    #[tokio::test]
+    async fn every_subscriber_counter_keeps_its_count_across_a_restart() {
+        let m = Metrics::new().unwrap();
+        let l = Lifecycle::new(
+            Duration::from_millis(100),
+            SocketLimits::default(),
+            m.kv.subscribers.clone(),
+        );
+        let p = plane();
+        let spec = worker(json!({"kv_events_endpoints": {"0": "tcp://127.0.0.1:1"}}));
+        let mut names = Vec::new();
+        for round in [10, 20] {
+            let (task, _running) = scraper();
+            l.start(&spec, &[0], task, &p);
+            let subs = l.subscriptions();
+            let [(7, 0, counters)] = subs.as_slice() else {
+                panic!(
+                    "one subscription for worker 7, rank 0: {:?}",
+                    subscribed(&l)
+                );
+            };
+            names.clear();
+            for (i, (name, c)) in counters.each().into_iter().enumerate() {
+                c.inc_by(round + i as u64);
+                names.push(name);
+            }
+            l.stop(7, &p);
+        }
+        let rank = [("worker_id", "7"), ("dp_rank", "0")];
+        for (i, name) in names.into_iter().enumerate() {
+            let both_rounds = (10 + i) + (20 + i);
+            assert_eq!(m.sample(name, &rank), Some(both_rounds as f64), "{name}");
+        }
     }
 }

@@ -10,14 +10,15 @@
 //! the next one. When none gives a dump the sidecar carries on with an
 //! empty index, as without recovery; that is a warning, not an error.
 
-use crate::Sidecar;
 use crate::config::Indexer;
+use crate::metrics::KvMetrics;
 use crate::sources::kv::dump::{self, Dump, DumpError};
-use crate::sources::kv::plane::RestoreReport;
+use crate::sources::kv::plane::{Plane, RestoreReport};
 use crate::sources::metrics::scrape::HttpClient;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -54,17 +55,27 @@ enum FetchError {
     Task(String),
 }
 
-pub(crate) async fn run(sc: Arc<Sidecar>) {
-    recover(&sc).await;
-    sc.recovered();
+/// What recovery reads and feeds, handed to it at start.
+pub(crate) struct Handles {
+    pub(crate) indexer: Indexer,
+    pub(crate) client: HttpClient,
+    pub(crate) plane: Arc<Plane>,
+    pub(crate) metrics: KvMetrics,
+    /// Set while recovery is under way: the sidecar is not ready.
+    pub(crate) recovering: Arc<AtomicBool>,
 }
 
-async fn recover(sc: &Arc<Sidecar>) {
-    let ix = sc.config().indexer.clone();
+pub(crate) async fn run(h: Handles) {
+    recover(&h).await;
+    h.recovering.store(false, Ordering::Release);
+}
+
+async fn recover(h: &Handles) {
+    let ix = &h.indexer;
     let started = Instant::now();
     let mut got = None;
     for peer in &ix.peers {
-        match fetch(sc.client(), peer, &ix).await {
+        match fetch(&h.client, peer, ix).await {
             Ok((dump, bytes)) => {
                 got = Some((peer, dump, bytes));
                 break;
@@ -73,9 +84,9 @@ async fn recover(sc: &Arc<Sidecar>) {
         }
     }
     let Some((peer, dump, bytes)) = got else {
-        sc.plane().release();
-        sc.metrics()
-            .index_recovery_seconds
+        h.plane.release();
+        h.metrics
+            .recovery_seconds
             .set(started.elapsed().as_secs_f64());
         tracing::warn!(
             peers = ?ix.peers,
@@ -83,14 +94,14 @@ async fn recover(sc: &Arc<Sidecar>) {
         );
         return;
     };
-    let age_ms = crate::sidecar::now_ms().saturating_sub(dump.created_at_ms);
+    let age_ms = crate::clock::now_ms().saturating_sub(dump.created_at_ms);
     let offered = dump.blocks();
-    let Some(report) = sc.plane().restore(dump).await else {
+    let Some(report) = h.plane.restore(dump).await else {
         tracing::error!(peer = %peer, "the index thread is gone: nothing recovered");
         return;
     };
     let seconds = started.elapsed().as_secs_f64();
-    record(sc, &report, seconds);
+    record(&h.metrics, &report, seconds);
     tracing::info!(
         peer = %peer,
         blocks = report.recovered,
@@ -104,15 +115,14 @@ async fn recover(sc: &Arc<Sidecar>) {
     );
 }
 
-fn record(sc: &Sidecar, report: &RestoreReport, seconds: f64) {
-    let m = sc.metrics();
-    m.index_recovered_blocks.inc_by(report.recovered);
+fn record(m: &KvMetrics, report: &RestoreReport, seconds: f64) {
+    m.recovered_blocks.inc_by(report.recovered);
     for (why, n) in &report.dropped {
-        m.index_recovery_dropped
+        m.recovery_dropped
             .with_label_values(&[why.as_str()])
             .inc_by(*n);
     }
-    m.index_recovery_seconds.set(seconds);
+    m.recovery_seconds.set(seconds);
 }
 
 /// One peer's dump, decoded, and its size in bytes.

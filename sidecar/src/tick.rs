@@ -2,59 +2,14 @@
 //! per worker. Each tick rebuilds what changed and publishes it.
 
 use crate::Sidecar;
-use crate::metrics::gauges;
-use crate::sidecar::now_ms;
+use crate::clock::now_ms;
+use crate::lifecycle::Lifecycle;
+use crate::metrics::{KvMetrics, mirror_total};
+use crate::sources::kv::plane::{BlockSizeMismatch, PlaneStats};
 use crate::sources::metrics::scrape;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-impl Sidecar {
-    /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
-    pub(crate) fn publish_now(&self) {
-        let snap = {
-            let now = Instant::now();
-            let mut b = self.bookings();
-            let expired = b.sweep(now);
-            if expired > 0 {
-                tracing::warn!(expired, "bookings expired without their end being reported");
-                self.metrics().bookings_expired.inc_by(expired as u64);
-            }
-            let mut f = self.fleet();
-            f.expire(now, self.config().scrape.down_after);
-            let snap = f.build_snapshot(&b, self.config().load.max_retry_after_s);
-            gauges::refresh(self.metrics(), &f, &b, &snap);
-            snap
-        };
-        gauges::mirror_subscribers(self.metrics(), self.workers());
-        if let Some(v) = self.store().publish(self.versions(), snap, now_ms()) {
-            tracing::debug!(version = v, "published snapshot");
-            self.metrics()
-                .snapshot_bytes
-                .set(self.store().bytes().len() as i64);
-        }
-        self.metrics()
-            .snapshot_version
-            .set(self.versions().current() as i64);
-    }
-
-    /// Expires and publishes the routed-prefix index's changed shards;
-    /// ranks whose engine emptied its cache forget their routed prefixes.
-    fn publish_routed(&self) {
-        let cleared = self.plane().take_cleared();
-        let updates = {
-            let mut a = self.routed();
-            for slot in cleared {
-                a.forget_slot(slot);
-            }
-            a.sweep(Instant::now());
-            a.take_updates()
-        };
-        if !updates.is_empty() {
-            self.plane().log.publish(updates);
-        }
-    }
-}
 
 pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
     // At least 1 ms, as tokio requires; at most a second, so index
@@ -88,7 +43,7 @@ pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
                     .flatten()
             }
         {
-            for (worker, rank, m) in gauges::mirror_index(sc.metrics(), &stats, sc.workers()) {
+            for (worker, rank, m) in mirror_index(&sc.metrics().kv, &stats, sc.workers()) {
                 if warned_block_size.insert((worker, rank)) {
                     tracing::info!(
                         worker = worker,
@@ -108,8 +63,58 @@ pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
     }
 }
 
+/// Mirrors the index thread's statistics. Returns each rank, as (worker,
+/// rank), whose KV events carry another block size than its worker's.
+fn mirror_index(
+    m: &KvMetrics,
+    stats: &PlaneStats,
+    workers: &Lifecycle,
+) -> Vec<(u64, u32, BlockSizeMismatch)> {
+    for (model, _, blocks) in &stats.per_model {
+        m.indexed_blocks
+            .with_label_values(&[model])
+            .set(*blocks as i64);
+    }
+    for (model, keys, t) in &stats.text {
+        m.text_keys.with_label_values(&[model]).set(*keys as i64);
+        for (why, n) in [("orphan", t.orphans), ("undecodable", t.undecodable)] {
+            mirror_total(&m.text_skipped_blocks, &[model.as_str(), why], n);
+        }
+    }
+    m.malformed_batches.set(stats.malformed_batches as i64);
+    for (slot, why, n) in &stats.unmatchable {
+        if let Some((worker, rank)) = workers.owner(*slot) {
+            let (w, r) = (worker.to_string(), rank.to_string());
+            mirror_total(
+                &m.unmatchable_blocks,
+                &[w.as_str(), r.as_str(), why.as_str()],
+                *n,
+            );
+        }
+    }
+    for (slot, lag) in &stats.event_lag {
+        if let Some((worker, rank)) = workers.owner(*slot) {
+            let (w, r) = (worker.to_string(), rank.to_string());
+            m.event_lag
+                .with_label_values(&[w.as_str(), r.as_str()])
+                .set(*lag);
+        }
+    }
+    let mut mismatched = Vec::new();
+    for (slot, mm) in &stats.block_size_mismatch {
+        let Some((worker, rank)) = workers.owner(*slot) else {
+            continue;
+        };
+        let (w, r) = (worker.to_string(), rank.to_string());
+        mirror_total(&m.block_size_mismatch, &[w.as_str(), r.as_str()], mm.events);
+        mismatched.push((worker, rank, *mm));
+    }
+    mismatched
+}
+
 pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
     let timeout = sc.config().scrape.timeout;
+    let counters = sc.metrics().snapshot.scrape(id);
     let mut tick = tokio::time::interval(sc.config().scrape.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (mut warned_no_capacity, mut warned_no_batch) = (false, false);
@@ -134,6 +139,11 @@ pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
             return;
         };
         let result = scrape::scrape_once(sc.client(), &url, timeout, dp, start, bs).await;
+        counters.scrapes.inc();
+        if let Err(e) = &result {
+            counters.errors.inc();
+            tracing::debug!(worker = id, error = %e, "scrape failed");
+        }
         if !warned_no_capacity
             && let Ok((ranks, _)) = &result
             && ranks
@@ -219,7 +229,7 @@ pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
                 &|m| due.get(m).copied().unwrap_or((false, false)),
                 &loads,
             );
-            gauges::planner(sc.metrics(), &f, &planned);
+            f.show_planned(&planned, &sc.metrics().planner);
             planned
         };
         if planned.iter().any(|p| p.decision.is_some()) {

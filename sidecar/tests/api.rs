@@ -469,7 +469,7 @@ async fn reports_require_the_token_when_one_is_set() {
     );
     assert_eq!(sc.active_bookings(), 0);
     assert!(sc.store().snapshot().applied.is_empty());
-    assert_eq!(sc.metrics().approx_learned.get(), 0);
+    assert_eq!(sc.metrics().selection.approx_learned.get(), 0);
 
     let right = [("authorization", "Bearer s3cret")];
     assert_eq!(
@@ -482,7 +482,7 @@ async fn reports_require_the_token_when_one_is_set() {
     })
     .await;
     assert_eq!(sc.active_bookings(), 1);
-    assert_eq!(sc.metrics().approx_learned.get(), 2);
+    assert_eq!(sc.metrics().selection.approx_learned.get(), 2);
     // Reading stays open.
     for path in ["/v1/state", "/health", "/metrics", "/v1/snapshot?wait_ms=0"] {
         let (status, _, _) = call_raw("GET", &format!("{base}{path}"), &[], Vec::new()).await;

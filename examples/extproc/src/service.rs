@@ -132,7 +132,7 @@ struct Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if let Err(e) = route::free(&self.sidecar, &self.id) {
+        if let Err(e) = route::free(&*self.sidecar, &self.id) {
             tracing::warn!(reservation = self.id, error = %e, "freeing a reservation");
         }
     }
@@ -218,7 +218,7 @@ impl Exchange {
             }
         }
         let names = &self.shared.names;
-        match route::route_and_reserve(sc, &req, &self.tenant) {
+        match route::route_and_reserve(&**sc, &req, &self.tenant) {
             Ok(routed) => {
                 let mut set = vec![reply::set(&names.destination, &routed.destination)];
                 let mut remove = Vec::new();
@@ -256,7 +256,7 @@ impl Exchange {
         };
         if !r.prefilled {
             r.prefilled = true;
-            if let Err(e) = route::prefill_complete(&r.sidecar, &r.id) {
+            if let Err(e) = route::prefill_complete(&*r.sidecar, &r.id) {
                 tracing::warn!(reservation = r.id, error = %e, "prefill completion");
             }
         }

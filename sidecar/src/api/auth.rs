@@ -1,7 +1,7 @@
 //! The control token that guards every route changing state.
 
+use super::Backend;
 use super::error;
-use crate::Sidecar;
 use axum::extract::State;
 use axum::http::HeaderValue;
 use axum::http::StatusCode;
@@ -11,7 +11,7 @@ use std::sync::Arc;
 /// Refuses requests without the configured bearer token; checked before
 /// the body is read.
 pub(super) async fn require_token(
-    State(sc): State<Arc<Sidecar>>,
+    State(sc): State<Arc<dyn Backend>>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {

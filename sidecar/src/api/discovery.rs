@@ -1,7 +1,7 @@
 //! `POST /v3/discovery:endpoints`: the catalog as Envoy's routed cluster.
 
+use super::Backend;
 use super::{error, json_response};
-use crate::Sidecar;
 use crate::publish::eds;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -10,7 +10,7 @@ use axum::response::Response;
 use std::sync::Arc;
 
 /// Envoy's REST EDS poll for the routed cluster (see [`crate::publish::eds`]).
-pub(super) async fn endpoints(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+pub(super) async fn endpoints(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
     let req: eds::DiscoveryRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {

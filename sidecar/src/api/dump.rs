@@ -6,8 +6,8 @@
 //! still recovering answers 503: its index is not what it will be, and the
 //! peer asking goes on to its next peer.
 
+use super::Backend;
 use super::error;
-use crate::Sidecar;
 use crate::sources::kv::dump;
 use crate::sources::kv::plane::DumpUnavailable;
 use axum::extract::State;
@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 use std::time::Instant;
 
-pub(super) async fn dump(State(sc): State<Arc<Sidecar>>) -> Response {
+pub(super) async fn dump(State(sc): State<Arc<dyn Backend>>) -> Response {
     let _turn = sc.dump_turn().lock().await;
     let started = Instant::now();
     let snapshot = match sc.plane().dump().await {

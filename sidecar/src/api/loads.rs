@@ -1,14 +1,14 @@
 //! Inspection: `GET /loads`, `POST /potential_loads`, `POST /overlap_scores`.
 //! All read the fleet with its load as the ledger holds it now.
 
+use super::Backend;
+use super::ledger_view::{fresh, fresh_model};
 use super::select::prompt;
 use super::views::{
     LoadsView, ModelLoadView, OverlapRowView, OverlapScoresView, PotentialLoadView,
     PotentialLoadsView, RankLoadView, SelectRequest,
 };
 use super::{error, json_response};
-use crate::Sidecar;
-use crate::reservations::{fresh, fresh_model};
 use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -27,7 +27,10 @@ pub(super) struct LoadsQuery {
     tenant_id: Option<String>,
 }
 
-pub(super) async fn loads(State(sc): State<Arc<Sidecar>>, Query(q): Query<LoadsQuery>) -> Response {
+pub(super) async fn loads(
+    State(sc): State<Arc<dyn Backend>>,
+    Query(q): Query<LoadsQuery>,
+) -> Response {
     let snap = sc.store().snapshot();
     let models: Vec<ModelState> = {
         let ledger = sc.bookings();
@@ -75,7 +78,7 @@ pub(super) async fn loads(State(sc): State<Arc<Sidecar>>, Query(q): Query<LoadsQ
 /// The prompt of a `/potential_loads` or `/overlap_scores` request, its
 /// model as of now, and its overlap there.
 fn looked_up(
-    sc: &Sidecar,
+    sc: &dyn Backend,
     body: &[u8],
 ) -> Result<(SelectRequest, ModelState, Cached, u64), (StatusCode, String)> {
     let req: SelectRequest = serde_json::from_slice(body)
@@ -89,15 +92,15 @@ fn looked_up(
     })?;
     let parsed =
         prompt(&req.model_name, req.prompt(), &model).map_err(|m| (StatusCode::BAD_REQUEST, m))?;
-    let log = &sc.plane().log;
+    let log = sc.shards();
     let (cached, _) = overlap::gather(&model, &parsed, &req.tenant_id, &mut |k: &str| log.read(k));
     Ok((req, model, cached, parsed.isl_tokens))
 }
 
 /// Each rank's load if the prompt were placed there: its booked load plus
 /// what the prompt would book, as `/select_and_reserve` would book it.
-pub(super) async fn potential_loads(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    let (req, model, cached, isl) = match looked_up(&sc, &body) {
+pub(super) async fn potential_loads(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+    let (req, model, cached, isl) = match looked_up(&*sc, &body) {
         Ok(x) => x,
         Err((status, m)) => return error(status, m),
     };
@@ -127,8 +130,8 @@ pub(super) async fn potential_loads(State(sc): State<Arc<Sidecar>>, body: Bytes)
 }
 
 /// Matched tokens per rank and tier, as the engines' events report them.
-pub(super) async fn overlap_scores(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    let (req, model, cached, _) = match looked_up(&sc, &body) {
+pub(super) async fn overlap_scores(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+    let (req, model, cached, _) = match looked_up(&*sc, &body) {
         Ok(x) => x,
         Err((status, m)) => return error(status, m),
     };

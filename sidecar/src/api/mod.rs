@@ -47,8 +47,10 @@
 //! routes in another process's place (the ext_proc server).
 
 mod auth;
+mod backend;
 mod discovery;
 mod dump;
+mod ledger_view;
 mod loads;
 pub mod planner;
 mod poll;
@@ -64,9 +66,9 @@ mod thresholds;
 pub mod views;
 mod workers;
 
+pub use backend::Backend;
 pub use select::route;
 
-use crate::Sidecar;
 use crate::fleet::FleetError;
 use axum::Router;
 use axum::http::StatusCode;
@@ -76,7 +78,7 @@ use serde::Serialize;
 use std::sync::Arc;
 use views::{ErrorView, HealthView};
 
-pub fn router(sc: Arc<Sidecar>) -> Router {
+pub fn router(sc: Arc<dyn Backend>) -> Router {
     let token = axum::middleware::from_fn_with_state(sc.clone(), auth::require_token);
     Router::new()
         .route("/v1/snapshot", get(poll::snapshot))
@@ -121,7 +123,7 @@ pub fn router(sc: Arc<Sidecar>) -> Router {
 /// selection service's routes. With a control token, what changes state
 /// (reservations, the catalog, peers) requires it; selections and
 /// inspection stay open, as `/v1/state` does.
-pub fn selection_router(sc: Arc<Sidecar>) -> Router {
+pub fn selection_router(sc: Arc<dyn Backend>) -> Router {
     let token = axum::middleware::from_fn_with_state(sc.clone(), auth::require_token);
     Router::new()
         .route("/select", post(select::select))
@@ -152,7 +154,7 @@ pub fn selection_router(sc: Arc<Sidecar>) -> Router {
 }
 
 /// The worker catalog; the caller guards it.
-fn catalog() -> Router<Arc<Sidecar>> {
+fn catalog() -> Router<Arc<dyn Backend>> {
     Router::new()
         .route(
             "/workers",
@@ -167,7 +169,7 @@ fn catalog() -> Router<Arc<Sidecar>> {
 }
 
 /// Replica-sync peers, on both listeners; changes need the token.
-fn replica_sync(sc: &Arc<Sidecar>) -> Router<Arc<Sidecar>> {
+fn replica_sync(sc: &Arc<dyn Backend>) -> Router<Arc<dyn Backend>> {
     let token = axum::middleware::from_fn_with_state(sc.clone(), auth::require_token);
     Router::new()
         .route("/replica_sync/peers", get(replica::peers))

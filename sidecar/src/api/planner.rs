@@ -11,8 +11,8 @@
 //!   it out; the model may step again (204, also when the planner already
 //!   saw it through; 404 for a decision it does not know).
 
+use super::Backend;
 use super::{error, json_response};
-use crate::Sidecar;
 use crate::fleet::Decision;
 use crate::planner::{Estimate, Reason};
 use axum::extract::{Path, Query, State};
@@ -63,7 +63,7 @@ pub struct PendingView {
     pub age_ms: u64,
 }
 
-pub(super) async fn status(State(sc): State<Arc<Sidecar>>) -> Response {
+pub(super) async fn status(State(sc): State<Arc<dyn Backend>>) -> Response {
     let f = sc.fleet();
     let now = Instant::now();
     let models = f
@@ -116,7 +116,7 @@ pub(super) struct DecisionQuery {
 }
 
 pub(super) async fn next_decision(
-    State(sc): State<Arc<Sidecar>>,
+    State(sc): State<Arc<dyn Backend>>,
     Query(q): Query<DecisionQuery>,
 ) -> Response {
     let deadline = tokio::time::Instant::now() + Duration::from_millis(q.wait_ms).min(MAX_WAIT);
@@ -141,7 +141,7 @@ pub(super) async fn next_decision(
     }
 }
 
-pub(super) async fn complete(State(sc): State<Arc<Sidecar>>, Path(id): Path<u64>) -> Response {
+pub(super) async fn complete(State(sc): State<Arc<dyn Backend>>, Path(id): Path<u64>) -> Response {
     let mut f = sc.fleet();
     let Some(model) = f
         .planning

@@ -1,6 +1,6 @@
 //! `GET /v1/snapshot`: the long poll of Envoy's snapshot service.
 
-use crate::Sidecar;
+use super::Backend;
 use crate::publish;
 use axum::extract::Query;
 use axum::extract::State;
@@ -25,7 +25,7 @@ pub(super) struct PollQuery {
 }
 
 pub(super) async fn snapshot(
-    State(sc): State<Arc<Sidecar>>,
+    State(sc): State<Arc<dyn Backend>>,
     Query(q): Query<PollQuery>,
 ) -> Response {
     let wait = Duration::from_millis(q.wait_ms).min(MAX_WAIT);
@@ -36,12 +36,13 @@ pub(super) async fn snapshot(
         if let Some(frame) = publish::frame::frame(
             sc.versions(),
             sc.store(),
-            Some(&sc.plane().log),
+            Some(sc.shards()),
             q.after,
             q.epoch,
         ) {
             sc.metrics()
-                .snapshot_polls
+                .snapshot
+                .polls
                 .with_label_values(&["changed"])
                 .inc();
             sc.polled();
@@ -51,7 +52,7 @@ pub(super) async fn snapshot(
                 frame,
             )
                 .into_response();
-            version_headers(&mut r, &sc);
+            version_headers(&mut r, &*sc);
             return r;
         }
         if tokio::time::timeout_at(deadline, rx.changed())
@@ -59,18 +60,19 @@ pub(super) async fn snapshot(
             .is_err()
         {
             sc.metrics()
-                .snapshot_polls
+                .snapshot
+                .polls
                 .with_label_values(&["timeout"])
                 .inc();
             sc.polled();
             let mut r = StatusCode::NO_CONTENT.into_response();
-            version_headers(&mut r, &sc);
+            version_headers(&mut r, &*sc);
             return r;
         }
     }
 }
 
-fn version_headers(r: &mut Response, sc: &Sidecar) {
+fn version_headers(r: &mut Response, sc: &dyn Backend) {
     let h = r.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&sc.versions().current().to_string()) {
         h.insert("x-kvgate-version", v);

@@ -1,14 +1,14 @@
 //! `GET /health`, `GET /ready`, `GET /metrics`.
 
+use super::Backend;
 use super::json_response;
 use super::views::{NotReadyView, NotReadyWorker, ReadyView};
-use crate::Sidecar;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 
-pub(super) async fn ready(State(sc): State<Arc<Sidecar>>) -> Response {
+pub(super) async fn ready(State(sc): State<Arc<dyn Backend>>) -> Response {
     let f = sc.fleet();
     if f.up_count() > 0 && !sc.recovering() {
         return json_response(
@@ -48,8 +48,8 @@ pub(super) async fn ready(State(sc): State<Arc<Sidecar>>) -> Response {
     )
 }
 
-pub(super) async fn metrics(State(sc): State<Arc<Sidecar>>) -> Response {
-    sc.metrics().snapshot_age.set(sc.poll_age().as_secs_f64());
+pub(super) async fn metrics(State(sc): State<Arc<dyn Backend>>) -> Response {
+    sc.metrics().snapshot.age.set(sc.poll_age().as_secs_f64());
     (
         StatusCode::OK,
         [("content-type", "text/plain; version=0.0.4")],

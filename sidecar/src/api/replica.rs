@@ -4,9 +4,9 @@
 //! Changes live in memory; after a restart only the configured peers
 //! return.
 
+use super::Backend;
 use super::views::{PeerRequest, PeersView};
 use super::{error, json_response};
-use crate::Sidecar;
 use crate::config::validate_peer;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -14,22 +14,22 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use std::sync::Arc;
 
-pub(super) async fn peers(State(sc): State<Arc<Sidecar>>) -> Response {
+pub(super) async fn peers(State(sc): State<Arc<dyn Backend>>) -> Response {
     match sc.replica() {
         Some(r) => json_response(StatusCode::OK, &PeersView { peers: r.peers() }),
         None => off(),
     }
 }
 
-pub(super) async fn register(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    change(&sc, &body, true)
+pub(super) async fn register(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+    change(&*sc, &body, true)
 }
 
-pub(super) async fn deregister(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    change(&sc, &body, false)
+pub(super) async fn deregister(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+    change(&*sc, &body, false)
 }
 
-fn change(sc: &Sidecar, body: &[u8], add: bool) -> Response {
+fn change(sc: &dyn Backend, body: &[u8], add: bool) -> Response {
     let Some(r) = sc.replica() else {
         return off();
     };

@@ -1,7 +1,7 @@
 //! What the filter reports: routing decisions and load bookings.
 
+use super::Backend;
 use super::error;
-use crate::Sidecar;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 
 /// Routing decisions from the filter, for the approximate index.
-pub(super) async fn routed(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+pub(super) async fn routed(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
     match kvgate_core::approx::Routed::decode_all(&body) {
         Ok(records) => {
             sc.learn(&records);
@@ -21,10 +21,11 @@ pub(super) async fn routed(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Respo
 
 /// Booking events from the filter. A batch that does not decode is refused
 /// whole (400): its records cannot be delimited past the bad one.
-pub(super) async fn bookings(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+pub(super) async fn bookings(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
     match kvgate_core::booking::decode_batch(&body) {
         Ok(events) => {
             sc.metrics()
+                .ledger
                 .booking_batches
                 .with_label_values(&["ok"])
                 .inc();
@@ -33,6 +34,7 @@ pub(super) async fn bookings(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Res
         }
         Err(e) => {
             sc.metrics()
+                .ledger
                 .booking_batches
                 .with_label_values(&["malformed"])
                 .inc();

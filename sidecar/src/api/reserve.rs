@@ -7,12 +7,12 @@
 //! unknown worker, rank or reservation, 409 for a reservation id already
 //! live. A refused call changes nothing in the ledger.
 
+use super::Backend;
+use super::ledger_view::{fresh_model, valid_reservation_id};
 use super::select::{new_reservation_id, output_blocks, prompt};
 use super::views::{OutputBlockRequest, ReservationRequest, ReservationView};
 use super::{error, json_response};
-use crate::Sidecar;
 use crate::fleet::RankId;
-use crate::reservations::{fresh_model, valid_reservation_id};
 use crate::sources::bookings::{LedgerError, Load};
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -22,7 +22,7 @@ use kvgate_core::ModelState;
 use kvgate_core::plan::{ShardSource, overlap, select::new_blocks};
 use std::sync::Arc;
 
-pub(super) async fn create(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+pub(super) async fn create(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
     let mut req: ReservationRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid reservation: {e}")),
@@ -35,7 +35,7 @@ pub(super) async fn create(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Respo
         return error(StatusCode::BAD_REQUEST, m);
     }
     let snap = sc.store().snapshot();
-    let log = &sc.plane().log;
+    let log = sc.shards();
     let mut ledger = sc.bookings();
     let Some(model) = fresh_model(&snap, &req.model_name, &ledger) else {
         return error(
@@ -142,14 +142,14 @@ fn booking(
 }
 
 pub(super) async fn prefill_complete(
-    State(sc): State<Arc<Sidecar>>,
+    State(sc): State<Arc<dyn Backend>>,
     Path(id): Path<String>,
 ) -> Response {
     lifecycle(sc.reservation_prefill_complete(&id))
 }
 
 pub(super) async fn output_block(
-    State(sc): State<Arc<Sidecar>>,
+    State(sc): State<Arc<dyn Backend>>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Response {
@@ -177,7 +177,7 @@ pub(super) async fn output_block(
     lifecycle(sc.reservation_output_block(&id, req.decay_fraction))
 }
 
-pub(super) async fn free(State(sc): State<Arc<Sidecar>>, Path(id): Path<String>) -> Response {
+pub(super) async fn free(State(sc): State<Arc<dyn Backend>>, Path(id): Path<String>) -> Response {
     lifecycle(sc.free_reservation(&id))
 }
 

@@ -1,14 +1,14 @@
 //! `POST /select` and `/select_and_reserve`: Dynamo's selection API,
 //! answered by the same `kvgate_core::plan` the filter runs in Envoy, over
 //! the index shards this sidecar publishes and the fleet with its load as
-//! the ledger holds it now (see `crate::reservations`). [`route`] is the
+//! the ledger holds it now (see `ledger_view`). [`route`] is the
 //! same path for a front door that routes an OpenAI body itself.
 
+use super::Backend;
+use super::ledger_view::{fresh_model, valid_reservation_id};
 use super::views::{OverlapView, PromptFields, SelectRequest, SelectionView};
 use super::{error, json_response};
-use crate::Sidecar;
 use crate::fleet::RankId;
-use crate::reservations::{fresh_model, valid_reservation_id};
 use crate::sources::bookings::Load;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -28,17 +28,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 static TIE_BREAK: AtomicU64 = AtomicU64::new(0);
 
 /// `POST /select`: where the prompt would go, booking nothing.
-pub(super) async fn select(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    choose(&sc, &body, false)
+pub(super) async fn select(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+    choose(&*sc, &body, false)
 }
 
 /// `POST /select_and_reserve`: the selection, booked in the same step, so
 /// that concurrent calls see each other's load.
-pub(super) async fn select_and_reserve(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    choose(&sc, &body, true)
+pub(super) async fn select_and_reserve(
+    State(sc): State<Arc<dyn Backend>>,
+    body: Bytes,
+) -> Response {
+    choose(&*sc, &body, true)
 }
 
-fn choose(sc: &Sidecar, body: &[u8], reserve: bool) -> Response {
+fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
     let mut req: SelectRequest = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid selection: {e}")),
@@ -54,7 +57,7 @@ fn choose(sc: &Sidecar, body: &[u8], reserve: bool) -> Response {
     }
     let snap = sc.store().snapshot();
     let tie = TIE_BREAK.fetch_add(1, Ordering::Relaxed);
-    let log = &sc.plane().log;
+    let log = sc.shards();
     // Held from the view to the booking when reserving: two concurrent
     // reservations must not both see the same idle rank.
     let mut ledger = sc.bookings();

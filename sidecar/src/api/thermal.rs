@@ -1,11 +1,11 @@
 //! `GET/POST /v1/admin/thermal`: each worker's GPU heat and its thermal
 //! controller; settings per model or per worker, with a dry run.
 
+use super::Backend;
 use super::views::{
     GpuView, ThermalChange, ThermalChangeView, ThermalEffect, ThermalList, WorkerThermal,
 };
 use super::{error, json_response};
-use crate::Sidecar;
 use crate::fleet::{Fleet, WorkerEntry};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -14,13 +14,13 @@ use axum::response::Response;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub(super) async fn get_thermal(State(sc): State<Arc<Sidecar>>) -> Response {
+pub(super) async fn get_thermal(State(sc): State<Arc<dyn Backend>>) -> Response {
     let f = sc.fleet();
     let now = Instant::now();
     let workers = f
         .workers
         .iter()
-        .map(|(id, w)| view(&sc, &f, *id, w, now))
+        .map(|(id, w)| view(&*sc, &f, *id, w, now))
         .collect();
     json_response(StatusCode::OK, &ThermalList { workers })
 }
@@ -36,7 +36,7 @@ fn watts_per_seq(power: Option<f64>, running: u32) -> Option<f64> {
         .map(|p| p / f64::from(running))
 }
 
-fn view(sc: &Sidecar, f: &Fleet, id: u64, w: &WorkerEntry, now: Instant) -> WorkerThermal {
+fn view(sc: &dyn Backend, f: &Fleet, id: u64, w: &WorkerEntry, now: Instant) -> WorkerThermal {
     let gpus = f.gpus_of(id, now, sc.config().thermal.stale_after);
     let power = gpus
         .iter()
@@ -76,7 +76,7 @@ fn view(sc: &Sidecar, f: &Fleet, id: u64, w: &WorkerEntry, now: Instant) -> Work
 /// Sets a model's or a worker's settings (exactly one of `model_name` and
 /// `worker_id`). Every worker it touches must end with valid settings, or
 /// nothing changes. The controller applies them at its next reading.
-pub(super) async fn post_thermal(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
     let change: ThermalChange = match serde_json::from_slice(&body) {
         Ok(c) => c,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid body: {e}")),

@@ -1,8 +1,8 @@
 //! `GET/POST /busy_threshold`: shedding thresholds, in Dynamo's shapes.
 
+use super::Backend;
 use super::views::{ModelThresholds, ThresholdsList};
 use super::{error, fleet_error, json_response};
-use crate::Sidecar;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -10,7 +10,7 @@ use axum::response::Response;
 use serde_json::Value;
 use std::sync::Arc;
 
-pub(super) async fn get_thresholds(State(sc): State<Arc<Sidecar>>) -> Response {
+pub(super) async fn get_thresholds(State(sc): State<Arc<dyn Backend>>) -> Response {
     let f = sc.fleet();
     let thresholds = f
         .models
@@ -23,7 +23,7 @@ pub(super) async fn get_thresholds(State(sc): State<Arc<Sidecar>>) -> Response {
 /// `{"model": .., <threshold>: ..}`: only `model` reads that model's
 /// thresholds; each threshold given is set, others are kept; `null` unsets
 /// one (that condition stops shedding).
-pub(super) async fn post_thresholds(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+pub(super) async fn post_thresholds(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
         Ok(_) => return error(StatusCode::BAD_REQUEST, "the body must be a JSON object"),

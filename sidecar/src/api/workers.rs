@@ -1,8 +1,8 @@
 //! `/workers`: the catalog, read and changed.
 
+use super::Backend;
 use super::views::{WorkerList, WorkerView};
 use super::{error, fleet_error, json_response};
-use crate::Sidecar;
 use crate::config::WorkerSpec;
 use crate::fleet::FleetError;
 use axum::body::Bytes;
@@ -22,7 +22,7 @@ pub(super) struct Scope {
 }
 
 pub(super) async fn list_workers(
-    State(sc): State<Arc<Sidecar>>,
+    State(sc): State<Arc<dyn Backend>>,
     Query(scope): Query<Scope>,
 ) -> Response {
     let f = sc.fleet();
@@ -46,14 +46,17 @@ pub(super) async fn list_workers(
     json_response(StatusCode::OK, &WorkerList { workers })
 }
 
-pub(super) async fn get_worker(State(sc): State<Arc<Sidecar>>, Path(id): Path<u64>) -> Response {
+pub(super) async fn get_worker(
+    State(sc): State<Arc<dyn Backend>>,
+    Path(id): Path<u64>,
+) -> Response {
     match sc.fleet().workers.get(&id) {
         Some(w) => json_response(StatusCode::OK, &WorkerView::from(w)),
         None => fleet_error(FleetError::UnknownWorker(id)),
     }
 }
 
-pub(super) async fn add_worker(State(sc): State<Arc<Sidecar>>, body: Bytes) -> Response {
+pub(super) async fn add_worker(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
     let spec: WorkerSpec = match serde_json::from_slice(&body) {
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid worker: {e}")),
@@ -65,7 +68,7 @@ pub(super) async fn add_worker(State(sc): State<Arc<Sidecar>>, body: Bytes) -> R
 }
 
 pub(super) async fn patch_worker(
-    State(sc): State<Arc<Sidecar>>,
+    State(sc): State<Arc<dyn Backend>>,
     Path(id): Path<u64>,
     body: Bytes,
 ) -> Response {
@@ -79,7 +82,10 @@ pub(super) async fn patch_worker(
     }
 }
 
-pub(super) async fn delete_worker(State(sc): State<Arc<Sidecar>>, Path(id): Path<u64>) -> Response {
+pub(super) async fn delete_worker(
+    State(sc): State<Arc<dyn Backend>>,
+    Path(id): Path<u64>,
+) -> Response {
     match sc.remove_worker(id) {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => fleet_error(e),

@@ -1,3 +1,4 @@
+use super::worker::offset_port;
 use super::*;
 use std::time::Duration;
 
@@ -255,4 +256,25 @@ fn indexer_peers_are_http_urls_and_the_flag_replaces_them() {
     assert!(err("[indexer]\ntimeout_ms = 0").contains("indexer.timeout_ms"));
     assert!(err("[indexer]\nmax_dump_bytes = 0").contains("indexer.max_dump_bytes"));
     assert!(err("[indexer]\npeer = []").contains("unknown field"));
+}
+
+#[test]
+fn rank_endpoints_follow_the_engines_port_offsets() {
+    assert_eq!(
+        offset_port("tcp://10.0.0.1:5557", 0).as_deref(),
+        Some("tcp://10.0.0.1:5557")
+    );
+    assert_eq!(
+        offset_port("tcp://10.0.0.1:5557", 3).as_deref(),
+        Some("tcp://10.0.0.1:5560")
+    );
+    assert_eq!(
+        offset_port("tcp://*:5557", 1).as_deref(),
+        Some("tcp://*:5558")
+    );
+    assert_eq!(
+        offset_port("inproc://kv", 2).as_deref(),
+        Some("inproc://kv_dp2")
+    );
+    assert_eq!(offset_port("ipc:///tmp/kv", 1), None);
 }

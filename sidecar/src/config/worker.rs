@@ -246,10 +246,27 @@ impl WorkerSpec {
             return Some(ep.clone());
         }
         let base = self.kv_events_endpoints.get("0")?;
-        crate::sources::kv::subscriber::offset_port(base, r)
+        offset_port(base, r)
     }
 
     pub fn replay_endpoint_of(&self, r: u32) -> Option<String> {
-        crate::sources::kv::subscriber::offset_port(self.replay_endpoint.as_deref()?, r)
+        offset_port(self.replay_endpoint.as_deref()?, r)
     }
+}
+
+/// The endpoint of DP rank `rank`, as engines derive it: the port after the
+/// last colon plus the rank for TCP, a `_dp{rank}` suffix for inproc.
+pub(super) fn offset_port(endpoint: &str, rank: u32) -> Option<String> {
+    if rank == 0 {
+        return Some(endpoint.to_string());
+    }
+    if let Some(name) = endpoint.strip_prefix("inproc://") {
+        return Some(format!("inproc://{name}_dp{rank}"));
+    }
+    if !endpoint.starts_with("tcp://") {
+        return None;
+    }
+    let (host, port) = endpoint.rsplit_once(':')?;
+    let port: u32 = port.parse().ok()?;
+    Some(format!("{host}:{}", port + rank))
 }

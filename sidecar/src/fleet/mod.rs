@@ -12,6 +12,7 @@
 //! * [`snapshot`]: the snapshot Envoy reads, built from all of it.
 //! * [`drain`]: how long until a busy rank takes work again (`Retry-After`).
 //! * [`thermal`]: GPU readings and each worker's thermal controller.
+//! * `gauges`: what the fleet shows on `/metrics`.
 //! * [`planner`]: the planner's models, what it observed, its decisions and
 //!   the workers it drains.
 //!
@@ -22,6 +23,7 @@
 
 mod catalog;
 mod drain;
+mod gauges;
 mod health;
 mod planner;
 mod snapshot;

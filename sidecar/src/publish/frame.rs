@@ -1,8 +1,8 @@
 //! The update frames the snapshot service in Envoy long-polls for.
 
+use super::shard_log::ShardLog;
 use super::store::SnapshotStore;
 use super::versions::Versions;
-use crate::sources::kv::plane::ShardLog;
 use kvgate_core::update;
 
 /// Shard bytes one frame carries at most (more when a single version is

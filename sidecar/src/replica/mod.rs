@@ -58,7 +58,7 @@ pub struct SyncStats {
 }
 
 impl SyncStats {
-    pub fn from_metrics(m: &crate::metrics::Metrics) -> SyncStats {
+    pub fn from_metrics(m: &crate::metrics::LedgerMetrics) -> SyncStats {
         let of = |r: &str| m.replica_events.with_label_values(&[r]);
         SyncStats {
             sent: of("sent"),

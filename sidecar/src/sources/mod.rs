@@ -10,7 +10,7 @@
 //! A new input gets its own module here; what it produces is recorded in
 //! `crate::fleet`.
 
-pub(crate) mod bookings;
+pub mod bookings;
 pub mod kv;
 pub mod metrics;
 pub(crate) mod routed;

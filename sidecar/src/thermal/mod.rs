@@ -9,10 +9,13 @@
 
 pub mod batch;
 
-use crate::Sidecar;
-use crate::fleet::{Change, Stepped};
+use crate::config::Config;
+use crate::fleet::{Change, Fleet, Stepped};
+use crate::metrics::ThermalMetrics;
+use crate::sources::metrics::scrape::HttpClient;
 use crate::sources::thermal::{GpuReading, dcgm, nvml::Nvml};
 use batch::{BatchClient, BatchRequest, request_for};
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,8 +23,27 @@ use std::time::{Duration, Instant};
 /// How often a sidecar without NVML tries to open it again.
 const NVML_RETRY: Duration = Duration::from_secs(60);
 
-pub(crate) async fn thermal_loop(sc: Arc<Sidecar>) {
-    let cfg = sc.config().thermal.clone();
+/// What the thermal loop reads and changes, handed to it at start.
+#[derive(Clone)]
+pub(crate) struct Handles {
+    pub(crate) config: Arc<Config>,
+    pub(crate) fleet: Arc<Mutex<Fleet>>,
+    pub(crate) metrics: ThermalMetrics,
+    pub(crate) client: HttpClient,
+}
+
+impl Handles {
+    fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn fleet(&self) -> MutexGuard<'_, Fleet> {
+        self.fleet.lock()
+    }
+}
+
+pub(crate) async fn thermal_loop(th: Handles) {
+    let cfg = th.config().thermal.clone();
     let batch = BatchClient::new(cfg.batch_token.clone(), cfg.timeout);
     let mut nvml = NvmlSource::default();
     let mut failing: HashSet<String> = HashSet::new();
@@ -30,24 +52,24 @@ pub(crate) async fn thermal_loop(sc: Arc<Sidecar>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let mut readings = scrape_all(&sc, &cfg.dcgm_urls, cfg.timeout, &mut failing).await;
+        let mut readings = scrape_all(&th, &cfg.dcgm_urls, cfg.timeout, &mut failing).await;
         if cfg.nvml {
             readings.extend(nvml.read().await);
         }
         let now = Instant::now();
         let acts = {
-            let mut f = sc.fleet();
+            let mut f = th.fleet();
             f.record_gpus(readings, now);
-            let steps = f.step_thermal(sc.config(), now);
-            shown.refresh(&sc, &f, now);
+            let steps = f.step_thermal(th.config(), now);
+            shown.refresh(&th, &f, now);
             steps
                 .into_iter()
                 .filter(|s| s.change != Change::None)
                 .filter_map(|s| {
                     let w = f.workers.get(&s.worker_id)?;
-                    let settings = f.thermal_settings(s.worker_id, sc.config());
+                    let settings = f.thermal_settings(s.worker_id, th.config());
                     report(
-                        &sc,
+                        &th,
                         w.spec.model_name.as_str(),
                         &s,
                         w.thermal.hottest.as_ref(),
@@ -64,19 +86,19 @@ pub(crate) async fn thermal_loop(sc: Arc<Sidecar>) {
                 .collect::<Vec<_>>()
         };
         for a in acts {
-            tokio::spawn(actuate(sc.clone(), batch.clone(), a));
+            tokio::spawn(actuate(th.clone(), batch.clone(), a));
         }
     }
 }
 
-fn report(sc: &Sidecar, model: &str, s: &Stepped, hottest: Option<&crate::fleet::Hottest>) {
+fn report(th: &Handles, model: &str, s: &Stepped, hottest: Option<&crate::fleet::Hottest>) {
     let temp = hottest.map(|h| h.temp_c);
     let gpu = hottest.map(|h| h.uuid.as_str());
     let id = s.worker_id.to_string();
     match s.change {
         Change::Entered => {
-            sc.metrics()
-                .thermal_entries
+            th.metrics
+                .entries
                 .with_label_values(&[model, id.as_str()])
                 .inc();
             tracing::warn!(worker = s.worker_id, cap = s.cap, running = s.running, temp_c = ?temp, gpu = ?gpu, "worker is throttling: new requests capped");
@@ -100,9 +122,9 @@ struct Shown {
 }
 
 impl Shown {
-    fn refresh(&mut self, sc: &Sidecar, f: &crate::fleet::Fleet, now: Instant) {
-        let m = sc.metrics();
-        let stale_after = sc.config().thermal.stale_after;
+    fn refresh(&mut self, th: &Handles, f: &Fleet, now: Instant) {
+        let m = &th.metrics;
+        let stale_after = th.config().thermal.stale_after;
         let mut gpus = HashSet::new();
         let mut workers = HashSet::new();
         for (id, w) in &f.workers {
@@ -110,9 +132,9 @@ impl Shown {
             let model = w.spec.model_name.clone();
             let wl = [model.as_str(), ids.as_str()];
             let c = &w.thermal;
-            m.thermal_cap.with_label_values(&wl).set(i64::from(c.cap()));
+            m.cap.with_label_values(&wl).set(i64::from(c.cap()));
             for st in kvgate_core::ThermalState::ALL {
-                m.thermal_state
+                m.state
                     .with_label_values(&[wl[0], wl[1], st.as_str()])
                     .set(i64::from(c.state() == st));
             }
@@ -156,13 +178,13 @@ impl Shown {
 /// dcgm-exporter pages, all at once; a source that fails is logged when
 /// it starts failing and when it recovers, and counted every time.
 async fn scrape_all(
-    sc: &Sidecar,
+    th: &Handles,
     urls: &[String],
     timeout: Duration,
     failing: &mut HashSet<String>,
 ) -> Vec<GpuReading> {
     let results = futures_join(urls.iter().cloned().map(|u| {
-        let client = sc.client().clone();
+        let client = th.client.clone();
         async move {
             let r = dcgm::scrape(&client, &u, timeout).await;
             (u, r)
@@ -179,10 +201,7 @@ async fn scrape_all(
                 out.extend(readings);
             }
             Err(e) => {
-                sc.metrics()
-                    .thermal_source_errors
-                    .with_label_values(&["dcgm"])
-                    .inc();
+                th.metrics.source_errors.with_label_values(&["dcgm"]).inc();
                 if failing.insert(url.clone()) {
                     tracing::warn!(url, error = %e, "GPU readings failed: its GPUs go unknown once stale");
                 }
@@ -259,7 +278,7 @@ struct Actuation {
 /// Tells the engine what the controller decided. The first cut asks the
 /// engine (dry run) what its `max_num_seqs` is, so that it can be given
 /// back when the worker cools.
-async fn actuate(sc: Arc<Sidecar>, batch: BatchClient, a: Actuation) {
+async fn actuate(th: Handles, batch: BatchClient, a: Actuation) {
     if a.step.cap == 0 && a.restore.is_none() {
         // Never cut (every call failed): nothing to give back.
         return;
@@ -274,7 +293,7 @@ async fn actuate(sc: Arc<Sidecar>, batch: BatchClient, a: Actuation) {
                     ..Default::default()
                 };
                 let r = batch.call(&a.endpoint, &probe).await?.new_max_num_seqs;
-                if let Some(w) = sc.fleet().workers.get_mut(&a.worker_id) {
+                if let Some(w) = th.fleet().workers.get_mut(&a.worker_id) {
                     w.thermal.restore_max_num_seqs.get_or_insert(r);
                 }
                 r
@@ -308,8 +327,5 @@ async fn actuate(sc: Arc<Sidecar>, batch: BatchClient, a: Actuation) {
             "error"
         }
     };
-    sc.metrics()
-        .thermal_batch_calls
-        .with_label_values(&[result])
-        .inc();
+    th.metrics.batch_calls.with_label_values(&[result]).inc();
 }

@@ -11,8 +11,8 @@
 //! alone: the same decision over the same state.
 
 use super::{TIE_BREAK, new_reservation_id, place_in, rank_id};
-use crate::Sidecar;
-use crate::reservations::fresh_model;
+use crate::api::Backend;
+use crate::api::ledger_view::fresh_model;
 use crate::sources::bookings::Load;
 use kvgate_core::plan::Rejection;
 use kvgate_core::plan::request::Parsed;
@@ -47,10 +47,14 @@ pub enum RouteError {
 /// Places `req` (from the request's `tenant`) and books it. The prefix
 /// record a text prompt leaves goes to the routed-prefix index, as the
 /// filter's routing reports do.
-pub fn route_and_reserve(sc: &Sidecar, req: &Parsed, tenant: &str) -> Result<Routed, RouteError> {
+pub fn route_and_reserve(
+    sc: &dyn Backend,
+    req: &Parsed,
+    tenant: &str,
+) -> Result<Routed, RouteError> {
     let snap = sc.store().snapshot();
     let tie = TIE_BREAK.fetch_add(1, Ordering::Relaxed);
-    let log = &sc.plane().log;
+    let log = sc.shards();
     // Held from the view to the booking: concurrent streams must not both
     // see the same idle rank.
     let mut ledger = sc.bookings();
@@ -86,13 +90,13 @@ pub fn route_and_reserve(sc: &Sidecar, req: &Parsed, tenant: &str) -> Result<Rou
 }
 
 /// The worker answered: the reservation's prefill tokens leave its rank.
-pub fn prefill_complete(sc: &Sidecar, reservation_id: &str) -> Result<(), RouteError> {
+pub fn prefill_complete(sc: &dyn Backend, reservation_id: &str) -> Result<(), RouteError> {
     sc.reservation_prefill_complete(reservation_id)
         .map_err(|e| RouteError::Ledger(e.to_string()))
 }
 
 /// The request ended: its reservation leaves the ledger.
-pub fn free(sc: &Sidecar, reservation_id: &str) -> Result<(), RouteError> {
+pub fn free(sc: &dyn Backend, reservation_id: &str) -> Result<(), RouteError> {
     sc.free_reservation(reservation_id)
         .map_err(|e| RouteError::Ledger(e.to_string()))
 }
@@ -100,6 +104,6 @@ pub fn free(sc: &Sidecar, reservation_id: &str) -> Result<(), RouteError> {
 /// What this sidecar publishes under `key` (an index shard, a model's
 /// prompt template blob): what the filter reads from Envoy's shared data,
 /// for a front door that renders prompts as the filter does.
-pub fn published(sc: &Sidecar, key: &str) -> Option<Vec<u8>> {
-    sc.plane().log.read(key)
+pub fn published(sc: &dyn Backend, key: &str) -> Option<Vec<u8>> {
+    sc.shards().read(key)
 }

@@ -6,7 +6,7 @@
 //! * [`index`]: which worker-rank slots hold which blocks, per tier.
 //! * [`dump`]: the index in a recovery format, for a peer starting up.
 //! * `seq`, [`replay`], `subscriber`: one subscriber per rank with gap
-//!   detection and replay.
+//!   detection and replay; `socket`: the limits both of their sockets take.
 //! * [`plane`]: the index thread and the versioned shard log.
 
 pub mod dump;
@@ -15,6 +15,7 @@ pub mod msgpack;
 pub mod plane;
 pub mod replay;
 pub(crate) mod seq;
+pub(crate) mod socket;
 pub mod stage;
 pub(crate) mod subscriber;
 pub mod wire;

@@ -3,9 +3,9 @@
 //!
 //! One thread owns every index, so applying a batch takes no lock; the
 //! subscribers only decode frames off the socket. Changed shards are encoded
-//! at most once per `publish_interval` and put in the [`ShardLog`] with a
-//! version, which is what the snapshot long poll serves: "every shard changed
-//! after version N".
+//! at most once per `publish_interval` and handed to the [`ShardSink`] the
+//! plane was started with (the sidecar's published shard log, which the
+//! snapshot long poll serves: "every shard changed after version N").
 //!
 //! The thread also snapshots the index for `GET /dump` and replays a
 //! peer's dump at start-up (`recovery`). While a recovery is pending it
@@ -13,12 +13,9 @@
 //! recovered blocks, as they happened after them.
 
 mod recovery;
-mod shard_log;
 
 pub use recovery::{Dropped, RestoreReport};
-pub use shard_log::ShardLog;
 
-use crate::publish::Versions;
 use crate::sources::kv::dump::Dump;
 use crate::sources::kv::index::{Index, IngestStats};
 use crate::sources::kv::stage::Staged;
@@ -134,9 +131,15 @@ impl Default for PlaneConfig {
     }
 }
 
+/// One changed shard: the model's index key (or its text index key), the
+/// shard, how many shards that index has, and the shard's bytes.
+pub(crate) type ShardChange = (String, u32, usize, Vec<u8>);
+
+/// Where the index thread puts changed shards; each call is one version.
+pub(crate) type ShardSink = Box<dyn Fn(Vec<ShardChange>) + Send>;
+
 /// Handle to the index thread.
 pub struct Plane {
-    pub(crate) log: Arc<ShardLog>,
     /// Slots whose engine cache emptied (AllBlocksCleared, or a resync)
     /// since the last [`Plane::take_cleared`].
     cleared: Arc<Mutex<Vec<u16>>>,
@@ -147,18 +150,16 @@ pub struct Plane {
 }
 
 impl Plane {
-    pub(crate) fn start(config: PlaneConfig, versions: Arc<Versions>) -> std::io::Result<Plane> {
-        let log = Arc::new(ShardLog::new(versions));
+    pub(crate) fn start(config: PlaneConfig, sink: ShardSink) -> std::io::Result<Plane> {
         let (ingest, rx) = sync_channel(config.queue);
         let (control, crx) = channel();
         let stop = Arc::new(AtomicBool::new(false));
         let cleared = Arc::new(Mutex::new(Vec::new()));
-        let (l2, s2, c2) = (log.clone(), stop.clone(), cleared.clone());
+        let (s2, c2) = (stop.clone(), cleared.clone());
         let thread = std::thread::Builder::new()
             .name("kv-index".into())
-            .spawn(move || run(config, rx, crx, &l2, &s2, c2))?;
+            .spawn(move || run(config, rx, crx, &sink, &s2, c2))?;
         Ok(Plane {
-            log,
             cleared,
             ingest,
             control,
@@ -418,7 +419,7 @@ impl State {
     /// Publishes changed shards, at most `MAX_SHARDS_PER_VERSION` per
     /// version so that readers can take them in bounded frames. Returns the
     /// bytes published.
-    fn publish(&mut self, log: &ShardLog) -> usize {
+    fn publish(&mut self, sink: &ShardSink) -> usize {
         let mut updates = Vec::new();
         let mut bytes = 0;
         for (model, idx) in &mut self.models {
@@ -441,7 +442,7 @@ impl State {
         }
         while !updates.is_empty() {
             let rest = updates.split_off(updates.len().min(MAX_SHARDS_PER_VERSION));
-            log.publish(std::mem::replace(&mut updates, rest));
+            sink(std::mem::replace(&mut updates, rest));
         }
         bytes
     }
@@ -474,7 +475,7 @@ fn run(
     config: PlaneConfig,
     rx: Receiver<Ingest>,
     crx: Receiver<Control>,
-    log: &ShardLog,
+    sink: &ShardSink,
     stop: &AtomicBool,
     cleared: Arc<Mutex<Vec<u16>>>,
 ) {
@@ -521,7 +522,7 @@ fn run(
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => {
-                st.publish(log);
+                st.publish(sink);
                 return;
             }
         }
@@ -531,7 +532,7 @@ fn run(
             while let Ok(c) = crx.try_recv() {
                 st.control(c);
             }
-            let bytes = st.publish(log);
+            let bytes = st.publish(sink);
             last_publish = Instant::now();
             interval = config.publish_interval.max(Duration::from_secs_f64(
                 bytes as f64 / PUBLISH_BUDGET_BYTES_PER_S,

@@ -9,7 +9,7 @@
 //! silently starts at its oldest batch, so callers compare the first seq
 //! they get with the one they asked for.
 
-use crate::sources::kv::subscriber::SocketLimits;
+use crate::sources::kv::socket::SocketLimits;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 

@@ -16,12 +16,14 @@
 
 mod monitor;
 
+use crate::metrics::SubscriberCounters;
 use crate::sources::kv::replay::replay;
 use crate::sources::kv::seq::{SeqCheck, SeqTracker};
+use crate::sources::kv::socket::SocketLimits;
 use monitor::Monitor;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -61,34 +63,6 @@ pub enum Ingest {
     },
 }
 
-/// What one rank's sockets may hold: at most `queue_messages` messages of
-/// frames no larger than `max_message_bytes`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SocketLimits {
-    /// A peer sending a larger frame is disconnected by libzmq, never
-    /// buffered (the subscriber then connects again).
-    pub max_message_bytes: u64,
-    /// The receive high-water mark: messages past it are dropped.
-    pub queue_messages: u32,
-}
-
-impl Default for SocketLimits {
-    fn default() -> Self {
-        SocketLimits {
-            max_message_bytes: 8 << 20,
-            queue_messages: 1000,
-        }
-    }
-}
-
-impl SocketLimits {
-    /// Sets both on a socket; must come before it connects.
-    pub fn apply(&self, sock: &zmq::Socket) -> Result<(), zmq::Error> {
-        sock.set_maxmsgsize(i64::try_from(self.max_message_bytes).unwrap_or(i64::MAX))?;
-        sock.set_rcvhwm(i32::try_from(self.queue_messages).unwrap_or(i32::MAX))
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct SubscriberSpec {
     pub slot: u16,
@@ -101,25 +75,12 @@ pub struct SubscriberSpec {
     pub limits: SocketLimits,
 }
 
-/// Counters shared with the metrics endpoint.
-#[derive(Debug, Default)]
-pub struct SubscriberStats {
-    pub batches: AtomicU64,
-    pub malformed_frames: AtomicU64,
-    pub gaps: AtomicU64,
-    pub replayed_batches: AtomicU64,
-    pub replay_failures: AtomicU64,
-    pub restarts: AtomicU64,
-    pub resyncs: AtomicU64,
-    /// Connections to the publisher lost: it went away, or sent a frame
-    /// over the size limit.
-    pub disconnects: AtomicU64,
-}
-
 /// A running subscriber; `stop`, or dropping it, stops its thread and
 /// waits for it.
 pub struct Subscriber {
-    pub stats: Arc<SubscriberStats>,
+    /// What its thread counts into, for tests to read.
+    #[cfg(test)]
+    pub counters: SubscriberCounters,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -129,10 +90,10 @@ impl Subscriber {
         ctx: zmq::Context,
         spec: SubscriberSpec,
         tx: SyncSender<Ingest>,
+        counters: SubscriberCounters,
     ) -> std::io::Result<Subscriber> {
-        let stats = Arc::new(SubscriberStats::default());
         let stop = Arc::new(AtomicBool::new(false));
-        let (st2, stop2) = (stats.clone(), stop.clone());
+        let (st2, stop2) = (counters.clone(), stop.clone());
         let thread = std::thread::Builder::new()
             .name(format!("kv-sub-{}", spec.slot))
             .spawn(move || {
@@ -141,7 +102,8 @@ impl Subscriber {
                 }
             })?;
         Ok(Subscriber {
-            stats,
+            #[cfg(test)]
+            counters,
             stop,
             thread: Some(thread),
         })
@@ -172,7 +134,7 @@ struct Ctx<'a> {
     zmq: &'a zmq::Context,
     spec: &'a SubscriberSpec,
     tx: &'a SyncSender<Ingest>,
-    stats: &'a SubscriberStats,
+    stats: &'a SubscriberCounters,
     tracker: SeqTracker,
     /// seq → payload hash of the batches the last replay delivered.
     recent: HashMap<u64, u64>,
@@ -184,7 +146,7 @@ impl Ctx<'_> {
     }
 
     fn resync(&mut self, reason: ResyncReason) -> bool {
-        self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
+        self.stats.resyncs.inc();
         tracing::warn!(
             slot = self.spec.slot,
             endpoint = %self.spec.endpoint,
@@ -219,7 +181,7 @@ impl Ctx<'_> {
         match result {
             Ok(summary) => Some((summary.first_seq.is_some_and(|f| f <= from), batches)),
             Err(e) => {
-                self.stats.replay_failures.fetch_add(1, Ordering::Relaxed);
+                self.stats.replay_failures.inc();
                 tracing::warn!(slot = self.spec.slot, endpoint, error = %e, "kv event replay failed");
                 None
             }
@@ -229,9 +191,7 @@ impl Ctx<'_> {
     /// Hands replayed batches to the index in order, remembering them so
     /// that their live copies, still queued on the SUB socket, are skipped.
     fn deliver(&mut self, batches: Vec<Batch>) {
-        self.stats
-            .replayed_batches
-            .fetch_add(batches.len() as u64, Ordering::Relaxed);
+        self.stats.replayed_batches.inc_by(batches.len() as u64);
         self.recent.clear();
         for (seq, payload) in batches {
             if self.tracker.last().is_some_and(|l| seq <= l) {
@@ -267,7 +227,7 @@ fn run(
     zmq: &zmq::Context,
     spec: &SubscriberSpec,
     tx: &SyncSender<Ingest>,
-    stats: &SubscriberStats,
+    stats: &SubscriberCounters,
     stop: &AtomicBool,
 ) -> Result<(), zmq::Error> {
     let sub = zmq.socket(zmq::SUB)?;
@@ -300,7 +260,7 @@ fn run(
         if let Some(lost) = monitor.as_ref().map(Monitor::disconnects)
             && lost > 0
         {
-            stats.disconnects.fetch_add(lost, Ordering::Relaxed);
+            stats.disconnects.inc_by(lost);
             tracing::warn!(
                 slot = spec.slot,
                 endpoint = %spec.endpoint,
@@ -322,22 +282,22 @@ fn run(
             Err(e) => return Err(e),
         };
         let [_topic, seq, payload] = frames.as_slice() else {
-            stats.malformed_frames.fetch_add(1, Ordering::Relaxed);
+            stats.malformed_frames.inc();
             continue;
         };
         let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()) else {
-            stats.malformed_frames.fetch_add(1, Ordering::Relaxed);
+            stats.malformed_frames.inc();
             continue;
         };
         let seq = u64::from_be_bytes(seq);
-        stats.batches.fetch_add(1, Ordering::Relaxed);
+        stats.batches.inc();
         if cx.is_replayed_duplicate(seq, payload) {
             continue;
         }
         match cx.tracker.check(seq) {
             SeqCheck::InOrder => {}
             SeqCheck::Gap { from, to } => {
-                stats.gaps.fetch_add(1, Ordering::Relaxed);
+                stats.gaps.inc();
                 let reason = if spec.replay_endpoint.is_some() {
                     ResyncReason::GapNotReplayable
                 } else {
@@ -361,7 +321,7 @@ fn run(
                 }
             }
             SeqCheck::Restart => {
-                stats.restarts.fetch_add(1, Ordering::Relaxed);
+                stats.restarts.inc();
                 if !cx.resync(ResyncReason::Restart) {
                     return Ok(());
                 }
@@ -385,23 +345,6 @@ fn run(
         cx.tracker.applied(seq);
     }
     Ok(())
-}
-
-/// The endpoint of DP rank `rank`, as engines derive it: the port after the
-/// last colon plus the rank for TCP, a `_dp{rank}` suffix for inproc.
-pub fn offset_port(endpoint: &str, rank: u32) -> Option<String> {
-    if rank == 0 {
-        return Some(endpoint.to_string());
-    }
-    if let Some(name) = endpoint.strip_prefix("inproc://") {
-        return Some(format!("inproc://{name}_dp{rank}"));
-    }
-    if !endpoint.starts_with("tcp://") {
-        return None;
-    }
-    let (host, port) = endpoint.rsplit_once(':')?;
-    let port: u32 = port.parse().ok()?;
-    Some(format!("{host}:{}", port + rank))
 }
 
 #[cfg(test)]

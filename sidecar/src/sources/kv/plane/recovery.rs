@@ -87,7 +87,7 @@ impl State {
             tracing::debug!(pages, "re-chunked pages are not dumped");
         }
         Dump {
-            created_at_ms: crate::sidecar::now_ms(),
+            created_at_ms: crate::clock::now_ms(),
             groups,
         }
     }

@@ -1,7 +1,16 @@
 use super::*;
+use crate::publish::{ShardLog, Versions};
 use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
 use kvgate_core::shard::{ShardView, shard_of};
 use rmpv::Value;
+
+/// A plane that publishes into a shard log of its own.
+fn start(config: PlaneConfig) -> (Plane, Arc<ShardLog>) {
+    let log = Arc::new(ShardLog::new(Arc::new(Versions::new())));
+    let sink = log.clone();
+    let plane = Plane::start(config, Box::new(move |changed| sink.publish(changed))).unwrap();
+    (plane, log)
+}
 
 fn batch(hashes: &[u64], tokens: &[u32]) -> Vec<u8> {
     batch_after(hashes, None, tokens)
@@ -85,14 +94,10 @@ fn holders_of(log: &ShardLog, model: &str, since: u64, tokens: &[u32]) -> Vec<u1
 
 #[test]
 fn batches_become_published_shards_and_removal_republishes() {
-    let plane = Plane::start(
-        PlaneConfig {
-            shard_count: 64,
-            ..Default::default()
-        },
-        Arc::new(Versions::new()),
-    )
-    .unwrap();
+    let (plane, log) = start(PlaneConfig {
+        shard_count: 64,
+        ..Default::default()
+    });
     plane.add_slot(1, "m", rank(1), 4, 0);
     plane.add_slot(2, "m", rank(2), 4, 0);
     let tx = plane.sender();
@@ -109,14 +114,14 @@ fn batches_become_published_shards_and_removal_republishes() {
         payload: batch(&[20, 21], &toks),
     })
     .unwrap();
-    let v1 = wait_version(&plane.log, 0);
+    let v1 = wait_version(&log, 0);
     // Both batches may land in one publish or two.
-    let v1 = if holders_of(&plane.log, "m", 0, &toks).len() < 2 {
-        wait_version(&plane.log, v1)
+    let v1 = if holders_of(&log, "m", 0, &toks).len() < 2 {
+        wait_version(&log, v1)
     } else {
         v1
     };
-    assert_eq!(holders_of(&plane.log, "m", 0, &toks), vec![1, 2]);
+    assert_eq!(holders_of(&log, "m", 0, &toks), vec![1, 2]);
 
     plane.remove_slot(1);
     // Give the index thread a batch to notice the control message.
@@ -126,20 +131,20 @@ fn batches_become_published_shards_and_removal_republishes() {
         payload: batch(&[22], &[9, 9, 9, 9]),
     })
     .unwrap();
-    let v2 = wait_version(&plane.log, v1);
+    let v2 = wait_version(&log, v1);
     assert_eq!(
-        holders_of(&plane.log, "m", v1, &toks),
+        holders_of(&log, "m", v1, &toks),
         vec![2],
         "slot 1's blocks are gone from the republished shard"
     );
     assert!(v2 > v1);
-    let none = plane.log.changed_since(plane.log.version());
+    let none = log.changed_since(log.version());
     assert!(none.is_empty());
 }
 
 #[test]
 fn malformed_batches_are_counted_and_the_index_kept() {
-    let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+    let (plane, log) = start(PlaneConfig::default());
     plane.add_slot(0, "m", rank(0), 4, 0);
     let tx = plane.sender();
     tx.send(Ingest::Batch {
@@ -154,7 +159,7 @@ fn malformed_batches_are_counted_and_the_index_kept() {
         payload: vec![0x93, 0xc1],
     })
     .unwrap();
-    wait_version(&plane.log, 0);
+    wait_version(&log, 0);
     std::thread::sleep(Duration::from_millis(20));
     let stats = plane.stats().unwrap();
     assert_eq!(stats.malformed_batches, 1);
@@ -163,7 +168,7 @@ fn malformed_batches_are_counted_and_the_index_kept() {
 
 #[test]
 fn events_of_another_block_size_are_counted_per_slot() {
-    let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+    let (plane, _log) = start(PlaneConfig::default());
     plane.add_slot(0, "m", rank(0), 4, 0);
     // An engine paging by 4 behind a worker configured for 16.
     plane.add_slot(1, "m", rank(1), 16, 0);
@@ -201,7 +206,7 @@ fn events_of_another_block_size_are_counted_per_slot() {
 
 #[test]
 fn each_slot_reports_its_latest_batch_lag() {
-    let plane = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+    let (plane, _log) = start(PlaneConfig::default());
     plane.add_slot(0, "m", rank(0), 4, 0);
     plane.add_slot(1, "m", rank(1), 4, 0);
     let now = std::time::SystemTime::now()
@@ -272,7 +277,7 @@ fn wait_indexed(plane: &Plane, n: usize) -> IngestStats {
 #[tokio::test]
 async fn a_recovery_replays_by_rank_and_batches_wait_for_it() {
     let id = |worker_id, dp_rank| RankId { worker_id, dp_rank };
-    let peer = Plane::start(PlaneConfig::default(), Arc::new(Versions::new())).unwrap();
+    let (peer, _peer_log) = start(PlaneConfig::default());
     // Worker 1 ranks 0 and 1, worker 3 (block size 4 there), worker 4.
     peer.add_slot(0, "m", id(1, 0), 4, 0);
     peer.add_slot(1, "m", id(1, 1), 4, 0);
@@ -296,14 +301,10 @@ async fn a_recovery_replays_by_rank_and_batches_wait_for_it() {
 
     // Here the slots are numbered otherwise, worker 3 has blocks of 16
     // and worker 4 is not in the catalog.
-    let here = Plane::start(
-        PlaneConfig {
-            hold: Some(Duration::from_secs(30)),
-            ..Default::default()
-        },
-        Arc::new(Versions::new()),
-    )
-    .unwrap();
+    let (here, here_log) = start(PlaneConfig {
+        hold: Some(Duration::from_secs(30)),
+        ..Default::default()
+    });
     here.add_slot(7, "m", id(1, 1), 4, 0);
     here.add_slot(8, "m", id(1, 0), 4, 0);
     here.add_slot(9, "m", id(3, 0), 16, 0);
@@ -338,9 +339,9 @@ async fn a_recovery_replays_by_rank_and_batches_wait_for_it() {
         stats.orphan_events, 0,
         "the child found its recovered parent"
     );
-    let v = wait_version(&here.log, 0);
-    assert_eq!(holders_of(&here.log, "m", 0, &toks), vec![8]);
-    assert_eq!(holders_of(&here.log, "m", 0, &toks[..8]), vec![7, 8]);
+    let v = wait_version(&here_log, 0);
+    assert_eq!(holders_of(&here_log, "m", 0, &toks), vec![8]);
+    assert_eq!(holders_of(&here_log, "m", 0, &toks[..8]), vec![7, 8]);
     assert!(v > 0);
     // Recovered, it dumps what it holds under the same names.
     let again = here.dump().await.unwrap();
@@ -353,14 +354,10 @@ async fn a_release_or_the_bound_ends_the_hold() {
         (Duration::from_secs(30), true),
         (Duration::from_millis(50), false),
     ] {
-        let plane = Plane::start(
-            PlaneConfig {
-                hold: Some(hold),
-                ..Default::default()
-            },
-            Arc::new(Versions::new()),
-        )
-        .unwrap();
+        let (plane, _log) = start(PlaneConfig {
+            hold: Some(hold),
+            ..Default::default()
+        });
         plane.add_slot(0, "m", rank(0), 4, 0);
         plane
             .sender()

@@ -104,6 +104,15 @@ impl Drop for FakeEngine {
     }
 }
 
+/// Counters of their own for each test's subscriber.
+fn counters() -> SubscriberCounters {
+    crate::metrics::Metrics::new()
+        .unwrap()
+        .kv
+        .subscribers
+        .of(7, 0)
+}
+
 fn spec(name: &str, replay: bool) -> SubscriberSpec {
     SubscriberSpec {
         slot: 3,
@@ -147,12 +156,12 @@ fn initial_replay_then_live_in_order() {
     eng.publish(10, false);
     eng.publish(11, false);
     let (tx, rx) = sync_channel(64);
-    let sub = Subscriber::spawn(ctx.clone(), spec("e1", true), tx).unwrap();
+    let sub = Subscriber::spawn(ctx.clone(), spec("e1", true), tx, counters()).unwrap();
     settle();
     eng.publish(12, false);
     eng.publish(13, false);
     assert_eq!(collect(&rx, 4), ["0:10", "1:11", "2:12", "3:13"]);
-    assert_eq!(sub.stats.resyncs.load(Ordering::Relaxed), 0);
+    assert_eq!(sub.counters.resyncs.get(), 0);
 }
 
 #[test]
@@ -161,7 +170,7 @@ fn a_gap_is_filled_by_replay_in_both_reply_shapes() {
         let ctx = zmq::Context::new();
         let eng = FakeEngine::start(&ctx, name, 100, topic_shape);
         let (tx, rx) = sync_channel(64);
-        let sub = Subscriber::spawn(ctx.clone(), spec(name, true), tx).unwrap();
+        let sub = Subscriber::spawn(ctx.clone(), spec(name, true), tx, counters()).unwrap();
         settle();
         eng.publish(1, false);
         eng.publish(2, true); // lost on the live socket, kept for replay
@@ -172,8 +181,8 @@ fn a_gap_is_filled_by_replay_in_both_reply_shapes() {
             ["0:1", "1:2", "2:3", "3:4"],
             "topic shape {topic_shape}"
         );
-        assert_eq!(sub.stats.gaps.load(Ordering::Relaxed), 1);
-        assert_eq!(sub.stats.resyncs.load(Ordering::Relaxed), 0);
+        assert_eq!(sub.counters.gaps.get(), 1);
+        assert_eq!(sub.counters.resyncs.get(), 0);
     }
 }
 
@@ -182,7 +191,7 @@ fn a_gap_beyond_the_replay_buffer_resyncs() {
     let ctx = zmq::Context::new();
     let eng = FakeEngine::start(&ctx, "e4", 2, false);
     let (tx, rx) = sync_channel(64);
-    let _sub = Subscriber::spawn(ctx.clone(), spec("e4", true), tx).unwrap();
+    let _sub = Subscriber::spawn(ctx.clone(), spec("e4", true), tx, counters()).unwrap();
     settle();
     eng.publish(1, false);
     for t in 2..6 {
@@ -199,7 +208,7 @@ fn a_gap_without_replay_resyncs() {
     let ctx = zmq::Context::new();
     let eng = FakeEngine::start(&ctx, "e5", 10, false);
     let (tx, rx) = sync_channel(64);
-    let _sub = Subscriber::spawn(ctx.clone(), spec("e5", false), tx).unwrap();
+    let _sub = Subscriber::spawn(ctx.clone(), spec("e5", false), tx, counters()).unwrap();
     settle();
     eng.publish(1, false);
     eng.publish(2, true);
@@ -212,7 +221,7 @@ fn a_restart_resyncs_and_recovers_from_zero() {
     let ctx = zmq::Context::new();
     let eng = FakeEngine::start(&ctx, "e6", 10, true);
     let (tx, rx) = sync_channel(64);
-    let sub = Subscriber::spawn(ctx.clone(), spec("e6", true), tx).unwrap();
+    let sub = Subscriber::spawn(ctx.clone(), spec("e6", true), tx, counters()).unwrap();
     settle();
     eng.publish(1, false);
     eng.publish(2, false);
@@ -223,7 +232,7 @@ fn a_restart_resyncs_and_recovers_from_zero() {
         collect(&rx, 4),
         ["0:1", "1:2", "resync:restart", "0:7", "1:8"]
     );
-    assert_eq!(sub.stats.restarts.load(Ordering::Relaxed), 1);
+    assert_eq!(sub.counters.restarts.get(), 1);
 }
 
 #[test]
@@ -231,7 +240,7 @@ fn malformed_messages_are_counted_and_skipped() {
     let ctx = zmq::Context::new();
     let eng = FakeEngine::start(&ctx, "e7", 10, false);
     let (tx, rx) = sync_channel(64);
-    let sub = Subscriber::spawn(ctx.clone(), spec("e7", true), tx).unwrap();
+    let sub = Subscriber::spawn(ctx.clone(), spec("e7", true), tx, counters()).unwrap();
     settle();
     eng.tx
         .send(Cmd::Raw(vec![b"kv".to_vec(), vec![1, 2, 3]]))
@@ -241,26 +250,5 @@ fn malformed_messages_are_counted_and_skipped() {
         .unwrap();
     eng.publish(1, false);
     assert_eq!(collect(&rx, 1), ["0:1"]);
-    assert_eq!(sub.stats.malformed_frames.load(Ordering::Relaxed), 2);
-}
-
-#[test]
-fn rank_endpoints_follow_the_engines_port_offsets() {
-    assert_eq!(
-        offset_port("tcp://10.0.0.1:5557", 0).as_deref(),
-        Some("tcp://10.0.0.1:5557")
-    );
-    assert_eq!(
-        offset_port("tcp://10.0.0.1:5557", 3).as_deref(),
-        Some("tcp://10.0.0.1:5560")
-    );
-    assert_eq!(
-        offset_port("tcp://*:5557", 1).as_deref(),
-        Some("tcp://*:5558")
-    );
-    assert_eq!(
-        offset_port("inproc://kv", 2).as_deref(),
-        Some("inproc://kv_dp2")
-    );
-    assert_eq!(offset_port("ipc:///tmp/kv", 1), None);
+    assert_eq!(sub.counters.malformed_frames.get(), 2);
 }

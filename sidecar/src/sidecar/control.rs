@@ -66,6 +66,7 @@ impl Sidecar {
     ) -> Result<(), FleetError> {
         self.fleet().set_thresholds(model, t)?;
         self.metrics()
+            .snapshot
             .threshold_changes
             .with_label_values(&[model])
             .inc();

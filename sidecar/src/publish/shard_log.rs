@@ -1,7 +1,7 @@
 //! The published shards of every model's index, each tagged with the
 //! version it last changed at.
 
-use crate::publish::Versions;
+use super::versions::Versions;
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::sync::Arc;

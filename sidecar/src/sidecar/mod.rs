@@ -1,22 +1,31 @@
-//! The sidecar's state, shared by its tasks and its HTTP handlers.
+//! The sidecar's state, shared by its tasks and its HTTP handlers, and
+//! what acts on all of it: publishing, catalog changes (`control`), the
+//! sources' reports applied (`ingest`) and reservations told to peers
+//! (`reservations`).
 
-use crate::config::Config;
-use crate::fleet::Fleet;
+mod control;
+mod ingest;
+mod reservations;
+
+use crate::api::Backend;
+use crate::clock::now_ms;
+use crate::config::{Config, WorkerSpec};
+use crate::fleet::{Fleet, FleetError, RankId, WorkerEntry};
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
-use crate::publish::{SnapshotStore, Versions};
+use crate::publish::{ShardLog, SnapshotStore, Versions};
 use crate::replica::ReplicaSync;
 use crate::replica::wire::SyncEvent;
-use crate::sources::bookings::Bookings;
+use crate::sources::bookings::{Bookings, LedgerError, Load};
 use crate::sources::kv::plane::{Plane, PlaneConfig};
-use crate::sources::kv::subscriber::SocketLimits;
+use crate::sources::kv::socket::SocketLimits;
 use crate::sources::metrics::scrape::{self, HttpClient};
 use crate::sources::routed::ApproxIndex;
 use crate::{recovery, tick};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// One sidecar process: its configuration, the fleet, what the sources
 /// feed in and what it publishes. Its tasks and HTTP handlers share it
@@ -24,11 +33,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// another is taken, except the bookings before the fleet when a snapshot
 /// is built.
 pub struct Sidecar {
-    config: Config,
-    fleet: Mutex<Fleet>,
+    config: Arc<Config>,
+    fleet: Arc<Mutex<Fleet>>,
     versions: Arc<Versions>,
     store: SnapshotStore,
-    plane: Plane,
+    /// Every model's index shards as last published.
+    shards: Arc<ShardLog>,
+    plane: Arc<Plane>,
     metrics: Metrics,
     routed: Mutex<ApproxIndex>,
     bookings: Mutex<Bookings>,
@@ -41,14 +52,7 @@ pub struct Sidecar {
     /// `GET /dump` one at a time: each holds a copy of the index.
     dump_turn: tokio::sync::Mutex<()>,
     /// Start-up recovery of the index from peers is under way: not ready.
-    recovering: AtomicBool,
-}
-
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    recovering: Arc<AtomicBool>,
 }
 
 impl Sidecar {
@@ -56,6 +60,8 @@ impl Sidecar {
     /// tokio runtime. Call [`crate::api::router`] to serve it.
     pub fn start(config: Config) -> anyhow::Result<Arc<Sidecar>> {
         let versions = Arc::new(Versions::new());
+        let shards = Arc::new(ShardLog::new(versions.clone()));
+        let sink = shards.clone();
         let plane = Plane::start(
             PlaneConfig {
                 shard_count: config.kv.shards,
@@ -64,7 +70,7 @@ impl Sidecar {
                 hold: recovery::hold(&config.indexer),
                 ..Default::default()
             },
-            versions.clone(),
+            Box::new(move |changed| sink.publish(changed)),
         )?;
         let mut fleet = Fleet::new(&config)?;
         for m in &config.models {
@@ -78,7 +84,7 @@ impl Sidecar {
                 "text prompts are matched against KV events"
             );
             plane.set_vocab(&m.name, prompt.vocab.clone());
-            plane.log.publish(vec![(
+            shards.publish(vec![(
                 kvgate_core::text::template_key(&m.name),
                 0,
                 1,
@@ -95,18 +101,27 @@ impl Sidecar {
                     &config.replica_sync.peers,
                     config.control.token.clone(),
                     inbound_tx,
-                    crate::replica::SyncStats::from_metrics(&metrics),
+                    crate::replica::SyncStats::from_metrics(&metrics.ledger),
                 )?;
                 tracing::info!(endpoint = r.endpoint(), peers = ?config.replica_sync.peers, origin = r.origin(), "replica sync on");
                 Some(r)
             }
             None => None,
         };
+        let workers = Lifecycle::new(
+            config.kv.replay_timeout,
+            SocketLimits {
+                max_message_bytes: config.kv.max_message_bytes,
+                queue_messages: config.kv.queue_messages,
+            },
+            metrics.kv.subscribers.clone(),
+        );
         let sc = Arc::new(Sidecar {
-            fleet: Mutex::new(fleet),
+            fleet: Arc::new(Mutex::new(fleet)),
             versions,
             store: SnapshotStore::default(),
-            plane,
+            shards,
+            plane: Arc::new(plane),
             metrics,
             routed: Mutex::new(ApproxIndex::new(
                 config.kv.approx_ttl,
@@ -115,17 +130,11 @@ impl Sidecar {
             bookings: Mutex::new(Bookings::new(config.load.booking_ttl)),
             last_poll_ms: AtomicU64::new(now_ms()),
             client: scrape::client(),
-            workers: Lifecycle::new(
-                config.kv.replay_timeout,
-                SocketLimits {
-                    max_message_bytes: config.kv.max_message_bytes,
-                    queue_messages: config.kv.queue_messages,
-                },
-            ),
+            workers,
             replica,
             dump_turn: tokio::sync::Mutex::new(()),
-            recovering: AtomicBool::new(!config.indexer.peers.is_empty()),
-            config,
+            recovering: Arc::new(AtomicBool::new(!config.indexer.peers.is_empty())),
+            config: Arc::new(config),
         });
         if sc.replica.is_some() {
             let weak = Arc::downgrade(&sc);
@@ -143,11 +152,22 @@ impl Sidecar {
         if !sc.config.indexer.peers.is_empty() {
             // The subscribers above are connecting; their batches wait for
             // this (see `Plane`).
-            tokio::spawn(recovery::run(sc.clone()));
+            tokio::spawn(recovery::run(recovery::Handles {
+                indexer: sc.config.indexer.clone(),
+                client: sc.client.clone(),
+                plane: sc.plane.clone(),
+                metrics: sc.metrics.kv.clone(),
+                recovering: sc.recovering.clone(),
+            }));
         }
         sc.publish_now();
         tokio::spawn(tick::publish_loop(sc.clone()));
-        tokio::spawn(crate::thermal::thermal_loop(sc.clone()));
+        tokio::spawn(crate::thermal::thermal_loop(crate::thermal::Handles {
+            config: sc.config.clone(),
+            fleet: sc.fleet.clone(),
+            metrics: sc.metrics.thermal.clone(),
+            client: sc.client.clone(),
+        }));
         tokio::spawn(tick::planner_loop(sc.clone()));
         Ok(sc)
     }
@@ -171,6 +191,11 @@ impl Sidecar {
 
     pub fn store(&self) -> &SnapshotStore {
         &self.store
+    }
+
+    /// Every model's index shards as last published.
+    pub(crate) fn shards(&self) -> &ShardLog {
+        &self.shards
     }
 
     pub fn plane(&self) -> &Plane {
@@ -222,11 +247,6 @@ impl Sidecar {
         self.recovering.load(Ordering::Acquire)
     }
 
-    /// Start-up recovery ended, whatever it found.
-    pub(crate) fn recovered(&self) {
-        self.recovering.store(false, Ordering::Release);
-    }
-
     /// Notes that a gateway's long poll was answered.
     pub(crate) fn polled(&self) {
         self.last_poll_ms.store(now_ms(), Ordering::Relaxed);
@@ -235,5 +255,159 @@ impl Sidecar {
     /// How long since a gateway last heard from us.
     pub(crate) fn poll_age(&self) -> Duration {
         Duration::from_millis(now_ms().saturating_sub(self.last_poll_ms.load(Ordering::Relaxed)))
+    }
+
+    /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
+    pub(crate) fn publish_now(&self) {
+        let snap = {
+            let now = Instant::now();
+            let mut b = self.bookings();
+            let expired = b.sweep(now);
+            if expired > 0 {
+                tracing::warn!(expired, "bookings expired without their end being reported");
+                self.metrics()
+                    .ledger
+                    .bookings_expired
+                    .inc_by(expired as u64);
+            }
+            let mut f = self.fleet();
+            f.expire(now, self.config().scrape.down_after);
+            let snap = f.build_snapshot(&b, self.config().load.max_retry_after_s);
+            let m = self.metrics();
+            f.show(&b, &snap, &m.snapshot, &m.ledger);
+            snap
+        };
+        let m = &self.metrics().snapshot;
+        if let Some(v) = self.store().publish(self.versions(), snap, now_ms()) {
+            tracing::debug!(version = v, "published snapshot");
+            m.bytes.set(self.store().bytes().len() as i64);
+        }
+        m.version.set(self.versions().current() as i64);
+    }
+
+    /// Expires and publishes the routed-prefix index's changed shards;
+    /// ranks whose engine emptied its cache forget their routed prefixes.
+    pub(crate) fn publish_routed(&self) {
+        let cleared = self.plane().take_cleared();
+        let updates = {
+            let mut a = self.routed();
+            for slot in cleared {
+                a.forget_slot(slot);
+            }
+            a.sweep(Instant::now());
+            a.take_updates()
+        };
+        if !updates.is_empty() {
+            self.shards().publish(updates);
+        }
+    }
+}
+
+/// The API's view of the sidecar: each method is the sidecar's own.
+impl Backend for Sidecar {
+    fn config(&self) -> &Config {
+        Sidecar::config(self)
+    }
+
+    fn fleet(&self) -> MutexGuard<'_, Fleet> {
+        Sidecar::fleet(self)
+    }
+
+    fn bookings(&self) -> MutexGuard<'_, Bookings> {
+        Sidecar::bookings(self)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        Sidecar::metrics(self)
+    }
+
+    fn store(&self) -> &SnapshotStore {
+        Sidecar::store(self)
+    }
+
+    fn versions(&self) -> &Versions {
+        Sidecar::versions(self)
+    }
+
+    fn shards(&self) -> &ShardLog {
+        Sidecar::shards(self)
+    }
+
+    fn plane(&self) -> &Plane {
+        Sidecar::plane(self)
+    }
+
+    fn replica(&self) -> Option<&ReplicaSync> {
+        Sidecar::replica(self)
+    }
+
+    fn dump_turn(&self) -> &tokio::sync::Mutex<()> {
+        Sidecar::dump_turn(self)
+    }
+
+    fn recovering(&self) -> bool {
+        Sidecar::recovering(self)
+    }
+
+    fn polled(&self) {
+        Sidecar::polled(self)
+    }
+
+    fn poll_age(&self) -> Duration {
+        Sidecar::poll_age(self)
+    }
+
+    fn add_worker(self: Arc<Self>, spec: WorkerSpec) -> Result<WorkerEntry, FleetError> {
+        Sidecar::add_worker(&self, spec)
+    }
+
+    fn patch_worker(
+        self: Arc<Self>,
+        id: u64,
+        patch: &serde_json::Value,
+    ) -> Result<WorkerEntry, FleetError> {
+        Sidecar::patch_worker(&self, id, patch)
+    }
+
+    fn remove_worker(&self, id: u64) -> Result<(), FleetError> {
+        Sidecar::remove_worker(self, id)
+    }
+
+    fn set_thresholds(&self, model: &str, t: kvgate_core::Thresholds) -> Result<(), FleetError> {
+        Sidecar::set_thresholds(self, model, t)
+    }
+
+    fn book(&self, events: Vec<kvgate_core::booking::Event>) {
+        Sidecar::book(self, events)
+    }
+
+    fn learn(&self, records: &[kvgate_core::approx::Routed]) -> usize {
+        Sidecar::learn(self, records)
+    }
+
+    fn reserve(
+        &self,
+        ledger: &mut Bookings,
+        id: &str,
+        rank: &RankId,
+        load: Load,
+    ) -> Result<(), LedgerError> {
+        Sidecar::reserve(self, ledger, id, rank, load)
+    }
+
+    fn reservation_prefill_complete(&self, id: &str) -> Result<(), LedgerError> {
+        Sidecar::reservation_prefill_complete(self, id)
+    }
+
+    fn reservation_output_block(
+        &self,
+        id: &str,
+        decay_fraction: Option<f64>,
+    ) -> Result<(), LedgerError> {
+        Sidecar::reservation_output_block(self, id, decay_fraction)
+    }
+
+    fn free_reservation(&self, id: &str) -> Result<(), LedgerError> {
+        Sidecar::free_reservation(self, id)
     }
 }

@@ -22,7 +22,7 @@ impl Sidecar {
                 .collect()
         };
         let now = Instant::now();
-        let metrics = self.metrics();
+        let metrics = &self.metrics().selection;
         let mut b = self.bookings();
         let mut observed: Vec<Observed> = Vec::new();
         // Per slot: requests routed, then prompt and cached tokens of those
@@ -205,6 +205,7 @@ impl Sidecar {
         }
         if unknown > 0 {
             self.metrics()
+                .ledger
                 .replica_events
                 .with_label_values(&["unknown_rank"])
                 .inc_by(unknown);
@@ -237,6 +238,7 @@ impl Sidecar {
             a.learn(r, now);
         }
         self.metrics()
+            .selection
             .approx_learned
             .inc_by(a.learned.saturating_sub(before));
         valid.len()
@@ -245,15 +247,6 @@ impl Sidecar {
     /// Records a scrape; a worker that went up or down is published
     /// without waiting for the next tick.
     pub(crate) fn scraped(&self, id: u64, result: Result<Vec<RankMetrics>, String>) {
-        let ids = id.to_string();
-        self.metrics().scrapes.with_label_values(&[&ids]).inc();
-        if let Err(e) = &result {
-            self.metrics()
-                .scrape_errors
-                .with_label_values(&[&ids])
-                .inc();
-            tracing::debug!(worker = id, error = %e, "scrape failed");
-        }
         let changed = self.fleet().record_scrape(id, result, Instant::now());
         if changed {
             self.publish_now();

@@ -1,0 +1,57 @@
+//! The view of the fleet that selections and reservations read, and the
+//! ids reservations take.
+//!
+//! A selection must see the load booked a moment ago, or a burst of
+//! `/select_and_reserve` calls would all land on the rank that looked
+//! idlest in the last published snapshot. So a selection reads the
+//! snapshot (workers, thresholds, engine metrics) with each rank's booked
+//! load taken from the ledger at that instant, as the filter adds its own
+//! bookings to its copy of the snapshot.
+
+use crate::sources::bookings::Bookings;
+use kvgate_core::busy::rank_busy;
+use kvgate_core::{ModelState, Snapshot};
+
+/// A reservation's id: non-empty, printable and short, since it is echoed
+/// in answers and logs and sent to peers.
+pub(crate) fn valid_reservation_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > 256 || !id.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(format!(
+            "reservation_id {:?} must be 1 to 256 printable ASCII characters",
+            truncate(id)
+        ));
+    }
+    Ok(())
+}
+
+fn truncate(s: &str) -> &str {
+    let mut end = s.len().min(64);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// `model` of `snap` with each rank's booked load as the ledger has it now,
+/// and its busy flag checked again against that load. The published flag
+/// stands in for the decode latch: a rank that was busy stays so until its
+/// load is under the threshold's lower mark.
+pub(crate) fn fresh_model(snap: &Snapshot, name: &str, ledger: &Bookings) -> Option<ModelState> {
+    snap.model(name).map(|m| fresh(m, ledger))
+}
+
+/// [`fresh_model`] for a model already found.
+pub(crate) fn fresh(model: &ModelState, ledger: &Bookings) -> ModelState {
+    let mut m = model.clone();
+    let th = m.thresholds;
+    for w in &mut m.workers {
+        for r in &mut w.ranks {
+            let booked = ledger.slot(r.slot);
+            r.active_prefill_tokens = booked.prefill_tokens;
+            r.active_decode_blocks = booked.decode_blocks;
+            let mut latched = r.busy;
+            r.busy = rank_busy(r, &th, &mut latched).is_some();
+        }
+    }
+    m
+}

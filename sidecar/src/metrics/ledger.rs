@@ -1,0 +1,69 @@
+//! The ledger family: the load booked on each rank, by this sidecar's
+//! gateways, the selection API's reservations and replica-sync peers.
+
+use super::{MetricsError, RANK, counter, gauge_vec, plain_counter};
+use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Registry};
+
+pub struct LedgerMetrics {
+    pub rank_active_prefill: IntGaugeVec,
+    pub rank_active_decode: IntGaugeVec,
+    pub bookings_active: IntGaugeVec,
+    pub bookings_expired: IntCounter,
+    pub holders: IntGaugeVec,
+    pub booking_batches: IntCounterVec,
+    pub replica_events: IntCounterVec,
+    pub replica_refused: IntCounter,
+}
+
+impl LedgerMetrics {
+    pub(super) fn new(r: &Registry) -> Result<LedgerMetrics, MetricsError> {
+        Ok(LedgerMetrics {
+            rank_active_prefill: gauge_vec(
+                r,
+                "kvgate_sidecar_rank_active_prefill_tokens",
+                "Prompt tokens routed to the rank and not yet answered (gateway bookings).",
+                RANK,
+            )?,
+            rank_active_decode: gauge_vec(
+                r,
+                "kvgate_sidecar_rank_active_decode_blocks",
+                "KV blocks the gateway has booked on the rank for requests in flight (cached prefix blocks count once).",
+                RANK,
+            )?,
+            bookings_active: gauge_vec(
+                r,
+                "kvgate_sidecar_bookings_active",
+                "Requests the gateway routed that have not ended, per model.",
+                &["model"],
+            )?,
+            holders: gauge_vec(
+                r,
+                "kvgate_sidecar_ledger_holders",
+                "Requests in flight in the load ledger, by kind: gateway (this sidecar's Envoy), reservation (the selection API), peer (announced by replica-sync peers).",
+                &["kind"],
+            )?,
+            bookings_expired: plain_counter(
+                r,
+                "kvgate_sidecar_bookings_expired_total",
+                "Bookings dropped by the expiry because their end was never reported.",
+            )?,
+            booking_batches: counter(
+                r,
+                "kvgate_sidecar_booking_batches_total",
+                "Booking batches received from the gateway, by result (ok, malformed).",
+                &["result"],
+            )?,
+            replica_events: counter(
+                r,
+                "kvgate_sidecar_replica_sync_events_total",
+                "Replica-sync events, by result: sent, received, dropped_outbox (this sidecar queued more than it could send), dropped_inbound (peers sent faster than it applied), unknown_rank (an admission for a rank not in this catalog).",
+                &["result"],
+            )?,
+            replica_refused: plain_counter(
+                r,
+                "kvgate_sidecar_replica_sync_refused_messages_total",
+                "Replica-sync messages refused whole: malformed, another version, or not signed with this sidecar's control token.",
+            )?,
+        })
+    }
+}

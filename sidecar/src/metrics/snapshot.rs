@@ -1,0 +1,133 @@
+//! The snapshot family: the workers' scrapes and health, the engine load
+//! per rank that the snapshot carries, and what is published of it.
+
+use super::{MetricsError, RANK, WORKER, counter, float_gauge, gauge, gauge_vec};
+use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
+
+pub struct SnapshotMetrics {
+    scrapes: IntCounterVec,
+    scrape_errors: IntCounterVec,
+    pub worker_up: IntGaugeVec,
+    pub workers_up: IntGaugeVec,
+    pub rank_running: IntGaugeVec,
+    pub rank_waiting: IntGaugeVec,
+    pub rank_kv_used: IntGaugeVec,
+    pub rank_kv_total: IntGaugeVec,
+    pub rank_busy: IntGaugeVec,
+    pub retry_after: IntGaugeVec,
+    pub threshold_changes: IntCounterVec,
+    pub version: IntGauge,
+    pub bytes: IntGauge,
+    pub polls: IntCounterVec,
+    pub age: Gauge,
+}
+
+/// One worker's scrape counters, labelled when its scraper is spawned.
+#[derive(Clone)]
+pub struct ScrapeCounters {
+    pub scrapes: IntCounter,
+    pub errors: IntCounter,
+}
+
+impl SnapshotMetrics {
+    pub(super) fn new(r: &Registry) -> Result<SnapshotMetrics, MetricsError> {
+        Ok(SnapshotMetrics {
+            scrapes: counter(
+                r,
+                "kvgate_sidecar_scrapes_total",
+                "Metrics scrapes attempted, per worker.",
+                WORKER,
+            )?,
+            scrape_errors: counter(
+                r,
+                "kvgate_sidecar_scrape_errors_total",
+                "Metrics scrapes that failed, per worker.",
+                WORKER,
+            )?,
+            worker_up: gauge_vec(
+                r,
+                "kvgate_sidecar_worker_up",
+                "1 when the worker is schedulable.",
+                &["model", "worker_id"],
+            )?,
+            workers_up: gauge_vec(
+                r,
+                "kvgate_sidecar_workers_up",
+                "Schedulable workers per model.",
+                &["model"],
+            )?,
+            version: gauge(
+                r,
+                "kvgate_sidecar_snapshot_version",
+                "Version of the latest published state.",
+            )?,
+            bytes: gauge(
+                r,
+                "kvgate_sidecar_snapshot_bytes",
+                "Size of the latest load snapshot.",
+            )?,
+            polls: counter(
+                r,
+                "kvgate_sidecar_snapshot_polls_total",
+                "Long polls answered, by result (changed, timeout).",
+                &["result"],
+            )?,
+            rank_running: gauge_vec(
+                r,
+                "kvgate_sidecar_rank_running",
+                "Requests running on the rank, from the engine.",
+                RANK,
+            )?,
+            rank_waiting: gauge_vec(
+                r,
+                "kvgate_sidecar_rank_waiting",
+                "Requests queued on the rank, from the engine.",
+                RANK,
+            )?,
+            rank_kv_used: gauge_vec(
+                r,
+                "kvgate_sidecar_rank_kv_used_blocks",
+                "KV blocks in use on the rank.",
+                RANK,
+            )?,
+            rank_kv_total: gauge_vec(
+                r,
+                "kvgate_sidecar_rank_kv_total_blocks",
+                "KV blocks on the rank.",
+                RANK,
+            )?,
+            rank_busy: gauge_vec(
+                r,
+                "kvgate_sidecar_rank_busy",
+                "1 when the rank is over a busy threshold.",
+                RANK,
+            )?,
+            retry_after: gauge_vec(
+                r,
+                "kvgate_sidecar_retry_after_seconds",
+                "Retry-After the gateway sends while every worker of the model is busy (0: the filter's default).",
+                &["model"],
+            )?,
+            threshold_changes: counter(
+                r,
+                "kvgate_sidecar_threshold_changes_total",
+                "Busy thresholds changed through /busy_threshold, per model.",
+                &["model"],
+            )?,
+            age: float_gauge(
+                r,
+                "kvgate_sidecar_snapshot_age_seconds",
+                "Seconds since the gateway last received a snapshot or was told its snapshot is current.",
+            )?,
+        })
+    }
+
+    /// The scrape counters of worker `id`.
+    pub fn scrape(&self, id: u64) -> ScrapeCounters {
+        let ids = id.to_string();
+        ScrapeCounters {
+            scrapes: self.scrapes.with_label_values(&[&ids]),
+            errors: self.scrape_errors.with_label_values(&[&ids]),
+        }
+    }
+}

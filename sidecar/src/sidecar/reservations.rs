@@ -1,0 +1,69 @@
+//! Reservations: load that runtimes without Envoy book through the
+//! selection API, in the same ledger as the gateways' bookings, and told
+//! to the replica-sync peers as the gateways' bookings are.
+
+use super::ingest::placed;
+use crate::Sidecar;
+use crate::fleet::RankId;
+use crate::replica::wire::{SyncEvent, SyncId};
+use crate::sources::bookings::{Bookings, Holder, Id, LedgerError, Load};
+use std::time::Instant;
+
+impl Sidecar {
+    /// Books a reservation on `rank`'s `slot` and tells the peers.
+    pub(crate) fn reserve(
+        &self,
+        ledger: &mut Bookings,
+        id: &str,
+        rank: &RankId,
+        load: Load,
+    ) -> Result<(), LedgerError> {
+        ledger.reserve(id, load, Instant::now())?;
+        self.announce(|| {
+            SyncEvent::Admit(
+                SyncId::Reservation(id.into()),
+                placed(rank, load.prefill_tokens, load.decode_blocks),
+            )
+        });
+        Ok(())
+    }
+
+    pub(crate) fn reservation_prefill_complete(&self, id: &str) -> Result<(), LedgerError> {
+        let done = self
+            .bookings()
+            .prefill_complete(&reservation(id), Instant::now());
+        if !done {
+            return Err(LedgerError::Unknown(id.to_string()));
+        }
+        self.announce(|| SyncEvent::PrefillComplete(SyncId::Reservation(id.into())));
+        Ok(())
+    }
+
+    /// Output blocks stay local, as in Dynamo: they are the most frequent
+    /// event and peers learn the end from the free.
+    pub(crate) fn reservation_output_block(
+        &self,
+        id: &str,
+        decay_fraction: Option<f64>,
+    ) -> Result<(), LedgerError> {
+        let done = self
+            .bookings()
+            .output_block(&reservation(id), decay_fraction, Instant::now());
+        if !done {
+            return Err(LedgerError::Unknown(id.to_string()));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn free_reservation(&self, id: &str) -> Result<(), LedgerError> {
+        if self.bookings().free(&reservation(id)).is_none() {
+            return Err(LedgerError::Unknown(id.to_string()));
+        }
+        self.announce(|| SyncEvent::Free(SyncId::Reservation(id.into())));
+        Ok(())
+    }
+}
+
+fn reservation(id: &str) -> Holder {
+    Holder::here(Id::Reservation(id.into()))
+}
