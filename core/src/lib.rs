@@ -11,6 +11,8 @@
 //! * [`plan`]: the decision for one request, from its body to a placement
 //!   or a rejection, with the cost in [`plan::select`];
 //! * [`busy`]: the shedding rules; [`hash`]: block and prefix hashes;
+//! * the contracts with clients and Envoy: the [`reply`]s kvgate sends
+//!   itself, and the [`header`] names;
 //! * the binary formats between the parts, all read through one
 //!   bounds-checked reader: [`snapshot`], [`update`] frames, [`booking`]
 //!   events, [`approx`] routing reports and index [`shard`]s.
@@ -24,7 +26,9 @@ pub mod approx;
 pub mod booking;
 pub mod busy;
 pub mod hash;
+pub mod header;
 pub mod plan;
+pub mod reply;
 pub mod shard;
 pub mod snapshot;
 pub mod state;

@@ -10,6 +10,7 @@ use crate::metrics::{inc, record};
 use crate::reply::Reply;
 use kvgate_core::DEFAULT_TENANT;
 use kvgate_core::booking::{Event, Key, Timing};
+use kvgate_core::header::ATTEMPT_COUNT;
 use kvgate_core::plan::local::Release;
 use kvgate_core::plan::request::{Endpoint, parse};
 use kvgate_core::plan::{self, Placement, Plan, Rejection, retry};
@@ -18,10 +19,6 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
 use std::rc::Rc;
-
-/// Envoy's count of upstream attempts, in the response when the virtual
-/// host sets `include_attempt_count_in_response`.
-const ATTEMPT_COUNT: &str = "x-envoy-attempt-count";
 
 /// The worker Envoy retries on when the chosen one refuses the connection,
 /// and the load the request books there if it does.

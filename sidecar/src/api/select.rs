@@ -16,9 +16,11 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kvgate_core::ModelState;
 use kvgate_core::hash::sequence_hashes;
+use kvgate_core::header;
 use kvgate_core::plan::overlap::Cached;
 use kvgate_core::plan::request::{Parsed, estimate_tokens};
 use kvgate_core::plan::{self, Choice, Placement, Plan, Rejection, Route, ShardSource, overlap};
+use kvgate_core::reply::Reason;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -135,14 +137,14 @@ fn refused(req: &SelectRequest, r: Refused) -> Response {
             let mut r = error(StatusCode::SERVICE_UNAVAILABLE, message);
             if let Rejection::Thermal { .. } = rejection {
                 r.headers_mut().insert(
-                    "x-kvgate-reason",
-                    axum::http::HeaderValue::from_static("thermal"),
+                    header::REASON,
+                    axum::http::HeaderValue::from_static(Reason::Thermal.as_str()),
                 );
             }
             if retry_after_s > 0
                 && let Ok(v) = retry_after_s.to_string().parse()
             {
-                r.headers_mut().insert("retry-after", v);
+                r.headers_mut().insert(header::RETRY_AFTER, v);
             }
             r.into_response()
         }
