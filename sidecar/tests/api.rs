@@ -325,7 +325,7 @@ async fn bookings_load_ranks_until_released() {
     .encode_into(&mut batch);
     Event::Rejected {
         model: "m".into(),
-        reason: "all_workers_busy".into(),
+        reason: kvgate_core::reply::Reason::AllWorkersBusy,
     }
     .encode_into(&mut batch);
     let bookings_url = format!("{base}/v1/bookings");

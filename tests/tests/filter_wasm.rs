@@ -1129,7 +1129,7 @@ fn open_requests_book_load_so_a_burst_spreads_and_every_booking_is_released() {
         rejected,
         vec![Event::Rejected {
             model: "nope".into(),
-            reason: "unknown_model".into()
+            reason: kvgate_core::reply::Reason::UnknownModel
         }]
     );
 }

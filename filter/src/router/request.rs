@@ -113,7 +113,7 @@ impl Request {
         st.metrics.rejected(r.reason);
         st.send(&Event::Rejected {
             model: self.model.clone(),
-            reason: r.reason.as_str().to_string(),
+            reason: r.reason,
         });
         if let Err(status) = host::send_reply(r) {
             host::log(
