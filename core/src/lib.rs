@@ -42,6 +42,6 @@ pub use plan::{Placement, Plan, Rejection, Route};
 pub use snapshot::SnapshotError;
 pub use state::{
     Applied, DEFAULT_TENANT, InvalidValue, ModelPlan, ModelState, Policy, RankLoad, Snapshot,
-    Thermal, ThermalState, Thresholds, WorkerState,
+    Thermal, ThermalState, Thresholds, ThresholdsPatch, WorkerState,
 };
 pub use wire::WireError;
