@@ -243,17 +243,25 @@ macro_rules! thresholds {
 
         /// A change to [`Thresholds`], as `POST /busy_threshold` takes it:
         /// a condition left out is kept, `null` unsets it, a value sets it.
+        /// Written, it leaves out what it does not change, which is
+        /// Dynamo's shape for the conditions a model sets
+        /// ([`Thresholds::as_patch`]).
         #[derive(Debug, Clone, Copy, Default, PartialEq)]
         #[cfg_attr(
             feature = "serde",
-            derive(Deserialize),
+            derive(Serialize, Deserialize),
             serde(deny_unknown_fields)
         )]
         pub struct ThresholdsPatch {
             $(
                 #[cfg_attr(
                     feature = "serde",
-                    serde(rename = $wire, default, deserialize_with = "present")
+                    serde(
+                        rename = $wire,
+                        default,
+                        deserialize_with = "present",
+                        skip_serializing_if = "Option::is_none"
+                    )
                 )]
                 pub $field: Option<Option<$ty>>,
             )*
@@ -269,6 +277,13 @@ macro_rules! thresholds {
             pub fn patched(self, patch: &ThresholdsPatch) -> Thresholds {
                 Thresholds {
                     $($field: patch.$field.unwrap_or(self.$field),)*
+                }
+            }
+
+            /// The patch that sets what `self` sets and changes nothing else.
+            pub fn as_patch(&self) -> ThresholdsPatch {
+                ThresholdsPatch {
+                    $($field: self.$field.map(Some),)*
                 }
             }
         }
@@ -481,6 +496,11 @@ mod tests {
             }
         );
         assert_eq!(now.patched(&ThresholdsPatch::default()), now);
+        let some = Thresholds {
+            active_prefill_tokens: None,
+            ..now
+        };
+        assert_eq!(Thresholds::default().patched(&some.as_patch()), some);
     }
 
     #[cfg(feature = "serde")]
@@ -508,6 +528,15 @@ mod tests {
                 "{bad}"
             );
         }
+        let set = Thresholds {
+            active_prefill_tokens: Some(7),
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_string(&set.as_patch()).unwrap(),
+            r#"{"active_prefill_tokens_threshold":7}"#,
+            "unset conditions are left out"
+        );
         let names = serde_json::to_value(Thresholds::default()).unwrap();
         for name in [
             Thresholds::DECODE_BLOCKS,

@@ -9,7 +9,7 @@ pub use thermal::{
 
 use crate::config::WorkerSpec;
 use crate::fleet::WorkerEntry;
-use kvgate_core::{ModelState, Snapshot, Thresholds, WorkerState};
+use kvgate_core::{ModelState, Snapshot, Thresholds, ThresholdsPatch, WorkerState};
 use serde::{Deserialize, Serialize};
 
 /// `GET /v1/state`: the current snapshot, for people and tests.
@@ -147,33 +147,16 @@ pub struct WorkerList {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelThresholds {
     pub model: String,
-    #[serde(
-        rename = "active_decode_blocks_threshold",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub active_decode_blocks: Option<f64>,
-    #[serde(
-        rename = "active_prefill_tokens_threshold",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub active_prefill_tokens: Option<u64>,
-    #[serde(
-        rename = "active_prefill_tokens_threshold_frac",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub active_prefill_tokens_frac: Option<f64>,
+    /// Only the conditions set ([`Thresholds::as_patch`]).
+    #[serde(flatten)]
+    pub thresholds: ThresholdsPatch,
 }
 
 impl ModelThresholds {
     pub fn new(model: &str, t: &Thresholds) -> ModelThresholds {
         ModelThresholds {
             model: model.to_string(),
-            active_decode_blocks: t.active_decode_blocks,
-            active_prefill_tokens: t.active_prefill_tokens,
-            active_prefill_tokens_frac: t.active_prefill_tokens_frac,
+            thresholds: t.as_patch(),
         }
     }
 }
