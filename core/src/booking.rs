@@ -17,7 +17,11 @@
 //!
 //! The wire form is a concatenation of records, each a tag byte and fixed
 //! little-endian fields, with strings as a u16 length and UTF-8 bytes.
+//! A local reply's reason travels as its [`Reason`] code (tag 6); tag 4,
+//! the reason as its name, is still read so that filters of the previous
+//! release keep reporting during a rolling upgrade (sidecars first).
 
+use crate::reply::Reason;
 use crate::wire::{Reader, WireError};
 use thiserror::Error;
 
@@ -47,15 +51,20 @@ pub enum Event {
     /// that time their requests say how it went (the planner's
     /// observations); older ones send no timing.
     Done { key: Key, timing: Option<Timing> },
-    /// Answered locally; `reason` is the `x-kvgate-reason` value.
-    Rejected { model: String, reason: String },
+    /// Answered locally, for `reason`.
+    Rejected { model: String, reason: Reason },
 }
 
 const TAG_BOOK: u8 = 1;
 const TAG_FIRST_BYTE: u8 = 2;
 const TAG_DONE: u8 = 3;
-const TAG_REJECTED: u8 = 4;
+/// The reason as its `x-kvgate-reason` name: read, no longer written.
+/// Drop it in the release after the one that introduced
+/// [`TAG_REJECTED_CODE`], once no filter of the release before can be
+/// running.
+const TAG_REJECTED_NAME: u8 = 4;
 const TAG_DONE_TIMED: u8 = 5;
+const TAG_REJECTED_CODE: u8 = 6;
 
 /// How a routed request went, as its gateway saw it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -76,11 +85,15 @@ pub enum BookingError {
     Wire(#[from] WireError),
     #[error("unknown booking record tag {tag} at byte {at}")]
     UnknownTag { tag: u8, at: usize },
+    /// A rejection whose reason this build does not know: a code from a
+    /// newer filter, or a name no filter sends.
+    #[error("unknown rejection reason in the record at byte {at}")]
+    UnknownReason { at: usize },
 }
 
 impl Event {
     /// Appends the record to `out`. Strings longer than 64 KiB are cut at a
-    /// character boundary (model names and reasons are far shorter).
+    /// character boundary (model names are far shorter).
     pub fn encode_into(&self, out: &mut Vec<u8>) {
         match self {
             Event::Book {
@@ -116,9 +129,9 @@ impl Event {
                 }
             }
             Event::Rejected { model, reason } => {
-                out.push(TAG_REJECTED);
+                out.push(TAG_REJECTED_CODE);
                 put_str(out, model);
-                put_str(out, reason);
+                out.push(reason.code());
             }
         }
     }
@@ -167,10 +180,21 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<Event>, BookingError> {
                     output_tokens: r.u32()?,
                 }),
             },
-            TAG_REJECTED => {
+            TAG_REJECTED_CODE => {
                 let model = r.string16()?;
-                let reason = r.string16()?;
-                Event::Rejected { model, reason }
+                let reason = Reason::from_code(r.u8()?);
+                Event::Rejected {
+                    model,
+                    reason: reason.ok_or(BookingError::UnknownReason { at })?,
+                }
+            }
+            TAG_REJECTED_NAME => {
+                let model = r.string16()?;
+                let reason = Reason::from_name(&r.string16()?);
+                Event::Rejected {
+                    model,
+                    reason: reason.ok_or(BookingError::UnknownReason { at })?,
+                }
             }
             tag => return Err(BookingError::UnknownTag { tag, at }),
         };
@@ -222,7 +246,7 @@ mod tests {
             Event::FirstByte { key: key(1) },
             Event::Rejected {
                 model: "m".into(),
-                reason: "all_workers_busy".into(),
+                reason: Reason::AllWorkersBusy,
             },
             Event::Done {
                 key: key(1),
@@ -264,7 +288,7 @@ mod tests {
         );
         let mut bad = Event::Rejected {
             model: "ab".into(),
-            reason: String::new(),
+            reason: Reason::BadRequest,
         }
         .encode();
         bad[3] = 0xff;
@@ -272,6 +296,60 @@ mod tests {
             decode_batch(&bad),
             Err(BookingError::Wire(WireError::BadUtf8 { offset: 3 }))
         );
+    }
+
+    /// A rejection as filters of the previous release write it: tag 4,
+    /// the model, then the reason's name.
+    fn by_name(model: &str, reason: &str) -> Vec<u8> {
+        let mut out = vec![TAG_REJECTED_NAME];
+        put_str(&mut out, model);
+        put_str(&mut out, reason);
+        out
+    }
+
+    #[test]
+    fn a_reason_by_name_or_by_code_is_the_same_rejection() {
+        for reason in Reason::ALL {
+            let by_code = Event::Rejected {
+                model: "m".into(),
+                reason,
+            }
+            .encode();
+            assert_eq!(by_code[0], TAG_REJECTED_CODE);
+            assert_eq!(
+                decode_batch(&by_name("m", reason.as_str())).unwrap(),
+                decode_batch(&by_code).unwrap()
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_reasons_are_refused() {
+        let mut batch = Event::FirstByte { key: key(1) }.encode();
+        let at = batch.len();
+        let mut hostile = Event::Rejected {
+            model: "m".into(),
+            reason: Reason::Thermal,
+        }
+        .encode();
+        *hostile.last_mut().unwrap() = Reason::ALL.len() as u8;
+        batch.extend_from_slice(&hostile);
+        assert_eq!(
+            decode_batch(&batch),
+            Err(BookingError::UnknownReason { at })
+        );
+        *batch.last_mut().unwrap() = u8::MAX;
+        assert_eq!(
+            decode_batch(&batch),
+            Err(BookingError::UnknownReason { at })
+        );
+        for name in ["busy", "", "ALL_WORKERS_BUSY", "thermal ", "x\u{0}"] {
+            assert_eq!(
+                decode_batch(&by_name("m", name)),
+                Err(BookingError::UnknownReason { at: 0 }),
+                "{name:?}"
+            );
+        }
     }
 
     proptest! {

@@ -13,6 +13,8 @@
 //! * [`busy`]: the shedding rules; [`hash`]: block and prefix hashes;
 //! * [`disagg`]: disaggregated prefill and decode: the legs' bodies and
 //!   when a request needs no prefill leg;
+//! * the contracts with clients and Envoy: the [`reply`]s kvgate sends
+//!   itself, and the [`header`] names;
 //! * the binary formats between the parts, all read through one
 //!   bounds-checked reader: [`snapshot`], [`update`] frames, [`booking`]
 //!   events, [`approx`] routing reports and index [`shard`]s.
@@ -27,7 +29,9 @@ pub mod booking;
 pub mod busy;
 pub mod disagg;
 pub mod hash;
+pub mod header;
 pub mod plan;
+pub mod reply;
 pub mod shard;
 pub mod snapshot;
 pub mod state;
@@ -41,6 +45,6 @@ pub use plan::{Placement, Plan, Rejection, Route};
 pub use snapshot::SnapshotError;
 pub use state::{
     Applied, DEFAULT_TENANT, InvalidValue, ModelPlan, ModelState, Policy, RankLoad, Snapshot,
-    Thermal, ThermalState, Thresholds, WorkerState,
+    Thermal, ThermalState, Thresholds, ThresholdsPatch, WorkerState,
 };
 pub use wire::WireError;

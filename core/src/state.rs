@@ -220,30 +220,94 @@ impl Snapshot {
     }
 }
 
-/// Per-model shedding thresholds. `None` disables that condition; all `None`
-/// means the model never sheds. The serialized names are Dynamo's, so its
-/// `busy_threshold` clients and configuration carry over.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
-pub struct Thresholds {
+/// Declares [`Thresholds`] and [`ThresholdsPatch`] from one list, so that
+/// each condition's field, type and Dynamo name are written once.
+macro_rules! thresholds {
+    ($(
+        $(#[doc = $doc:literal])*
+        $field:ident: $ty:ty, $name:ident = $wire:literal;
+    )*) => {
+        /// Per-model shedding thresholds. `None` disables that condition;
+        /// all `None` means the model never sheds. The serialized names are
+        /// Dynamo's, so its `busy_threshold` clients and configuration
+        /// carry over.
+        #[derive(Debug, Clone, Copy, Default, PartialEq)]
+        #[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+        pub struct Thresholds {
+            $(
+                $(#[doc = $doc])*
+                #[cfg_attr(feature = "serde", serde(rename = $wire, default))]
+                pub $field: Option<$ty>,
+            )*
+        }
+
+        /// A change to [`Thresholds`], as `POST /busy_threshold` takes it:
+        /// a condition left out is kept, `null` unsets it, a value sets it.
+        /// Written, it leaves out what it does not change, which is
+        /// Dynamo's shape for the conditions a model sets
+        /// ([`Thresholds::as_patch`]).
+        #[derive(Debug, Clone, Copy, Default, PartialEq)]
+        #[cfg_attr(
+            feature = "serde",
+            derive(Serialize, Deserialize),
+            serde(deny_unknown_fields)
+        )]
+        pub struct ThresholdsPatch {
+            $(
+                #[cfg_attr(
+                    feature = "serde",
+                    serde(
+                        rename = $wire,
+                        default,
+                        deserialize_with = "present",
+                        skip_serializing_if = "Option::is_none"
+                    )
+                )]
+                pub $field: Option<Option<$ty>>,
+            )*
+        }
+
+        impl Thresholds {
+            $(
+                /// The condition's Dynamo name.
+                pub const $name: &'static str = $wire;
+            )*
+
+            /// `self` with `patch` applied.
+            pub fn patched(self, patch: &ThresholdsPatch) -> Thresholds {
+                Thresholds {
+                    $($field: patch.$field.unwrap_or(self.$field),)*
+                }
+            }
+
+            /// The patch that sets what `self` sets and changes nothing else.
+            pub fn as_patch(&self) -> ThresholdsPatch {
+                ThresholdsPatch {
+                    $($field: self.$field.map(Some),)*
+                }
+            }
+        }
+    };
+}
+
+thresholds! {
     /// Fraction of KV blocks (0–1) above which decode load makes a rank busy.
-    #[cfg_attr(
-        feature = "serde",
-        serde(rename = "active_decode_blocks_threshold", default)
-    )]
-    pub active_decode_blocks: Option<f64>,
+    active_decode_blocks: f64, DECODE_BLOCKS = "active_decode_blocks_threshold";
     /// Absolute active prefill tokens above which a rank is busy.
-    #[cfg_attr(
-        feature = "serde",
-        serde(rename = "active_prefill_tokens_threshold", default)
-    )]
-    pub active_prefill_tokens: Option<u64>,
+    active_prefill_tokens: u64, PREFILL_TOKENS = "active_prefill_tokens_threshold";
     /// Multiple of `max_num_batched_tokens` above which a rank is busy.
-    #[cfg_attr(
-        feature = "serde",
-        serde(rename = "active_prefill_tokens_threshold_frac", default)
-    )]
-    pub active_prefill_tokens_frac: Option<f64>,
+    active_prefill_tokens_frac: f64, PREFILL_TOKENS_FRAC = "active_prefill_tokens_threshold_frac";
+}
+
+/// A patch field that is present, `null` or not: absent fields stay
+/// `None` through `default`.
+#[cfg(feature = "serde")]
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
 }
 
 /// A value outside the range its field allows.
@@ -268,7 +332,7 @@ impl Thresholds {
             && !(0.0..=1.0).contains(&d)
         {
             return Err(InvalidValue {
-                field: "active_decode_blocks_threshold",
+                field: Thresholds::DECODE_BLOCKS,
                 rule: "within [0, 1]",
                 value: d,
             });
@@ -277,7 +341,7 @@ impl Thresholds {
             && !(f > 0.0 && f.is_finite())
         {
             return Err(InvalidValue {
-                field: "active_prefill_tokens_threshold_frac",
+                field: Thresholds::PREFILL_TOKENS_FRAC,
                 rule: "above 0",
                 value: f,
             });
@@ -409,6 +473,78 @@ mod tests {
                 active_prefill_tokens_frac: None,
             }
         );
+    }
+
+    #[test]
+    fn a_patch_sets_unsets_and_keeps() {
+        let now = Thresholds {
+            active_decode_blocks: Some(0.9),
+            active_prefill_tokens: Some(100),
+            active_prefill_tokens_frac: Some(2.0),
+        };
+        let patch = ThresholdsPatch {
+            active_decode_blocks: Some(Some(0.5)),
+            active_prefill_tokens: Some(None),
+            active_prefill_tokens_frac: None,
+        };
+        assert_eq!(
+            now.patched(&patch),
+            Thresholds {
+                active_decode_blocks: Some(0.5),
+                active_prefill_tokens: None,
+                active_prefill_tokens_frac: Some(2.0),
+            }
+        );
+        assert_eq!(now.patched(&ThresholdsPatch::default()), now);
+        let some = Thresholds {
+            active_prefill_tokens: None,
+            ..now
+        };
+        assert_eq!(Thresholds::default().patched(&some.as_patch()), some);
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn a_patch_reads_dynamos_names_absent_null_or_set() {
+        let p: ThresholdsPatch = serde_json::from_str(
+            r#"{"active_decode_blocks_threshold": 0.5, "active_prefill_tokens_threshold": null}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            p,
+            ThresholdsPatch {
+                active_decode_blocks: Some(Some(0.5)),
+                active_prefill_tokens: Some(None),
+                active_prefill_tokens_frac: None,
+            }
+        );
+        for bad in [
+            r#"{"active_decode_block_threshold": 0.5}"#,
+            r#"{"active_prefill_tokens_threshold": -1}"#,
+            r#"{"active_prefill_tokens_threshold_frac": "2"}"#,
+        ] {
+            assert!(
+                serde_json::from_str::<ThresholdsPatch>(bad).is_err(),
+                "{bad}"
+            );
+        }
+        let set = Thresholds {
+            active_prefill_tokens: Some(7),
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_string(&set.as_patch()).unwrap(),
+            r#"{"active_prefill_tokens_threshold":7}"#,
+            "unset conditions are left out"
+        );
+        let names = serde_json::to_value(Thresholds::default()).unwrap();
+        for name in [
+            Thresholds::DECODE_BLOCKS,
+            Thresholds::PREFILL_TOKENS,
+            Thresholds::PREFILL_TOKENS_FRAC,
+        ] {
+            assert!(names.get(name).is_some(), "{name}");
+        }
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! Every key is optional and unknown keys are refused, so a typo fails the
 //! plugin load with a log line instead of silently changing behaviour.
 
+use kvgate_core::header;
 use serde::{Deserialize, Deserializer};
 use std::time::Duration;
 use thiserror::Error;
@@ -89,11 +90,11 @@ impl Default for Config {
             poll_backoff: Duration::from_millis(100),
             tick: Duration::from_millis(100),
             flush: Duration::from_millis(5),
-            destination_header: "x-gateway-destination-endpoint".into(),
-            rank_header: "x-data-parallel-rank".into(),
-            fallback_header: "x-kvgate-fallback".into(),
-            tenant_header: "x-kvgate-tenant".into(),
-            served_by_header: "x-kvgate-served-by".into(),
+            destination_header: header::DESTINATION.into(),
+            rank_header: header::RANK.into(),
+            fallback_header: header::FALLBACK.into(),
+            tenant_header: header::TENANT.into(),
+            served_by_header: header::SERVED_BY.into(),
             max_body_bytes: 1 << 20,
             stale_after: Duration::from_secs(5),
             on_stale: OnStale::FailOpen,

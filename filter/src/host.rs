@@ -124,15 +124,12 @@ pub fn property(path: &[&str]) -> Option<Vec<u8>> {
 }
 
 pub fn send_reply(r: &Reply) -> Result<(), Status> {
-    let retry = r.retry_after_s.map(|s| s.to_string());
-    let mut headers = vec![
-        ("content-type", "application/json"),
-        ("x-kvgate-reason", r.reason.as_str()),
-    ];
-    if let Some(s) = retry.as_deref() {
-        headers.push(("retry-after", s));
-    }
-    hostcalls::send_http_response(r.status, headers, Some(r.body.as_bytes()))
+    let headers = r.headers();
+    hostcalls::send_http_response(
+        u32::from(r.status),
+        headers.iter().map(|(k, v)| (*k, v.as_str())).collect(),
+        Some(r.body.as_bytes()),
+    )
 }
 
 /// Makes Envoy match the route again after routing headers changed.

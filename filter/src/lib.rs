@@ -14,8 +14,9 @@
 //!
 //! The decision itself is `kvgate_core::plan`, shared with the sidecar's
 //! selection API. What is left here is host-agnostic and tested natively
-//! ([`config`], [`poller`], [`manifest`], [`reply`]) or thin glue over
-//! host calls ([`host`], [`router`], [`service`]).
+//! ([`config`], [`poller`], [`manifest`]) or thin glue over host calls
+//! ([`host`], [`router`], [`service`]). The replies it sends itself
+//! ([`reply`]) are core's, shared with the ext_proc server.
 #![forbid(unsafe_code)]
 #![cfg_attr(
     not(test),

@@ -225,8 +225,8 @@ impl Service {
                 }
             }
             Some("204") => {
-                let epoch =
-                    host::call_response_header("x-kvgate-epoch").and_then(|e| e.parse().ok());
+                let epoch = host::call_response_header(kvgate_core::header::EPOCH)
+                    .and_then(|e| e.parse().ok());
                 let writes = self.poller.no_change(now, epoch);
                 self.write(writes);
             }

@@ -383,15 +383,23 @@ fn bookings() -> Vec<(&'static str, Vec<u8>)> {
         },
         Event::Rejected {
             model: "llama-3-8b".into(),
-            reason: "busy".into(),
+            reason: kvgate_core::reply::Reason::AllWorkersBusy,
         },
     ];
     let mut batch = Vec::new();
     for e in &all {
         e.encode_into(&mut batch);
     }
+    // A rejection as the release before the reason codes wrote it (tag 4,
+    // the reason by name), which sidecars still read.
+    let mut by_name = vec![4u8];
+    for s in ["llama-3-8b", "thermal"] {
+        by_name.extend_from_slice(&(s.len() as u16).to_le_bytes());
+        by_name.extend_from_slice(s.as_bytes());
+    }
     vec![
         ("seed-every-kind", batch),
+        ("seed-rejected-by-name", by_name),
         (
             "seed-done",
             Event::Done {

@@ -344,7 +344,13 @@ fn check_booking(data: &[u8]) -> bool {
     for e in &events {
         e.encode_into(&mut out);
     }
-    assert_eq!(out, data, "booking round trip");
+    // Equal events, not equal bytes: a rejection the previous release
+    // wrote with its reason's name is written back with the code.
+    assert_eq!(
+        booking::decode_batch(&out).as_ref(),
+        Ok(&events),
+        "booking round trip"
+    );
     true
 }
 

@@ -196,16 +196,17 @@ pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
             let mut f = sc.fleet();
             let mut due = std::collections::HashMap::new();
             for (name, p) in &f.planning.models {
-                let is_due = |last: &mut std::collections::HashMap<String, Instant>, ms: u64| {
+                let is_due = |last: &mut std::collections::HashMap<String, Instant>,
+                              every: Duration| {
                     let from = last.get(name).copied().unwrap_or(started);
-                    let d = now.saturating_duration_since(from) >= Duration::from_millis(ms);
+                    let d = now.saturating_duration_since(from) >= every;
                     if d {
                         last.insert(name.clone(), now);
                     }
                     d
                 };
-                let l = is_due(&mut last_load, p.cfg.load_interval_ms);
-                let t = is_due(&mut last_throughput, p.cfg.throughput_interval_ms);
+                let l = is_due(&mut last_load, p.cfg.load_interval);
+                let t = is_due(&mut last_throughput, p.cfg.throughput_interval);
                 due.insert(name.clone(), (l, t));
             }
             let loads = |f: &crate::fleet::Fleet, id: u64| {

@@ -274,6 +274,14 @@ async fn busy_threshold_api_in_dynamos_shapes() {
         assert_eq!(status, want, "{bad} -> {body}");
         assert!(body["error"].is_string(), "{body}");
     }
+    let (_, body) = json_of(
+        "POST",
+        &url,
+        Some(json!({"model": "m", "active_decode_block_threshold": 0.5})),
+    )
+    .await;
+    let e = body["error"].as_str().unwrap_or_default();
+    assert!(e.contains("`active_decode_block_threshold`"), "{e}");
     let (s, _, _) = call_raw("POST", &url, &[], b"{not json".to_vec()).await;
     assert_eq!(s, 400);
     let (_, body) = json_of("GET", &url, None).await;
@@ -325,7 +333,7 @@ async fn bookings_load_ranks_until_released() {
     .encode_into(&mut batch);
     Event::Rejected {
         model: "m".into(),
-        reason: "all_workers_busy".into(),
+        reason: kvgate_core::reply::Reason::AllWorkersBusy,
     }
     .encode_into(&mut batch);
     let bookings_url = format!("{base}/v1/bookings");

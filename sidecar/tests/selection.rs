@@ -562,3 +562,33 @@ async fn dynamos_optional_selection_fields_are_taken() {
         vec![((1, 0), (16, 3)), ((2, 0), (32, 12))]
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_fields_are_refused_by_name_beside_the_prompt() {
+    let (_, api, _sc) = two_workers_up().await;
+    let select = json!({"model_name": "m", "token_ids": [1, 2, 3]});
+    let reserve =
+        json!({"reservation_id": "r9", "model_name": "m", "worker_id": 1, "isl_tokens": 16});
+    for (path, body) in [
+        ("potential_loads", &select),
+        ("overlap_scores", &select),
+        ("select", &select),
+        ("select_and_reserve", &select),
+        ("reservations", &reserve),
+    ] {
+        let url = format!("{api}/{path}");
+        let mut typo = body.clone();
+        typo["token_idz"] = json!([4]);
+        let (status, v) = json_of("POST", &url, Some(typo)).await;
+        assert_eq!(status, 400, "{path}: {v}");
+        let e = v["error"].as_str().unwrap_or_default();
+        assert!(e.contains("unknown field `token_idz`"), "{path}: {e}");
+        // A prompt field of the wrong type is refused as before.
+        let mut wrong = body.clone();
+        wrong["isl_tokens"] = json!("many");
+        let (status, v) = json_of("POST", &url, Some(wrong)).await;
+        assert_eq!(status, 400, "{path}: {v}");
+        let (status, v) = json_of("POST", &url, Some(body.clone())).await;
+        assert_eq!(status, 200, "{path}: {v}");
+    }
+}

@@ -2,6 +2,7 @@
 //! way Envoy drives it with `--concurrency 2`: one snapshot-service VM and
 //! two router VMs sharing one shared-data store under vm_id `kvgate`.
 
+use kvgate_core::reply::{Reason, Reply};
 use kvgate_core::shard::{Holder, encode as encode_shard};
 use kvgate_core::update;
 use kvgate_core::{ModelState, RankLoad, Snapshot, Thermal, ThermalState, WorkerState};
@@ -482,6 +483,20 @@ fn thermal_caps_are_applied_per_request_and_a_hot_fleet_sheds_as_thermal() {
     assert_eq!(e.counter("kvgate_rejected_thermal_total"), 1);
 }
 
+/// The local reply the filter sends for core's `reply`: every header,
+/// in order, and the body, as they are.
+fn rendered(reply: &Reply) -> kvgate_tests::host::LocalReply {
+    kvgate_tests::host::LocalReply {
+        status: u32::from(reply.status),
+        headers: reply
+            .headers()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+        body: reply.body.clone().into_bytes(),
+    }
+}
+
 #[test]
 fn local_replies() {
     let mut e = Envoy::ready(r#"{"max_body_bytes": 200, "retry_after_s": 3}"#);
@@ -510,6 +525,7 @@ fn local_replies() {
         (404, Some("unknown_model"))
     );
     assert_eq!(body(&reply)["error"]["type"], "not_found_error");
+    assert_eq!(reply, rendered(&Reply::unknown_model("nope")));
 
     let reply = r.request(&CHAT, &[b"{\"model\": "]).reply.unwrap();
     assert_eq!(
@@ -522,7 +538,11 @@ fn local_replies() {
 
     let big = vec![b'x'; 150];
     let ex = r.request(&CHAT, &[&big, &big]);
-    assert_eq!(ex.reply.unwrap().status, 413, "limit crossed across chunks");
+    assert_eq!(
+        ex.reply,
+        Some(rendered(&Reply::too_large(200))),
+        "limit crossed across chunks"
+    );
     assert!(!ex.continued);
 
     assert_eq!(e.counter("kvgate_rejected_all_workers_busy_total"), 1);
@@ -1230,7 +1250,7 @@ fn open_requests_book_load_so_a_burst_spreads_and_every_booking_is_released() {
         rejected,
         vec![Event::Rejected {
             model: "nope".into(),
-            reason: "unknown_model".into()
+            reason: Reason::UnknownModel
         }]
     );
 }

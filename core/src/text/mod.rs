@@ -20,6 +20,7 @@
 //! crafted prompt that collides with another's prefix only steers its own
 //! request towards a worker that then computes its own, exact, hashes.
 
+mod jinja;
 pub mod skeleton;
 pub mod template;
 

@@ -26,7 +26,7 @@
 //! Anything else is rendered by the template, so the cache changes
 //! nothing but the cost: tests check both paths against `transformers`.
 
-use super::template::{Compiled, TemplateError};
+use super::jinja::{self, Compiled, TemplateError};
 use serde_json::{Map, Value};
 use std::collections::HashMap;
 use xxhash_rust::xxh3::Xxh3;
@@ -294,7 +294,7 @@ impl Skeletons {
         (self.built, self.used)
     }
 
-    /// Renders a chat as [`Compiled::chat`] does, from a skeleton where
+    /// Renders a chat as running the template does, from a skeleton where
     /// the chat allows.
     pub(super) fn chat(
         &mut self,
@@ -337,7 +337,7 @@ impl Skeletons {
             Some(Some(s)) => !s
                 .clock
                 .iter()
-                .all(|(f, out)| super::template::strftime(f, unix_s) == *out),
+                .all(|(f, out)| jinja::strftime(f, unix_s) == *out),
         };
         if stale {
             if self.by_shape.len() >= MAX_SHAPES {
@@ -416,7 +416,7 @@ fn build(
     unix_s: u64,
 ) -> Option<Skeleton> {
     let n = messages.as_array().map_or(0, Vec::len);
-    let (a, clock) = super::template::recording_clock(|| {
+    let (a, clock) = jinja::recording_clock(|| {
         c.chat_joined(&with_contents(messages, short), None, kwargs, unix_s)
     });
     let b = c

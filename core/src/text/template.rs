@@ -3,26 +3,23 @@
 //! vLLM renders chat requests with HuggingFace `transformers`: Jinja2 with
 //! `trim_blocks` and `lstrip_blocks`, loop controls, a `tojson` filter that
 //! is Python's `json.dumps(ensure_ascii=False)`, and the globals
-//! `raise_exception` and `strftime_now`. [`Renderer`] sets up minijinja the
-//! same way, with Python's string methods (`pycompat`), so the bytes it
-//! renders are the bytes the engine tokenizes. The tests check it against
-//! text rendered by `transformers` itself.
+//! `raise_exception` and `strftime_now`. [`Renderer`] runs minijinja set
+//! up the same way (`jinja`), so the bytes it renders are the bytes the
+//! engine tokenizes. The tests check it against text rendered by
+//! `transformers` itself.
 //!
 //! The sidecar reads the template from the model's files and publishes it
 //! as a [`PromptTemplate`] blob; every router VM compiles it once per
 //! version.
 
+use super::jinja::Compiled;
+pub use super::jinja::TemplateError;
 use super::skeleton::{Path, Skeletons};
-use crate::wire::{Reader, WireError};
-use minijinja::value::Kwargs;
-use minijinja::{Environment, ErrorKind, Value as JinjaValue};
+use crate::wire::Reader;
 use serde_json::{Map, Value};
-use std::borrow::Cow;
-use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
 const MAGIC: [u8; 4] = *b"KVGT";
-const NAME: &str = "chat";
 /// The largest template blob read: real templates are a few KB, the
 /// largest (with tool-call grammars) tens of KB.
 pub const MAX_BYTES: usize = 1 << 20;
@@ -37,22 +34,6 @@ pub struct PromptTemplate {
     /// What the tokenizer puts before a completion prompt when it adds
     /// special tokens (`<|begin_of_text|>` for Llama 3, nothing for Qwen).
     pub completion_prefix: String,
-}
-
-#[derive(Debug, Error)]
-pub enum TemplateError {
-    #[error("prompt template blob {0}")]
-    Wire(#[from] WireError),
-    #[error("not a prompt template blob (bad magic)")]
-    BadMagic,
-    #[error("prompt template blob holds invalid UTF-8")]
-    Utf8,
-    #[error("prompt template blob has {0} bytes after its last field")]
-    Trailing(usize),
-    #[error("chat template does not compile: {0}")]
-    Compile(String),
-    #[error("chat template failed to render: {0}")]
-    Render(String),
 }
 
 impl PromptTemplate {
@@ -106,23 +87,15 @@ impl PromptTemplate {
 /// A compiled template, with its cache of conversation skeletons
 /// ([`super::skeleton`]).
 pub struct Renderer {
+    template: PromptTemplate,
     compiled: Compiled,
     skeletons: Skeletons,
-}
-
-/// The template as minijinja runs it.
-pub(super) struct Compiled {
-    env: Environment<'static>,
-    template: PromptTemplate,
-    /// Whether the template walks a message's content parts itself; if
-    /// not, vLLM joins text parts with newlines first.
-    content_parts: bool,
 }
 
 impl std::fmt::Debug for Renderer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Renderer")
-            .field("version", &self.compiled.template.version())
+            .field("version", &self.template.version())
             .finish()
     }
 }
@@ -141,28 +114,19 @@ impl Renderer {
     }
 
     pub fn new(template: PromptTemplate) -> Result<Renderer, TemplateError> {
-        let mut env = Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_filter("tojson", tojson);
-        env.add_function("raise_exception", raise_exception);
-        env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(NAME, template.chat_template.clone())
-            .map_err(|e| TemplateError::Compile(e.to_string()))?;
-        let content_parts = walks_content(&template.chat_template);
         Ok(Renderer {
+            compiled: Compiled::new(
+                &template.chat_template,
+                &template.bos_token,
+                &template.eos_token,
+            )?,
             skeletons: Skeletons::new(&template.chat_template),
-            compiled: Compiled {
-                env,
-                template,
-                content_parts,
-            },
+            template,
         })
     }
 
     pub fn template(&self) -> &PromptTemplate {
-        &self.compiled.template
+        &self.template
     }
 
     /// Renders a chat request's `messages` (with `tools` and the body's
@@ -200,274 +164,12 @@ impl Renderer {
     /// A completion prompt as the engine tokenizes it: with the tokens its
     /// tokenizer adds in front.
     pub fn completion(&self, prompt: &str) -> String {
-        let prefix = &self.compiled.template.completion_prefix;
+        let prefix = &self.template.completion_prefix;
         let mut s = String::with_capacity(prefix.len() + prompt.len());
         s.push_str(prefix);
         s.push_str(prompt);
         s
     }
-}
-
-impl Compiled {
-    /// `messages` as the template reads them: vLLM joins content parts
-    /// with newlines unless the template walks them itself.
-    pub(super) fn joined<'a>(&self, messages: &'a Value) -> Cow<'a, Value> {
-        if self.content_parts {
-            Cow::Borrowed(messages)
-        } else {
-            Cow::Owned(joined_text_parts(messages))
-        }
-    }
-
-    /// Runs the template over `messages` whose content parts are already
-    /// joined where the template wants strings.
-    pub(super) fn chat_joined(
-        &self,
-        messages: &Value,
-        tools: Option<&Value>,
-        kwargs: Option<&Map<String, Value>>,
-        unix_s: u64,
-    ) -> Result<String, TemplateError> {
-        let add_generation_prompt = kwargs
-            .and_then(|k| k.get("add_generation_prompt"))
-            .and_then(Value::as_bool)
-            .unwrap_or(true);
-        let extra = kwargs.map_or(JinjaValue::UNDEFINED, JinjaValue::from_serialize);
-        let ctx = minijinja::context! {
-            messages => JinjaValue::from_serialize(messages),
-            tools => JinjaValue::from_serialize(tools.unwrap_or(&Value::Null)),
-            add_generation_prompt,
-            bos_token => self.template.bos_token.as_str(),
-            eos_token => self.template.eos_token.as_str(),
-            ..extra
-        };
-        let tmpl = self
-            .env
-            .get_template(NAME)
-            .map_err(|e| TemplateError::Compile(e.to_string()))?;
-        NOW.with(|n| n.set(unix_s));
-        tmpl.render(ctx)
-            .map_err(|e| TemplateError::Render(e.to_string()))
-    }
-}
-
-/// Runs `f`, returning with its result every `strftime_now` it called:
-/// (format, what it gave).
-pub(super) fn recording_clock<T>(f: impl FnOnce() -> T) -> (T, Vec<(String, String)>) {
-    CLOCK_READS.with(|r| *r.borrow_mut() = Some(Vec::new()));
-    let out = f();
-    let reads = CLOCK_READS
-        .with(|r| r.borrow_mut().take())
-        .unwrap_or_default();
-    (out, reads)
-}
-
-std::thread_local! {
-    /// The render's clock, for `strftime_now`: core reads no clock itself.
-    static NOW: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    /// `strftime_now` calls, while [`recording_clock`] runs.
-    static CLOCK_READS: std::cell::RefCell<Option<Vec<(String, String)>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// Whether a `{% for %}` of the template iterates over message content
-/// (vLLM's "openai" content format, which it detects from the template).
-fn walks_content(src: &str) -> bool {
-    src.split("{%").skip(1).any(|stmt| {
-        let stmt = stmt.split("%}").next().unwrap_or_default();
-        let s = stmt.trim_start_matches(['-', '+']).trim_start();
-        s.starts_with("for ") && s.contains("content")
-    })
-}
-
-/// vLLM's "string" content format: text parts joined with newlines.
-fn joined_text_parts(messages: &Value) -> Value {
-    let Some(list) = messages.as_array() else {
-        return messages.clone();
-    };
-    if !list
-        .iter()
-        .any(|m| m.get("content").is_some_and(Value::is_array))
-    {
-        return messages.clone();
-    }
-    let out = list
-        .iter()
-        .map(|m| {
-            let mut m = m.clone();
-            if let Some(Value::Array(parts)) = m.get("content") {
-                let text: Vec<&str> = parts
-                    .iter()
-                    .filter_map(|p| p.get("text").and_then(Value::as_str))
-                    .collect();
-                let joined = Value::String(text.join("\n"));
-                if let Some(obj) = m.as_object_mut() {
-                    obj.insert("content".into(), joined);
-                }
-            }
-            m
-        })
-        .collect();
-    Value::Array(out)
-}
-
-fn raise_exception(msg: String) -> Result<JinjaValue, minijinja::Error> {
-    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-}
-
-fn strftime_now(format: String) -> String {
-    let out = strftime(&format, NOW.with(std::cell::Cell::get));
-    CLOCK_READS.with(|r| {
-        if let Some(reads) = r.borrow_mut().as_mut() {
-            reads.push((format, out.clone()));
-        }
-    });
-    out
-}
-
-/// Python's `json.dumps(value, ensure_ascii=False, indent=..., sort_keys=...)`,
-/// which is what `transformers` registers as `tojson`: its separators
-/// (`", "` and `": "`) differ from minijinja's own filter.
-fn tojson(value: JinjaValue, kwargs: Kwargs) -> Result<JinjaValue, minijinja::Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
-    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
-    kwargs.assert_all_used()?;
-    let v = serde_json::to_value(&value)
-        .map_err(|e| minijinja::Error::new(ErrorKind::BadSerialization, e.to_string()))?;
-    let mut out = String::new();
-    py_json(&v, indent, sort_keys.unwrap_or(false), 0, &mut out);
-    Ok(JinjaValue::from_safe_string(out))
-}
-
-fn py_json(v: &Value, indent: Option<usize>, sort: bool, depth: usize, out: &mut String) {
-    let newline = |out: &mut String, depth: usize| {
-        if let Some(n) = indent {
-            out.push('\n');
-            out.extend(std::iter::repeat_n(' ', n * depth));
-        }
-    };
-    // With an indent Python drops the space after the comma.
-    let comma = if indent.is_some() { "," } else { ", " };
-    match v {
-        Value::Array(items) if !items.is_empty() => {
-            out.push('[');
-            for (i, it) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(comma);
-                }
-                newline(out, depth + 1);
-                py_json(it, indent, sort, depth + 1, out);
-            }
-            newline(out, depth);
-            out.push(']');
-        }
-        Value::Object(map) if !map.is_empty() => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            if sort {
-                entries.sort_by(|a, b| a.0.cmp(b.0));
-            }
-            out.push('{');
-            for (i, (k, val)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push_str(comma);
-                }
-                newline(out, depth + 1);
-                out.push_str(&Value::String(k.clone()).to_string());
-                out.push_str(": ");
-                py_json(val, indent, sort, depth + 1, out);
-            }
-            newline(out, depth);
-            out.push('}');
-        }
-        Value::Array(_) => out.push_str("[]"),
-        Value::Object(_) => out.push_str("{}"),
-        Value::Number(n) if n.is_f64() => out.push_str(&py_float(n.as_f64().unwrap_or(0.0))),
-        other => out.push_str(&other.to_string()),
-    }
-}
-
-/// Python's `repr` of a float, for the values JSON bodies carry.
-fn py_float(f: f64) -> String {
-    if f.is_finite() && f.fract() == 0.0 && f.abs() < 1e16 {
-        format!("{f:.1}")
-    } else {
-        format!("{f}")
-    }
-}
-
-/// A small `strftime` in UTC: the directives chat templates use.
-pub(super) fn strftime(format: &str, unix_s: u64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-    ];
-    let days = (unix_s / 86_400) as i64;
-    let secs = unix_s % 86_400;
-    let (y, m, d) = civil_from_days(days);
-    let weekday = DAYS[days.rem_euclid(7) as usize];
-    let month = MONTHS[(m - 1) as usize];
-    let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('d') => out.push_str(&format!("{d:02}")),
-            Some('e') => out.push_str(&format!("{d:>2}")),
-            Some('m') => out.push_str(&format!("{m:02}")),
-            Some('Y') => out.push_str(&y.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", y.rem_euclid(100))),
-            Some('b') => out.push_str(&month[..3]),
-            Some('B') => out.push_str(month),
-            Some('a') => out.push_str(&weekday[..3]),
-            Some('A') => out.push_str(weekday),
-            Some('H') => out.push_str(&format!("{:02}", secs / 3600)),
-            Some('M') => out.push_str(&format!("{:02}", secs / 60 % 60)),
-            Some('S') => out.push_str(&format!("{:02}", secs % 60)),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
-}
-
-/// (year, month, day) of a day count since 1970-01-01 (Hinnant's method).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
 }
 
 #[cfg(test)]
@@ -555,8 +257,6 @@ pub(super) mod tests {
             r.chat(&json!([]), None, None, 1_721_999_109).unwrap(),
             "26 Jul 2024, Friday 13:05:09"
         );
-        assert_eq!(strftime("%Y-%m-%d", 951_782_400), "2000-02-29");
-        assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
     }
 
     #[test]

@@ -30,6 +30,7 @@ mod templates;
 use anyhow::Context;
 use clap::Parser;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use kvgate_core::header;
 use kvgate_sidecar::config::Config;
 use kvgate_sidecar::{Sidecar, api};
 use service::{Names, Processor, Shared};
@@ -52,15 +53,15 @@ struct Cli {
     #[arg(long)]
     listen: Option<SocketAddr>,
     /// The header Envoy's override-host balancer reads the worker from.
-    #[arg(long, default_value = "x-gateway-destination-endpoint")]
+    #[arg(long, default_value = header::DESTINATION)]
     destination_header: String,
-    #[arg(long, default_value = "x-data-parallel-rank")]
+    #[arg(long, default_value = header::RANK)]
     rank_header: String,
     /// Set by authentication in front of this filter, never by clients.
-    #[arg(long, default_value = "x-kvgate-tenant")]
+    #[arg(long, default_value = header::TENANT)]
     tenant_header: String,
     /// Response header naming the worker and rank chosen; empty: none.
-    #[arg(long, default_value = "x-kvgate-served-by")]
+    #[arg(long, default_value = header::SERVED_BY)]
     served_by_header: String,
     /// `Retry-After` of a shed request when the snapshot has no estimate.
     #[arg(long, default_value_t = 1)]

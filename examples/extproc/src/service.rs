@@ -17,7 +17,7 @@
 //! shed request gets the busy 503 without the filter's place in the
 //! retry queue (`retry_headroom_pct`).
 
-use crate::reply::{self, Local};
+use crate::reply;
 use crate::templates::{Rendered, Templates};
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
@@ -27,7 +27,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use futures::Stream;
 use kvgate_core::DEFAULT_TENANT;
+use kvgate_core::header;
 use kvgate_core::plan::request::{Endpoint, parse};
+use kvgate_core::reply::Reply;
 use kvgate_sidecar::Sidecar;
 use kvgate_sidecar::api::route::{self, RouteError};
 use std::pin::Pin;
@@ -49,10 +51,10 @@ pub struct Names {
 impl Default for Names {
     fn default() -> Names {
         Names {
-            destination: "x-gateway-destination-endpoint".into(),
-            rank: "x-data-parallel-rank".into(),
-            tenant: "x-kvgate-tenant".into(),
-            served_by: "x-kvgate-served-by".into(),
+            destination: header::DESTINATION.into(),
+            rank: header::RANK.into(),
+            tenant: header::TENANT.into(),
+            served_by: header::SERVED_BY.into(),
             retry_after_s: 1,
         }
     }
@@ -181,7 +183,7 @@ impl Exchange {
             .filter(|t| !t.is_empty())
             .unwrap_or_else(|| DEFAULT_TENANT.to_string());
         if h.end_of_stream {
-            return Local::bad_request("a request body is required").into_response();
+            return reply::immediate(&Reply::bad_request("a request body is required"));
         }
         reply::request_headers()
     }
@@ -198,7 +200,7 @@ impl Exchange {
         self.decided = true;
         let mut req = match parse(endpoint, &b.body) {
             Ok(r) => r,
-            Err(e) => return Local::bad_request(&e.0).into_response(),
+            Err(e) => return reply::immediate(&Reply::bad_request(&e.0)),
         };
         let sc = &self.shared.sidecar;
         if req.tokens.is_none() {
@@ -241,11 +243,11 @@ impl Exchange {
                 }))
             }
             Err(RouteError::Refused(r)) => {
-                Local::rejected(r, &req.model, names.retry_after_s).into_response()
+                reply::immediate(&Reply::rejected(r, &req.model, names.retry_after_s))
             }
             Err(RouteError::Ledger(e)) => {
                 tracing::error!(error = %e, "the ledger refused a reservation");
-                Local::internal("the gateway could not book the request").into_response()
+                reply::immediate(&Reply::internal("the gateway could not book the request"))
             }
         }
     }

@@ -5,7 +5,7 @@ use super::Backend;
 use super::ledger_view::{fresh, fresh_model};
 use super::select::prompt;
 use super::views::{
-    LoadsView, ModelLoadView, OverlapRowView, OverlapScoresView, PotentialLoadView,
+    self, LoadsView, ModelLoadView, OverlapRowView, OverlapScoresView, PotentialLoadView,
     PotentialLoadsView, RankLoadView, SelectRequest,
 };
 use super::{error, json_response};
@@ -81,7 +81,7 @@ fn looked_up(
     sc: &dyn Backend,
     body: &[u8],
 ) -> Result<(SelectRequest, ModelState, Cached, u64), (StatusCode, String)> {
-    let req: SelectRequest = serde_json::from_slice(body)
+    let req: SelectRequest = views::parse(body)
         .map_err(|e| (StatusCode::BAD_REQUEST, format!("invalid request: {e}")))?;
     let snap = sc.store().snapshot();
     let model = fresh_model(&snap, &req.model_name, &sc.bookings()).ok_or_else(|| {
@@ -91,7 +91,7 @@ fn looked_up(
         )
     })?;
     let parsed =
-        prompt(&req.model_name, req.prompt(), &model).map_err(|m| (StatusCode::BAD_REQUEST, m))?;
+        prompt(&req.model_name, &req.prompt, &model).map_err(|m| (StatusCode::BAD_REQUEST, m))?;
     let log = sc.shards();
     let (cached, _) = overlap::gather(&model, &parsed, &req.tenant_id, &mut |k: &str| log.read(k));
     Ok((req, model, cached, parsed.isl_tokens))

@@ -7,6 +7,7 @@ use axum::extract::State;
 use axum::http::HeaderValue;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use kvgate_core::header;
 use serde::Deserialize;
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,9 +76,9 @@ pub(super) async fn snapshot(
 fn version_headers(r: &mut Response, sc: &dyn Backend) {
     let h = r.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&sc.versions().current().to_string()) {
-        h.insert("x-kvgate-version", v);
+        h.insert(header::VERSION, v);
     }
     if let Ok(v) = HeaderValue::from_str(&sc.versions().epoch.to_string()) {
-        h.insert("x-kvgate-epoch", v);
+        h.insert(header::EPOCH, v);
     }
 }

@@ -10,7 +10,7 @@
 use super::Backend;
 use super::ledger_view::{fresh_model, valid_reservation_id};
 use super::select::{new_reservation_id, output_blocks, prompt};
-use super::views::{OutputBlockRequest, ReservationRequest, ReservationView};
+use super::views::{self, OutputBlockRequest, ReservationRequest, ReservationView};
 use super::{error, json_response};
 use crate::fleet::RankId;
 use crate::sources::bookings::{LedgerError, Load};
@@ -23,7 +23,7 @@ use kvgate_core::plan::{ShardSource, overlap, select::new_blocks};
 use std::sync::Arc;
 
 pub(super) async fn create(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
-    let mut req: ReservationRequest = match serde_json::from_slice(&body) {
+    let mut req: ReservationRequest = match views::parse(&body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid reservation: {e}")),
     };
@@ -103,12 +103,13 @@ fn booking(
             )
         })?,
     };
-    let (isl, device_blocks) = if req.prompt().given() {
-        let parsed = prompt(&req.model_name, req.prompt(), model).map_err(bad)?;
+    let (isl, device_blocks) = if req.prompt.given() {
+        let parsed = prompt(&req.model_name, &req.prompt, model).map_err(bad)?;
         let (cached, _) = overlap::gather(model, &parsed, &req.tenant_id, shards);
         (parsed.isl_tokens, cached.of(worker, rank.slot).device)
     } else {
         let isl = req
+            .prompt
             .isl_tokens
             .filter(|n| *n > 0)
             .ok_or_else(|| bad("isl_tokens (above 0) or a prompt is required".into()))?;

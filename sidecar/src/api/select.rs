@@ -6,7 +6,7 @@
 
 use super::Backend;
 use super::ledger_view::{fresh_model, valid_reservation_id};
-use super::views::{OverlapView, PromptFields, SelectRequest, SelectionView};
+use super::views::{self, OverlapView, Prompt, SelectRequest, SelectionView};
 use super::{error, json_response};
 use crate::fleet::RankId;
 use crate::sources::bookings::Load;
@@ -16,11 +16,13 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use kvgate_core::ModelState;
 use kvgate_core::hash::sequence_hashes;
+use kvgate_core::header;
 use kvgate_core::plan::overlap::Cached;
 use kvgate_core::plan::request::{Parsed, estimate_tokens};
 use kvgate_core::plan::{
     self, Ask, Choice, Gathered, Placement, Plan, Rejection, Route, ShardSource,
 };
+use kvgate_core::reply::Reason;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -42,7 +44,7 @@ pub(super) async fn select_and_reserve(
 }
 
 fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
-    let mut req: SelectRequest = match serde_json::from_slice(body) {
+    let mut req: SelectRequest = match views::parse(body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid selection: {e}")),
     };
@@ -140,14 +142,14 @@ fn refused(req: &SelectRequest, r: Refused) -> Response {
             let mut r = error(StatusCode::SERVICE_UNAVAILABLE, message);
             if let Rejection::Thermal { .. } = rejection {
                 r.headers_mut().insert(
-                    "x-kvgate-reason",
-                    axum::http::HeaderValue::from_static("thermal"),
+                    header::REASON,
+                    axum::http::HeaderValue::from_static(Reason::Thermal.as_str()),
                 );
             }
             if retry_after_s > 0
                 && let Ok(v) = retry_after_s.to_string().parse()
             {
-                r.headers_mut().insert("retry-after", v);
+                r.headers_mut().insert(header::RETRY_AFTER, v);
             }
             r.into_response()
         }
@@ -177,7 +179,7 @@ fn selection(
     tie_break: u64,
     shards: &mut impl ShardSource,
 ) -> Result<Selected, Refused> {
-    let parsed = prompt(&req.model_name, req.prompt(), model).map_err(Refused::BadRequest)?;
+    let parsed = prompt(&req.model_name, &req.prompt, model).map_err(Refused::BadRequest)?;
     // A selection is not a routing decision: nothing to report.
     let (route, cached) = place_in(model, &parsed, &req.tenant_id, tie_break, shards, false)
         .map_err(Refused::Plan)?;
@@ -262,11 +264,7 @@ fn reported(c: &Choice<'_>, of: impl Fn(u16) -> plan::Overlap) -> OverlapView {
 }
 
 /// The request's prompt, as the plan takes it.
-pub(super) fn prompt(
-    model_name: &str,
-    req: PromptFields<'_>,
-    model: &ModelState,
-) -> Result<Parsed, String> {
+pub(super) fn prompt(model_name: &str, req: &Prompt, model: &ModelState) -> Result<Parsed, String> {
     let given = [
         req.sequence_hashes.is_some() || req.block_hashes.is_some(),
         req.token_ids.is_some(),
@@ -288,12 +286,12 @@ pub(super) fn prompt(
         isl_tokens: 0,
         stream: false,
         max_tokens: None,
-        cache_salt: req.cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
+        cache_salt: req.cache_salt.clone().filter(|s| !s.is_empty()),
     };
     if let Some(hashes) = req
         .sequence_hashes
-        .map(<[u64]>::to_vec)
-        .or_else(|| req.block_hashes.map(sequence_hashes))
+        .clone()
+        .or_else(|| req.block_hashes.as_deref().map(sequence_hashes))
     {
         if req.cache_salt.is_some() {
             return Err("cache_salt applies to token_ids and text; hashes carry their own".into());
@@ -311,18 +309,18 @@ pub(super) fn prompt(
         }
         p.sequence_hashes = Some(hashes);
         p.isl_tokens = isl;
-    } else if let Some(tokens) = req.token_ids {
+    } else if let Some(tokens) = &req.token_ids {
         if tokens.is_empty() {
             return Err("token_ids must not be empty".into());
         }
         p.isl_tokens = req.isl_tokens.unwrap_or(tokens.len() as u64);
-        p.tokens = Some(tokens.to_vec());
-    } else if let Some(text) = req.text {
+        p.tokens = Some(tokens.clone());
+    } else if let Some(text) = &req.text {
         if text.is_empty() {
             return Err("text must not be empty".into());
         }
         p.isl_tokens = req.isl_tokens.unwrap_or_else(|| estimate_tokens(text));
-        p.text = Some(text.to_owned());
+        p.text = Some(text.clone());
     }
     Ok(p)
 }

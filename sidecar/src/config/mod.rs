@@ -15,7 +15,7 @@
 //! Durations are written in whole milliseconds under keys ending in `_ms`,
 //! and read into [`std::time::Duration`]s (`millis`).
 
-mod millis;
+pub(crate) mod millis;
 mod sections;
 #[cfg(test)]
 mod tests;

@@ -22,6 +22,7 @@ pub mod capacity;
 pub mod predict;
 pub mod regress;
 
+use crate::config::millis;
 use capacity::ProfileRow;
 use predict::{Predictor, PredictorKind};
 use regress::Line;
@@ -40,10 +41,18 @@ pub struct PlannerConfig {
     /// Scale down only when every estimate is under SLA × this.
     #[serde(default = "default_sensitivity")]
     pub sensitivity: f64,
-    #[serde(default = "default_load_interval")]
-    pub load_interval_ms: u64,
-    #[serde(default = "default_throughput_interval")]
-    pub throughput_interval_ms: u64,
+    #[serde(
+        rename = "load_interval_ms",
+        default = "default_load_interval",
+        with = "millis"
+    )]
+    pub load_interval: Duration,
+    #[serde(
+        rename = "throughput_interval_ms",
+        default = "default_throughput_interval",
+        with = "millis"
+    )]
+    pub throughput_interval: Duration,
     #[serde(default = "default_min")]
     pub min_replicas: u32,
     #[serde(default = "default_max")]
@@ -58,12 +67,16 @@ pub struct PlannerConfig {
     #[serde(default)]
     pub profile: Vec<ProfileRow>,
     /// A decision not reported done within this is given up on.
-    #[serde(default = "default_pending_timeout")]
-    pub pending_timeout_ms: u64,
+    #[serde(
+        rename = "pending_timeout_ms",
+        default = "default_pending_timeout",
+        with = "millis"
+    )]
+    pub pending_timeout: Duration,
     /// How long a new worker takes to become ready, until one has been
     /// seen to.
-    #[serde(default = "default_startup")]
-    pub startup_ms: u64,
+    #[serde(rename = "startup_ms", default = "default_startup", with = "millis")]
+    pub startup: Duration,
     /// Past intervals to warm the predictors with: a CSV of
     /// `requests,isl,osl` per throughput interval (a header line is
     /// skipped).
@@ -107,11 +120,11 @@ pub fn read_trace(text: &str) -> Result<Vec<(f64, f64, f64)>, String> {
 fn default_sensitivity() -> f64 {
     0.7
 }
-fn default_load_interval() -> u64 {
-    5_000
+fn default_load_interval() -> Duration {
+    Duration::from_secs(5)
 }
-fn default_throughput_interval() -> u64 {
-    60_000
+fn default_throughput_interval() -> Duration {
+    Duration::from_secs(60)
 }
 fn default_min() -> u32 {
     1
@@ -122,11 +135,11 @@ fn default_max() -> u32 {
 fn default_season() -> usize {
     24
 }
-fn default_pending_timeout() -> u64 {
-    1_800_000
+fn default_pending_timeout() -> Duration {
+    Duration::from_secs(30 * 60)
 }
-fn default_startup() -> u64 {
-    60_000
+fn default_startup() -> Duration {
+    Duration::from_secs(60)
 }
 
 impl PlannerConfig {
@@ -141,7 +154,7 @@ impl PlannerConfig {
                 self.sensitivity
             ));
         }
-        if self.load_interval_ms == 0 || self.throughput_interval_ms == 0 {
+        if self.load_interval.is_zero() || self.throughput_interval.is_zero() {
             return Err("load_interval_ms and throughput_interval_ms must be above 0".into());
         }
         if self.min_replicas > self.max_replicas || self.max_replicas == 0 {
@@ -404,7 +417,7 @@ impl ModelPlanner {
     /// The pending decision is done, or has timed out.
     pub fn settle_pending(&mut self, ready: u32, now: Instant) {
         if let Some(p) = self.pending {
-            let timeout = Duration::from_millis(self.cfg.pending_timeout_ms);
+            let timeout = self.cfg.pending_timeout;
             let reached = if p.to >= p.from {
                 ready >= p.to
             } else {
@@ -446,7 +459,7 @@ impl ModelPlanner {
     /// configured start-up time.
     pub fn startup(&self) -> Duration {
         if self.startups.is_empty() {
-            return Duration::from_millis(self.cfg.startup_ms);
+            return self.cfg.startup;
         }
         let mut s = self.startups.clone();
         s.sort();
@@ -533,7 +546,7 @@ impl ModelPlanner {
         let closed = std::mem::take(&mut self.interval);
         self.observed = Some(closed);
         let n = closed.requests as f64;
-        let secs = self.cfg.throughput_interval_ms as f64 / 1000.0;
+        let secs = self.cfg.throughput_interval.as_secs_f64();
         self.predictors[0].observe(n);
         if closed.requests > 0 {
             self.predictors[1].observe(closed.isl_sum as f64 / n);

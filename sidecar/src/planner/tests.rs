@@ -7,15 +7,15 @@ fn cfg() -> PlannerConfig {
         ttft_ms: 200.0,
         itl_ms: 20.0,
         sensitivity: 0.5,
-        load_interval_ms: 1000,
-        throughput_interval_ms: 10_000,
+        load_interval: Duration::from_secs(1),
+        throughput_interval: Duration::from_secs(10),
         min_replicas: 1,
         max_replicas: 8,
         predictor: PredictorKind::Constant,
         season_intervals: 4,
         profile: Vec::new(),
-        pending_timeout_ms: 30_000,
-        startup_ms: 20_000,
+        pending_timeout: Duration::from_secs(30),
+        startup: Duration::from_secs(20),
         warmup_trace: None,
     }
 }
@@ -105,7 +105,7 @@ fn no_step_while_pending_then_one_after_completion_or_timeout() {
     let t = p.tick_load(&hot3, 3, t0 + Duration::from_secs(6), 3);
     assert_eq!((t.desired, t.changed), (4, true));
     // Never reported: given up after the timeout.
-    let later = t0 + Duration::from_secs(6) + Duration::from_millis(cfg().pending_timeout_ms);
+    let later = t0 + Duration::from_secs(6) + cfg().pending_timeout;
     let t = p.tick_load(&hot3, 3, later, 4);
     assert_eq!((t.desired, t.reason), (4, Reason::ScaleUp), "{t:?}");
     assert!(
@@ -244,4 +244,35 @@ fn a_warmup_trace_reads_and_warms_the_predictors() {
     let [n, isl, _] = p.predicted.unwrap();
     assert!(n > 50.0, "{n}");
     assert_eq!(isl, 1000.0);
+}
+
+#[test]
+fn durations_are_read_and_shown_in_milliseconds_under_their_ms_keys() {
+    let c: PlannerConfig =
+        toml::from_str("ttft_ms = 200\nitl_ms = 20\nload_interval_ms = 1500\nstartup_ms = 7000")
+            .unwrap();
+    assert_eq!(
+        (c.load_interval, c.startup),
+        (Duration::from_millis(1500), Duration::from_secs(7))
+    );
+    assert_eq!(
+        (c.throughput_interval, c.pending_timeout),
+        (Duration::from_secs(60), Duration::from_secs(1800)),
+        "the defaults"
+    );
+    let shown = serde_json::to_value(&c).unwrap();
+    assert_eq!(shown["load_interval_ms"], 1500);
+    assert_eq!(shown["pending_timeout_ms"], 1_800_000);
+    assert!(shown.get("load_interval").is_none(), "{shown}");
+    for bad in [
+        "startup_ms = -1",
+        "startup_ms = \"1m\"",
+        "load_interval_ms = 0",
+    ] {
+        let parsed = toml::from_str::<PlannerConfig>(&format!("ttft_ms = 1\nitl_ms = 1\n{bad}"));
+        assert!(
+            !parsed.is_ok_and(|c| c.validate().is_ok()),
+            "{bad} was taken"
+        );
+    }
 }

@@ -61,9 +61,7 @@ impl Sidecar {
                 kvgate_core::booking::Event::Done { key, timing } => {
                     observed.push(Observed::Ended(*key, *timing));
                 }
-                kvgate_core::booking::Event::Rejected { model, reason }
-                    if reason == "all_workers_busy" || reason == "thermal" =>
-                {
+                kvgate_core::booking::Event::Rejected { model, reason } if reason.is_shed() => {
                     observed.push(Observed::Shed(model.clone()));
                 }
                 _ => {}

@@ -18,6 +18,7 @@ use crate::reply::Reply;
 use decide::{Decision, Routing, Target};
 use kvgate_core::DEFAULT_TENANT;
 use kvgate_core::booking::{Event, Key, Timing};
+use kvgate_core::header::ATTEMPT_COUNT;
 use kvgate_core::plan::local::Release;
 use kvgate_core::plan::request::{Endpoint, parse};
 use proxy_wasm::traits::{Context, HttpContext};
@@ -25,10 +26,6 @@ use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
-
-/// Envoy's count of upstream attempts, in the response when the virtual
-/// host sets `include_attempt_count_in_response`.
-const ATTEMPT_COUNT: &str = "x-envoy-attempt-count";
 
 /// Where a request is in its life; the callbacks move it on.
 #[derive(Debug, Default)]
@@ -111,7 +108,7 @@ impl Request {
         st.metrics.rejected(r.reason);
         st.send(&Event::Rejected {
             model: self.model.clone(),
-            reason: r.reason.as_str().to_string(),
+            reason: r.reason,
         });
         if let Err(status) = host::send_reply(r) {
             host::log(

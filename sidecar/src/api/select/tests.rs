@@ -89,8 +89,19 @@ fn by_tokens() -> SelectRequest {
         selection_id: Some("select-1".into()),
         model_name: "m".into(),
         tenant_id: "default".into(),
-        token_ids: Some(tokens()),
+        prompt: Prompt {
+            token_ids: Some(tokens()),
+            ..Default::default()
+        },
         ..Default::default()
+    }
+}
+
+/// [`by_tokens`] with another prompt.
+fn with_prompt(prompt: Prompt) -> SelectRequest {
+    SelectRequest {
+        prompt,
+        ..by_tokens()
     }
 }
 
@@ -118,18 +129,17 @@ fn hashes_from_the_client_select_as_its_tokens_do() {
     let snap = snapshot();
     let want = run(&snap, &by_tokens()).unwrap();
     let local = block_hashes(&tokens(), 16, XXH3_SEED);
-    let by_seq = SelectRequest {
-        token_ids: None,
+    let by_seq = with_prompt(Prompt {
         sequence_hashes: Some(sequence_hashes(&local)),
         isl_tokens: Some(160),
-        ..by_tokens()
-    };
+        ..Default::default()
+    });
     assert_eq!(run(&snap, &by_seq).unwrap(), want);
-    let by_local = SelectRequest {
+    let by_local = with_prompt(Prompt {
         sequence_hashes: None,
         block_hashes: Some(local),
-        ..by_seq
-    };
+        ..by_seq.prompt.clone()
+    });
     assert_eq!(run(&snap, &by_local).unwrap(), want);
 }
 
@@ -140,33 +150,29 @@ fn a_prompt_given_wrongly_is_a_bad_request() {
         Err(Refused::BadRequest(m)) => m,
         other => panic!("{other:?}"),
     };
-    let none = SelectRequest {
-        token_ids: None,
-        ..by_tokens()
-    };
+    let none = with_prompt(Prompt::default());
     assert!(bad(none).contains("one way"));
-    let two = SelectRequest {
+    let two = with_prompt(Prompt {
         text: Some("hello".into()),
-        ..by_tokens()
-    };
+        ..by_tokens().prompt
+    });
     assert!(bad(two).contains("one way"));
-    let hashes = |isl| SelectRequest {
-        token_ids: None,
+    let hashes = |isl| Prompt {
         sequence_hashes: Some(vec![1, 2, 3]),
         isl_tokens: isl,
-        ..by_tokens()
+        ..Default::default()
     };
-    assert!(bad(hashes(None)).contains("isl_tokens"));
-    assert!(bad(hashes(Some(40))).contains("more than isl_tokens"));
-    let salted = SelectRequest {
+    assert!(bad(with_prompt(hashes(None))).contains("isl_tokens"));
+    assert!(bad(with_prompt(hashes(Some(40)))).contains("more than isl_tokens"));
+    let salted = with_prompt(Prompt {
         cache_salt: Some("s".into()),
         ..hashes(Some(64))
-    };
+    });
     assert!(bad(salted).contains("cache_salt"));
-    let empty = SelectRequest {
+    let empty = with_prompt(Prompt {
         token_ids: Some(Vec::new()),
-        ..by_tokens()
-    };
+        ..Default::default()
+    });
     assert!(bad(empty).contains("empty"));
 }
 

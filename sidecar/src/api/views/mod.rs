@@ -9,7 +9,7 @@ pub use thermal::{
 
 use crate::config::WorkerSpec;
 use crate::fleet::WorkerEntry;
-use kvgate_core::{ModelState, Snapshot, Thresholds, WorkerState};
+use kvgate_core::{ModelState, Snapshot, Thresholds, ThresholdsPatch, WorkerState};
 use serde::{Deserialize, Serialize};
 
 /// `GET /v1/state`: the current snapshot, for people and tests.
@@ -147,33 +147,16 @@ pub struct WorkerList {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelThresholds {
     pub model: String,
-    #[serde(
-        rename = "active_decode_blocks_threshold",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub active_decode_blocks: Option<f64>,
-    #[serde(
-        rename = "active_prefill_tokens_threshold",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub active_prefill_tokens: Option<u64>,
-    #[serde(
-        rename = "active_prefill_tokens_threshold_frac",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub active_prefill_tokens_frac: Option<f64>,
+    /// Only the conditions set ([`Thresholds::as_patch`]).
+    #[serde(flatten)]
+    pub thresholds: ThresholdsPatch,
 }
 
 impl ModelThresholds {
     pub fn new(model: &str, t: &Thresholds) -> ModelThresholds {
         ModelThresholds {
             model: model.to_string(),
-            active_decode_blocks: t.active_decode_blocks,
-            active_prefill_tokens: t.active_prefill_tokens,
-            active_prefill_tokens_frac: t.active_prefill_tokens_frac,
+            thresholds: t.as_patch(),
         }
     }
 }
@@ -222,7 +205,6 @@ pub struct ErrorView {
 /// workers' block size with `isl_tokens`, or `token_ids`, or `text`,
 /// which kvgate hashes itself.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct SelectRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selection_id: Option<String>,
@@ -234,19 +216,8 @@ pub struct SelectRequest {
     pub model_name: String,
     #[serde(default = "default_scope")]
     pub tenant_id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub block_hashes: Option<Vec<u64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sequence_hashes: Option<Vec<u64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub isl_tokens: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<Vec<u32>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text: Option<String>,
-    /// vLLM's `cache_salt`, for `token_ids` and `text`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache_salt: Option<String>,
+    #[serde(flatten)]
+    pub prompt: Prompt,
     /// Dynamo's: only these workers may be chosen.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allowed_worker_ids: Option<Vec<u64>>,
@@ -267,6 +238,10 @@ pub struct SelectRequest {
     pub strict_priority: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub routing_constraints: Option<serde_json::Value>,
+    /// Refused by [`parse`]; declared after the flattened prompt, so it
+    /// holds only what that did not take.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// A worker and DP rank, as Dynamo names one.
@@ -278,20 +253,25 @@ pub struct PinnedWorker {
     pub dp_rank: u32,
 }
 
-/// The prompt fields of a selection-API body, borrowed. `SelectRequest`
-/// and `ReservationRequest` each declare them: serde cannot flatten a
-/// shared struct into a body that refuses unknown fields.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct PromptFields<'a> {
-    pub block_hashes: Option<&'a [u64]>,
-    pub sequence_hashes: Option<&'a [u64]>,
+/// The prompt fields of a selection-API body, flattened into each.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Prompt {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_hashes: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence_hashes: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isl_tokens: Option<u64>,
-    pub token_ids: Option<&'a [u32]>,
-    pub text: Option<&'a str>,
-    pub cache_salt: Option<&'a str>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// vLLM's `cache_salt`, for `token_ids` and `text`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_salt: Option<String>,
 }
 
-impl PromptFields<'_> {
+impl Prompt {
     /// Whether the body gave a prompt in any form (an ISL alone is none).
     pub fn given(&self) -> bool {
         self.block_hashes.is_some()
@@ -301,29 +281,37 @@ impl PromptFields<'_> {
     }
 }
 
-impl SelectRequest {
-    pub fn prompt(&self) -> PromptFields<'_> {
-        PromptFields {
-            block_hashes: self.block_hashes.as_deref(),
-            sequence_hashes: self.sequence_hashes.as_deref(),
-            isl_tokens: self.isl_tokens,
-            token_ids: self.token_ids.as_deref(),
-            text: self.text.as_deref(),
-            cache_salt: self.cache_salt.as_deref(),
-        }
+/// The fields of a body that no field of its type took. serde's
+/// `deny_unknown_fields` does not work beside `flatten`, so a body that
+/// flattens [`Prompt`] collects the rest here, and [`parse`] refuses it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Unknown(std::collections::BTreeMap<String, serde_json::Value>);
+
+/// A body that flattens [`Prompt`], with what else it was sent.
+pub trait WithPrompt: serde::de::DeserializeOwned {
+    fn unknown(&self) -> &Unknown;
+}
+
+impl WithPrompt for SelectRequest {
+    fn unknown(&self) -> &Unknown {
+        &self.unknown
     }
 }
 
-impl ReservationRequest {
-    pub fn prompt(&self) -> PromptFields<'_> {
-        PromptFields {
-            block_hashes: self.block_hashes.as_deref(),
-            sequence_hashes: self.sequence_hashes.as_deref(),
-            isl_tokens: self.isl_tokens,
-            token_ids: self.token_ids.as_deref(),
-            text: self.text.as_deref(),
-            cache_salt: self.cache_salt.as_deref(),
-        }
+impl WithPrompt for ReservationRequest {
+    fn unknown(&self) -> &Unknown {
+        &self.unknown
+    }
+}
+
+/// Parses a selection-API body, refusing fields its type does not have
+/// as `deny_unknown_fields` would.
+pub fn parse<T: WithPrompt>(body: &[u8]) -> Result<T, String> {
+    let t: T = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    match t.unknown().0.keys().next() {
+        None => Ok(t),
+        Some(name) => Err(format!("unknown field `{name}`")),
     }
 }
 
@@ -366,7 +354,6 @@ pub struct OverlapView {
 /// `POST /select`), in Dynamo's shape. The prompt is optional: with one,
 /// the prefill booked is what the worker's cache does not hold.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ReservationRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reservation_id: Option<String>,
@@ -378,24 +365,18 @@ pub struct ReservationRequest {
     /// Required when the worker has several ranks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dp_rank: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub block_hashes: Option<Vec<u64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sequence_hashes: Option<Vec<u64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub isl_tokens: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token_ids: Option<Vec<u32>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache_salt: Option<String>,
+    #[serde(flatten)]
+    pub prompt: Prompt,
     /// Authoritative when given (`/select`'s answer); at most the ISL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub effective_prefill_tokens: Option<u64>,
     /// Dynamo's: its blocks are booked as decode load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expected_output_tokens: Option<u32>,
+    /// Refused by [`parse`]; declared after the flattened prompt, so it
+    /// holds only what that did not take.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// A reservation as booked.

@@ -116,7 +116,7 @@ pub enum Effect {
     },
     Rejected {
         model: String,
-        reason: String,
+        reason: kvgate_core::reply::Reason,
     },
     Released,
     /// A gateway booking's `Done`: its slot, and the prompt tokens it

@@ -1,0 +1,26 @@
+//! Header names the front doors, the sidecar and Envoy agree on. The
+//! routing ones are the defaults of settings (`destination_header` and the
+//! like); the others are fixed.
+
+/// Where Envoy's override-host balancer reads the chosen worker from
+/// (the Gateway API inference extension's name).
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// The chosen data-parallel rank (vLLM's name).
+pub const RANK: &str = "x-data-parallel-rank";
+/// The runner-up Envoy retries on when the chosen worker refuses.
+pub const FALLBACK: &str = "x-kvgate-fallback";
+/// The request's tenant, set by authentication in front of the router.
+pub const TENANT: &str = "x-kvgate-tenant";
+/// Response header naming the worker and rank that served the request.
+pub const SERVED_BY: &str = "x-kvgate-served-by";
+/// Why kvgate answered a request itself ([`crate::reply::Reason`]).
+pub const REASON: &str = "x-kvgate-reason";
+/// The snapshot version of a sidecar's poll answer.
+pub const VERSION: &str = "x-kvgate-version";
+/// The sidecar's epoch in its poll answers: a new one means it restarted.
+pub const EPOCH: &str = "x-kvgate-epoch";
+/// Envoy's count of upstream attempts, in the response when the virtual
+/// host sets `include_attempt_count_in_response`.
+pub const ATTEMPT_COUNT: &str = "x-envoy-attempt-count";
+pub const RETRY_AFTER: &str = "retry-after";
+pub const CONTENT_TYPE: &str = "content-type";

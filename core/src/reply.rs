@@ -1,0 +1,323 @@
+//! The replies kvgate sends itself, without a worker: status, reason,
+//! body and headers, defined once. Each front door (the wasm filter, the
+//! ext_proc server) only renders a [`Reply`] into its host's reply.
+//!
+//! Bodies follow OpenAI's error shape, except the busy 503, which is the
+//! exact body Dynamo documents so clients written for Dynamo keep working.
+
+use crate::header;
+use crate::plan::Rejection;
+use serde_json::json;
+
+/// The busy body, byte for byte.
+pub const BUSY_BODY: &str = r#"{"message":"Service temporarily unavailable: All workers are busy, please retry later","type":"service_unavailable","code":503}"#;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    pub status: u16,
+    /// Goes into `x-kvgate-reason` and names the metric that counts it.
+    pub reason: Reason,
+    pub body: String,
+    pub retry_after_s: Option<u32>,
+}
+
+/// Why kvgate answered itself. The discriminants are the reason's code in
+/// booking records ([`crate::booking`]): a code is never reused, and a new
+/// reason is sent only by filters newer than the sidecars that know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Reason {
+    AllWorkersBusy = 0,
+    NoWorkers = 1,
+    UnknownModel = 2,
+    BadRequest = 3,
+    BodyTooLarge = 4,
+    StaleState = 5,
+    /// Every worker busy or at its thermal cap, at least one capped.
+    Thermal = 6,
+    /// The request could not be booked: the server's fault, not the
+    /// client's (the ext_proc server's reservations).
+    Internal = 7,
+}
+
+impl Reason {
+    /// In code order, so that `ALL[r.index()] == r`.
+    pub const ALL: [Reason; 8] = [
+        Reason::AllWorkersBusy,
+        Reason::NoWorkers,
+        Reason::UnknownModel,
+        Reason::BadRequest,
+        Reason::BodyTooLarge,
+        Reason::StaleState,
+        Reason::Thermal,
+        Reason::Internal,
+    ];
+
+    /// The `x-kvgate-reason` value, also the metric's name part.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::AllWorkersBusy => "all_workers_busy",
+            Reason::NoWorkers => "no_workers",
+            Reason::UnknownModel => "unknown_model",
+            Reason::BadRequest => "bad_request",
+            Reason::BodyTooLarge => "body_too_large",
+            Reason::StaleState => "stale_state",
+            Reason::Thermal => "thermal",
+            Reason::Internal => "internal",
+        }
+    }
+
+    /// The reason named by its `x-kvgate-reason` value.
+    pub fn from_name(name: &str) -> Option<Reason> {
+        Reason::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+
+    /// The code booking records carry.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(code: u8) -> Option<Reason> {
+        Reason::ALL.get(usize::from(code)).copied()
+    }
+
+    /// Position in [`Reason::ALL`], for per-reason arrays.
+    pub fn index(self) -> usize {
+        usize::from(self.code())
+    }
+
+    /// Whether the fleet had no room for the request (demand it lost, as
+    /// the planner counts it), rather than the request being at fault.
+    pub fn is_shed(self) -> bool {
+        matches!(self, Reason::AllWorkersBusy | Reason::Thermal)
+    }
+}
+
+fn openai(status: u16, kind: &str, message: &str) -> String {
+    json!({"error": {"message": message, "type": kind, "param": null, "code": status}}).to_string()
+}
+
+impl Reply {
+    /// The reply to a request the plan refused. `model` is the name the
+    /// request used; `default_retry_after_s` is the configured hint, used
+    /// when the snapshot has no estimate.
+    pub fn rejected(r: Rejection, model: &str, default_retry_after_s: u32) -> Reply {
+        let hint = |s: u32| if s == 0 { default_retry_after_s } else { s };
+        match r {
+            Rejection::UnknownModel => Reply::unknown_model(model),
+            Rejection::NoWorkers => Reply::no_workers(model),
+            Rejection::AllBusy { retry_after_s } => Reply::busy(hint(retry_after_s)),
+            Rejection::Thermal { retry_after_s } => Reply {
+                reason: Reason::Thermal,
+                ..Reply::busy(hint(retry_after_s))
+            },
+        }
+    }
+
+    pub fn busy(retry_after_s: u32) -> Reply {
+        Reply {
+            status: 503,
+            reason: Reason::AllWorkersBusy,
+            body: BUSY_BODY.to_string(),
+            retry_after_s: Some(retry_after_s),
+        }
+    }
+
+    pub fn no_workers(model: &str) -> Reply {
+        Reply {
+            status: 503,
+            reason: Reason::NoWorkers,
+            body: openai(
+                503,
+                "service_unavailable",
+                &format!("Model '{model}' has no available workers"),
+            ),
+            retry_after_s: None,
+        }
+    }
+
+    pub fn unknown_model(model: &str) -> Reply {
+        Reply {
+            status: 404,
+            reason: Reason::UnknownModel,
+            body: openai(
+                404,
+                "not_found_error",
+                &format!("The model '{model}' does not exist"),
+            ),
+            retry_after_s: None,
+        }
+    }
+
+    pub fn bad_request(message: &str) -> Reply {
+        Reply {
+            status: 400,
+            reason: Reason::BadRequest,
+            body: openai(400, "invalid_request_error", message),
+            retry_after_s: None,
+        }
+    }
+
+    pub fn too_large(limit: usize) -> Reply {
+        Reply {
+            status: 413,
+            reason: Reason::BodyTooLarge,
+            body: openai(
+                413,
+                "invalid_request_error",
+                &format!("Request body exceeds the {limit}-byte limit"),
+            ),
+            retry_after_s: None,
+        }
+    }
+
+    pub fn stale() -> Reply {
+        Reply {
+            status: 503,
+            reason: Reason::StaleState,
+            body: openai(
+                503,
+                "service_unavailable",
+                "Routing state is stale; the gateway cannot route safely right now",
+            ),
+            retry_after_s: Some(1),
+        }
+    }
+
+    pub fn internal(message: &str) -> Reply {
+        Reply {
+            status: 500,
+            reason: Reason::Internal,
+            body: openai(500, "internal_error", message),
+            retry_after_s: None,
+        }
+    }
+
+    /// The reply's headers, in the order they are sent.
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut h = vec![
+            (header::CONTENT_TYPE, "application/json".to_string()),
+            (header::REASON, self.reason.as_str().to_string()),
+        ];
+        if let Some(s) = self.retry_after_s {
+            h.push((header::RETRY_AFTER, s.to_string()));
+        }
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busy_body_is_dynamos_exact_json() {
+        let v: serde_json::Value = serde_json::from_str(BUSY_BODY).unwrap();
+        assert_eq!(
+            v["message"],
+            "Service temporarily unavailable: All workers are busy, please retry later"
+        );
+        assert_eq!(v["type"], "service_unavailable");
+        assert_eq!(v["code"], 503);
+        assert_eq!(Reply::busy(3).retry_after_s, Some(3));
+    }
+
+    #[test]
+    fn rejections_map_to_their_replies() {
+        let busy = |hint| {
+            Reply::rejected(
+                Rejection::AllBusy {
+                    retry_after_s: hint,
+                },
+                "m",
+                2,
+            )
+        };
+        assert_eq!(
+            busy(0).retry_after_s,
+            Some(2),
+            "no estimate: the configured hint"
+        );
+        assert_eq!(
+            busy(7).retry_after_s,
+            Some(7),
+            "the sidecar's estimate wins"
+        );
+        assert_eq!(
+            (busy(7).status, busy(7).reason, busy(7).body),
+            (503, Reason::AllWorkersBusy, BUSY_BODY.to_string())
+        );
+        let r = Reply::rejected(Rejection::UnknownModel, "x", 2);
+        assert_eq!((r.status, r.reason), (404, Reason::UnknownModel));
+        let r = Reply::rejected(Rejection::NoWorkers, "x", 2);
+        assert_eq!((r.status, r.reason), (503, Reason::NoWorkers));
+        let hot = |hint| {
+            Reply::rejected(
+                Rejection::Thermal {
+                    retry_after_s: hint,
+                },
+                "m",
+                2,
+            )
+        };
+        assert_eq!(
+            (hot(9).status, hot(9).reason, hot(9).retry_after_s),
+            (503, Reason::Thermal, Some(9))
+        );
+        assert_eq!(hot(9).body, BUSY_BODY, "Dynamo's body, whatever the cause");
+        assert_eq!(hot(0).retry_after_s, Some(2));
+    }
+
+    #[test]
+    fn openai_shapes_escape_names() {
+        let r = Reply::unknown_model("we\"ird");
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["error"]["message"], "The model 'we\"ird' does not exist");
+        assert_eq!(v["error"]["code"], 404);
+        assert_eq!(v["error"]["param"], serde_json::Value::Null);
+        for (r, status, kind) in [
+            (Reply::bad_request("no"), 400, "invalid_request_error"),
+            (Reply::too_large(10), 413, "invalid_request_error"),
+            (Reply::stale(), 503, "service_unavailable"),
+            (Reply::internal("no"), 500, "internal_error"),
+        ] {
+            let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+            assert_eq!(
+                (r.status, v["error"]["code"].as_u64()),
+                (status, Some(u64::from(status)))
+            );
+            assert_eq!(v["error"]["type"], kind);
+        }
+    }
+
+    #[test]
+    fn headers_carry_the_reason_and_any_retry_hint() {
+        assert_eq!(
+            Reply::busy(4).headers(),
+            vec![
+                ("content-type", "application/json".to_string()),
+                ("x-kvgate-reason", "all_workers_busy".to_string()),
+                ("retry-after", "4".to_string()),
+            ]
+        );
+        let h = Reply::bad_request("x").headers();
+        assert_eq!(h.len(), 2);
+        assert_eq!(h[1], ("x-kvgate-reason", "bad_request".to_string()));
+    }
+
+    #[test]
+    fn reasons_have_one_name_and_one_code_each() {
+        for (i, r) in Reason::ALL.into_iter().enumerate() {
+            assert_eq!(r.index(), i);
+            assert_eq!(Reason::from_code(r.code()), Some(r));
+            assert_eq!(Reason::from_name(r.as_str()), Some(r));
+        }
+        let names: std::collections::HashSet<&str> =
+            Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(names.len(), Reason::ALL.len());
+        assert_eq!(Reason::from_code(Reason::ALL.len() as u8), None);
+        assert_eq!(Reason::from_code(u8::MAX), None);
+        assert_eq!(Reason::from_name("busy"), None);
+        assert_eq!(Reason::from_name(""), None);
+    }
+}
