@@ -760,6 +760,11 @@ fn serve_index(e: &mut Envoy, held: &[(u16, Vec<u64>)], adapters: Vec<String>) {
     for (i, w) in snap.models[0].workers.iter_mut().enumerate() {
         w.ranks[0].slot = i as u16;
     }
+    serve(e, &snap, &shards);
+}
+
+/// Answers the service's poll with `snap` and model `m`'s index `shards`.
+fn serve(e: &mut Envoy, snap: &Snapshot, shards: &[(u32, Vec<u8>)]) {
     let bytes = snap.encode().unwrap();
     let frame = update::encode(
         1,
@@ -840,16 +845,7 @@ fn a_redeemed_retry_reads_the_index_once() {
         w.ranks[0].busy = true;
         w.ranks[0].active_prefill_tokens = 1200;
     }
-    let bytes = snap.encode().unwrap();
-    let frame = update::encode(
-        1,
-        EPOCH,
-        true,
-        Some(&bytes),
-        shards.iter().map(|(s, b)| ("m", *s, b.as_slice())),
-    );
-    let c = e.service.pending().pop().unwrap();
-    e.service.respond(c.token, 200, &[], &frame).unwrap();
+    serve(&mut e, &snap, &shards);
     let body = json!({"model": "m", "prompt": tokens}).to_string();
     let completion = [(":method", "POST"), (":path", "/v1/completions")];
 
