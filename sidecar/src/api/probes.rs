@@ -21,7 +21,7 @@ pub(super) async fn ready(State(sc): State<Arc<dyn Backend>>) -> Response {
     }
     // The workers that are not up, and why.
     let workers = f
-        .workers
+        .workers()
         .values()
         .filter(|w| !w.health.up)
         .map(|w| NotReadyWorker {

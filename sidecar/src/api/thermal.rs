@@ -18,7 +18,7 @@ pub(super) async fn get_thermal(State(sc): State<Arc<dyn Backend>>) -> Response 
     let f = sc.fleet();
     let now = Instant::now();
     let workers = f
-        .workers
+        .workers()
         .iter()
         .map(|(id, w)| view(&*sc, &f, *id, w, now))
         .collect();
@@ -85,20 +85,20 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
     let mut f = sc.fleet();
     let ids: Vec<u64> = match (&change.model_name, change.worker_id) {
         (Some(m), None) => {
-            if !f.models.contains_key(m) {
+            if !f.models().contains_key(m) {
                 return error(
                     StatusCode::NOT_FOUND,
                     format!("model {m:?} is not served here"),
                 );
             }
-            f.workers
+            f.workers()
                 .iter()
                 .filter(|(_, w)| &w.spec.model_name == m)
                 .map(|(id, _)| *id)
                 .collect()
         }
         (None, Some(id)) => {
-            if !f.workers.contains_key(&id) {
+            if !f.workers().contains_key(&id) {
                 return error(StatusCode::NOT_FOUND, format!("worker {id} does not exist"));
             }
             vec![id]
@@ -122,7 +122,7 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
     let mut saved = 0.0;
     let now = Instant::now();
     for id in &ids {
-        let Some(w) = f.workers.get(id) else { continue };
+        let Some(w) = f.worker(*id) else { continue };
         let settings = trial.settings(&f, *id, sc.config());
         if let Err(e) = settings.validate() {
             return error(StatusCode::BAD_REQUEST, format!("worker {id}: {e}"));
@@ -172,11 +172,11 @@ impl Trial {
     fn of(f: &Fleet, c: &ThermalChange, over: &crate::config::ThermalOverride) -> Trial {
         Trial {
             model: c.model_name.as_ref().and_then(|m| {
-                let cur = f.models.get(m)?.thermal;
+                let cur = f.model(m)?.thermal;
                 Some((m.clone(), cur.and(over)))
             }),
             worker: c.worker_id.and_then(|id| {
-                let cur = f.workers.get(&id)?.thermal.overrides;
+                let cur = f.worker(id)?.thermal.overrides;
                 Some((id, cur.and(over)))
             }),
         }
@@ -184,8 +184,7 @@ impl Trial {
 
     fn model(&mut self, f: &Fleet, name: &str) -> crate::config::ModelConfig {
         let mut m = f
-            .models
-            .get(name)
+            .model(name)
             .cloned()
             .unwrap_or_else(|| crate::config::ModelConfig {
                 name: name.to_string(),
@@ -210,7 +209,7 @@ impl Trial {
         id: u64,
         file: &crate::config::Config,
     ) -> crate::config::ThermalSettings {
-        let Some(w) = f.workers.get(&id) else {
+        let Some(w) = f.worker(id) else {
             return Default::default();
         };
         let model = self.model(f, &w.spec.model_name);
@@ -222,15 +221,11 @@ impl Trial {
     }
 
     fn commit(self, f: &mut Fleet) {
-        if let Some((name, o)) = self.model
-            && let Some(m) = f.models.get_mut(&name)
-        {
-            m.thermal = o;
+        if let Some((name, o)) = self.model {
+            f.set_model_thermal(&name, o);
         }
-        if let Some((id, o)) = self.worker
-            && let Some(w) = f.workers.get_mut(&id)
-        {
-            w.thermal.overrides = o;
+        if let Some((id, o)) = self.worker {
+            f.set_worker_thermal(id, o);
         }
     }
 }

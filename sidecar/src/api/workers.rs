@@ -27,7 +27,7 @@ pub(super) async fn list_workers(
 ) -> Response {
     let f = sc.fleet();
     let workers = f
-        .workers
+        .workers()
         .values()
         .filter(|w| {
             scope
@@ -50,7 +50,7 @@ pub(super) async fn get_worker(
     State(sc): State<Arc<dyn Backend>>,
     Path(id): Path<u64>,
 ) -> Response {
-    match sc.fleet().workers.get(&id) {
+    match sc.fleet().worker(id) {
         Some(w) => json_response(StatusCode::OK, &WorkerView::from(w)),
         None => fleet_error(FleetError::UnknownWorker(id)),
     }

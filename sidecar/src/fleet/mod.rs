@@ -79,21 +79,61 @@ pub struct RankId {
     pub dp_rank: u32,
 }
 
+/// The fields are private: the fleet's invariants (slots match workers,
+/// a model's workers name a configured model) are kept by the methods in
+/// this folder, and what the rest of the sidecar may change is named by
+/// those methods.
 #[derive(Debug)]
 pub struct Fleet {
-    pub models: BTreeMap<String, ModelConfig>,
-    pub workers: BTreeMap<u64, WorkerEntry>,
+    models: BTreeMap<String, ModelConfig>,
+    workers: BTreeMap<u64, WorkerEntry>,
     /// The latest reading of every GPU, by UUID.
-    pub gpus: BTreeMap<String, GpuSeen>,
+    gpus: BTreeMap<String, GpuSeen>,
     /// The planner's models, observations, decisions and draining workers.
-    pub planning: Planning,
+    planning: Planning,
     /// Version of each model's published prompt template (`[models.prompt]`).
-    pub prompt_templates: BTreeMap<String, u64>,
+    prompt_templates: BTreeMap<String, u64>,
     slots: Slots,
     kv_shards: u32,
 }
 
 impl Fleet {
+    /// The configured models by name, with their live thresholds and
+    /// thermal overrides.
+    pub fn models(&self) -> &BTreeMap<String, ModelConfig> {
+        &self.models
+    }
+
+    pub fn model(&self, name: &str) -> Option<&ModelConfig> {
+        self.models.get(name)
+    }
+
+    /// The workers by id.
+    pub fn workers(&self) -> &BTreeMap<u64, WorkerEntry> {
+        &self.workers
+    }
+
+    pub fn worker(&self, id: u64) -> Option<&WorkerEntry> {
+        self.workers.get(&id)
+    }
+
+    /// The latest reading of every GPU, by UUID.
+    pub fn gpus(&self) -> &BTreeMap<String, GpuSeen> {
+        &self.gpus
+    }
+
+    /// The planner's models, decisions and draining workers, to read;
+    /// what it observes is recorded through [`Fleet::planner_booked`] and
+    /// its siblings.
+    pub fn planning(&self) -> &Planning {
+        &self.planning
+    }
+
+    /// Records that a model's prompt template was published at `version`.
+    pub fn prompt_published(&mut self, model: &str, version: u64) {
+        self.prompt_templates.insert(model.to_string(), version);
+    }
+
     /// Who a slot is: its worker, rank and scope.
     pub fn rank_of(&self, slot: u16) -> Option<RankId> {
         self.workers.values().find_map(|w| {

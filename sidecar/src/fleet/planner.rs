@@ -74,7 +74,14 @@ impl std::fmt::Debug for Planning {
 impl Planning {
     /// A routed request: what its worker held then (its own `uncached`
     /// prompt tokens included).
-    pub fn booked(&mut self, key: Key, model: &str, worker: u64, load: (f64, f64), uncached: u64) {
+    pub(super) fn booked(
+        &mut self,
+        key: Key,
+        model: &str,
+        worker: u64,
+        load: (f64, f64),
+        uncached: u64,
+    ) {
         let (prefill, decode_kv) = load;
         if !self.models.contains_key(model) {
             return;
@@ -105,7 +112,7 @@ impl Planning {
 
     /// Its end: a TTFT and an ITL sample for its worker's fits, and its
     /// shape for the interval.
-    pub fn ended(&mut self, key: &Key, timing: Option<Timing>) {
+    pub(super) fn ended(&mut self, key: &Key, timing: Option<Timing>) {
         let Some(w) = self.watched.remove(key) else {
             return;
         };
@@ -127,7 +134,7 @@ impl Planning {
         );
     }
 
-    pub fn shed(&mut self, model: &str) {
+    pub(super) fn shed(&mut self, model: &str) {
         if let Some(p) = self.models.get_mut(model) {
             p.observe_shed();
         }
@@ -164,6 +171,53 @@ pub struct Planned {
 }
 
 impl Fleet {
+    /// Whether any model is planned: without one, nothing observed is
+    /// kept.
+    pub fn plans(&self) -> bool {
+        !self.planning.models.is_empty()
+    }
+
+    /// A routed request, for its model's planner: what its worker held
+    /// then (its own `uncached` prompt tokens included).
+    pub fn planner_booked(
+        &mut self,
+        key: Key,
+        model: &str,
+        worker: u64,
+        load: (f64, f64),
+        uncached: u64,
+    ) {
+        self.planning.booked(key, model, worker, load, uncached);
+    }
+
+    /// A routed request's end, for its model's planner.
+    pub fn planner_ended(&mut self, key: &Key, timing: Option<Timing>) {
+        self.planning.ended(key, timing);
+    }
+
+    /// The orchestrator reports decision `id` carried out. None when no
+    /// such decision is kept; else its model, and whether this report is
+    /// what completed it (false when the planner already saw it through).
+    pub fn decision_done(&mut self, id: u64, now: Instant) -> Option<(String, bool)> {
+        let model = self
+            .planning
+            .decisions
+            .iter()
+            .find(|d| d.id == id)
+            .map(|d| d.model.clone())?;
+        let done = self
+            .planning
+            .models
+            .get_mut(&model)
+            .is_some_and(|p| p.complete(id, now));
+        Some((model, done))
+    }
+
+    /// A request shed for want of a worker, for its model's planner.
+    pub fn planner_shed(&mut self, model: &str) {
+        self.planning.shed(model);
+    }
+
     /// Workers of `model` that serve: up and not draining.
     pub fn ready_workers(&self, model: &str) -> Vec<u64> {
         self.workers

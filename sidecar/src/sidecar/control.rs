@@ -79,8 +79,7 @@ impl Sidecar {
     pub(crate) fn worker_started(self: &Arc<Self>, id: u64) {
         let Some((spec, slots)) = self
             .fleet()
-            .workers
-            .get(&id)
+            .worker(id)
             .map(|w| (w.spec.clone(), w.slots.clone()))
         else {
             return;
