@@ -188,7 +188,7 @@ impl Fleet {
                 if let Some(path) = &p.warmup_trace {
                     let rows = std::fs::read_to_string(path)
                         .map_err(|e| e.to_string())
-                        .and_then(|t| crate::planner::read_trace(&t))
+                        .and_then(|t| crate::config::read_trace(&t))
                         .map_err(|e| {
                             FleetError::Invalid(format!(
                                 "model {:?}: warmup_trace {}: {e}",
