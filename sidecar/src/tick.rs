@@ -124,14 +124,14 @@ pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
             let f = sc.fleet();
             f.worker(id).map(|w| {
                 let frac = f
-                    .model(&w.spec.model_name)
+                    .model(&w.spec().model_name)
                     .is_some_and(|m| m.thresholds.active_prefill_tokens_frac.is_some());
                 (
-                    w.spec.metrics_url(),
-                    w.spec.data_parallel_size,
-                    w.spec.data_parallel_start_rank,
-                    w.spec.block_size,
-                    frac && w.spec.max_num_batched_tokens == 0,
+                    w.spec().metrics_url(),
+                    w.spec().data_parallel_size,
+                    w.spec().data_parallel_start_rank,
+                    w.spec().block_size,
+                    frac && w.spec().max_num_batched_tokens == 0,
                 )
             })
         }) else {
@@ -211,10 +211,10 @@ pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
             let loads = |f: &crate::fleet::Fleet, id: u64| {
                 let (mut prefill, mut decode_kv) = (0.0, 0.0);
                 if let Some(w) = f.worker(id) {
-                    for s in &w.slots {
+                    for s in w.slots() {
                         let l = b.slot(*s);
                         prefill += l.prefill_tokens as f64;
-                        decode_kv += (l.decode_blocks * u64::from(w.spec.block_size)) as f64;
+                        decode_kv += (l.decode_blocks * u64::from(w.spec().block_size)) as f64;
                     }
                 }
                 crate::planner::WorkerLoad {

@@ -88,7 +88,7 @@ pub(super) async fn status(State(sc): State<Arc<dyn Backend>>) -> Response {
                 .draining
                 .iter()
                 .copied()
-                .filter(|id| f.worker(*id).is_some_and(|w| &w.spec.model_name == name))
+                .filter(|id| f.worker(*id).is_some_and(|w| &w.spec().model_name == name))
                 .collect(),
             estimates: f.estimates(name),
             predicted: p.predicted,

@@ -26,7 +26,7 @@ pub(super) async fn get_thermal(State(sc): State<Arc<dyn Backend>>) -> Response 
 }
 
 fn running(w: &WorkerEntry) -> u32 {
-    w.ranks.iter().map(|r| r.running).sum()
+    w.ranks().iter().map(|r| r.running).sum()
 }
 
 /// Watts per running sequence: the fresh GPUs' power over what runs.
@@ -45,17 +45,17 @@ fn view(sc: &dyn Backend, f: &Fleet, id: u64, w: &WorkerEntry, now: Instant) -> 
     let running = running(w);
     WorkerThermal {
         worker_id: id,
-        model_name: w.spec.model_name.clone(),
-        state: w.thermal.state(),
-        heat: w.thermal.heat(),
-        cap: w.thermal.cap(),
-        in_flight: w.in_flight,
+        model_name: w.spec().model_name.clone(),
+        state: w.thermal().state(),
+        heat: w.thermal().heat(),
+        cap: w.thermal().cap(),
+        in_flight: w.in_flight(),
         running,
         temperature_c: gpus.first().map(|g| g.reading.temp_c),
         hottest_gpu: gpus.first().map(|g| g.reading.uuid.clone()),
         power_w: power,
         watts_per_running_seq: watts_per_seq(power, running),
-        throttle_entries: w.thermal.entries,
+        throttle_entries: w.thermal().entries,
         settings: f.thermal_settings(id, sc.config()),
         gpus: gpus
             .iter()
@@ -93,7 +93,7 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
             }
             f.workers()
                 .iter()
-                .filter(|(_, w)| &w.spec.model_name == m)
+                .filter(|(_, w)| &w.spec().model_name == m)
                 .map(|(id, _)| *id)
                 .collect()
         }
@@ -127,7 +127,7 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
         if let Err(e) = settings.validate() {
             return error(StatusCode::BAD_REQUEST, format!("worker {id}: {e}"));
         }
-        let (new_state, new_cap) = w.thermal.preview(w.in_flight, &settings);
+        let (new_state, new_cap) = w.thermal().preview(w.in_flight(), &settings);
         let run = running(w);
         let power = f
             .gpus_of(*id, now, sc.config().thermal.stale_after)
@@ -136,12 +136,12 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
             .reduce(|a, b| a + b);
         let held = |cap: u32| if cap == 0 { run } else { cap.min(run) };
         if let Some(wps) = watts_per_seq(power, run) {
-            saved += (f64::from(held(w.thermal.cap())) - f64::from(held(new_cap))) * wps;
+            saved += (f64::from(held(w.thermal().cap())) - f64::from(held(new_cap))) * wps;
         }
         effects.push(ThermalEffect {
             worker_id: *id,
-            state: w.thermal.state(),
-            cap: w.thermal.cap(),
+            state: w.thermal().state(),
+            cap: w.thermal().cap(),
             new_state,
             new_cap,
             running: run,
@@ -176,7 +176,7 @@ impl Trial {
                 Some((m.clone(), cur.and(over)))
             }),
             worker: c.worker_id.and_then(|id| {
-                let cur = f.worker(id)?.thermal.overrides;
+                let cur = f.worker(id)?.thermal().overrides;
                 Some((id, cur.and(over)))
             }),
         }
@@ -212,10 +212,10 @@ impl Trial {
         let Some(w) = f.worker(id) else {
             return Default::default();
         };
-        let model = self.model(f, &w.spec.model_name);
+        let model = self.model(f, &w.spec().model_name);
         let worker = match &self.worker {
             Some((wid, o)) if *wid == id => *o,
-            _ => w.thermal.overrides,
+            _ => w.thermal().overrides,
         };
         file.thermal_settings(&model).with(&worker)
     }

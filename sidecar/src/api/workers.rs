@@ -33,13 +33,13 @@ pub(super) async fn list_workers(
             scope
                 .model_name
                 .as_ref()
-                .is_none_or(|m| *m == w.spec.model_name)
+                .is_none_or(|m| *m == w.spec().model_name)
         })
         .filter(|w| {
             scope
                 .tenant_id
                 .as_ref()
-                .is_none_or(|t| *t == w.spec.tenant_id)
+                .is_none_or(|t| *t == w.spec().tenant_id)
         })
         .map(WorkerView::from)
         .collect();

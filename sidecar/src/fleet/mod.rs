@@ -56,17 +56,48 @@ pub enum FleetError {
     SlotsExhausted,
 }
 
+/// A worker as the fleet keeps it. Read-only outside `fleet/`: its
+/// scrape record, slots and controller change only with the fleet.
 #[derive(Debug, Clone)]
 pub struct WorkerEntry {
-    pub spec: WorkerSpec,
-    pub slots: Vec<u16>,
-    pub health: Health,
-    pub ranks: Vec<RankMetrics>,
+    spec: WorkerSpec,
+    slots: Vec<u16>,
+    health: Health,
+    ranks: Vec<RankMetrics>,
     latches: Vec<bool>,
-    pub thermal: Controller,
+    thermal: Controller,
     /// Requests in flight there at the last snapshot: the engine's running
     /// and waiting, or the gateways' bookings when more.
-    pub in_flight: u32,
+    in_flight: u32,
+}
+
+impl WorkerEntry {
+    pub fn spec(&self) -> &WorkerSpec {
+        &self.spec
+    }
+
+    /// The slot of each of its DP ranks, in rank order.
+    pub fn slots(&self) -> &[u16] {
+        &self.slots
+    }
+
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// Each rank's metrics from the last good scrape.
+    pub fn ranks(&self) -> &[RankMetrics] {
+        &self.ranks
+    }
+
+    pub fn thermal(&self) -> &Controller {
+        &self.thermal
+    }
+
+    /// Requests in flight there at the last snapshot.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
 }
 
 /// A rank slot by the names every sidecar and client shares.

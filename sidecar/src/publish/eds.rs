@@ -40,7 +40,7 @@ pub fn discovery_response(fleet: &Fleet, req: &DiscoveryRequest) -> Result<Value
     let mut endpoints: Vec<SocketAddr> = fleet
         .workers()
         .values()
-        .filter_map(|w| w.spec.endpoint.parse().ok())
+        .filter_map(|w| w.spec().endpoint.parse().ok())
         .collect();
     endpoints.sort();
     // Two catalog entries may share an endpoint (one engine serving two

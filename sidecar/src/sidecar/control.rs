@@ -48,7 +48,7 @@ impl Sidecar {
         };
         {
             let mut b = self.bookings();
-            for slot in &w.slots {
+            for slot in w.slots() {
                 b.drop_slot(*slot);
             }
         }
@@ -80,7 +80,7 @@ impl Sidecar {
         let Some((spec, slots)) = self
             .fleet()
             .worker(id)
-            .map(|w| (w.spec.clone(), w.slots.clone()))
+            .map(|w| (w.spec().clone(), w.slots().to_vec()))
         else {
             return;
         };

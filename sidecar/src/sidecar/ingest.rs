@@ -18,7 +18,7 @@ impl Sidecar {
             let f = self.fleet();
             f.workers()
                 .values()
-                .flat_map(|w| w.slots.iter().filter_map(|s| Some((*s, f.rank_of(*s)?))))
+                .flat_map(|w| w.slots().iter().filter_map(|s| Some((*s, f.rank_of(*s)?))))
                 .collect()
         };
         let now = Instant::now();
@@ -224,7 +224,7 @@ impl Sidecar {
                 .filter(|r| {
                     f.workers()
                         .values()
-                        .any(|w| w.spec.model_name == r.model && w.slots.contains(&r.slot))
+                        .any(|w| w.spec().model_name == r.model && w.slots().contains(&r.slot))
                 })
                 .collect()
         };

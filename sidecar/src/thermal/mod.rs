@@ -70,15 +70,15 @@ pub(crate) async fn thermal_loop(th: Handles) {
                     let settings = f.thermal_settings(s.worker_id, th.config());
                     report(
                         &th,
-                        w.spec.model_name.as_str(),
+                        w.spec().model_name.as_str(),
                         &s,
-                        w.thermal.hottest.as_ref(),
+                        w.thermal().hottest.as_ref(),
                     );
-                    w.spec.batch_control.then(|| Actuation {
+                    w.spec().batch_control.then(|| Actuation {
                         worker_id: s.worker_id,
-                        endpoint: w.spec.endpoint.clone(),
-                        ranks: w.spec.data_parallel_size,
-                        restore: w.thermal.restore_max_num_seqs,
+                        endpoint: w.spec().endpoint.clone(),
+                        ranks: w.spec().data_parallel_size,
+                        restore: w.thermal().restore_max_num_seqs,
                         policy: settings.policy,
                         step: s,
                     })
@@ -129,9 +129,9 @@ impl Shown {
         let mut workers = HashSet::new();
         for (id, w) in f.workers() {
             let ids = id.to_string();
-            let model = w.spec.model_name.clone();
+            let model = w.spec().model_name.clone();
             let wl = [model.as_str(), ids.as_str()];
-            let c = &w.thermal;
+            let c = w.thermal();
             m.cap.with_label_values(&wl).set(i64::from(c.cap()));
             for st in kvgate_core::ThermalState::ALL {
                 m.state
