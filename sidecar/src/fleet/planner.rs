@@ -72,74 +72,6 @@ impl std::fmt::Debug for Planning {
 }
 
 impl Planning {
-    /// A routed request: what its worker held then (its own `uncached`
-    /// prompt tokens included).
-    pub(super) fn booked(
-        &mut self,
-        key: Key,
-        model: &str,
-        worker: u64,
-        load: (f64, f64),
-        uncached: u64,
-    ) {
-        let (prefill, decode_kv) = load;
-        if !self.models.contains_key(model) {
-            return;
-        }
-        if self.watched.len() >= MAX_WATCHED {
-            // The oldest are requests whose end was lost.
-            if let Some(k) = self
-                .watched
-                .iter()
-                .min_by_key(|(_, w)| w.at)
-                .map(|(k, _)| *k)
-            {
-                self.watched.remove(&k);
-            }
-        }
-        self.watched.insert(
-            key,
-            Watch {
-                model: model.to_string(),
-                worker,
-                prefill_tokens: prefill,
-                decode_kv_tokens: decode_kv,
-                uncached,
-                at: Instant::now(),
-            },
-        );
-    }
-
-    /// Its end: a TTFT and an ITL sample for its worker's fits, and its
-    /// shape for the interval.
-    pub(super) fn ended(&mut self, key: &Key, timing: Option<Timing>) {
-        let Some(w) = self.watched.remove(key) else {
-            return;
-        };
-        let (Some(p), Some(t)) = (self.models.get_mut(&w.model), timing) else {
-            return;
-        };
-        let ttft_ms = f64::from(t.first_byte_us) / 1000.0;
-        p.observe_ttft(w.worker, w.prefill_tokens, ttft_ms);
-        if t.output_tokens >= 2 && t.total_us > t.first_byte_us {
-            let itl =
-                f64::from(t.total_us - t.first_byte_us) / 1000.0 / f64::from(t.output_tokens - 1);
-            p.observe_itl(w.worker, w.decode_kv_tokens, itl);
-        }
-        let isl = u64::from(t.isl_tokens);
-        p.observe_request(
-            isl,
-            u64::from(t.output_tokens),
-            isl.saturating_sub(w.uncached),
-        );
-    }
-
-    pub(super) fn shed(&mut self, model: &str) {
-        if let Some(p) = self.models.get_mut(model) {
-            p.observe_shed();
-        }
-    }
-
     fn issue(&mut self, d: Decision) -> u64 {
         self.decisions.push_back(d);
         while self.decisions.len() > MAX_DECISIONS {
@@ -187,12 +119,52 @@ impl Fleet {
         load: (f64, f64),
         uncached: u64,
     ) {
-        self.planning.booked(key, model, worker, load, uncached);
+        let p = &mut self.planning;
+        let (prefill, decode_kv) = load;
+        if !p.models.contains_key(model) {
+            return;
+        }
+        if p.watched.len() >= MAX_WATCHED {
+            // The oldest are requests whose end was lost.
+            if let Some(k) = p.watched.iter().min_by_key(|(_, w)| w.at).map(|(k, _)| *k) {
+                p.watched.remove(&k);
+            }
+        }
+        p.watched.insert(
+            key,
+            Watch {
+                model: model.to_string(),
+                worker,
+                prefill_tokens: prefill,
+                decode_kv_tokens: decode_kv,
+                uncached,
+                at: Instant::now(),
+            },
+        );
     }
 
-    /// A routed request's end, for its model's planner.
+    /// A routed request's end, for its model's planner: a TTFT and an ITL
+    /// sample for its worker's fits, and its shape for the interval.
     pub fn planner_ended(&mut self, key: &Key, timing: Option<Timing>) {
-        self.planning.ended(key, timing);
+        let Some(w) = self.planning.watched.remove(key) else {
+            return;
+        };
+        let (Some(p), Some(t)) = (self.planning.models.get_mut(&w.model), timing) else {
+            return;
+        };
+        let ttft_ms = f64::from(t.first_byte_us) / 1000.0;
+        p.observe_ttft(w.worker, w.prefill_tokens, ttft_ms);
+        if t.output_tokens >= 2 && t.total_us > t.first_byte_us {
+            let itl =
+                f64::from(t.total_us - t.first_byte_us) / 1000.0 / f64::from(t.output_tokens - 1);
+            p.observe_itl(w.worker, w.decode_kv_tokens, itl);
+        }
+        let isl = u64::from(t.isl_tokens);
+        p.observe_request(
+            isl,
+            u64::from(t.output_tokens),
+            isl.saturating_sub(w.uncached),
+        );
     }
 
     /// The orchestrator reports decision `id` carried out. None when no
@@ -215,7 +187,9 @@ impl Fleet {
 
     /// A request shed for want of a worker, for its model's planner.
     pub fn planner_shed(&mut self, model: &str) {
-        self.planning.shed(model);
+        if let Some(p) = self.planning.models.get_mut(model) {
+            p.observe_shed();
+        }
     }
 
     /// Workers of `model` that serve: up and not draining.
