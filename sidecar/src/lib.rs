@@ -7,9 +7,8 @@
 //! inside the sidecar", has the table).
 //!
 //! * Ground, importable by all: [`config`], [`metrics`] (one module per
-//!   family), the clock, and the pure libraries configuration names:
-//!   [`planner`] (the replica planner's decision math) and [`prompt`] (a
-//!   model's prompt files).
+//!   family), the clock, and [`prompt`] (a model's prompt files, whose
+//!   vocabulary the KV index reads).
 //! * [`sources`]: what comes in. Every worker's Prometheus page, scraped
 //!   for load ([`sources::metrics`]); every rank's ZMQ KV events, folded
 //!   into the prefix index ([`sources::kv`]); the gateways' bookings and
@@ -22,7 +21,7 @@
 //!   config file and the `/workers` API), health, thermal controllers,
 //!   the planner's state, and the snapshot built from all of it. Beside
 //!   it, the thermal loop, which steps the controllers with the handles
-//!   it is given.
+//!   it is given, and [`planner`], the replica planner's decision math.
 //! * [`publish`] and [`api`]: what goes out. Versioned snapshots and index
 //!   shards, long-polled by the snapshot service inside Envoy; the HTTP
 //!   APIs, metrics and the catalog as Envoy's routed cluster. `publish`

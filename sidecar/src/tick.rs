@@ -122,17 +122,16 @@ pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
         tick.tick().await;
         let Some((url, dp, start, bs, needs_batch)) = ({
             let f = sc.fleet();
-            f.workers.get(&id).map(|w| {
+            f.worker(id).map(|w| {
                 let frac = f
-                    .models
-                    .get(&w.spec.model_name)
+                    .model(&w.spec().model_name)
                     .is_some_and(|m| m.thresholds.active_prefill_tokens_frac.is_some());
                 (
-                    w.spec.metrics_url(),
-                    w.spec.data_parallel_size,
-                    w.spec.data_parallel_start_rank,
-                    w.spec.block_size,
-                    frac && w.spec.max_num_batched_tokens == 0,
+                    w.spec().metrics_url(),
+                    w.spec().data_parallel_size,
+                    w.spec().data_parallel_start_rank,
+                    w.spec().block_size,
+                    frac && w.spec().max_num_batched_tokens == 0,
                 )
             })
         }) else {
@@ -180,7 +179,7 @@ pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
 /// are published at once (a draining worker leaves the snapshot's
 /// candidates).
 pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
-    if sc.fleet().planning.models.is_empty() {
+    if !sc.fleet().plans() {
         return;
     }
     let mut last_load: std::collections::HashMap<String, Instant> = Default::default();
@@ -195,7 +194,7 @@ pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
             let b = sc.bookings();
             let mut f = sc.fleet();
             let mut due = std::collections::HashMap::new();
-            for (name, p) in &f.planning.models {
+            for (name, p) in &f.planning().models {
                 let is_due = |last: &mut std::collections::HashMap<String, Instant>,
                               every: Duration| {
                     let from = last.get(name).copied().unwrap_or(started);
@@ -211,11 +210,11 @@ pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
             }
             let loads = |f: &crate::fleet::Fleet, id: u64| {
                 let (mut prefill, mut decode_kv) = (0.0, 0.0);
-                if let Some(w) = f.workers.get(&id) {
-                    for s in &w.slots {
+                if let Some(w) = f.worker(id) {
+                    for s in w.slots() {
                         let l = b.slot(*s);
                         prefill += l.prefill_tokens as f64;
-                        decode_kv += (l.decode_blocks * u64::from(w.spec.block_size)) as f64;
+                        decode_kv += (l.decode_blocks * u64::from(w.spec().block_size)) as f64;
                     }
                 }
                 crate::planner::WorkerLoad {

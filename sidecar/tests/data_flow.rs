@@ -19,10 +19,10 @@ struct Layer {
 const LAYERS: &[Layer] = &[
     Layer {
         // Importable by all: configuration, the metric families, the
-        // clock, and the pure libraries that configuration names (the
-        // planner's decision math, a model's prompt files).
+        // clock, and a model's prompt files (the sources' KV index reads
+        // a prompt's vocabulary).
         name: "ground",
-        modules: &["config", "metrics", "clock", "planner", "prompt"],
+        modules: &["config", "metrics", "clock", "prompt"],
         reads: &[],
     },
     Layer {
@@ -34,10 +34,11 @@ const LAYERS: &[Layer] = &[
         reads: &["ground"],
     },
     Layer {
-        // The state kept from the sources, and the thermal loop that
-        // steps its controllers.
+        // The state kept from the sources, the thermal loop that steps
+        // its controllers, and the planner's decision math that runs on
+        // the fleet's observations.
         name: "fleet",
-        modules: &["fleet", "thermal"],
+        modules: &["fleet", "thermal", "planner"],
         reads: &["ground", "sources"],
     },
     Layer {

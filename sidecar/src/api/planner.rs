@@ -13,7 +13,6 @@
 
 use super::Backend;
 use super::{error, json_response};
-use crate::fleet::Decision;
 use crate::planner::{Estimate, Reason};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -67,7 +66,7 @@ pub(super) async fn status(State(sc): State<Arc<dyn Backend>>) -> Response {
     let f = sc.fleet();
     let now = Instant::now();
     let models = f
-        .planning
+        .planning()
         .models
         .iter()
         .map(|(name, p)| ModelPlanView {
@@ -85,15 +84,11 @@ pub(super) async fn status(State(sc): State<Arc<dyn Backend>>) -> Response {
             scale_up_eta_ms: p.scale_up_eta(now).map(|d| d.as_millis() as u64),
             startup_ms: p.startup().as_millis() as u64,
             draining: f
-                .planning
+                .planning()
                 .draining
                 .iter()
                 .copied()
-                .filter(|id| {
-                    f.workers
-                        .get(id)
-                        .is_some_and(|w| &w.spec.model_name == name)
-                })
+                .filter(|id| f.worker(*id).is_some_and(|w| &w.spec().model_name == name))
                 .collect(),
             estimates: f.estimates(name),
             predicted: p.predicted,
@@ -123,16 +118,16 @@ pub(super) async fn next_decision(
     loop {
         let notify = {
             let f = sc.fleet();
-            if let Some(d) = f.planning.decision_after(q.after) {
+            if let Some(d) = f.planning().decision_after(q.after) {
                 return json_response(StatusCode::OK, d);
             }
-            f.planning.issued.clone()
+            f.planning().issued.clone()
         };
         let notified = notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
         // A decision issued between the look and `enable` is seen now.
-        if let Some(d) = sc.fleet().planning.decision_after(q.after).cloned() {
+        if let Some(d) = sc.fleet().planning().decision_after(q.after).cloned() {
             return json_response(StatusCode::OK, &d);
         }
         if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -142,23 +137,12 @@ pub(super) async fn next_decision(
 }
 
 pub(super) async fn complete(State(sc): State<Arc<dyn Backend>>, Path(id): Path<u64>) -> Response {
-    let mut f = sc.fleet();
-    let Some(model) = f
-        .planning
-        .decisions
-        .iter()
-        .find(|d: &&Decision| d.id == id)
-        .map(|d| d.model.clone())
-    else {
+    let Some((model, seen_now)) = sc.fleet().decision_done(id, Instant::now()) else {
         return error(StatusCode::NOT_FOUND, format!("no decision {id}"));
     };
     // Reporting a decision the planner already saw through (the ready
     // count reached it) is not an error: the orchestrator cannot know.
-    if f.planning
-        .models
-        .get_mut(&model)
-        .is_some_and(|p| p.complete(id, Instant::now()))
-    {
+    if seen_now {
         tracing::info!(id, model, "planner decision reported done");
     }
     StatusCode::NO_CONTENT.into_response()

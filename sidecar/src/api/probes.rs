@@ -21,13 +21,13 @@ pub(super) async fn ready(State(sc): State<Arc<dyn Backend>>) -> Response {
     }
     // The workers that are not up, and why.
     let workers = f
-        .workers
+        .workers()
         .values()
-        .filter(|w| !w.health.up)
+        .filter(|w| !w.health().up)
         .map(|w| NotReadyWorker {
-            worker_id: w.spec.worker_id,
+            worker_id: w.spec().worker_id,
             reason: w
-                .health
+                .health()
                 .last_error
                 .clone()
                 .unwrap_or_else(|| "no successful metrics scrape yet".into()),

@@ -18,7 +18,7 @@ pub(super) async fn get_thermal(State(sc): State<Arc<dyn Backend>>) -> Response 
     let f = sc.fleet();
     let now = Instant::now();
     let workers = f
-        .workers
+        .workers()
         .iter()
         .map(|(id, w)| view(&*sc, &f, *id, w, now))
         .collect();
@@ -26,7 +26,7 @@ pub(super) async fn get_thermal(State(sc): State<Arc<dyn Backend>>) -> Response 
 }
 
 fn running(w: &WorkerEntry) -> u32 {
-    w.ranks.iter().map(|r| r.running).sum()
+    w.ranks().iter().map(|r| r.running).sum()
 }
 
 /// Watts per running sequence: the fresh GPUs' power over what runs.
@@ -45,17 +45,17 @@ fn view(sc: &dyn Backend, f: &Fleet, id: u64, w: &WorkerEntry, now: Instant) -> 
     let running = running(w);
     WorkerThermal {
         worker_id: id,
-        model_name: w.spec.model_name.clone(),
-        state: w.thermal.state(),
-        heat: w.thermal.heat(),
-        cap: w.thermal.cap(),
-        in_flight: w.in_flight,
+        model_name: w.spec().model_name.clone(),
+        state: w.thermal().state(),
+        heat: w.thermal().heat(),
+        cap: w.thermal().cap(),
+        in_flight: w.in_flight(),
         running,
         temperature_c: gpus.first().map(|g| g.reading.temp_c),
         hottest_gpu: gpus.first().map(|g| g.reading.uuid.clone()),
         power_w: power,
         watts_per_running_seq: watts_per_seq(power, running),
-        throttle_entries: w.thermal.entries,
+        throttle_entries: w.thermal().entries,
         settings: f.thermal_settings(id, sc.config()),
         gpus: gpus
             .iter()
@@ -85,20 +85,20 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
     let mut f = sc.fleet();
     let ids: Vec<u64> = match (&change.model_name, change.worker_id) {
         (Some(m), None) => {
-            if !f.models.contains_key(m) {
+            if !f.models().contains_key(m) {
                 return error(
                     StatusCode::NOT_FOUND,
                     format!("model {m:?} is not served here"),
                 );
             }
-            f.workers
+            f.workers()
                 .iter()
-                .filter(|(_, w)| &w.spec.model_name == m)
+                .filter(|(_, w)| &w.spec().model_name == m)
                 .map(|(id, _)| *id)
                 .collect()
         }
         (None, Some(id)) => {
-            if !f.workers.contains_key(&id) {
+            if !f.workers().contains_key(&id) {
                 return error(StatusCode::NOT_FOUND, format!("worker {id} does not exist"));
             }
             vec![id]
@@ -122,12 +122,12 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
     let mut saved = 0.0;
     let now = Instant::now();
     for id in &ids {
-        let Some(w) = f.workers.get(id) else { continue };
+        let Some(w) = f.worker(*id) else { continue };
         let settings = trial.settings(&f, *id, sc.config());
         if let Err(e) = settings.validate() {
             return error(StatusCode::BAD_REQUEST, format!("worker {id}: {e}"));
         }
-        let (new_state, new_cap) = w.thermal.preview(w.in_flight, &settings);
+        let (new_state, new_cap) = w.thermal().preview(w.in_flight(), &settings);
         let run = running(w);
         let power = f
             .gpus_of(*id, now, sc.config().thermal.stale_after)
@@ -136,12 +136,12 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
             .reduce(|a, b| a + b);
         let held = |cap: u32| if cap == 0 { run } else { cap.min(run) };
         if let Some(wps) = watts_per_seq(power, run) {
-            saved += (f64::from(held(w.thermal.cap())) - f64::from(held(new_cap))) * wps;
+            saved += (f64::from(held(w.thermal().cap())) - f64::from(held(new_cap))) * wps;
         }
         effects.push(ThermalEffect {
             worker_id: *id,
-            state: w.thermal.state(),
-            cap: w.thermal.cap(),
+            state: w.thermal().state(),
+            cap: w.thermal().cap(),
             new_state,
             new_cap,
             running: run,
@@ -172,11 +172,11 @@ impl Trial {
     fn of(f: &Fleet, c: &ThermalChange, over: &crate::config::ThermalOverride) -> Trial {
         Trial {
             model: c.model_name.as_ref().and_then(|m| {
-                let cur = f.models.get(m)?.thermal;
+                let cur = f.model(m)?.thermal;
                 Some((m.clone(), cur.and(over)))
             }),
             worker: c.worker_id.and_then(|id| {
-                let cur = f.workers.get(&id)?.thermal.overrides;
+                let cur = f.worker(id)?.thermal().overrides;
                 Some((id, cur.and(over)))
             }),
         }
@@ -184,8 +184,7 @@ impl Trial {
 
     fn model(&mut self, f: &Fleet, name: &str) -> crate::config::ModelConfig {
         let mut m = f
-            .models
-            .get(name)
+            .model(name)
             .cloned()
             .unwrap_or_else(|| crate::config::ModelConfig {
                 name: name.to_string(),
@@ -210,27 +209,23 @@ impl Trial {
         id: u64,
         file: &crate::config::Config,
     ) -> crate::config::ThermalSettings {
-        let Some(w) = f.workers.get(&id) else {
+        let Some(w) = f.worker(id) else {
             return Default::default();
         };
-        let model = self.model(f, &w.spec.model_name);
+        let model = self.model(f, &w.spec().model_name);
         let worker = match &self.worker {
             Some((wid, o)) if *wid == id => *o,
-            _ => w.thermal.overrides,
+            _ => w.thermal().overrides,
         };
         file.thermal_settings(&model).with(&worker)
     }
 
     fn commit(self, f: &mut Fleet) {
-        if let Some((name, o)) = self.model
-            && let Some(m) = f.models.get_mut(&name)
-        {
-            m.thermal = o;
+        if let Some((name, o)) = self.model {
+            f.set_model_thermal(&name, o);
         }
-        if let Some((id, o)) = self.worker
-            && let Some(w) = f.workers.get_mut(&id)
-        {
-            w.thermal.overrides = o;
+        if let Some((id, o)) = self.worker {
+            f.set_worker_thermal(id, o);
         }
     }
 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 pub(super) async fn get_thresholds(State(sc): State<Arc<dyn Backend>>) -> Response {
     let f = sc.fleet();
     let thresholds = f
-        .models
+        .models()
         .iter()
         .map(|(name, m)| ModelThresholds::new(name, &m.thresholds))
         .collect();
@@ -33,7 +33,7 @@ pub(super) async fn post_thresholds(State(sc): State<Arc<dyn Backend>>, body: By
     let Some(Value::String(model)) = body.remove("model") else {
         return error(StatusCode::BAD_REQUEST, "\"model\" (a string) is required");
     };
-    let current = match sc.fleet().models.get(&model) {
+    let current = match sc.fleet().model(&model) {
         Some(m) => m.thresholds,
         None => {
             return error(

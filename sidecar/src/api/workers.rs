@@ -27,19 +27,19 @@ pub(super) async fn list_workers(
 ) -> Response {
     let f = sc.fleet();
     let workers = f
-        .workers
+        .workers()
         .values()
         .filter(|w| {
             scope
                 .model_name
                 .as_ref()
-                .is_none_or(|m| *m == w.spec.model_name)
+                .is_none_or(|m| *m == w.spec().model_name)
         })
         .filter(|w| {
             scope
                 .tenant_id
                 .as_ref()
-                .is_none_or(|t| *t == w.spec.tenant_id)
+                .is_none_or(|t| *t == w.spec().tenant_id)
         })
         .map(WorkerView::from)
         .collect();
@@ -50,7 +50,7 @@ pub(super) async fn get_worker(
     State(sc): State<Arc<dyn Backend>>,
     Path(id): Path<u64>,
 ) -> Response {
-    match sc.fleet().workers.get(&id) {
+    match sc.fleet().worker(id) {
         Some(w) => json_response(StatusCode::OK, &WorkerView::from(w)),
         None => fleet_error(FleetError::UnknownWorker(id)),
     }

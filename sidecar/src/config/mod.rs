@@ -16,12 +16,14 @@
 //! and read into [`std::time::Duration`]s (`millis`).
 
 pub(crate) mod millis;
+mod planner;
 mod sections;
 #[cfg(test)]
 mod tests;
 mod thermal;
 mod worker;
 
+pub use planner::{PlannerConfig, PredictorKind, ProfileRow, read_trace};
 pub use sections::{
     Control, Indexer, Kv, Load, ReplicaSync, Scrape, Selection, Server, validate_peer,
 };

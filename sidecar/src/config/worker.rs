@@ -29,7 +29,7 @@ pub struct ModelConfig {
     /// `[models.planner]`: the model's SLA and scaling bounds; absent, the
     /// planner leaves the model alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub planner: Option<crate::planner::PlannerConfig>,
+    pub planner: Option<super::PlannerConfig>,
     /// `[models.prompt]`: the model's tokenizer and chat template; with
     /// them, chat and text prompts are matched against the engines' KV
     /// events. Absent, text prompts use the routed-prefix index.

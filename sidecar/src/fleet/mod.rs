@@ -56,17 +56,48 @@ pub enum FleetError {
     SlotsExhausted,
 }
 
+/// A worker as the fleet keeps it. Read-only outside `fleet/`: its
+/// scrape record, slots and controller change only with the fleet.
 #[derive(Debug, Clone)]
 pub struct WorkerEntry {
-    pub spec: WorkerSpec,
-    pub slots: Vec<u16>,
-    pub health: Health,
-    pub ranks: Vec<RankMetrics>,
+    spec: WorkerSpec,
+    slots: Vec<u16>,
+    health: Health,
+    ranks: Vec<RankMetrics>,
     latches: Vec<bool>,
-    pub thermal: Controller,
+    thermal: Controller,
     /// Requests in flight there at the last snapshot: the engine's running
     /// and waiting, or the gateways' bookings when more.
-    pub in_flight: u32,
+    in_flight: u32,
+}
+
+impl WorkerEntry {
+    pub fn spec(&self) -> &WorkerSpec {
+        &self.spec
+    }
+
+    /// The slot of each of its DP ranks, in rank order.
+    pub fn slots(&self) -> &[u16] {
+        &self.slots
+    }
+
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// Each rank's metrics from the last good scrape.
+    pub fn ranks(&self) -> &[RankMetrics] {
+        &self.ranks
+    }
+
+    pub fn thermal(&self) -> &Controller {
+        &self.thermal
+    }
+
+    /// Requests in flight there at the last snapshot.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight
+    }
 }
 
 /// A rank slot by the names every sidecar and client shares.
@@ -79,21 +110,61 @@ pub struct RankId {
     pub dp_rank: u32,
 }
 
+/// The fields are private: the fleet's invariants (slots match workers,
+/// a model's workers name a configured model) are kept by the methods in
+/// this folder, and what the rest of the sidecar may change is named by
+/// those methods.
 #[derive(Debug)]
 pub struct Fleet {
-    pub models: BTreeMap<String, ModelConfig>,
-    pub workers: BTreeMap<u64, WorkerEntry>,
+    models: BTreeMap<String, ModelConfig>,
+    workers: BTreeMap<u64, WorkerEntry>,
     /// The latest reading of every GPU, by UUID.
-    pub gpus: BTreeMap<String, GpuSeen>,
+    gpus: BTreeMap<String, GpuSeen>,
     /// The planner's models, observations, decisions and draining workers.
-    pub planning: Planning,
+    planning: Planning,
     /// Version of each model's published prompt template (`[models.prompt]`).
-    pub prompt_templates: BTreeMap<String, u64>,
+    prompt_templates: BTreeMap<String, u64>,
     slots: Slots,
     kv_shards: u32,
 }
 
 impl Fleet {
+    /// The configured models by name, with their live thresholds and
+    /// thermal overrides.
+    pub fn models(&self) -> &BTreeMap<String, ModelConfig> {
+        &self.models
+    }
+
+    pub fn model(&self, name: &str) -> Option<&ModelConfig> {
+        self.models.get(name)
+    }
+
+    /// The workers by id.
+    pub fn workers(&self) -> &BTreeMap<u64, WorkerEntry> {
+        &self.workers
+    }
+
+    pub fn worker(&self, id: u64) -> Option<&WorkerEntry> {
+        self.workers.get(&id)
+    }
+
+    /// The latest reading of every GPU, by UUID.
+    pub fn gpus(&self) -> &BTreeMap<String, GpuSeen> {
+        &self.gpus
+    }
+
+    /// The planner's models, decisions and draining workers, to read;
+    /// what it observes is recorded through [`Fleet::planner_booked`] and
+    /// its siblings.
+    pub fn planning(&self) -> &Planning {
+        &self.planning
+    }
+
+    /// Records that a model's prompt template was published at `version`.
+    pub fn prompt_published(&mut self, model: &str, version: u64) {
+        self.prompt_templates.insert(model.to_string(), version);
+    }
+
     /// Who a slot is: its worker, rank and scope.
     pub fn rank_of(&self, slot: u16) -> Option<RankId> {
         self.workers.values().find_map(|w| {
@@ -148,7 +219,7 @@ impl Fleet {
                 if let Some(path) = &p.warmup_trace {
                     let rows = std::fs::read_to_string(path)
                         .map_err(|e| e.to_string())
-                        .and_then(|t| crate::planner::read_trace(&t))
+                        .and_then(|t| crate::config::read_trace(&t))
                         .map_err(|e| {
                             FleetError::Invalid(format!(
                                 "model {:?}: warmup_trace {}: {e}",

@@ -72,67 +72,6 @@ impl std::fmt::Debug for Planning {
 }
 
 impl Planning {
-    /// A routed request: what its worker held then (its own `uncached`
-    /// prompt tokens included).
-    pub fn booked(&mut self, key: Key, model: &str, worker: u64, load: (f64, f64), uncached: u64) {
-        let (prefill, decode_kv) = load;
-        if !self.models.contains_key(model) {
-            return;
-        }
-        if self.watched.len() >= MAX_WATCHED {
-            // The oldest are requests whose end was lost.
-            if let Some(k) = self
-                .watched
-                .iter()
-                .min_by_key(|(_, w)| w.at)
-                .map(|(k, _)| *k)
-            {
-                self.watched.remove(&k);
-            }
-        }
-        self.watched.insert(
-            key,
-            Watch {
-                model: model.to_string(),
-                worker,
-                prefill_tokens: prefill,
-                decode_kv_tokens: decode_kv,
-                uncached,
-                at: Instant::now(),
-            },
-        );
-    }
-
-    /// Its end: a TTFT and an ITL sample for its worker's fits, and its
-    /// shape for the interval.
-    pub fn ended(&mut self, key: &Key, timing: Option<Timing>) {
-        let Some(w) = self.watched.remove(key) else {
-            return;
-        };
-        let (Some(p), Some(t)) = (self.models.get_mut(&w.model), timing) else {
-            return;
-        };
-        let ttft_ms = f64::from(t.first_byte_us) / 1000.0;
-        p.observe_ttft(w.worker, w.prefill_tokens, ttft_ms);
-        if t.output_tokens >= 2 && t.total_us > t.first_byte_us {
-            let itl =
-                f64::from(t.total_us - t.first_byte_us) / 1000.0 / f64::from(t.output_tokens - 1);
-            p.observe_itl(w.worker, w.decode_kv_tokens, itl);
-        }
-        let isl = u64::from(t.isl_tokens);
-        p.observe_request(
-            isl,
-            u64::from(t.output_tokens),
-            isl.saturating_sub(w.uncached),
-        );
-    }
-
-    pub fn shed(&mut self, model: &str) {
-        if let Some(p) = self.models.get_mut(model) {
-            p.observe_shed();
-        }
-    }
-
     fn issue(&mut self, d: Decision) -> u64 {
         self.decisions.push_back(d);
         while self.decisions.len() > MAX_DECISIONS {
@@ -164,6 +103,95 @@ pub struct Planned {
 }
 
 impl Fleet {
+    /// Whether any model is planned: without one, nothing observed is
+    /// kept.
+    pub fn plans(&self) -> bool {
+        !self.planning.models.is_empty()
+    }
+
+    /// A routed request, for its model's planner: what its worker held
+    /// then (its own `uncached` prompt tokens included).
+    pub fn planner_booked(
+        &mut self,
+        key: Key,
+        model: &str,
+        worker: u64,
+        load: (f64, f64),
+        uncached: u64,
+    ) {
+        let p = &mut self.planning;
+        let (prefill, decode_kv) = load;
+        if !p.models.contains_key(model) {
+            return;
+        }
+        if p.watched.len() >= MAX_WATCHED {
+            // The oldest are requests whose end was lost.
+            if let Some(k) = p.watched.iter().min_by_key(|(_, w)| w.at).map(|(k, _)| *k) {
+                p.watched.remove(&k);
+            }
+        }
+        p.watched.insert(
+            key,
+            Watch {
+                model: model.to_string(),
+                worker,
+                prefill_tokens: prefill,
+                decode_kv_tokens: decode_kv,
+                uncached,
+                at: Instant::now(),
+            },
+        );
+    }
+
+    /// A routed request's end, for its model's planner: a TTFT and an ITL
+    /// sample for its worker's fits, and its shape for the interval.
+    pub fn planner_ended(&mut self, key: &Key, timing: Option<Timing>) {
+        let Some(w) = self.planning.watched.remove(key) else {
+            return;
+        };
+        let (Some(p), Some(t)) = (self.planning.models.get_mut(&w.model), timing) else {
+            return;
+        };
+        let ttft_ms = f64::from(t.first_byte_us) / 1000.0;
+        p.observe_ttft(w.worker, w.prefill_tokens, ttft_ms);
+        if t.output_tokens >= 2 && t.total_us > t.first_byte_us {
+            let itl =
+                f64::from(t.total_us - t.first_byte_us) / 1000.0 / f64::from(t.output_tokens - 1);
+            p.observe_itl(w.worker, w.decode_kv_tokens, itl);
+        }
+        let isl = u64::from(t.isl_tokens);
+        p.observe_request(
+            isl,
+            u64::from(t.output_tokens),
+            isl.saturating_sub(w.uncached),
+        );
+    }
+
+    /// The orchestrator reports decision `id` carried out. None when no
+    /// such decision is kept; else its model, and whether this report is
+    /// what completed it (false when the planner already saw it through).
+    pub fn decision_done(&mut self, id: u64, now: Instant) -> Option<(String, bool)> {
+        let model = self
+            .planning
+            .decisions
+            .iter()
+            .find(|d| d.id == id)
+            .map(|d| d.model.clone())?;
+        let done = self
+            .planning
+            .models
+            .get_mut(&model)
+            .is_some_and(|p| p.complete(id, now));
+        Some((model, done))
+    }
+
+    /// A request shed for want of a worker, for its model's planner.
+    pub fn planner_shed(&mut self, model: &str) {
+        if let Some(p) = self.planning.models.get_mut(model) {
+            p.observe_shed();
+        }
+    }
+
     /// Workers of `model` that serve: up and not draining.
     pub fn ready_workers(&self, model: &str) -> Vec<u64> {
         self.workers

@@ -242,6 +242,30 @@ pub struct Stepped {
 }
 
 impl Fleet {
+    /// Sets a model's thermal overrides. False when the model is not
+    /// configured.
+    pub fn set_model_thermal(&mut self, model: &str, o: ThermalOverride) -> bool {
+        self.models.get_mut(model).map(|m| m.thermal = o).is_some()
+    }
+
+    /// Sets a worker's own thermal overrides. False when there is no such
+    /// worker.
+    pub fn set_worker_thermal(&mut self, id: u64, o: ThermalOverride) -> bool {
+        self.workers
+            .get_mut(&id)
+            .map(|w| w.thermal.overrides = o)
+            .is_some()
+    }
+
+    /// Remembers the batch size a worker ran with before its first cut,
+    /// so that it is given back when the worker cools. The first one kept
+    /// stands: a later probe would read an already cut size.
+    pub fn remember_restore(&mut self, id: u64, max_num_seqs: u32) {
+        if let Some(w) = self.workers.get_mut(&id) {
+            w.thermal.restore_max_num_seqs.get_or_insert(max_num_seqs);
+        }
+    }
+
     /// Records GPU readings taken at `at`.
     pub fn record_gpus(&mut self, readings: Vec<GpuReading>, at: Instant) {
         for r in readings {

@@ -2,33 +2,7 @@
 //! table measured beforehand (the seed's pre-deployment profiling, in its
 //! simplest form): rows at given ISL/OSL, interpolated between.
 
-use serde::{Deserialize, Serialize};
-
-/// One profiled point: at this ISL and OSL a replica served `rps` within
-/// the SLA.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct ProfileRow {
-    pub isl: f64,
-    pub osl: f64,
-    pub rps: f64,
-}
-
-pub fn validate(rows: &[ProfileRow]) -> Result<(), String> {
-    for r in rows {
-        if !(r.isl.is_finite() && r.osl.is_finite() && r.rps.is_finite())
-            || r.isl < 0.0
-            || r.osl < 0.0
-            || r.rps <= 0.0
-        {
-            return Err(format!(
-                "profile row {{isl: {}, osl: {}, rps: {}}}: lengths must be at least 0 and rps above 0",
-                r.isl, r.osl, r.rps
-            ));
-        }
-    }
-    Ok(())
-}
+use crate::config::ProfileRow;
 
 /// The capacity at (`isl`, `osl`): inverse-distance weighting of the rows
 /// in log-length space (a request's cost grows with its lengths, roughly
@@ -77,13 +51,5 @@ mod tests {
             "longer prompts, less capacity"
         );
         assert_eq!(per_replica(&[], 1.0, 1.0), None);
-        assert!(
-            validate(&[ProfileRow {
-                isl: 1.0,
-                osl: 1.0,
-                rps: 0.0
-            }])
-            .is_err()
-        );
     }
 }

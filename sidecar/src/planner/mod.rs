@@ -22,158 +22,12 @@ pub mod capacity;
 pub mod predict;
 pub mod regress;
 
-use crate::config::millis;
-use capacity::ProfileRow;
-use predict::{Predictor, PredictorKind};
+use crate::config::PlannerConfig;
+use predict::Predictor;
 use regress::Line;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-
-/// `[models.planner]`: a model's SLA and scaling bounds.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct PlannerConfig {
-    /// Time to first token the model should meet, ms.
-    pub ttft_ms: f64,
-    /// Inter-token latency the model should meet, ms.
-    pub itl_ms: f64,
-    /// Scale down only when every estimate is under SLA × this.
-    #[serde(default = "default_sensitivity")]
-    pub sensitivity: f64,
-    #[serde(
-        rename = "load_interval_ms",
-        default = "default_load_interval",
-        with = "millis"
-    )]
-    pub load_interval: Duration,
-    #[serde(
-        rename = "throughput_interval_ms",
-        default = "default_throughput_interval",
-        with = "millis"
-    )]
-    pub throughput_interval: Duration,
-    #[serde(default = "default_min")]
-    pub min_replicas: u32,
-    #[serde(default = "default_max")]
-    pub max_replicas: u32,
-    #[serde(default)]
-    pub predictor: PredictorKind,
-    /// The seasonal predictor's period, in throughput intervals.
-    #[serde(default = "default_season")]
-    pub season_intervals: usize,
-    /// Requests per second one replica serves within the SLA at given
-    /// ISL/OSL; without it, capacity is learned from the regressions.
-    #[serde(default)]
-    pub profile: Vec<ProfileRow>,
-    /// A decision not reported done within this is given up on.
-    #[serde(
-        rename = "pending_timeout_ms",
-        default = "default_pending_timeout",
-        with = "millis"
-    )]
-    pub pending_timeout: Duration,
-    /// How long a new worker takes to become ready, until one has been
-    /// seen to.
-    #[serde(rename = "startup_ms", default = "default_startup", with = "millis")]
-    pub startup: Duration,
-    /// Past intervals to warm the predictors with: a CSV of
-    /// `requests,isl,osl` per throughput interval (a header line is
-    /// skipped).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub warmup_trace: Option<std::path::PathBuf>,
-}
-
-/// At most this many warm-up intervals are read: a month of minutes.
-const MAX_TRACE_ROWS: usize = 50_000;
-
-/// Reads a warm-up trace: `requests,isl,osl` per line, numbers not
-/// negative; a first line that is not numbers is a header.
-pub fn read_trace(text: &str) -> Result<Vec<(f64, f64, f64)>, String> {
-    let mut out = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-        let nums: Option<Vec<f64>> = fields.iter().map(|f| f.parse::<f64>().ok()).collect();
-        match nums {
-            Some(v) if v.len() == 3 && v.iter().all(|x| x.is_finite() && *x >= 0.0) => {
-                out.push((v[0], v[1], v[2]));
-            }
-            None if n == 0 => continue,
-            _ => {
-                return Err(format!(
-                    "line {}: expected requests,isl,osl (numbers, not negative), got {line:?}",
-                    n + 1
-                ));
-            }
-        }
-        if out.len() > MAX_TRACE_ROWS {
-            return Err(format!("more than {MAX_TRACE_ROWS} intervals"));
-        }
-    }
-    Ok(out)
-}
-
-fn default_sensitivity() -> f64 {
-    0.7
-}
-fn default_load_interval() -> Duration {
-    Duration::from_secs(5)
-}
-fn default_throughput_interval() -> Duration {
-    Duration::from_secs(60)
-}
-fn default_min() -> u32 {
-    1
-}
-fn default_max() -> u32 {
-    64
-}
-fn default_season() -> usize {
-    24
-}
-fn default_pending_timeout() -> Duration {
-    Duration::from_secs(30 * 60)
-}
-fn default_startup() -> Duration {
-    Duration::from_secs(60)
-}
-
-impl PlannerConfig {
-    pub fn validate(&self) -> Result<(), String> {
-        let pos = |v: f64| v.is_finite() && v > 0.0;
-        if !pos(self.ttft_ms) || !pos(self.itl_ms) {
-            return Err("ttft_ms and itl_ms must be above 0".into());
-        }
-        if !(self.sensitivity.is_finite() && self.sensitivity > 0.0 && self.sensitivity < 1.0) {
-            return Err(format!(
-                "sensitivity must be within (0, 1), got {}",
-                self.sensitivity
-            ));
-        }
-        if self.load_interval.is_zero() || self.throughput_interval.is_zero() {
-            return Err("load_interval_ms and throughput_interval_ms must be above 0".into());
-        }
-        if self.min_replicas > self.max_replicas || self.max_replicas == 0 {
-            return Err(format!(
-                "min_replicas {} must be at most max_replicas {} (above 0)",
-                self.min_replicas, self.max_replicas
-            ));
-        }
-        if self.season_intervals < 2 {
-            return Err("season_intervals must be at least 2".into());
-        }
-        if let Some(p) = &self.warmup_trace {
-            let text = std::fs::read_to_string(p)
-                .map_err(|e| format!("warmup_trace {}: {e}", p.display()))?;
-            read_trace(&text).map_err(|e| format!("warmup_trace {}: {e}", p.display()))?;
-        }
-        capacity::validate(&self.profile)
-    }
-}
 
 /// Why the planner wants what it wants (an enum metric).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -312,7 +166,11 @@ impl ModelPlanner {
         let kind = cfg.predictor;
         let desired = ready.clamp(cfg.min_replicas, cfg.max_replicas);
         ModelPlanner {
-            predictors: [kind.build(season), kind.build(season), kind.build(season)],
+            predictors: [
+                predict::build(kind, season),
+                predict::build(kind, season),
+                predict::build(kind, season),
+            ],
             floor: cfg.min_replicas,
             cfg,
             prefill: BTreeMap::new(),

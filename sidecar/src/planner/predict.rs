@@ -10,41 +10,15 @@
 //!
 //! All warm-start from a trace: [`Predictor::observe`] each past value.
 
-use serde::{Deserialize, Serialize};
+use crate::config::PredictorKind;
 
-/// Which predictor a model's throughput loop uses.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PredictorKind {
-    Constant,
-    #[default]
-    Kalman,
-    Seasonal,
-}
-
-impl PredictorKind {
-    pub const ALL: [PredictorKind; 3] = [
-        PredictorKind::Constant,
-        PredictorKind::Kalman,
-        PredictorKind::Seasonal,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PredictorKind::Constant => "constant",
-            PredictorKind::Kalman => "kalman",
-            PredictorKind::Seasonal => "seasonal",
-        }
-    }
-
-    /// A fresh predictor; `season` is the seasonal one's period in
-    /// intervals.
-    pub fn build(self, season: usize) -> Box<dyn Predictor + Send> {
-        match self {
-            PredictorKind::Constant => Box::new(Constant::default()),
-            PredictorKind::Kalman => Box::new(Kalman::default()),
-            PredictorKind::Seasonal => Box::new(Seasonal::new(season)),
-        }
+/// A fresh predictor of `kind`; `season` is the seasonal one's period
+/// in intervals.
+pub fn build(kind: PredictorKind, season: usize) -> Box<dyn Predictor + Send> {
+    match kind {
+        PredictorKind::Constant => Box::new(Constant::default()),
+        PredictorKind::Kalman => Box::new(Kalman::default()),
+        PredictorKind::Seasonal => Box::new(Seasonal::new(season)),
     }
 }
 
@@ -267,7 +241,7 @@ impl Predictor for Seasonal {
 /// Mean absolute percentage error of one-step-ahead predictions over
 /// `series`, skipping the warm-up and intervals whose actual value is 0.
 pub fn mape(kind: PredictorKind, season: usize, series: &[f64]) -> Option<f64> {
-    let mut p = kind.build(season);
+    let mut p = build(kind, season);
     let (mut sum, mut n) = (0.0, 0usize);
     for y in series {
         if p.warm()

@@ -1,6 +1,7 @@
 //! Test vectors for the planner's rules.
 
 use super::*;
+use crate::config::{PredictorKind, read_trace};
 
 fn cfg() -> PlannerConfig {
     PlannerConfig {
@@ -129,7 +130,7 @@ fn the_ready_count_reaching_the_target_settles_a_decision() {
 #[test]
 fn the_throughput_floor_holds_the_load_loop_up() {
     let mut c = cfg();
-    c.profile = vec![capacity::ProfileRow {
+    c.profile = vec![crate::config::ProfileRow {
         isl: 1000.0,
         osl: 100.0,
         rps: 1.0,
@@ -244,35 +245,4 @@ fn a_warmup_trace_reads_and_warms_the_predictors() {
     let [n, isl, _] = p.predicted.unwrap();
     assert!(n > 50.0, "{n}");
     assert_eq!(isl, 1000.0);
-}
-
-#[test]
-fn durations_are_read_and_shown_in_milliseconds_under_their_ms_keys() {
-    let c: PlannerConfig =
-        toml::from_str("ttft_ms = 200\nitl_ms = 20\nload_interval_ms = 1500\nstartup_ms = 7000")
-            .unwrap();
-    assert_eq!(
-        (c.load_interval, c.startup),
-        (Duration::from_millis(1500), Duration::from_secs(7))
-    );
-    assert_eq!(
-        (c.throughput_interval, c.pending_timeout),
-        (Duration::from_secs(60), Duration::from_secs(1800)),
-        "the defaults"
-    );
-    let shown = serde_json::to_value(&c).unwrap();
-    assert_eq!(shown["load_interval_ms"], 1500);
-    assert_eq!(shown["pending_timeout_ms"], 1_800_000);
-    assert!(shown.get("load_interval").is_none(), "{shown}");
-    for bad in [
-        "startup_ms = -1",
-        "startup_ms = \"1m\"",
-        "load_interval_ms = 0",
-    ] {
-        let parsed = toml::from_str::<PlannerConfig>(&format!("ttft_ms = 1\nitl_ms = 1\n{bad}"));
-        assert!(
-            !parsed.is_ok_and(|c| c.validate().is_ok()),
-            "{bad} was taken"
-        );
-    }
 }

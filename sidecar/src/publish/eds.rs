@@ -38,9 +38,9 @@ pub fn discovery_response(fleet: &Fleet, req: &DiscoveryRequest) -> Result<Value
         ));
     }
     let mut endpoints: Vec<SocketAddr> = fleet
-        .workers
+        .workers()
         .values()
-        .filter_map(|w| w.spec.endpoint.parse().ok())
+        .filter_map(|w| w.spec().endpoint.parse().ok())
         .collect();
     endpoints.sort();
     // Two catalog entries may share an endpoint (one engine serving two
@@ -160,7 +160,7 @@ endpoint = "10.0.0.1:8000"
             resource_names: vec!["kvgate_workers".into()],
         };
         let before = discovery_response(&f, &req).unwrap();
-        f.workers.remove(&2);
+        f.remove_worker(2).unwrap();
         let after = discovery_response(&f, &req).unwrap();
         assert_ne!(before["version_info"], after["version_info"]);
         assert_eq!(addresses(&after), vec![("10.0.0.1".to_string(), 8000)]);

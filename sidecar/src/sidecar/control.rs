@@ -48,7 +48,7 @@ impl Sidecar {
         };
         {
             let mut b = self.bookings();
-            for slot in &w.slots {
+            for slot in w.slots() {
                 b.drop_slot(*slot);
             }
         }
@@ -79,9 +79,8 @@ impl Sidecar {
     pub(crate) fn worker_started(self: &Arc<Self>, id: u64) {
         let Some((spec, slots)) = self
             .fleet()
-            .workers
-            .get(&id)
-            .map(|w| (w.spec.clone(), w.slots.clone()))
+            .worker(id)
+            .map(|w| (w.spec().clone(), w.slots().to_vec()))
         else {
             return;
         };

@@ -16,9 +16,9 @@ impl Sidecar {
         // slot -> who it is, for validation, metrics and peers.
         let owners: HashMap<u16, RankId> = {
             let f = self.fleet();
-            f.workers
+            f.workers()
                 .values()
-                .flat_map(|w| w.slots.iter().filter_map(|s| Some((*s, f.rank_of(*s)?))))
+                .flat_map(|w| w.slots().iter().filter_map(|s| Some((*s, f.rank_of(*s)?))))
                 .collect()
         };
         let now = Instant::now();
@@ -128,8 +128,7 @@ impl Sidecar {
         }
         if !observed.is_empty() {
             let mut f = self.fleet();
-            let p = &mut f.planning;
-            if p.models.is_empty() {
+            if !f.plans() {
                 return;
             }
             for o in observed {
@@ -141,9 +140,9 @@ impl Sidecar {
                         prefill,
                         decode_kv,
                         uncached,
-                    } => p.booked(key, &model, worker, (prefill, decode_kv), uncached),
-                    Observed::Ended(key, timing) => p.ended(&key, timing),
-                    Observed::Shed(model) => p.shed(&model),
+                    } => f.planner_booked(key, &model, worker, (prefill, decode_kv), uncached),
+                    Observed::Ended(key, timing) => f.planner_ended(&key, timing),
+                    Observed::Shed(model) => f.planner_shed(&model),
                 }
             }
         }
@@ -223,9 +222,9 @@ impl Sidecar {
             records
                 .iter()
                 .filter(|r| {
-                    f.workers
+                    f.workers()
                         .values()
-                        .any(|w| w.spec.model_name == r.model && w.slots.contains(&r.slot))
+                        .any(|w| w.spec().model_name == r.model && w.slots().contains(&r.slot))
                 })
                 .collect()
         };

@@ -90,7 +90,7 @@ impl Sidecar {
                 1,
                 prompt.template.encode(),
             )]);
-            fleet.prompt_templates.insert(m.name.clone(), version);
+            fleet.prompt_published(&m.name, version);
         }
         let metrics = Metrics::new()?;
         let (inbound_tx, mut inbound) = tokio::sync::mpsc::channel(1024);
@@ -145,7 +145,7 @@ impl Sidecar {
                 }
             });
         }
-        let ids: Vec<u64> = sc.fleet().workers.keys().copied().collect();
+        let ids: Vec<u64> = sc.fleet().workers().keys().copied().collect();
         for id in ids {
             sc.worker_started(id);
         }
@@ -182,7 +182,7 @@ impl Sidecar {
 
     /// Workers in the catalog, up or not.
     pub fn worker_count(&self) -> usize {
-        self.fleet().workers.len()
+        self.fleet().workers().len()
     }
 
     pub fn versions(&self) -> &Versions {

@@ -66,19 +66,19 @@ pub(crate) async fn thermal_loop(th: Handles) {
                 .into_iter()
                 .filter(|s| s.change != Change::None)
                 .filter_map(|s| {
-                    let w = f.workers.get(&s.worker_id)?;
+                    let w = f.worker(s.worker_id)?;
                     let settings = f.thermal_settings(s.worker_id, th.config());
                     report(
                         &th,
-                        w.spec.model_name.as_str(),
+                        w.spec().model_name.as_str(),
                         &s,
-                        w.thermal.hottest.as_ref(),
+                        w.thermal().hottest.as_ref(),
                     );
-                    w.spec.batch_control.then(|| Actuation {
+                    w.spec().batch_control.then(|| Actuation {
                         worker_id: s.worker_id,
-                        endpoint: w.spec.endpoint.clone(),
-                        ranks: w.spec.data_parallel_size,
-                        restore: w.thermal.restore_max_num_seqs,
+                        endpoint: w.spec().endpoint.clone(),
+                        ranks: w.spec().data_parallel_size,
+                        restore: w.thermal().restore_max_num_seqs,
                         policy: settings.policy,
                         step: s,
                     })
@@ -127,11 +127,11 @@ impl Shown {
         let stale_after = th.config().thermal.stale_after;
         let mut gpus = HashSet::new();
         let mut workers = HashSet::new();
-        for (id, w) in &f.workers {
+        for (id, w) in f.workers() {
             let ids = id.to_string();
-            let model = w.spec.model_name.clone();
+            let model = w.spec().model_name.clone();
             let wl = [model.as_str(), ids.as_str()];
-            let c = &w.thermal;
+            let c = w.thermal();
             m.cap.with_label_values(&wl).set(i64::from(c.cap()));
             for st in kvgate_core::ThermalState::ALL {
                 m.state
@@ -293,9 +293,7 @@ async fn actuate(th: Handles, batch: BatchClient, a: Actuation) {
                     ..Default::default()
                 };
                 let r = batch.call(&a.endpoint, &probe).await?.new_max_num_seqs;
-                if let Some(w) = th.fleet().workers.get_mut(&a.worker_id) {
-                    w.thermal.restore_max_num_seqs.get_or_insert(r);
-                }
+                th.fleet().remember_restore(a.worker_id, r);
                 r
             }
         };

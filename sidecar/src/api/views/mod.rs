@@ -117,21 +117,21 @@ pub struct WorkerStatus {
 
 impl From<&WorkerEntry> for WorkerView {
     fn from(w: &WorkerEntry) -> WorkerView {
-        let lifecycle = match (w.health.up, w.health.scrapes > w.health.scrape_errors) {
+        let lifecycle = match (w.health().up, w.health().scrapes > w.health().scrape_errors) {
             (true, _) => "schedulable",
             (false, false) => "incomplete",
             (false, true) => "unschedulable",
         };
         WorkerView {
-            spec: w.spec.clone(),
+            spec: w.spec().clone(),
             lifecycle: lifecycle.into(),
             status: WorkerStatus {
-                up: w.health.up,
-                last_error: w.health.last_error.clone(),
-                scrapes: w.health.scrapes,
-                scrape_errors: w.health.scrape_errors,
+                up: w.health().up,
+                last_error: w.health().last_error.clone(),
+                scrapes: w.health().scrapes,
+                scrape_errors: w.health().scrape_errors,
             },
-            slots: w.slots.clone(),
+            slots: w.slots().to_vec(),
         }
     }
 }
