@@ -37,6 +37,18 @@ async fn two_workers_up() -> (String, String, std::sync::Arc<kvgate_sidecar::Sid
     let (base, sc) = sidecar(&[&a, &b]).await;
     let api = selection_api(&sc).await;
     wait_until("both workers up", async || workers_up(&base).await == 2).await;
+    // The selection API reads the published snapshot, which follows the
+    // catalog by a publish: wait until it places on each worker, as the
+    // tests then assert.
+    for id in [1, 2] {
+        wait_until("the selection API sees the worker", async || {
+            let pinned = json!({"model_name": "m", "token_ids": [1],
+                                "pinned_worker": {"worker_id": id, "dp_rank": 0}});
+            let (status, v) = json_of("POST", &format!("{api}/select"), Some(pinned)).await;
+            status == 200 && v["worker_id"].as_u64() == Some(id)
+        })
+        .await;
+    }
     (base, api, sc)
 }
 
