@@ -73,7 +73,11 @@ pub fn sidecar_release() -> Result<()> {
 pub fn release_paths() -> Result<Paths> {
     let mut paths = Paths::discover()?;
     paths.bin_dir = Profile::Release.dir();
-    paths.wasm = wasm_path();
+    // `KVGATE_FILTER_WASM` names another filter build to measure (an
+    // older revision's, for a before/after comparison on one stack).
+    if std::env::var_os("KVGATE_FILTER_WASM").is_none() {
+        paths.wasm = wasm_path();
+    }
     paths.envoy = setup::envoy_path();
     Ok(paths)
 }
