@@ -39,6 +39,7 @@ fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
         tenant: "default".into(),
         thermal: Default::default(),
         draining: false,
+        role: Default::default(),
     }
 }
 
