@@ -49,8 +49,7 @@ impl Sim {
     /// GPUs' clocks.
     async fn decode_step(&self, admitted: &mut Admitted) {
         admitted.checkpoint().await;
-        let running = admitted.rank().running.load(Ordering::Relaxed);
-        let step = self.time.decode_step(running);
+        let step = admitted.rank().decode_step(&self.time);
         if step.is_zero() {
             // Even an instant worker hands each token over on its own: a
             // stream leaves as many writes, as an engine's does, not one.

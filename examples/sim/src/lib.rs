@@ -46,6 +46,8 @@ pub struct Args {
     pub num_gpu_blocks: usize,
     #[arg(long, default_value_t = 1)]
     pub dp_size: u32,
+    /// The engine step's token budget: also the largest prefill chunk a
+    /// decode step shares its step with (see `--prefill-interference`).
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
     /// Running-batch cap per rank; further requests queue.
@@ -61,6 +63,14 @@ pub struct Args {
     pub decode_ms_per_token: f64,
     #[arg(long, default_value_t = 0.05)]
     pub decode_ms_per_running: f64,
+    /// Prefill/decode interference, as chunked prefill shows it on a GPU:
+    /// a decode step that shares its engine step with N prompt tokens of
+    /// the rank's running prefills (N at most `--max-num-batched-tokens`
+    /// minus the running batch) takes N × this × `--prefill-us-per-token`
+    /// longer. 0 (the default) keeps decode steps blind to prefills; 1
+    /// charges each step its whole chunk's compute.
+    #[arg(long, default_value_t = 0.0)]
+    pub prefill_interference: f64,
     /// Divides every simulated duration.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -259,6 +269,8 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
             decode_ms_per_running: args.decode_ms_per_running,
             speedup: args.speedup,
             instant: args.instant,
+            prefill_interference: args.prefill_interference,
+            max_num_batched_tokens: args.max_num_batched_tokens,
         },
         ranks,
         requests: Default::default(),
