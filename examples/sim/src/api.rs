@@ -2,7 +2,6 @@
 //! and not), vLLM's `/metrics`, and a few admin endpoints for tests.
 
 use crate::cache::Scope;
-use crate::disagg::Leg;
 use crate::engine::{AdmitError, Admitted, Rank, TimeModel, admit};
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -249,13 +248,6 @@ async fn serve(sim: Arc<Sim>, headers: HeaderMap, body: Bytes, chat: bool) -> Re
         Ok(l) => l,
         Err(why) => return crate::disagg::legs::rejected(&sim, &headers, &v, chat, why),
     };
-    if leg == Leg::Local && sim.disagg.config.role.is_none() {
-        let rank = match pick_rank(&sim, &headers) {
-            Ok(r) => r,
-            Err(r) => return *r,
-        };
-        return local(sim, job, rank, Start::Prefill).await;
-    }
     crate::disagg::legs::serve(sim, headers, job, &v, leg).await
 }
 

@@ -4,6 +4,7 @@
 
 use clap::Parser;
 use kvgate_core::disagg::nixl::{answer_params, decode_body, prefill_body};
+use kvgate_sim::disagg::frame::Message;
 use kvgate_sim::{Args, build, serve};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -486,6 +487,12 @@ async fn legs_a_role_cannot_serve_and_malformed_params_are_400s() {
     let a = post(&plain, "/v1/completions", &prefill, &[]).await;
     assert_eq!(a.status, 200);
     assert!(a.json().get("kv_transfer_params").is_none());
+    let rec = last(&disagg(&plain).await).clone();
+    assert_eq!(rec["leg"], "local");
+    assert_eq!(
+        rec["kv_transfer_params"]["do_remote_decode"], true,
+        "recorded as received"
+    );
 }
 
 fn sglang_body(port: u64, room: u64, stream: bool) -> String {
@@ -593,4 +600,75 @@ async fn sglang_legs_without_a_room_or_a_peer_fail() {
     let pd = until(&prefill, "rooms are cleaned up", |v| v["open_rooms"] == 0).await;
     assert_eq!(pd["counters"]["bootstrap_timeouts"], 1);
     assert_eq!(disagg(&decode).await["counters"]["failed_pulls"], 1);
+}
+
+/// Sends `bytes` to a side channel and reads its answer frame.
+async fn raw_exchange(port: u16, bytes: Vec<u8>) -> Message {
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&bytes).unwrap();
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut payload = vec![0u8; u32::from_be_bytes(len) as usize];
+        s.read_exact(&mut payload).unwrap();
+        Message::decode(&payload).unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hostile_side_channel_peers_are_refused_and_the_channel_keeps_serving() {
+    let prefill = start(&["--kv-role", "kv_producer", "--instant", "--block-size", "4"]).await;
+    let decode = start(&["--kv-role", "kv_consumer", "--instant", "--block-size", "4"]).await;
+    let port = disagg(&prefill).await["side_channel_ports"][0]
+        .as_u64()
+        .unwrap() as u16;
+    // A 4 GiB length prefix: refused before anything is read or allocated.
+    let m = raw_exchange(port, vec![0xFF; 4]).await;
+    assert!(
+        matches!(&m, Message::Refused(why) if why.contains("exceeds the cap")),
+        "{m:?}"
+    );
+    // A pull whose id list claims four billion entries.
+    let mut p = vec![1, 0, 1, b'e', 0, 1, b'r', 0xFF, 0xFF, 0xFF, 0xFF];
+    p.splice(0..0, (p.len() as u32).to_be_bytes());
+    let m = raw_exchange(port, p).await;
+    assert!(
+        matches!(&m, Message::Refused(why) if why.contains("truncated")),
+        "{m:?}"
+    );
+    // Another engine's name, and a request never prefilled.
+    let pull = |engine: &str| {
+        let payload = Message::Pull {
+            engine_id: engine.into(),
+            request_id: "nobody".into(),
+            block_ids: vec![1],
+        }
+        .encode();
+        let mut f = (payload.len() as u32).to_be_bytes().to_vec();
+        f.extend_from_slice(&payload);
+        f
+    };
+    assert!(matches!(
+        raw_exchange(port, pull("other")).await,
+        Message::Refused(_)
+    ));
+    let engine = disagg(&prefill).await["engine_ids"][0]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(matches!(
+        raw_exchange(port, pull(&engine)).await,
+        Message::Gone(_)
+    ));
+    // The channel still serves a real pair.
+    let client = client_body(false, true, 1);
+    let params = prefill_leg(&prefill, &client, false, "after").await;
+    let body = decode_body(client.as_bytes(), &params).unwrap();
+    let a = post(&decode, "/v1/completions", &body, &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(tokens_of(&a, false, true), 5);
 }

@@ -78,7 +78,7 @@ pub(crate) fn rejected(
     bad(why)
 }
 
-/// Serves a request on a worker with a KV role, and records it.
+/// Serves a request as its leg asks, and records it.
 pub(crate) async fn serve(
     sim: Arc<Sim>,
     headers: HeaderMap,
