@@ -126,8 +126,9 @@ pub(crate) async fn serve(
     resp
 }
 
-/// The prompt's blocks as a transfer names them: its full blocks, then its
-/// partial tail block if it has one.
+/// Whether a prompt ends in a partial block. A transfer names the prompt's
+/// full blocks and then that one: its KV moves too (the decode leg does no
+/// prefill compute at all), though it is never cached.
 fn partial_tail(rank: &Rank, tokens: usize) -> bool {
     !tokens.is_multiple_of(rank.cache().block_size())
 }
@@ -366,7 +367,9 @@ async fn sglang_prefill(
 }
 
 /// SGLang's decode leg: join the prefill's bootstrap room, wait for the
-/// blocks, decode.
+/// blocks, decode. Unlike a NIXL pull it receives every block, held or
+/// not: SGLang's decode worker hands the prefill a destination for the
+/// whole prompt.
 async fn sglang_decode(
     sim: &Arc<Sim>,
     job: Job,
