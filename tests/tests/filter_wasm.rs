@@ -1400,3 +1400,6 @@ fn chat_prompts_are_rendered_and_matched_against_the_text_index() {
         "the good blob stays"
     );
 }
+
+#[path = "filter_wasm/disagg.rs"]
+mod disagg;
