@@ -11,6 +11,13 @@ pub const RANK: &str = "x-data-parallel-rank";
 pub const FALLBACK: &str = "x-kvgate-fallback";
 /// The request's tenant, set by authentication in front of the router.
 pub const TENANT: &str = "x-kvgate-tenant";
+/// The host a disaggregated request's prefill callout goes to: read by
+/// the prefill cluster's override-host balancer. Only the filter sets it,
+/// on a callout, which carries no client header.
+pub const PREFILL_HOST: &str = "x-kvgate-prefill-host";
+/// The id both legs of a disaggregated request carry (the KV handoff is
+/// keyed by it), minted by kvgate in place of any client's.
+pub const REQUEST_ID: &str = "x-request-id";
 /// Response header naming the worker and rank that served the request.
 pub const SERVED_BY: &str = "x-kvgate-served-by";
 /// Why kvgate answered a request itself ([`crate::reply::Reason`]).

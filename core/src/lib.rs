@@ -41,10 +41,11 @@ pub mod update;
 /// the same checks.
 pub mod wire;
 
-pub use plan::{Placement, Plan, Rejection, Route};
+pub use plan::{LocalReason, Placement, Plan, Prefill, PrefillLeg, Rejection, Route};
 pub use snapshot::SnapshotError;
 pub use state::{
-    Applied, DEFAULT_TENANT, InvalidValue, ModelPlan, ModelState, Policy, RankLoad, Snapshot,
-    Thermal, ThermalState, Thresholds, ThresholdsPatch, WorkerState,
+    Applied, DEFAULT_TENANT, Disaggregation, InvalidValue, ModelPlan, ModelState, OnPrefillFailure,
+    Policy, Protocol, RankLoad, Role, Snapshot, Thermal, ThermalState, Thresholds, ThresholdsPatch,
+    WorkerState,
 };
 pub use wire::WireError;

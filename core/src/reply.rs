@@ -38,11 +38,15 @@ pub enum Reason {
     /// The request could not be booked: the server's fault, not the
     /// client's (the ext_proc server's reservations).
     Internal = 7,
+    /// A disaggregated request's prefill leg failed on every worker it was
+    /// tried on, and the model is set to fail rather than prefill on the
+    /// decode worker.
+    PrefillFailed = 8,
 }
 
 impl Reason {
     /// In code order, so that `ALL[r.index()] == r`.
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 9] = [
         Reason::AllWorkersBusy,
         Reason::NoWorkers,
         Reason::UnknownModel,
@@ -51,6 +55,7 @@ impl Reason {
         Reason::StaleState,
         Reason::Thermal,
         Reason::Internal,
+        Reason::PrefillFailed,
     ];
 
     /// The `x-kvgate-reason` value, also the metric's name part.
@@ -64,6 +69,7 @@ impl Reason {
             Reason::StaleState => "stale_state",
             Reason::Thermal => "thermal",
             Reason::Internal => "internal",
+            Reason::PrefillFailed => "prefill_failed",
         }
     }
 
@@ -193,6 +199,21 @@ impl Reply {
         }
     }
 
+    /// A disaggregated request whose prefill leg failed, with the model
+    /// set to fail (`on_prefill_failure = "fail"`).
+    pub fn prefill_failed(cause: &str) -> Reply {
+        Reply {
+            status: 503,
+            reason: Reason::PrefillFailed,
+            body: openai(
+                503,
+                "service_unavailable",
+                &format!("The prompt could not be prefilled: {cause}"),
+            ),
+            retry_after_s: None,
+        }
+    }
+
     /// The reply's headers, in the order they are sent.
     pub fn headers(&self) -> Vec<(&'static str, String)> {
         let mut h = vec![
@@ -280,6 +301,7 @@ mod tests {
             (Reply::too_large(10), 413, "invalid_request_error"),
             (Reply::stale(), 503, "service_unavailable"),
             (Reply::internal("no"), 500, "internal_error"),
+            (Reply::prefill_failed("no"), 503, "service_unavailable"),
         ] {
             let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
             assert_eq!(

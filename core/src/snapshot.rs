@@ -15,9 +15,10 @@
 //! Decoding never panics and never trusts a count: each count is checked
 //! against the bytes that remain before anything is allocated.
 
+use crate::disagg::Conditional;
 use crate::state::{
-    Applied, DEFAULT_TENANT, ModelPlan, ModelState, Policy, RankLoad, Snapshot, Thermal,
-    ThermalState, Thresholds, WorkerState,
+    Applied, DEFAULT_TENANT, Disaggregation, ModelPlan, ModelState, OnPrefillFailure, Policy,
+    Protocol, RankLoad, Role, Snapshot, Thermal, ThermalState, Thresholds, WorkerState,
 };
 use crate::wire::{Reader, WireError};
 use thiserror::Error;
@@ -27,7 +28,7 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 7;
+pub const MINOR: u16 = 8;
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 
@@ -62,6 +63,16 @@ const THERMAL_LEN: usize = 1 + 4 + 4 + 8 + 1;
 const WORKER_DRAINING: u8 = 1;
 /// A model's plan (minor 6): desired, ready, scale-up ETA.
 const PLAN_LEN: usize = 3 * 4;
+/// A worker's role (minor 8).
+const ROLE_LEN: usize = 1;
+/// A model's disaggregation (minor 8), written whole even when the model
+/// has none so its length is fixed: flags (present), protocol, on prefill
+/// failure, max uncached tokens, max uncached ratio, prefill timeout (ms),
+/// decode affinity.
+const DISAGG_LEN: usize = 1 + 1 + 1 + 8 + 8 + 8 + 8;
+const DISAGG_PRESENT: u8 = 1;
+const FAIL_LOCAL: u8 = 0;
+const FAIL_FAIL: u8 = 1;
 
 const FLAG_BUSY: u8 = 1;
 const TH_DECODE: u8 = 1;
@@ -90,6 +101,7 @@ impl Snapshot {
                         + 8
                         + 8
                         + PLAN_LEN
+                        + DISAGG_LEN
                         + m.workers
                             .iter()
                             .map(|w| {
@@ -99,6 +111,7 @@ impl Snapshot {
                                     + 2
                                     + w.tenant.len()
                                     + THERMAL_LEN
+                                    + ROLE_LEN
                             })
                             .sum::<usize>()
                 })
@@ -171,6 +184,8 @@ impl Snapshot {
                 out.extend_from_slice(&t.in_flight.to_le_bytes());
                 out.extend_from_slice(&t.heat.to_le_bytes());
                 out.push(if w.draining { WORKER_DRAINING } else { 0 });
+                // Minor 8: the role.
+                out.push(w.role.code());
                 end_record(out, wrec, "worker record")?;
             }
             // Minor 1 fields follow the workers; older readers skip them.
@@ -193,6 +208,8 @@ impl Snapshot {
             }
             // Minor 7: the prompt template's version.
             out.extend_from_slice(&m.prompt_template.to_le_bytes());
+            // Minor 8: the disaggregation.
+            put_disaggregation(out, m.disaggregation.as_ref());
             end_record(out, rec, "model record")?;
         }
         put_count(out, self.applied.len(), "applied bookings")?;
@@ -269,6 +286,11 @@ impl Snapshot {
                 } else {
                     (Thermal::default(), false)
                 };
+                let role = if w.remaining() >= ROLE_LEN {
+                    Role::from_code(w.u8()?)
+                } else {
+                    Role::Both
+                };
                 workers.push(WorkerState {
                     id,
                     endpoint,
@@ -277,6 +299,7 @@ impl Snapshot {
                     tenant,
                     thermal,
                     draining,
+                    role,
                 });
             }
             let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
@@ -316,6 +339,11 @@ impl Snapshot {
                 };
             }
             let prompt_template = if m.remaining() >= 8 { m.u64()? } else { 0 };
+            let disaggregation = if m.remaining() >= DISAGG_LEN {
+                read_disaggregation(&mut m)?
+            } else {
+                None
+            };
             models.push(ModelState {
                 name,
                 thresholds,
@@ -327,6 +355,7 @@ impl Snapshot {
                 service_rate_per_s,
                 plan,
                 prompt_template,
+                disaggregation,
             });
         }
         // Minor 0 ends after the models.
@@ -349,6 +378,60 @@ impl Snapshot {
             applied,
         })
     }
+}
+
+fn put_disaggregation(out: &mut Vec<u8>, d: Option<&Disaggregation>) {
+    let Some(d) = d else {
+        out.extend_from_slice(&[0; DISAGG_LEN]);
+        return;
+    };
+    out.push(DISAGG_PRESENT);
+    out.push(d.protocol.code());
+    out.push(match d.on_prefill_failure {
+        OnPrefillFailure::Local => FAIL_LOCAL,
+        OnPrefillFailure::Fail => FAIL_FAIL,
+    });
+    out.extend_from_slice(&d.conditional.max_uncached_tokens.to_le_bytes());
+    out.extend_from_slice(&d.conditional.max_uncached_ratio.to_le_bytes());
+    out.extend_from_slice(&d.prefill_timeout_ms.to_le_bytes());
+    out.extend_from_slice(&d.decode_affinity.to_le_bytes());
+}
+
+/// A model's disaggregation from the wire. A protocol this build cannot
+/// speak leaves the model served whole rather than split wrongly; an
+/// unknown failure policy fails (a local prefill the writer did not ask
+/// for would load its decode pool); out-of-range numbers are bounded.
+fn read_disaggregation(m: &mut Reader<'_>) -> Result<Option<Disaggregation>, WireError> {
+    let flags = m.u8()?;
+    let protocol = Protocol::from_code(m.u8()?);
+    let on_prefill_failure = match m.u8()? {
+        FAIL_LOCAL => OnPrefillFailure::Local,
+        _ => OnPrefillFailure::Fail,
+    };
+    let max_uncached_tokens = m.u64()?;
+    let ratio = m.f64()?;
+    let prefill_timeout_ms = m.u64()?;
+    let affinity = m.f64()?;
+    let (true, Some(protocol)) = (flags & DISAGG_PRESENT != 0, protocol) else {
+        return Ok(None);
+    };
+    Ok(Some(Disaggregation {
+        protocol,
+        conditional: Conditional {
+            max_uncached_tokens,
+            // NaN compares false: never local.
+            max_uncached_ratio: if ratio.is_nan() {
+                0.0
+            } else {
+                ratio.clamp(0.0, 1.0)
+            },
+        },
+        on_prefill_failure,
+        prefill_timeout_ms: prefill_timeout_ms.max(1),
+        decode_affinity: Some(affinity)
+            .filter(|a| a.is_finite() && *a >= 0.0)
+            .unwrap_or(0.0),
+    }))
 }
 
 /// A heat from the wire, within [0, 1]; what is not a number is as hot as
@@ -531,6 +614,7 @@ mod tests {
                             in_flight: 9,
                         },
                         draining: true,
+                        role: Role::Decode,
                     }],
                     retry_after_s: 4,
                     lora_adapters: vec!["sql-lora".into(), "chat-lora".into()],
@@ -547,6 +631,16 @@ mod tests {
                         scale_up_eta_s: 12,
                     },
                     prompt_template: 0xFEED,
+                    disaggregation: Some(Disaggregation {
+                        protocol: Protocol::Sglang,
+                        conditional: Conditional {
+                            max_uncached_tokens: 512,
+                            max_uncached_ratio: 0.5,
+                        },
+                        on_prefill_failure: OnPrefillFailure::Fail,
+                        prefill_timeout_ms: 2500,
+                        decode_affinity: 0.0,
+                    }),
                 },
                 ModelState {
                     name: "empty".into(),
@@ -559,7 +653,7 @@ mod tests {
 
     /// What a minor-0 writer produced: no retry hint, no applied list.
     fn minor0(s: &Snapshot) -> Vec<u8> {
-        strip_model_tail(s, 8 + POLICY_LEN + 16 + PLAN_LEN + 8)
+        strip_model_tail(s, 8 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN)
     }
 
     /// Cuts the last `by` bytes (the minor-1 and later fields, with no
@@ -598,8 +692,11 @@ mod tests {
     #[test]
     fn minor_two_snapshots_have_no_adapters() {
         let s = sample();
-        let old =
-            Snapshot::decode(&strip_model_tail(&s, 4 + POLICY_LEN + 16 + PLAN_LEN + 8)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(
+            &s,
+            4 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN,
+        ))
+        .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert!(old.models[0].lora_adapters.is_empty());
     }
@@ -608,7 +705,11 @@ mod tests {
     fn minor_three_snapshots_carry_the_default_policy() {
         let s = sample();
         assert_ne!(s.models[0].policy, Policy::default());
-        let old = Snapshot::decode(&strip_model_tail(&s, POLICY_LEN + 16 + PLAN_LEN + 8)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(
+            &s,
+            POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN,
+        ))
+        .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
         assert_eq!(old.models[0].policy, Policy::default());
         assert_eq!(old.models[0].workers, s.models[0].workers);
@@ -618,7 +719,7 @@ mod tests {
     fn minor_four_snapshots_know_no_service_rate() {
         let s = sample();
         assert!(s.models[0].service_rate_per_s > 0.0);
-        let old = Snapshot::decode(&strip_model_tail(&s, 16 + PLAN_LEN + 8)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 16 + PLAN_LEN + 8 + DISAGG_LEN)).unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 0.0);
         assert_eq!(
             old.models[0].policy.host_weight,
@@ -629,16 +730,79 @@ mod tests {
     #[test]
     fn minor_five_snapshots_weigh_heat_by_default() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 8 + PLAN_LEN + 8)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 8 + PLAN_LEN + 8 + DISAGG_LEN)).unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 42.5);
         assert_eq!(old.models[0].policy.thermal_weight, 1.0);
         assert_eq!(old.models[0].plan, ModelPlan::default());
     }
 
     #[test]
+    fn minor_seven_snapshots_serve_every_model_whole() {
+        let s = sample();
+        let old = Snapshot::decode(&strip_model_tail(&s, DISAGG_LEN)).unwrap();
+        assert_eq!(old.models[0].disaggregation, None);
+        assert_eq!(old.models[0].prompt_template, 0xFEED);
+        // And their workers, cut of their role byte, take either leg.
+        let (bytes, cut) = strip_worker_tail(&s, ROLE_LEN);
+        assert_eq!(cut, [Role::Decode.code()]);
+        let old = Snapshot::decode(&bytes).unwrap();
+        let w = &old.models[0].workers[0];
+        assert_eq!(w.role, Role::Both);
+        assert!(w.draining, "the minor-6 flags are still read");
+        assert_eq!(w.thermal, s.models[0].workers[0].thermal);
+        assert_eq!(old.models[0].disaggregation, s.models[0].disaggregation);
+    }
+
+    #[test]
+    fn disaggregation_from_the_wire_is_bounded() {
+        let mut s = sample();
+        s.models.truncate(1);
+        let d = s.models[0].disaggregation.as_mut().unwrap();
+        d.conditional.max_uncached_ratio = f64::NAN;
+        d.decode_affinity = -3.0;
+        d.prefill_timeout_ms = 0;
+        let mut bytes = s.encode().unwrap();
+        let old = Snapshot::decode(&bytes).unwrap();
+        let d = old.models[0].disaggregation.unwrap();
+        assert_eq!(d.conditional.max_uncached_ratio, 0.0, "NaN: never local");
+        assert_eq!(d.decode_affinity, 0.0);
+        assert_eq!(d.prefill_timeout_ms, 1);
+        // The model's record ends with the disaggregation, then the
+        // applied list (a count and one entry) closes the payload.
+        let at = bytes.len() - 4 - 16 - DISAGG_LEN;
+        assert_eq!(bytes[at], DISAGG_PRESENT);
+        bytes[at + 1] = 9; // a protocol of a newer writer
+        assert_eq!(
+            Snapshot::decode(&bytes).unwrap().models[0].disaggregation,
+            None,
+            "an unknown protocol is served whole"
+        );
+        bytes[at + 1] = Protocol::VllmNixl.code();
+        bytes[at + 2] = 7; // an unknown failure policy
+        let d = Snapshot::decode(&bytes).unwrap().models[0].disaggregation;
+        assert_eq!(
+            d.map(|d| d.on_prefill_failure),
+            Some(OnPrefillFailure::Fail)
+        );
+        assert_eq!(d.map(|d| d.protocol), Some(Protocol::VllmNixl));
+    }
+
+    #[test]
+    fn unknown_roles_read_as_both() {
+        for code in 0..=u8::MAX {
+            let role = Role::from_code(code);
+            if usize::from(code) < Role::ALL.len() {
+                assert_eq!(role.code(), code);
+            } else {
+                assert_eq!(role, Role::Both);
+            }
+        }
+    }
+
+    #[test]
     fn minor_six_snapshots_have_no_prompt_template() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 8)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 8 + DISAGG_LEN)).unwrap();
         assert_eq!(old.models[0].prompt_template, 0);
         assert_eq!(old.models[0].plan, s.models[0].plan);
         assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
@@ -665,7 +829,7 @@ mod tests {
     #[test]
     fn workers_from_minor_five_writers_are_unmonitored() {
         let s = sample();
-        let (bytes, _) = strip_worker_tail(&s, THERMAL_LEN);
+        let (bytes, _) = strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN);
         let old = Snapshot::decode(&bytes).unwrap();
         let w = &old.models[0].workers[0];
         assert_eq!(w.thermal, Thermal::default());
@@ -680,7 +844,7 @@ mod tests {
         s.models[0].workers[0].thermal.heat = f64::NAN;
         let mut bytes = s.encode().unwrap();
         // The state byte of a newer writer reads as unknown, never as cool.
-        let (_, cut) = strip_worker_tail(&s, THERMAL_LEN);
+        let (_, cut) = strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN);
         let at = bytes
             .windows(cut.len())
             .position(|w| w == cut.as_slice())
@@ -700,7 +864,7 @@ mod tests {
         s.models[0].workers[0].tenant.clear();
         // Cut the (empty) tenant and the thermal record off the worker
         // record, as a minor-1 writer never wrote them.
-        let (bytes, cut) = strip_worker_tail(&s, 2 + THERMAL_LEN);
+        let (bytes, cut) = strip_worker_tail(&s, 2 + THERMAL_LEN + ROLE_LEN);
         assert_eq!(&cut[..2], &[0, 0], "the empty tenant");
         let old = Snapshot::decode(&bytes).unwrap();
         assert_eq!(old.models[0].workers[0].tenant, DEFAULT_TENANT);
@@ -801,9 +965,10 @@ mod tests {
             prop::collection::vec(arb_rank(), 0..4),
             "[a-z0-9-]{0,12}",
             (0u8..5, 0.0f64..=1.0, any::<u32>(), any::<u32>()),
+            0u8..3,
         )
             .prop_map(
-                |(id, endpoint, block_size, ranks, tenant, (state, heat, cap, in_flight))| {
+                |(id, endpoint, block_size, ranks, tenant, (state, heat, cap, in_flight), role)| {
                     WorkerState {
                         id,
                         endpoint,
@@ -817,6 +982,7 @@ mod tests {
                             in_flight,
                         },
                         draining: cap % 2 == 0,
+                        role: Role::from_code(role),
                     }
                 },
             );
@@ -837,9 +1003,24 @@ mod tests {
             prop::collection::vec(worker, 0..5),
             prop::collection::vec("[a-z0-9-]{0,12}", 0..3),
             (0.0f64..4.0, 0.0f64..1.0),
+            prop::option::of((
+                0u8..2,
+                any::<u64>(),
+                0.0f64..=1.0,
+                1u64..100_000,
+                any::<bool>(),
+            )),
         )
             .prop_map(
-                |(name, thresholds, shard_count, workers, lora_adapters, (credit, temperature))| {
+                |(
+                    name,
+                    thresholds,
+                    shard_count,
+                    workers,
+                    lora_adapters,
+                    (credit, temperature),
+                    disagg,
+                )| {
                     ModelState {
                         name,
                         thresholds,
@@ -860,6 +1041,22 @@ mod tests {
                             scale_up_eta_s: shard_count % 3,
                         },
                         prompt_template: u64::from(shard_count).wrapping_mul(0x9E37),
+                        disaggregation: disagg.map(|(protocol, tokens, ratio, timeout, fail)| {
+                            Disaggregation {
+                                protocol: Protocol::ALL[usize::from(protocol)],
+                                conditional: Conditional {
+                                    max_uncached_tokens: tokens,
+                                    max_uncached_ratio: ratio,
+                                },
+                                on_prefill_failure: if fail {
+                                    OnPrefillFailure::Fail
+                                } else {
+                                    OnPrefillFailure::Local
+                                },
+                                prefill_timeout_ms: timeout,
+                                decode_affinity: credit,
+                            }
+                        }),
                     }
                 },
             );

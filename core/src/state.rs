@@ -7,6 +7,7 @@
 //! serialized names are Dynamo's (`worker_id`, `tenant_id`, `dp_rank`, the
 //! threshold keys), so its clients read kvgate's JSON unchanged.
 
+use crate::disagg::Conditional;
 #[cfg(feature = "serde")]
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -74,6 +75,10 @@ pub struct ModelState {
     /// 0: text prompts are matched against the routed-prefix index only.
     #[cfg_attr(feature = "serde", serde(default))]
     pub prompt_template: u64,
+    /// How the model splits prefill from decode (minor 8); `None`: every
+    /// request is served whole by one worker, whatever the roles.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub disaggregation: Option<Disaggregation>,
 }
 
 /// The planner's view of a model, as routing and shedding use it.
@@ -112,6 +117,200 @@ pub struct WorkerState {
     /// what it has (minor 6).
     #[cfg_attr(feature = "serde", serde(default))]
     pub draining: bool,
+    /// Which leg of a disaggregated request it serves (minor 8; older
+    /// snapshots: both).
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub role: Role,
+}
+
+/// The legs of a disaggregated request a worker serves. On a model served
+/// whole (no disaggregation, or no worker of one of the two specialised
+/// roles) the role changes nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
+pub enum Role {
+    /// Either leg, or a whole request: what every worker was before roles.
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Both, Role::Prefill, Role::Decode];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    /// The wire value (snapshot minor 8).
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// A wire value from a newer writer reads as `Both`: a worker whose
+    /// role this build does not know is still one of the model's workers,
+    /// as it was before roles.
+    pub fn from_code(code: u8) -> Role {
+        Role::ALL
+            .get(usize::from(code))
+            .copied()
+            .unwrap_or(Role::Both)
+    }
+
+    /// It may compute a disaggregated request's prompt.
+    pub fn prefills(self) -> bool {
+        self != Role::Decode
+    }
+
+    /// It may generate a disaggregated request's answer.
+    pub fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+
+    /// The busy conditions a worker of this role is judged by. In a model
+    /// that splits its requests (`split`) a prefill worker holds no decode
+    /// load worth shedding for, and a decode worker queues no prompt: each
+    /// is judged by its own leg's conditions only (Dynamo's rule). A
+    /// `both` worker, or any worker of a model served whole, by all.
+    pub fn judged_by(self, th: Thresholds, split: bool) -> Thresholds {
+        match (split, self) {
+            (true, Role::Prefill) => Thresholds {
+                active_decode_blocks: None,
+                ..th
+            },
+            (true, Role::Decode) => Thresholds {
+                active_prefill_tokens: None,
+                active_prefill_tokens_frac: None,
+                ..th
+            },
+            _ => th,
+        }
+    }
+}
+
+/// Whether workers of these roles split requests: at least one worker only
+/// prefills and one only decodes. Without both, the model is served whole
+/// as before roles ("both" workers alone gain nothing from a second hop).
+pub fn splits(roles: impl IntoIterator<Item = Role>) -> bool {
+    let (mut prefill, mut decode) = (false, false);
+    for r in roles {
+        prefill |= r == Role::Prefill;
+        decode |= r == Role::Decode;
+    }
+    prefill && decode
+}
+
+/// A model's disaggregated serving: how its two legs talk, when the
+/// prefill leg is skipped, and what a failed prefill leg becomes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct Disaggregation {
+    pub protocol: Protocol,
+    /// When the decode worker computes the prompt itself.
+    pub conditional: Conditional,
+    pub on_prefill_failure: OnPrefillFailure,
+    /// How long the prefill leg may take before it counts as failed.
+    pub prefill_timeout_ms: u64,
+    /// Credit per block of the prompt the decode worker already holds on
+    /// its device, as [`Policy::overlap_credit`] is for a whole request
+    /// (host and disk blocks in the policy's proportion). 0 is Dynamo's
+    /// decode choice, by load alone.
+    pub decode_affinity: f64,
+}
+
+/// How a disaggregated request's legs are sent (see `docs/configuration.md`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "kebab-case"))]
+pub enum Protocol {
+    /// vLLM's NixlConnector: prefill first, its `kv_transfer_params` in
+    /// the decode leg ([`crate::disagg::nixl`]).
+    #[default]
+    VllmNixl,
+    /// SGLang: the same body with bootstrap fields to both legs at once.
+    Sglang,
+}
+
+impl Protocol {
+    pub const ALL: [Protocol; 2] = [Protocol::VllmNixl, Protocol::Sglang];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::VllmNixl => "vllm-nixl",
+            Protocol::Sglang => "sglang",
+        }
+    }
+
+    /// The wire value (snapshot minor 8).
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// `None` for a protocol this build cannot speak.
+    pub fn from_code(code: u8) -> Option<Protocol> {
+        Protocol::ALL.get(usize::from(code)).copied()
+    }
+}
+
+/// What a request whose prefill leg failed (or found no free prefill
+/// worker) becomes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
+pub enum OnPrefillFailure {
+    /// The decode worker computes the prompt itself (vLLM's proxies do).
+    #[default]
+    Local,
+    /// The request fails: the decode pool is kept for decoding.
+    Fail,
+}
+
+impl Default for Disaggregation {
+    fn default() -> Self {
+        Disaggregation {
+            protocol: Protocol::default(),
+            conditional: Conditional::default(),
+            on_prefill_failure: OnPrefillFailure::default(),
+            prefill_timeout_ms: 30_000,
+            decode_affinity: Policy::default().overlap_credit,
+        }
+    }
+}
+
+impl Disaggregation {
+    /// The ratio within [0, 1], a timeout above 0, the affinity finite and
+    /// not negative.
+    pub fn validate(&self) -> Result<(), InvalidValue> {
+        let ratio = self.conditional.max_uncached_ratio;
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(InvalidValue {
+                field: "max_uncached_ratio",
+                rule: "within [0, 1]",
+                value: ratio,
+            });
+        }
+        if self.prefill_timeout_ms == 0 {
+            return Err(InvalidValue {
+                field: "prefill_timeout_ms",
+                rule: "above 0",
+                value: 0.0,
+            });
+        }
+        if !(self.decode_affinity >= 0.0 && self.decode_affinity.is_finite()) {
+            return Err(InvalidValue {
+                field: "decode_affinity",
+                rule: "finite and not negative",
+                value: self.decode_affinity,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// A worker's GPU heat as the routers act on it: how dear it is, and the
@@ -206,6 +405,16 @@ pub struct RankLoad {
     pub running: u32,
     pub waiting: u32,
     pub busy: bool,
+}
+
+impl ModelState {
+    /// Whether the model's requests are split into a prefill and a decode
+    /// leg: it has disaggregation settings and, among its workers (the
+    /// ones up), a prefill and a decode worker. Otherwise it is served
+    /// whole, as before roles.
+    pub fn disaggregated(&self) -> bool {
+        self.disaggregation.is_some() && splits(self.workers.iter().map(|w| w.role))
+    }
 }
 
 impl Snapshot {
@@ -560,6 +769,94 @@ mod tests {
             ..Policy::default()
         };
         assert_eq!(bad.validate().unwrap_err().field, "temperature");
+    }
+
+    #[test]
+    fn in_a_split_model_each_role_is_judged_by_its_legs_conditions() {
+        let all = Thresholds {
+            active_decode_blocks: Some(0.9),
+            active_prefill_tokens: Some(100),
+            active_prefill_tokens_frac: Some(2.0),
+        };
+        assert_eq!(
+            Role::Prefill.judged_by(all, true),
+            Thresholds {
+                active_decode_blocks: None,
+                ..all
+            }
+        );
+        assert_eq!(
+            Role::Decode.judged_by(all, true),
+            Thresholds {
+                active_decode_blocks: Some(0.9),
+                ..Default::default()
+            }
+        );
+        assert_eq!(Role::Both.judged_by(all, true), all);
+        for role in Role::ALL {
+            assert_eq!(role.judged_by(all, false), all, "served whole: as before");
+        }
+    }
+
+    #[test]
+    fn a_model_splits_only_with_settings_and_both_specialised_roles() {
+        let w = |role| WorkerState {
+            role,
+            ..Default::default()
+        };
+        let mut m = ModelState {
+            workers: vec![w(Role::Prefill), w(Role::Both)],
+            ..Default::default()
+        };
+        assert!(!splits([Role::Both, Role::Prefill]));
+        assert!(splits([Role::Decode, Role::Both, Role::Prefill]));
+        m.disaggregation = Some(Disaggregation::default());
+        assert!(!m.disaggregated(), "no decode worker");
+        m.workers.push(w(Role::Decode));
+        assert!(m.disaggregated());
+        m.disaggregation = None;
+        assert!(!m.disaggregated(), "no settings");
+    }
+
+    #[test]
+    fn disaggregation_settings_are_checked() {
+        assert!(Disaggregation::default().validate().is_ok());
+        let d = Disaggregation::default();
+        assert_eq!(d.conditional, Conditional::default());
+        assert_eq!(d.decode_affinity, Policy::default().overlap_credit);
+        let bad = |f: fn(&mut Disaggregation)| {
+            let mut d = Disaggregation::default();
+            f(&mut d);
+            d.validate().unwrap_err().field
+        };
+        assert_eq!(
+            bad(|d| d.conditional.max_uncached_ratio = 1.5),
+            "max_uncached_ratio"
+        );
+        assert_eq!(bad(|d| d.prefill_timeout_ms = 0), "prefill_timeout_ms");
+        assert_eq!(bad(|d| d.decode_affinity = f64::NAN), "decode_affinity");
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn roles_and_protocols_have_their_configured_names() {
+        for role in Role::ALL {
+            assert_eq!(
+                serde_json::to_value(role).unwrap(),
+                serde_json::json!(role.as_str())
+            );
+        }
+        for p in Protocol::ALL {
+            assert_eq!(
+                serde_json::to_value(p).unwrap(),
+                serde_json::json!(p.as_str())
+            );
+        }
+        let w: WorkerState = serde_json::from_str(
+            r#"{"worker_id":1,"endpoint":"","block_size":16,"ranks":[],"tenant_id":"t"}"#,
+        )
+        .unwrap();
+        assert_eq!(w.role, Role::Both, "a view without a role: both");
     }
 
     #[test]

@@ -58,6 +58,11 @@ pub struct Config {
     /// request (engines return none); empty: not sent.
     pub served_by_header: String,
     pub max_body_bytes: usize,
+    /// The cluster a disaggregated request's prefill leg is sent to: the
+    /// worker catalog, with the host taken from `prefill_host_header` and
+    /// no fallback (see `envoy/envoy.yaml`).
+    pub prefill_cluster: String,
+    pub prefill_host_header: String,
     #[serde(rename = "stale_after_ms", deserialize_with = "millis")]
     pub stale_after: Duration,
     pub on_stale: OnStale,
@@ -96,6 +101,8 @@ impl Default for Config {
             tenant_header: header::TENANT.into(),
             served_by_header: header::SERVED_BY.into(),
             max_body_bytes: 1 << 20,
+            prefill_cluster: "kvgate_prefill".into(),
+            prefill_host_header: header::PREFILL_HOST.into(),
             stale_after: Duration::from_secs(5),
             on_stale: OnStale::FailOpen,
             retry_after_s: 1,
@@ -169,6 +176,7 @@ impl Config {
             ("fallback_header", &mut self.fallback_header),
             ("tenant_header", &mut self.tenant_header),
             ("served_by_header", &mut self.served_by_header),
+            ("prefill_host_header", &mut self.prefill_host_header),
         ] {
             if name == "served_by_header" && h.is_empty() {
                 continue;
@@ -184,8 +192,8 @@ impl Config {
         {
             return invalid("sidecar_token must be non-empty printable ASCII".into());
         }
-        if self.sidecar_cluster.is_empty() {
-            return invalid("sidecar_cluster must not be empty".into());
+        if self.sidecar_cluster.is_empty() || self.prefill_cluster.is_empty() {
+            return invalid("sidecar_cluster and prefill_cluster must not be empty".into());
         }
         if self.max_body_bytes == 0 {
             return invalid("max_body_bytes must be above 0".into());

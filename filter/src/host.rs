@@ -100,10 +100,6 @@ pub fn request_body(size: usize) -> Option<Vec<u8>> {
 /// writes `body` when the range starts at 0 and is not empty). The caller
 /// sets `content-length` to match. The SDK traps on any status but `Ok`;
 /// a range from 0 of a buffered body is always `Ok`.
-#[expect(
-    dead_code,
-    reason = "the disaggregated request splices the prefill answer into the body; first caller there"
-)]
 pub fn set_request_body(body: &[u8]) -> Result<(), Status> {
     hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, body)
 }
@@ -121,6 +117,11 @@ pub fn plugin_configuration() -> Option<Vec<u8>> {
 
 pub fn property(path: &[&str]) -> Option<Vec<u8>> {
     hostcalls::get_property(path.to_vec()).ok().flatten()
+}
+
+/// Answers the client with a worker's answer, as it came.
+pub fn send_response(status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), Status> {
+    hostcalls::send_http_response(u32::from(status), headers.to_vec(), Some(body))
 }
 
 pub fn send_reply(r: &Reply) -> Result<(), Status> {

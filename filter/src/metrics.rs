@@ -49,6 +49,21 @@ pub struct RouterMetrics {
     /// Those matched approximately instead: the template is not in shared
     /// data yet, does not compile, or failed on the request.
     pub render_errors: Option<u32>,
+    /// Disaggregated requests given a prefill leg on another worker.
+    pub prefill_remote: Option<u32>,
+    /// Disaggregated requests whose decode worker computes the prompt (the
+    /// conditional rule, or no other prefill worker free).
+    pub prefill_local: Option<u32>,
+    /// Prefill legs tried again on the runner-up after a failure.
+    pub prefill_retried: Option<u32>,
+    /// Prefill legs that failed on every try (then the decode worker
+    /// prefills, or the request is answered 503, as the model says).
+    pub prefill_failed: Option<u32>,
+    /// Prefill legs a worker refused as the client's error (4xx): its
+    /// answer went back to the client, and no decode leg was sent.
+    pub prefill_client_errors: Option<u32>,
+    /// Prefill legs' time from the callout to its answer (µs).
+    pub prefill_us: Option<u32>,
 }
 
 impl RouterMetrics {
@@ -80,6 +95,15 @@ impl RouterMetrics {
             rendered: define(MetricType::Counter, "kvgate_prompts_rendered_total"),
             assembled: define(MetricType::Counter, "kvgate_prompts_assembled_total"),
             render_errors: define(MetricType::Counter, "kvgate_prompt_render_errors_total"),
+            prefill_remote: define(MetricType::Counter, "kvgate_prefill_remote_total"),
+            prefill_local: define(MetricType::Counter, "kvgate_prefill_local_total"),
+            prefill_retried: define(MetricType::Counter, "kvgate_prefill_retried_total"),
+            prefill_failed: define(MetricType::Counter, "kvgate_prefill_failed_total"),
+            prefill_client_errors: define(
+                MetricType::Counter,
+                "kvgate_prefill_client_errors_total",
+            ),
+            prefill_us: define(MetricType::Histogram, "kvgate_prefill_us"),
         }
     }
 

@@ -277,6 +277,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                         tenant: "default".into(),
                         thermal: Default::default(),
                         draining: false,
+                        role: kvgate_core::Role::Prefill,
                     },
                     WorkerState {
                         id: 2,
@@ -291,6 +292,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                             in_flight: 2,
                         },
                         draining: true,
+                        role: kvgate_core::Role::Decode,
                     },
                 ],
                 retry_after_s: 3,
@@ -306,6 +308,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                     scale_up_eta_s: 40,
                 },
                 prompt_template: 0x5EED,
+                disaggregation: Some(kvgate_core::Disaggregation::default()),
             },
             ModelState {
                 name: "no-workers".into(),
@@ -322,6 +325,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 service_rate_per_s: 0.0,
                 plan: Default::default(),
                 prompt_template: 0,
+                disaggregation: None,
             },
         ],
         applied: vec![

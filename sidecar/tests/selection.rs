@@ -604,3 +604,104 @@ async fn unknown_fields_are_refused_by_name_beside_the_prompt() {
         assert_eq!(status, 200, "{path}: {v}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disaggregated_model_is_selected_and_reserved_per_leg() {
+    let (a, _) = fake_worker().await;
+    let (b, _) = fake_worker().await;
+    let toml = format!(
+        "[scrape]\ninterval_ms = 50\ntimeout_ms = 200\ndown_after_ms = 300\n\
+         [server]\npublish_interval_ms = 10\n\
+         [[models]]\nname = \"m\"\n\
+         [models.disaggregation]\nprotocol = \"vllm-nixl\"\n\
+         [[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"{a}\"\nrole = \"prefill\"\n\
+         [[workers]]\nworker_id = 2\nmodel_name = \"m\"\nendpoint = \"{b}\"\nrole = \"decode\"\n"
+    );
+    let (base, sc) = sidecar_from(&toml, None).await;
+    let api = selection_api(&sc).await;
+    wait_until("the model splits", async || {
+        let (_, v) = json_of("GET", &format!("{base}/v1/state"), None).await;
+        v["models"][0]["disaggregated"] == true
+    })
+    .await;
+    // The roles in the state, the catalog and the info series.
+    let (_, v) = json_of("GET", &format!("{base}/v1/state"), None).await;
+    let mut roles: Vec<(u64, String)> = v["models"][0]["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            (
+                w["worker_id"].as_u64().unwrap(),
+                w["role"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    roles.sort();
+    assert_eq!(roles, [(1, "prefill".into()), (2, "decode".into())]);
+    assert_eq!(
+        v["models"][0]["disaggregation"]["protocol"], "vllm-nixl",
+        "{v}"
+    );
+    let (_, v) = json_of("GET", &format!("{base}/workers"), None).await;
+    assert!(
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w["role"] == "prefill"),
+        "{v}"
+    );
+    wait_until("the info series", async || {
+        metric(
+            &sc,
+            "kvgate_sidecar_worker_info{model=\"m\",role=\"decode\",worker_id=\"2\"}",
+        ) == 1.0
+    })
+    .await;
+
+    let (status, v) = json_of(
+        "POST",
+        &format!("{api}/select_and_reserve"),
+        Some(json!({"model_name": "m", "reservation_id": "r1",
+                    "token_ids": (0..256).collect::<Vec<u32>>(),
+                    "expected_output_tokens": 32})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    // The client sends to the decode worker; the prefill leg is its own.
+    assert_eq!(
+        (v["worker_id"].as_u64(), v["reservation_id"].as_str()),
+        (Some(2), Some("r1"))
+    );
+    assert_eq!(v["effective_prefill_tokens"], 0);
+    let d = &v["disaggregation"];
+    assert_eq!(d["local_prefill"], false, "{v}");
+    assert_eq!(d["prefill"]["worker_id"], 1, "{v}");
+    assert_eq!(d["prefill"]["endpoint"], a.as_str(), "{v}");
+    assert_eq!(d["prefill"]["reservation_id"], "r1.prefill", "{v}");
+    assert_eq!(d["decode"]["decode_blocks"], 16 + 2, "{v}");
+    // Each leg booked on its own worker.
+    assert_eq!(
+        loads(&api).await,
+        vec![((1, 0), (256, 0)), ((2, 0), (0, 18))]
+    );
+    // The prefill leg answered: its reservation goes, the decode leg's
+    // stays until the stream ends.
+    assert_eq!(
+        call("DELETE", &format!("{api}/reservations/r1.prefill"), None)
+            .await
+            .0,
+        204
+    );
+    assert_eq!(loads(&api).await, vec![((1, 0), (0, 0)), ((2, 0), (0, 18))]);
+    // A second call with a live id books nothing more.
+    let (status, _) = json_of(
+        "POST",
+        &format!("{api}/select_and_reserve"),
+        Some(json!({"model_name": "m", "reservation_id": "r1", "token_ids": [1, 2, 3]})),
+    )
+    .await;
+    assert_eq!(status, 409);
+    assert_eq!(loads(&api).await, vec![((1, 0), (0, 0)), ((2, 0), (0, 18))]);
+}

@@ -29,6 +29,7 @@ const OK: i32 = 0;
 const NOT_FOUND: i32 = 1;
 const BAD_ARGUMENT: i32 = 2;
 const CAS_MISMATCH: i32 = 8;
+const INTERNAL_FAILURE: i32 = 10;
 const UNIMPLEMENTED: i32 = 12;
 const MAP_REQUEST_HEADERS: i32 = 0;
 const MAP_CALL_RESPONSE_HEADERS: i32 = 6;
@@ -196,6 +197,10 @@ pub struct HostState {
     registered_queues: Vec<u32>,
     /// Clusters that exist; a callout elsewhere gets BadArgument.
     pub clusters: Vec<String>,
+    /// Hosts the prefill cluster does not hold: a callout naming one in
+    /// `x-kvgate-prefill-host` fails at once with InternalFailure, as
+    /// Envoy's override-host balancer with no fallback fails it.
+    pub unlisted_hosts: Vec<String>,
 }
 
 /// What happened to one request.
@@ -814,6 +819,12 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
             if !c.data().clusters.contains(&cluster) {
                 return Ok(BAD_ARGUMENT);
             }
+            let unlisted = headers
+                .iter()
+                .any(|(k, v)| k == "x-kvgate-prefill-host" && c.data().unlisted_hosts.contains(v));
+            if unlisted {
+                return Ok(INTERNAL_FAILURE);
+            }
             let required = [":method", ":path", ":authority"];
             if !required.iter().all(|r| headers.iter().any(|(k, _)| k == r)) {
                 return Ok(BAD_ARGUMENT);
@@ -1139,7 +1150,8 @@ impl Vm {
             stdout: Vec::new(),
             metric_names: Vec::new(),
             registered_queues: Vec::new(),
-            clusters: vec!["kvgate_sidecar".into()],
+            clusters: vec!["kvgate_sidecar".into(), "kvgate_prefill".into()],
+            unlisted_hosts: Vec::new(),
         };
         let mut store = Store::new(&filter.engine, state);
         let instance = linker.instantiate(&mut store, &filter.module)?;

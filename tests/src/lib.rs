@@ -56,6 +56,7 @@ pub fn bench_snapshot(workers: u16, shard_count: u32) -> Snapshot {
                     tenant: "default".into(),
                     thermal: Default::default(),
                     draining: false,
+                    role: Default::default(),
                 })
                 .collect(),
             ..Default::default()

@@ -39,6 +39,7 @@ fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
         tenant: "default".into(),
         thermal: Default::default(),
         draining: false,
+        role: Default::default(),
     }
 }
 
@@ -1399,3 +1400,6 @@ fn chat_prompts_are_rendered_and_matched_against_the_text_index() {
         "the good blob stays"
     );
 }
+
+#[path = "filter_wasm/disagg.rs"]
+mod disagg;

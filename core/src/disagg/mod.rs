@@ -16,6 +16,7 @@ pub mod nixl;
 /// and under 70 %). A remote prefill costs a second hop and a transfer;
 /// for a short or mostly cached prompt that is more than computing it.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Conditional {
     /// Fewer uncached tokens than this can be computed locally.
     pub max_uncached_tokens: u64,

@@ -12,5 +12,39 @@ pub(crate) fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
         tenant: DEFAULT_TENANT.into(),
         thermal: Default::default(),
         draining: false,
+        role: Default::default(),
     }
+}
+
+/// Index shards of model `m` (8 shards) in which each `(slot, blocks)`
+/// holds the first `blocks` 16-token blocks of `tokens` on its device.
+pub(crate) fn held(
+    tokens: &[u32],
+    holders: &[(u16, usize)],
+) -> std::collections::HashMap<String, Vec<u8>> {
+    use crate::hash::{CacheScope, scoped_sequence_hashes};
+    use crate::shard::{Holder, TIER_DEVICE, encode, shard_of};
+    use std::collections::HashMap;
+    let hashes = scoped_sequence_hashes(tokens, 16, CacheScope::default());
+    let mut per_shard: HashMap<u32, Vec<(u64, Vec<Holder>)>> = HashMap::new();
+    for (i, h) in hashes.into_iter().enumerate() {
+        let holders: Vec<Holder> = holders
+            .iter()
+            .filter(|(_, blocks)| i < *blocks)
+            .map(|(slot, _)| Holder {
+                slot: *slot,
+                tiers: TIER_DEVICE,
+            })
+            .collect();
+        if !holders.is_empty() {
+            per_shard
+                .entry(shard_of(h, 8))
+                .or_default()
+                .push((h, holders));
+        }
+    }
+    per_shard
+        .into_iter()
+        .map(|(s, mut e)| (crate::update::shard_key("m", s), encode(&mut e)))
+        .collect()
 }

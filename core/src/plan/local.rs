@@ -185,10 +185,12 @@ impl LocalBookings {
         let Some(model) = snap.models.get_mut(mi) else {
             return;
         };
+        let split = model.disaggregated();
         let th = model.thresholds;
         let Some(worker) = model.workers.get_mut(wi) else {
             return;
         };
+        let th = worker.role.judged_by(th, split);
         let in_flight = shift(u64::from(worker.thermal.in_flight), requests);
         worker.thermal.in_flight = u32::try_from(in_flight).unwrap_or(u32::MAX);
         let Some(rank) = worker.ranks.get_mut(ri) else {

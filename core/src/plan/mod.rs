@@ -7,6 +7,12 @@
 //!                     ▲ shards (caller's)     ▲ snapshot + local::LocalBookings
 //! ```
 //!
+//! On a disaggregated model ([`ModelState::disaggregated`]) the gathered
+//! overlap is placed twice: the decode worker first (its own cached
+//! prefix decides whether the prompt needs a prefill leg at all, by the
+//! model's [`Conditional`](crate::disagg::Conditional) rule), then, unless
+//! it computes the prompt itself, the prefill worker ([`Prefill`]).
+//!
 //! The caller supplies what differs between hosts: the snapshot (with its
 //! own not-yet-counted bookings applied by [`local::LocalBookings`]), the
 //! index shards through a [`ShardSource`], and any extra cost [`Term`]s. The
@@ -22,17 +28,24 @@ pub mod select;
 
 #[cfg(test)]
 mod fixtures;
+#[cfg(test)]
+mod split_tests;
 
 use crate::approx::{ChunkKind, Routed};
-use crate::state::{ModelState, Snapshot};
+use crate::state::{Disaggregation, ModelState, OnPrefillFailure, Policy, Snapshot};
 use request::Parsed;
 use select::{Decision, RequestShape, select_with_runner_up};
 
 pub use overlap::ShardSource;
-pub use select::{Choice, Overlap, Term};
+pub use select::{Choice, Leg, Overlap, Term};
 
 /// What to do with a request.
 #[derive(Debug, Clone, PartialEq)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "a plan is returned and consumed at once, never stored; boxing the route would \
+              allocate on every request of the filter"
+)]
 pub enum Plan<'a> {
     Route(Route<'a>),
     Reject(Rejection),
@@ -59,15 +72,79 @@ pub struct Route<'a> {
     /// The model the fleet knows the request by: the base model when the
     /// request names an adapter. Bookings and reports go under this name.
     pub model: &'a ModelState,
+    /// The worker the client's request goes to: on a disaggregated model,
+    /// the decode worker. Its placement books what that worker computes:
+    /// with a remote prefill, the decode blocks only (until the stream
+    /// ends); with a local one, the prompt too.
     pub first: Placement<'a>,
     /// The cheapest candidate on another worker that the same routing
-    /// headers suit: where a retry goes if the first refuses.
+    /// headers suit: where a retry goes if the first refuses. Booked as
+    /// `first` would be (a decode worker, on a disaggregated model).
     pub fallback: Option<Placement<'a>>,
     /// The worker has several ranks: the rank must be named to it.
     pub set_rank: bool,
     /// The request's prefix chunks for the routed-prefix index, when the
-    /// engines' events cannot yet show where it went.
+    /// engines' events cannot yet show where it went. On a disaggregated
+    /// model, under the decode worker: it keeps the blocks, the prefill
+    /// worker hands them over.
     pub report: Option<Routed>,
+    /// On a disaggregated model, where the prompt is computed; `None` on a
+    /// model served whole. The model's
+    /// [`disaggregation`](ModelState::disaggregation) says how to send the
+    /// legs.
+    pub prefill: Option<Prefill<'a>>,
+}
+
+/// Where a disaggregated request's prompt is computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Prefill<'a> {
+    /// On a prefill worker, before the decode leg.
+    Remote(PrefillLeg<'a>),
+    /// On the decode worker ([`Route::first`], which books the prompt):
+    /// the request is sent to it whole, with no prefill leg.
+    Local(LocalReason),
+}
+
+/// The prefill leg of a disaggregated request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillLeg<'a> {
+    /// Where the leg goes. Its placement books the uncached prompt as
+    /// prefill tokens, until the leg answers, and no decode blocks: the
+    /// blocks leave with the transfer (the engine's KV usage shows them
+    /// meanwhile).
+    pub first: Placement<'a>,
+    /// Where the leg is tried once more if `first` fails: the cheapest
+    /// prefill candidate on another worker than `first` and the decode
+    /// worker; booked the same way.
+    pub runner_up: Option<Placement<'a>>,
+    /// The prompt tokens the decode worker computes if the leg fails and
+    /// the model's `on_prefill_failure` is `local`: what to add to its
+    /// booking then.
+    pub local_prefill_tokens: u64,
+}
+
+/// Why a disaggregated request has no prefill leg.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalReason {
+    /// The conditional rule: the decode worker holds enough of the prompt
+    /// that computing the rest costs less than a transfer.
+    Conditional,
+    /// The cheapest prefill candidate is the decode worker itself (a
+    /// `both` worker): there is nothing to transfer.
+    SameWorker,
+    /// No prefill worker is free, and the model's `on_prefill_failure`
+    /// is `local`.
+    NoPrefillWorker,
+}
+
+impl LocalReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LocalReason::Conditional => "conditional",
+            LocalReason::SameWorker => "same_worker",
+            LocalReason::NoPrefillWorker => "no_prefill_worker",
+        }
+    }
 }
 
 /// A chosen candidate and the load the request books there.
@@ -79,6 +156,13 @@ pub struct Placement<'a> {
     /// prefix, and the blocks it adds.
     pub prefill_tokens: u64,
     pub decode_blocks: u64,
+}
+
+impl Placement<'_> {
+    /// Its worker has several ranks: the rank must be named to it.
+    pub fn names_rank(&self) -> bool {
+        self.choice.worker.ranks.len() > 1
+    }
 }
 
 /// How one placement of a gathered request is asked for: what may differ
@@ -127,51 +211,147 @@ impl<'a> Gathered<'a> {
         self
     }
 
-    /// Decides where `req` goes, as `ask` says, from the gathered overlap.
+    /// Decides where `req` goes, as `ask` says, from the gathered overlap:
+    /// one placement on a model served whole, two on a disaggregated one.
     pub fn place(&self, req: &Parsed, tenant: &str, ask: &Ask, terms: &[&dyn Term]) -> Plan<'a> {
+        let model = self.model;
+        let split = model.disaggregation.filter(|_| model.disaggregated());
+        let Some(d) = split else {
+            return match self.choose(req, tenant, ask, terms, Leg::Whole, &model.policy) {
+                Ok((first, runner_up)) => Plan::Route(self.route(req, first, runner_up, None)),
+                Err(r) => Plan::Reject(r),
+            };
+        };
+        // The decode worker first: what it holds decides whether the
+        // prompt needs a prefill leg at all.
+        let decode_policy = decode_policy(&model.policy, &d);
+        let (decode, decode_runner_up) =
+            match self.choose(req, tenant, ask, terms, Leg::Decode, &decode_policy) {
+                Ok(c) => c,
+                Err(r) => return Plan::Reject(r),
+            };
+        let bs = u64::from(decode.worker.block_size.max(1));
+        let held = u64::from(decode.overlap.device) * bs;
+        let prefill = if d.conditional.local(req.isl_tokens, held) {
+            Prefill::Local(LocalReason::Conditional)
+        } else {
+            match self.choose(req, tenant, ask, terms, Leg::Prefill, &model.policy) {
+                Ok((p, _)) if std::ptr::eq(p.worker, decode.worker) => {
+                    Prefill::Local(LocalReason::SameWorker)
+                }
+                Ok((p, runner_up)) => Prefill::Remote(PrefillLeg {
+                    first: prefill_placement(req, p),
+                    runner_up: runner_up
+                        .filter(|r| !std::ptr::eq(r.worker, decode.worker))
+                        .map(|r| prefill_placement(req, r)),
+                    local_prefill_tokens: placement(req, decode).prefill_tokens,
+                }),
+                Err(_) if d.on_prefill_failure == OnPrefillFailure::Local => {
+                    Prefill::Local(LocalReason::NoPrefillWorker)
+                }
+                Err(r) => return Plan::Reject(r),
+            }
+        };
+        Plan::Route(self.route(req, decode, decode_runner_up, Some(prefill)))
+    }
+
+    /// The cheapest candidate for `leg` and the cheapest on another
+    /// worker, or why there is none.
+    fn choose(
+        &self,
+        req: &Parsed,
+        tenant: &str,
+        ask: &Ask,
+        terms: &[&dyn Term],
+        leg: Leg,
+        policy: &Policy,
+    ) -> Result<(Choice<'a>, Option<Choice<'a>>), Rejection> {
         let model = self.model;
         let shape = RequestShape {
             isl_tokens: req.isl_tokens,
             tie_break: ask.tie_break,
             sample: (ask.tie_break % 1_000_003) as f64 / 1_000_003.0,
             retry_headroom: ask.retry_headroom,
+            leg,
         };
         let cached = &self.cached;
         let (decision, runner_up) =
-            select_with_runner_up(model, tenant, &shape, &model.policy, terms, |w, r| {
+            select_with_runner_up(model, tenant, &shape, policy, terms, |w, r| {
                 cached.of(w, r.slot)
             });
         match decision {
-            Decision::Route(first) => {
-                let set_rank = first.worker.ranks.len() > 1;
-                // A fallback must take the same headers: with a rank header
-                // it needs a rank of that number.
-                let fallback = runner_up.filter(|r| {
-                    !set_rank || (r.worker.ranks.len() > 1 && r.rank.rank == first.rank.rank)
-                });
-                Plan::Route(Route {
-                    model,
-                    first: placement(req, first),
-                    fallback: fallback.map(|c| placement(req, c)),
-                    set_rank,
-                    report: self.report.as_ref().filter(|(_, h)| !h.is_empty()).map(
-                        |(kind, hashes)| Routed {
-                            model: model.name.clone(),
-                            slot: first.rank.slot,
-                            kind: *kind,
-                            hashes: hashes.clone(),
-                        },
-                    ),
-                })
-            }
-            Decision::AllBusy => Plan::Reject(Rejection::AllBusy {
+            Decision::Route(first) => Ok((first, runner_up)),
+            Decision::AllBusy => Err(Rejection::AllBusy {
                 retry_after_s: model.retry_after_s,
             }),
-            Decision::AllHot => Plan::Reject(Rejection::Thermal {
+            Decision::AllHot => Err(Rejection::Thermal {
                 retry_after_s: model.retry_after_s,
             }),
-            Decision::NoWorkers => Plan::Reject(Rejection::NoWorkers),
+            Decision::NoWorkers => Err(Rejection::NoWorkers),
         }
+    }
+
+    /// The route to `first`: its fallback, rank header and report. With a
+    /// remote prefill, `first` and its fallback compute no prompt.
+    fn route(
+        &self,
+        req: &Parsed,
+        first: Choice<'a>,
+        runner_up: Option<Choice<'a>>,
+        prefill: Option<Prefill<'a>>,
+    ) -> Route<'a> {
+        let model = self.model;
+        let set_rank = first.worker.ranks.len() > 1;
+        // A fallback must take the same headers: with a rank header it
+        // needs a rank of that number.
+        let fallback = runner_up
+            .filter(|r| !set_rank || (r.worker.ranks.len() > 1 && r.rank.rank == first.rank.rank));
+        let remote = matches!(prefill, Some(Prefill::Remote(_)));
+        let booked = |c: Choice<'a>| {
+            let p = placement(req, c);
+            if remote {
+                Placement {
+                    prefill_tokens: 0,
+                    ..p
+                }
+            } else {
+                p
+            }
+        };
+        Route {
+            model,
+            first: booked(first),
+            fallback: fallback.map(booked),
+            set_rank,
+            report: self
+                .report
+                .as_ref()
+                .filter(|(_, h)| !h.is_empty())
+                .map(|(kind, hashes)| Routed {
+                    model: model.name.clone(),
+                    slot: first.rank.slot,
+                    kind: *kind,
+                    hashes: hashes.clone(),
+                }),
+            prefill,
+        }
+    }
+}
+
+/// The cost weights a decode worker is chosen by: the model's, with its
+/// own cached prefix credited at the decode affinity instead of the
+/// overlap credit (host and disk blocks in the policy's proportion).
+fn decode_policy(policy: &Policy, d: &Disaggregation) -> Policy {
+    let scale = if policy.overlap_credit > 0.0 {
+        d.decode_affinity / policy.overlap_credit
+    } else {
+        0.0
+    };
+    Policy {
+        overlap_credit: d.decode_affinity,
+        host_weight: policy.host_weight * scale,
+        disk_weight: policy.disk_weight * scale,
+        ..*policy
     }
 }
 
@@ -216,6 +396,15 @@ fn placement<'a>(req: &Parsed, c: Choice<'a>) -> Placement<'a> {
             .isl_tokens
             .saturating_sub(u64::from(c.overlap.device) * bs),
         decode_blocks: select::new_blocks(req.isl_tokens, c.worker.block_size, c.overlap.device),
+    }
+}
+
+/// The load a prefill leg books on its worker: the prompt it computes,
+/// and no decode blocks (they leave with the transfer).
+fn prefill_placement<'a>(req: &Parsed, c: Choice<'a>) -> Placement<'a> {
+    Placement {
+        decode_blocks: 0,
+        ..placement(req, c)
     }
 }
 

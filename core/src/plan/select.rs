@@ -27,7 +27,7 @@
 //! first worker, while the result stays a pure function of the inputs.
 
 use crate::busy::rank_busy;
-use crate::state::{ModelState, Policy, RankLoad, WorkerState};
+use crate::state::{ModelState, Policy, RankLoad, Role, WorkerState};
 
 /// What the selector needs to know about the request itself.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -42,6 +42,33 @@ pub struct RequestShape {
     /// A retry holding its ticket (see [`super::retry`]) may use a busy
     /// rank whose load is within the thresholds widened by this much.
     pub retry_headroom: Option<f64>,
+    /// Which part of the request is placed: the workers whose role serves
+    /// it are the candidates.
+    pub leg: Leg,
+}
+
+/// What a placement is for: a whole request, or one leg of a
+/// disaggregated one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Leg {
+    /// Prompt and answer on one worker, of any role: a model served whole.
+    #[default]
+    Whole,
+    /// The prompt: prefill and both workers.
+    Prefill,
+    /// The answer: decode and both workers.
+    Decode,
+}
+
+impl Leg {
+    /// Whether a worker of `role` may take this leg.
+    pub fn takes(self, role: Role) -> bool {
+        match self {
+            Leg::Whole => true,
+            Leg::Prefill => role.prefills(),
+            Leg::Decode => role.decodes(),
+        }
+    }
 }
 
 /// Leading blocks of the request a rank already holds, per storage tier.
@@ -160,7 +187,14 @@ pub fn select_with_runner_up<'a>(
     // Candidates are kept only for sampling; temperature 0 never allocates.
     let mut pool: Vec<Choice<'a>> = Vec::new();
     let sampling = policy.temperature > 0.0;
-    for worker in model.workers.iter().filter(|w| w.tenant == tenant) {
+    // Only a retry judges busy here; the published flags already follow
+    // each worker's role.
+    let split = req.retry_headroom.is_some() && model.disaggregated();
+    for worker in model
+        .workers
+        .iter()
+        .filter(|w| w.tenant == tenant && req.leg.takes(w.role))
+    {
         // Being drained: it finishes what it has and takes nothing new.
         if worker.draining {
             any_rank |= !worker.ranks.is_empty();
@@ -176,7 +210,8 @@ pub fn select_with_runner_up<'a>(
             any_rank = true;
             if rank.busy
                 && !req.retry_headroom.is_some_and(|h| {
-                    rank_busy(rank, &model.thresholds.widened(h), &mut false).is_none()
+                    let th = worker.role.judged_by(model.thresholds, split);
+                    rank_busy(rank, &th.widened(h), &mut false).is_none()
                 })
             {
                 continue;

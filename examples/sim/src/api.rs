@@ -34,6 +34,8 @@ pub struct Sim {
     pub plant: crate::thermal::Plant,
     /// `/v1/admin/batch` requires `Authorization: Bearer <this>` when set.
     pub admin_token: Option<String>,
+    /// The worker's part in prefill/decode disaggregation, if any.
+    pub disagg: crate::disagg::Disagg,
 }
 
 impl Sim {
@@ -49,8 +51,7 @@ impl Sim {
     /// GPUs' clocks.
     async fn decode_step(&self, admitted: &mut Admitted) {
         admitted.checkpoint().await;
-        let running = admitted.rank().running.load(Ordering::Relaxed);
-        let step = self.time.decode_step(running);
+        let step = admitted.rank().decode_step(&self.time);
         if step.is_zero() {
             // Even an instant worker hands each token over on its own: a
             // stream leaves as many writes, as an engine's does, not one.
@@ -70,6 +71,7 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/sim/state", get(state))
+        .route("/sim/disagg", get(crate::disagg::legs::introspect))
         .route("/sim/restart", post(restart))
         .route(
             "/sim/thermal",
@@ -80,7 +82,7 @@ pub fn router(sim: Arc<Sim>) -> Router {
         .with_state(sim)
 }
 
-fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
     let body = json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}});
     (
         status,
@@ -90,18 +92,18 @@ fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response
         .into_response()
 }
 
-fn bad(message: impl Into<String>) -> Response {
+pub(crate) fn bad(message: impl Into<String>) -> Response {
     error(StatusCode::BAD_REQUEST, "invalid_request_error", message)
 }
 
 /// A parsed request, whichever endpoint it came from.
-struct Job {
-    chat: bool,
+pub(crate) struct Job {
+    pub(crate) chat: bool,
     /// The adapter the request names and its salt.
-    scope: Scope,
-    tokens: Vec<u32>,
-    max_tokens: usize,
-    stream: bool,
+    pub(crate) scope: Scope,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) max_tokens: usize,
+    pub(crate) stream: bool,
     /// `stream_options.include_usage`: as in vLLM, a stream carries usage
     /// only when asked, in a final chunk of its own.
     include_usage: bool,
@@ -150,7 +152,7 @@ fn check_messages(v: &Value) -> Result<(), String> {
     Ok(())
 }
 
-fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Box<Response>> {
+fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<(Job, Value), Box<Response>> {
     let v: Value = serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON: {e}")))?;
     let model = v["model"]
         .as_str()
@@ -179,7 +181,7 @@ fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Box<Response>> {
         Value::String(s) if !s.is_empty() => Some(s.clone()),
         _ => return Err(Box::new(bad("cache_salt must be a non-empty string"))),
     };
-    Ok(Job {
+    let job = Job {
         chat,
         scope: Scope {
             lora_name: adapter.then(|| model.to_string()),
@@ -191,10 +193,11 @@ fn parse(sim: &Sim, body: &[u8], chat: bool) -> Result<Job, Box<Response>> {
         include_usage: v["stream_options"]["include_usage"]
             .as_bool()
             .unwrap_or(false),
-    })
+    };
+    Ok((job, v))
 }
 
-fn pick_rank(sim: &Sim, headers: &HeaderMap) -> Result<Arc<Rank>, Box<Response>> {
+pub(crate) fn pick_rank(sim: &Sim, headers: &HeaderMap) -> Result<Arc<Rank>, Box<Response>> {
     if let Some(v) = headers.get("x-data-parallel-rank") {
         let r: usize = v
             .to_str()
@@ -221,7 +224,7 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Bytes) -> R
     serve(sim, headers, body, true).await
 }
 
-fn now_s() -> u64 {
+pub(crate) fn now_s() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -229,7 +232,7 @@ fn now_s() -> u64 {
 }
 
 /// The i-th output word: deterministic filler text.
-fn word(i: usize) -> &'static str {
+pub(crate) fn word(i: usize) -> &'static str {
     const WORDS: [&str; 8] = [
         "the ", "cache ", "is ", "warm ", "and ", "tokens ", "flow ", "fast ",
     ];
@@ -237,27 +240,60 @@ fn word(i: usize) -> &'static str {
 }
 
 async fn serve(sim: Arc<Sim>, headers: HeaderMap, body: Bytes, chat: bool) -> Response {
-    let job = match parse(&sim, &body, chat) {
+    let (job, v) = match parse(&sim, &body, chat) {
         Ok(j) => j,
         Err(r) => return *r,
     };
-    let rank = match pick_rank(&sim, &headers) {
-        Ok(r) => r,
-        Err(r) => return *r,
+    let leg = match sim.disagg.leg(&v) {
+        Ok(l) => l,
+        Err(why) => return crate::disagg::legs::rejected(&sim, &headers, &v, chat, why),
     };
+    crate::disagg::legs::serve(sim, headers, job, &v, leg).await
+}
+
+/// What a request does before its first token.
+pub(crate) enum Start {
+    /// Computes its uncached prompt tokens.
+    Prefill,
+    /// Receives its prompt's KV blocks: the transfer's time.
+    Transfer(std::time::Duration),
+}
+
+impl Start {
+    async fn run(&self, sim: &Sim, admitted: &Admitted, prompt: usize) {
+        match self {
+            Start::Prefill => {
+                admitted
+                    .rank()
+                    .prefill(&sim.time, prompt - admitted.cached_tokens)
+                    .await
+            }
+            Start::Transfer(d) if d.is_zero() => {}
+            Start::Transfer(d) => tokio::time::sleep(*d).await,
+        }
+    }
+}
+
+/// Admits and answers a request on `rank`, streaming or not.
+pub(crate) async fn local(sim: Arc<Sim>, job: Job, rank: Arc<Rank>, start: Start) -> Response {
     let admitted = match admit(rank, &job.tokens, &job.scope, job.max_tokens).await {
         Ok(a) => a,
         Err(e @ AdmitError::TooLong { .. }) => return bad(e.to_string()),
     };
+    respond(sim, job, admitted, start).await
+}
+
+/// Answers an admitted request, streaming or not.
+pub(crate) async fn respond(sim: Arc<Sim>, job: Job, admitted: Admitted, start: Start) -> Response {
     let id = sim.requests.fetch_add(1, Ordering::Relaxed);
     if job.stream {
-        stream(sim.clone(), job, admitted, id)
+        stream(sim.clone(), job, admitted, id, start)
     } else {
-        whole(sim.clone(), job, admitted, id).await
+        whole(sim.clone(), job, admitted, id, start).await
     }
 }
 
-fn sim_headers(resp: &mut Response, sim: &Sim, rank: u32, cached: usize) {
+pub(crate) fn sim_headers(resp: &mut Response, sim: &Sim, rank: u32, cached: usize) {
     let h = resp.headers_mut();
     let mut put = |k: &'static str, v: String| {
         if let Ok(v) = HeaderValue::from_str(&v) {
@@ -278,34 +314,36 @@ fn usage(job: &Job, cached: usize) -> Value {
     })
 }
 
-async fn whole(sim: Arc<Sim>, job: Job, mut admitted: Admitted, id: u64) -> Response {
+async fn whole(sim: Arc<Sim>, job: Job, mut admitted: Admitted, id: u64, start: Start) -> Response {
     let cached = admitted.cached_tokens;
     let rank = admitted.rank().index;
-    admitted
-        .rank()
-        .prefill(&sim.time, job.tokens.len() - cached)
-        .await;
+    start.run(&sim, &admitted, job.tokens.len()).await;
     let mut text = String::new();
     for i in 0..job.max_tokens {
         sim.decode_step(&mut admitted).await;
         text.push_str(word(i));
     }
     drop(admitted);
-    let body = if job.chat {
-        json!({"id": format!("chatcmpl-{id}"), "object": "chat.completion", "created": now_s(), "model": sim.model,
-               "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
-               "usage": usage(&job, cached)})
-    } else {
-        json!({"id": format!("cmpl-{id}"), "object": "text_completion", "created": now_s(), "model": sim.model,
-               "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
-               "usage": usage(&job, cached)})
-    };
+    let body = completion_body(&sim, &job, &text, id, cached);
     let mut resp = ([("content-type", "application/json")], body.to_string()).into_response();
     sim_headers(&mut resp, &sim, rank, cached);
     resp
 }
 
-fn stream(sim: Arc<Sim>, job: Job, mut admitted: Admitted, id: u64) -> Response {
+/// A non-streaming answer's body.
+pub(crate) fn completion_body(sim: &Sim, job: &Job, text: &str, id: u64, cached: usize) -> Value {
+    if job.chat {
+        json!({"id": format!("chatcmpl-{id}"), "object": "chat.completion", "created": now_s(), "model": sim.model,
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+               "usage": usage(job, cached)})
+    } else {
+        json!({"id": format!("cmpl-{id}"), "object": "text_completion", "created": now_s(), "model": sim.model,
+               "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
+               "usage": usage(job, cached)})
+    }
+}
+
+fn stream(sim: Arc<Sim>, job: Job, mut admitted: Admitted, id: u64, start: Start) -> Response {
     let cached = admitted.cached_tokens;
     let rank = admitted.rank().index;
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
@@ -314,10 +352,7 @@ fn stream(sim: Arc<Sim>, job: Job, mut admitted: Admitted, id: u64) -> Response 
         // `admitted` lives in this task: when the client goes away the send
         // fails, the task ends and the request's blocks are released.
         let sim = s2;
-        admitted
-            .rank()
-            .prefill(&sim.time, job.tokens.len() - cached)
-            .await;
+        start.run(&sim, &admitted, job.tokens.len()).await;
         let (object, idp) = if job.chat {
             ("chat.completion.chunk", "chatcmpl")
         } else {

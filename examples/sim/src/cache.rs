@@ -262,6 +262,26 @@ impl PrefixCache {
         self.decode_used = self.decode_used.saturating_sub(a.decode_blocks);
     }
 
+    /// Pins the cached blocks of `chain` once more, for a holder other
+    /// than a running request; [`PrefixCache::release`] undoes it.
+    pub fn hold(&mut self, chain: &[u64]) -> Allocation {
+        self.clock += 1;
+        let now = self.clock;
+        let blocks: Vec<u64> = chain
+            .iter()
+            .copied()
+            .filter(|h| self.blocks.contains_key(h))
+            .collect();
+        for h in &blocks {
+            self.pin(*h, now);
+        }
+        Allocation {
+            blocks,
+            cached_blocks: 0,
+            decode_blocks: 0,
+        }
+    }
+
     fn pin(&mut self, h: u64, now: u64) {
         if let Some(b) = self.blocks.get_mut(&h) {
             if b.pins == 0 {
@@ -458,6 +478,26 @@ mod tests {
         assert!(c.allocate(&b, &none(), &cb, 0, &mut ev).is_none());
         assert_eq!(c.matched(&ca), 2);
         assert!(!c.reset(), "reset refuses while requests run");
+    }
+
+    #[test]
+    fn held_blocks_outlive_their_request_until_released() {
+        let mut c = PrefixCache::new(4, 2);
+        let a = toks(8, 1);
+        let ca = c.chain(&a, &none());
+        let req = c.allocate(&a, &none(), &ca, 0, &mut Vec::new()).unwrap();
+        let held = c.hold(&ca);
+        c.release(&req);
+        let b = toks(8, 2);
+        let cb = c.chain(&b, &none());
+        assert!(
+            c.allocate(&b, &none(), &cb, 0, &mut Vec::new()).is_none(),
+            "a held block is not evicted"
+        );
+        c.release(&held);
+        let mut ev = Vec::new();
+        assert!(c.allocate(&b, &none(), &cb, 0, &mut ev).is_some());
+        assert!(matches!(&ev[0], CacheEvent::Removed { .. }));
     }
 
     #[test]

@@ -11,6 +11,15 @@
 //! shares one step budget among the prefills it runs, so a rank's queued
 //! prefill tokens are what its next request waits behind — the load that
 //! routing weighs.
+//!
+//! Prefill/decode interference: a rank runs its decodes and its prefills in
+//! the same engine steps, as vLLM's chunked prefill does, so a decode step
+//! that shares its step with prefill tokens is slower. Each decode step
+//! takes, besides the above, `prefill_interference × prefill_us_per_token`
+//! per prefill token scheduled with it; a step schedules at most
+//! `max_num_batched_tokens − running` of the prompt tokens the rank is
+//! prefilling at that moment (its chunk). 0 (the default) keeps decode
+//! steps blind to prefills; 1 charges each step the whole chunk's compute.
 
 use crate::cache::{Allocation, PrefixCache, Scope};
 use crate::events::Publisher;
@@ -27,6 +36,11 @@ pub struct TimeModel {
     pub decode_ms_per_running: f64,
     pub speedup: f64,
     pub instant: bool,
+    /// Share of a co-scheduled prefill chunk's compute a decode step pays.
+    pub prefill_interference: f64,
+    /// The step's token budget (`--max-num-batched-tokens`): bounds the
+    /// chunk of prompt tokens a decode step shares its step with.
+    pub max_num_batched_tokens: usize,
 }
 
 impl TimeModel {
@@ -45,6 +59,26 @@ impl TimeModel {
         }
         let ms = self.decode_ms_per_token + self.decode_ms_per_running * running as f64;
         Duration::from_secs_f64(ms * 1e-3 / self.speedup.max(1e-9))
+    }
+
+    /// The prompt tokens a decode step shares its step with, when the rank
+    /// is prefilling `prefilling` tokens with `running` sequences.
+    pub fn chunk(&self, running: u32, prefilling: usize) -> usize {
+        prefilling.min(self.max_num_batched_tokens.saturating_sub(running as usize))
+    }
+
+    /// A decode step with `running` sequences while the rank prefills
+    /// `prefilling` prompt tokens.
+    pub fn decode_step_with(&self, running: u32, prefilling: usize) -> Duration {
+        let base = self.decode_step(running);
+        if self.instant || self.prefill_interference <= 0.0 {
+            return base;
+        }
+        let chunk = self.chunk(running, prefilling) as f64;
+        base + Duration::from_secs_f64(
+            chunk * self.prefill_interference * self.prefill_us_per_token * 1e-6
+                / self.speedup.max(1e-9),
+        )
     }
 }
 
@@ -67,7 +101,19 @@ pub struct Rank {
     pub prefix_queries: AtomicU64,
     pub prefix_hits: AtomicU64,
     pub finished: AtomicU64,
+    /// Prompt tokens being prefilled now, what decode steps share their
+    /// steps with.
+    pub prefilling: AtomicUsize,
     publisher: Option<Publisher>,
+}
+
+/// Counts a prefill's tokens while it runs, however it ends.
+struct Prefilling<'a>(&'a AtomicUsize, usize);
+
+impl Drop for Prefilling<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::Relaxed);
+    }
 }
 
 impl Rank {
@@ -94,6 +140,7 @@ impl Rank {
             prefix_queries: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             finished: AtomicU64::new(0),
+            prefilling: AtomicUsize::new(0),
             publisher,
         }
     }
@@ -110,8 +157,32 @@ impl Rank {
         };
         let d = time.prefill(uncached);
         if !d.is_zero() {
+            self.prefilling.fetch_add(uncached, Ordering::Relaxed);
+            let _counted = Prefilling(&self.prefilling, uncached);
             tokio::time::sleep(d).await;
         }
+    }
+
+    /// A decode step's duration now, with the rank's running batch and the
+    /// prefill chunk it shares the step with.
+    pub fn decode_step(&self, time: &TimeModel) -> Duration {
+        time.decode_step_with(
+            self.running.load(Ordering::Relaxed),
+            self.prefilling.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Pins blocks of `chain` that are cached, beyond any request's pin:
+    /// a prefill's blocks held for a remote decode. Release with
+    /// [`Rank::unhold`].
+    pub fn hold(&self, chain: &[u64]) -> Allocation {
+        self.cache().hold(chain)
+    }
+
+    /// Releases a [`Rank::hold`]; the blocks become evictable again.
+    pub fn unhold(&self, held: &Allocation) {
+        self.cache().release(held);
+        self.space.notify_waiters();
     }
 
     pub fn cache(&self) -> MutexGuard<'_, PrefixCache> {
@@ -259,6 +330,11 @@ impl Admitted {
         &self.rank
     }
 
+    /// The request's full prompt blocks' engine hashes, in chain order.
+    pub fn blocks(&self) -> &[u64] {
+        &self.alloc.blocks
+    }
+
     fn register(&self) {
         let admitted = self.rank.next_runner.fetch_add(1, Ordering::Relaxed);
         self.rank.runners().push(Runner {
@@ -305,6 +381,19 @@ pub async fn admit(
     scope: &Scope,
     max_tokens: usize,
 ) -> Result<Admitted, AdmitError> {
+    admit_publishing(rank, tokens, scope, max_tokens, true).await
+}
+
+/// [`admit`], publishing `BlockStored` for the blocks it caches only when
+/// `publish_stored` (evictions are always published): a decode worker
+/// that caches blocks it received may not announce them.
+pub async fn admit_publishing(
+    rank: Arc<Rank>,
+    tokens: &[u32],
+    scope: &Scope,
+    max_tokens: usize,
+    publish_stored: bool,
+) -> Result<Admitted, AdmitError> {
     let (chain, decode_blocks, capacity) = {
         let c = rank.cache();
         let bs = c.block_size();
@@ -335,7 +424,9 @@ pub async fn admit(
             .cache()
             .allocate(tokens, scope, &chain, decode_blocks, &mut events);
         for e in events {
-            rank.publish(SimEvent::Cache(e));
+            if publish_stored || !matches!(e, crate::cache::CacheEvent::Stored { .. }) {
+                rank.publish(SimEvent::Cache(e));
+            }
         }
         if let Some(a) = got {
             break a;
@@ -376,6 +467,8 @@ mod tests {
             decode_ms_per_running: 0.5,
             speedup: 2.0,
             instant: false,
+            prefill_interference: 0.0,
+            max_num_batched_tokens: 8192,
         };
         assert_eq!(t.prefill(1000), Duration::from_millis(10));
         assert_eq!(t.decode_step(4), Duration::from_millis(2));
@@ -421,6 +514,8 @@ mod tests {
             decode_ms_per_running: 0.0,
             speedup: 1.0,
             instant: false,
+            prefill_interference: 0.0,
+            max_num_batched_tokens: 8192,
         };
         for (lanes, expect_ms) in [(1, 200), (0, 100)] {
             let rank = Arc::new(Rank::new(0, 4, 100, 8, lanes, None));
@@ -436,6 +531,77 @@ mod tests {
                 "two 100-token prefills with {lanes} lanes"
             );
         }
+    }
+
+    /// The p90 inter-token latency of one decoding sequence over 200
+    /// steps, in paused (simulated) time, with or without a rank that keeps
+    /// prefilling 4000-token prompts beside it.
+    async fn itl_p90(interference: f64, prefills: bool) -> Duration {
+        let time = TimeModel {
+            prefill_us_per_token: 20.0,
+            decode_ms_per_token: 2.0,
+            decode_ms_per_running: 0.0,
+            speedup: 1.0,
+            instant: false,
+            prefill_interference: interference,
+            max_num_batched_tokens: 2048,
+        };
+        let rank = Arc::new(Rank::new(0, 16, 100, 8, 0, None));
+        let prefiller = prefills.then(|| {
+            let (rank, time) = (rank.clone(), time.clone());
+            tokio::spawn(async move {
+                loop {
+                    rank.prefill(&time, 4000).await;
+                    tokio::time::sleep(Duration::from_millis(40)).await;
+                }
+            })
+        });
+        let mut itl = Vec::new();
+        for _ in 0..200 {
+            let start = tokio::time::Instant::now();
+            tokio::time::sleep(rank.decode_step(&time)).await;
+            itl.push(start.elapsed());
+        }
+        if let Some(p) = prefiller {
+            p.abort();
+        }
+        itl.sort();
+        itl[itl.len() * 9 / 10]
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn co_scheduled_prefill_chunks_slow_decode_steps() {
+        let quiet = itl_p90(0.5, false).await;
+        let busy = itl_p90(0.5, true).await;
+        assert_eq!(quiet, Duration::from_millis(2));
+        // A 2048-token chunk at 20 µs per token, half charged: +20.48 ms
+        // (the timer wheel rounds up to its millisecond).
+        assert!(
+            (Duration::from_micros(22_480)..=Duration::from_millis(23)).contains(&busy),
+            "{busy:?}"
+        );
+        assert_eq!(
+            itl_p90(0.0, true).await,
+            quiet,
+            "no interference unless asked for"
+        );
+    }
+
+    #[test]
+    fn the_chunk_is_what_the_step_budget_leaves() {
+        let t = TimeModel {
+            prefill_us_per_token: 10.0,
+            decode_ms_per_token: 1.0,
+            decode_ms_per_running: 0.0,
+            speedup: 1.0,
+            instant: false,
+            prefill_interference: 1.0,
+            max_num_batched_tokens: 512,
+        };
+        assert_eq!(t.chunk(12, 100), 100);
+        assert_eq!(t.chunk(12, 10_000), 500);
+        assert_eq!(t.chunk(600, 10_000), 0);
+        assert_eq!(t.decode_step_with(12, 10_000), Duration::from_millis(6));
     }
 
     #[tokio::test]

@@ -12,6 +12,7 @@
 pub mod admin;
 pub mod api;
 pub mod cache;
+pub mod disagg;
 pub mod engine;
 pub mod events;
 pub mod thermal;
@@ -46,6 +47,8 @@ pub struct Args {
     pub num_gpu_blocks: usize,
     #[arg(long, default_value_t = 1)]
     pub dp_size: u32,
+    /// The engine step's token budget: also the largest prefill chunk a
+    /// decode step shares its step with (see `--prefill-interference`).
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
     /// Running-batch cap per rank; further requests queue.
@@ -61,6 +64,14 @@ pub struct Args {
     pub decode_ms_per_token: f64,
     #[arg(long, default_value_t = 0.05)]
     pub decode_ms_per_running: f64,
+    /// Prefill/decode interference, as chunked prefill shows it on a GPU:
+    /// a decode step that shares its engine step with N prompt tokens of
+    /// the rank's running prefills (N at most `--max-num-batched-tokens`
+    /// minus the running batch) takes N × this × `--prefill-us-per-token`
+    /// longer. 0 (the default) keeps decode steps blind to prefills; 1
+    /// charges each step its whole chunk's compute.
+    #[arg(long, default_value_t = 0.0)]
+    pub prefill_interference: f64,
     /// Divides every simulated duration.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -149,6 +160,59 @@ pub struct Args {
     /// A Jinja chat template over the config's (vLLM's `--chat-template`).
     #[arg(long)]
     pub chat_template: Option<std::path::PathBuf>,
+    /// The worker's part in prefill/decode disaggregation, with vLLM's
+    /// `kv_role` names. Unset: not disaggregated, PD fields in bodies are
+    /// ignored. `kv_producer` serves prefill legs, `kv_consumer` decode
+    /// legs, `kv_both` either (as every vLLM with NixlConnector does);
+    /// ordinary requests are served by all. A leg the role cannot serve
+    /// is a 400.
+    #[arg(long, value_enum)]
+    pub kv_role: Option<disagg::KvRole>,
+    /// Whose PD protocol: `nixl` (vLLM's `kv_transfer_params` and side
+    /// channel) or `sglang` (`bootstrap_host`/`_port`/`_room`; needs
+    /// `kv_producer` or `kv_consumer`).
+    #[arg(long, value_enum, default_value_t = disagg::PdProtocol::Nixl)]
+    pub pd_protocol: disagg::PdProtocol,
+    /// NIXL side-channel port of rank 0 on a prefill worker; rank r
+    /// listens on this + r (vLLM's `VLLM_NIXL_SIDE_CHANNEL_PORT`). 0: any
+    /// free port per rank, named in prefill answers and `/sim/disagg`.
+    #[arg(long, default_value_t = 5600)]
+    pub kv_side_channel_port: u16,
+    /// The host prefill answers name as `remote_host`. Default: the
+    /// `--listen` address, or 127.0.0.1 when that is unspecified.
+    #[arg(long)]
+    pub kv_side_channel_host: Option<String>,
+    /// How long a prefill leg's blocks are held for the decode leg's pull
+    /// (wall milliseconds, not divided by `--speedup`); then the hold ends
+    /// and a later pull finds them gone.
+    #[arg(long, default_value_t = 30_000)]
+    pub kv_lease_ms: u64,
+    /// KV transfer bandwidth in Gbit/s: a decode leg waits
+    /// blocks × `--kv-bytes-per-block` × 8 / this before its first token.
+    #[arg(long, default_value_t = 100.0)]
+    pub kv_transfer_gbps: f64,
+    /// Bytes of KV per block: the default is Llama-3-8B's (32 layers × 8
+    /// KV heads × 128 dims × K and V × 2 bytes × 16 tokens).
+    #[arg(long, default_value_t = 2 * 1024 * 1024)]
+    pub kv_bytes_per_block: u64,
+    /// A decode worker caches the blocks it receives but publishes no
+    /// `BlockStored` for them (as some real decode workers are seen to).
+    #[arg(long)]
+    pub no_publish_received_blocks: bool,
+    /// What a decode leg does when its blocks cannot be loaded (lease
+    /// expired, unknown request, side channel or bootstrap unreachable):
+    /// `fail` (vLLM's default: a 500) or `recompute` (prefill locally).
+    #[arg(long, value_enum, default_value_t = disagg::LoadFailurePolicy::Fail)]
+    pub kv_load_failure_policy: disagg::LoadFailurePolicy,
+    /// SGLang bootstrap port of a prefill worker (SGLang's default 8998);
+    /// 0: any free port, named in `/sim/disagg`.
+    #[arg(long, default_value_t = disagg::SGLANG_BOOTSTRAP_PORT)]
+    pub bootstrap_port: u16,
+    /// SGLang's bootstrap and waiting timeouts (wall seconds): a prefill
+    /// whose decode worker never joins, or a decode whose prefill never
+    /// comes, fails after this.
+    #[arg(long, default_value_t = 300.0)]
+    pub bootstrap_timeout_s: f64,
 }
 
 /// The endpoint of DP rank `rank`: TCP port plus the rank, as vLLM does.
@@ -245,7 +309,37 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
         )?,
         None => tokenizer::RealText::builtin()?,
     };
+    let listen_ip = args.listen.ip();
+    let advertise_host = args.kv_side_channel_host.clone().unwrap_or_else(|| {
+        if listen_ip.is_unspecified() {
+            "127.0.0.1".to_string()
+        } else {
+            listen_ip.to_string()
+        }
+    });
+    let disagg = disagg::Disagg::build(
+        disagg::Config {
+            role: args.kv_role,
+            protocol: args.pd_protocol,
+            lease: std::time::Duration::from_millis(args.kv_lease_ms),
+            transfer_gbps: args.kv_transfer_gbps,
+            bytes_per_block: args.kv_bytes_per_block,
+            publish_received: !args.no_publish_received_blocks,
+            failure_policy: args.kv_load_failure_policy,
+            bootstrap_timeout: std::time::Duration::from_secs_f64(
+                args.bootstrap_timeout_s.max(0.0),
+            ),
+            advertise_host,
+            pull_timeout: std::time::Duration::from_secs(10),
+        },
+        &ranks,
+        listen_ip,
+        &engine_id(args),
+        args.kv_side_channel_port,
+        args.bootstrap_port,
+    )?;
     Ok(Arc::new(api::Sim {
+        disagg,
         text,
         plant,
         admin_token,
@@ -259,6 +353,8 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
             decode_ms_per_running: args.decode_ms_per_running,
             speedup: args.speedup,
             instant: args.instant,
+            prefill_interference: args.prefill_interference,
+            max_num_batched_tokens: args.max_num_batched_tokens,
         },
         ranks,
         requests: Default::default(),
@@ -269,8 +365,23 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
     }))
 }
 
+/// A prefill engine's id, unique per process as vLLM's (a UUID) is: a
+/// decode worker that pulls from a restarted sim must not find it.
+fn engine_id(args: &Args) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "kvgate-sim-{}-{}-{:x}",
+        args.worker_id,
+        args.listen.port(),
+        nanos & 0xFFFF_FFFF_FFFF
+    )
+}
+
 /// Serves until the listener fails or the future is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, sim: Arc<api::Sim>) -> anyhow::Result<()> {
+    sim.disagg.start()?;
     use axum::serve::ListenerExt;
     // Without it a response written in two segments on a kept-alive
     // connection waits for the client's delayed ACK (Nagle): a 40 ms TTFT

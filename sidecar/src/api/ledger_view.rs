@@ -43,8 +43,10 @@ pub(crate) fn fresh_model(snap: &Snapshot, name: &str, ledger: &Bookings) -> Opt
 /// [`fresh_model`] for a model already found.
 pub(crate) fn fresh(model: &ModelState, ledger: &Bookings) -> ModelState {
     let mut m = model.clone();
-    let th = m.thresholds;
+    let split = m.disaggregated();
+    let thresholds = m.thresholds;
     for w in &mut m.workers {
+        let th = w.role.judged_by(thresholds, split);
         for r in &mut w.ranks {
             let booked = ledger.slot(r.slot);
             r.active_prefill_tokens = booked.prefill_tokens;

@@ -6,7 +6,7 @@
 
 use super::Backend;
 use super::ledger_view::{fresh_model, valid_reservation_id};
-use super::views::{self, OverlapView, Prompt, SelectRequest, SelectionView};
+use super::views::{self, LegView, OverlapView, Prompt, SelectRequest, SelectionView, SplitView};
 use super::{error, json_response};
 use crate::fleet::RankId;
 use crate::sources::bookings::Load;
@@ -20,7 +20,7 @@ use kvgate_core::header;
 use kvgate_core::plan::overlap::Cached;
 use kvgate_core::plan::request::{Parsed, estimate_tokens};
 use kvgate_core::plan::{
-    self, Ask, Choice, Gathered, Placement, Plan, Rejection, Route, ShardSource,
+    self, Ask, Choice, Gathered, Placement, Plan, Prefill, Rejection, Route, ShardSource,
 };
 use kvgate_core::reply::Reason;
 use std::sync::Arc;
@@ -74,21 +74,58 @@ fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
             Err(r) => refused(&req, r),
         };
     }
-    let s = match selection(&model, &req, tie, &mut |k: &str| log.read(k)) {
+    let mut s = match selection(&model, &req, tie, &mut |k: &str| log.read(k)) {
         Ok(s) => s,
         Err(r) => return refused(&req, r),
     };
     let id = s.view.reservation_id.clone().unwrap_or_default();
+    let output = output_blocks(req.expected_output_tokens, s.view.block_size);
     let load = Load {
         slot: s.slot,
         prefill_tokens: s.view.effective_prefill_tokens,
-        decode_blocks: s.decode_blocks
-            + output_blocks(req.expected_output_tokens, s.view.block_size),
+        decode_blocks: s.decode_blocks + output,
     };
-    match sc.reserve(&mut ledger, &id, &s.rank, load) {
-        Ok(()) => json_response(StatusCode::OK, &s.view),
-        Err(e) => error(StatusCode::CONFLICT, e),
+    // The prefill leg is booked on its own worker under its own id, so
+    // that the client frees it when the leg answers.
+    let prefill = match s.prefill.take() {
+        Some((rank, load)) => {
+            let leg_id = prefill_reservation_id(&id);
+            if let Err(m) = valid_reservation_id(&leg_id) {
+                return error(StatusCode::BAD_REQUEST, m);
+            }
+            Some((leg_id, rank, load))
+        }
+        None => None,
+    };
+    if let Err(e) = sc.reserve(&mut ledger, &id, &s.rank, load) {
+        return error(StatusCode::CONFLICT, e);
     }
+    if let Some(split) = s.view.disaggregation.as_mut() {
+        split.decode.decode_blocks += output;
+        split.decode.reservation_id = Some(id.clone());
+    }
+    if let Some((leg_id, rank, load)) = prefill {
+        if let Err(e) = sc.reserve(&mut ledger, &leg_id, &rank, load) {
+            // Nothing of a refused call stays booked.
+            drop(ledger);
+            let _ = sc.free_reservation(&id);
+            return error(StatusCode::CONFLICT, e);
+        }
+        if let Some(leg) = s
+            .view
+            .disaggregation
+            .as_mut()
+            .and_then(|d| d.prefill.as_mut())
+        {
+            leg.reservation_id = Some(leg_id);
+        }
+    }
+    json_response(StatusCode::OK, &s.view)
+}
+
+/// The reservation of a disaggregated selection's prefill leg.
+fn prefill_reservation_id(id: &str) -> String {
+    format!("{id}.prefill")
 }
 
 /// Leaves only the candidates the request allows: Dynamo's
@@ -170,6 +207,8 @@ struct Selected {
     slot: u16,
     rank: RankId,
     decode_blocks: u64,
+    /// A remote prefill leg: its rank and the load it books.
+    prefill: Option<(RankId, Load)>,
 }
 
 /// Places `req` the way the filter would, and describes the placement.
@@ -198,13 +237,48 @@ fn selection(
         // prefixes routed moments ago, which no engine reported yet.
         overlap: reported(&first.choice, |slot| cached.reported(slot)),
         effective_prefill_tokens: first.prefill_tokens,
+        disaggregation: route.prefill.map(|p| split_view(first, &p)),
+    };
+    let prefill = match &route.prefill {
+        Some(Prefill::Remote(leg)) => Some((
+            rank_id(model, &leg.first),
+            Load {
+                slot: leg.first.choice.rank.slot,
+                prefill_tokens: leg.first.prefill_tokens,
+                decode_blocks: leg.first.decode_blocks,
+            },
+        )),
+        _ => None,
     };
     Ok(Selected {
         slot: first.choice.rank.slot,
         rank: rank_id(model, first),
         decode_blocks: first.decode_blocks,
         view,
+        prefill,
     })
+}
+
+/// Both legs of a disaggregated placement, for the client.
+fn split_view(decode: &Placement<'_>, prefill: &Prefill<'_>) -> SplitView {
+    let leg = |p: &Placement<'_>| LegView {
+        worker_id: p.choice.worker.id,
+        dp_rank: p.choice.rank.rank,
+        endpoint: p.choice.worker.endpoint.clone(),
+        effective_prefill_tokens: p.prefill_tokens,
+        decode_blocks: p.decode_blocks,
+        reservation_id: None,
+    };
+    let (prefill, reason) = match prefill {
+        Prefill::Remote(l) => (Some(leg(&l.first)), None),
+        Prefill::Local(r) => (None, Some(r.as_str().to_string())),
+    };
+    SplitView {
+        decode: leg(decode),
+        local_prefill: prefill.is_none(),
+        prefill,
+        local_reason: reason,
+    }
 }
 
 /// Places `parsed` in `model` as the filter would: the overlap from

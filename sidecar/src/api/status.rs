@@ -2,7 +2,7 @@
 //! `/v1/state`.
 
 use super::views::{ModelView, StateView};
-use kvgate_core::WorkerState;
+use kvgate_core::{Role, WorkerState};
 use serde::Serialize;
 use std::fmt::Write as _;
 
@@ -59,22 +59,39 @@ fn model(out: &mut String, m: &ModelView) {
             },
         );
     }
+    if let Some(d) = &m.disaggregation {
+        let up = |role| m.workers.iter().filter(|w| w.role == role).count();
+        let _ = writeln!(
+            out,
+            "  disaggregation {}: {}  (prefill workers up {}, decode {}, both {})",
+            d.protocol.as_str(),
+            if m.disaggregated {
+                "split"
+            } else {
+                "served whole, no prefill or no decode worker up"
+            },
+            up(Role::Prefill),
+            up(Role::Decode),
+            up(Role::Both),
+        );
+    }
     if m.workers.is_empty() {
         return;
     }
     let _ = writeln!(
         out,
-        "  {:>6}  {:<21} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  state",
-        "worker", "endpoint", "rank", "prefill", "decode", "kv used/total", "run", "wait",
+        "  {:>6}  {:<21} {:<7} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  state",
+        "worker", "endpoint", "role", "rank", "prefill", "decode", "kv used/total", "run", "wait",
     );
     for w in &m.workers {
         for r in &w.ranks {
             let kv = format!("{}/{}", r.kv_used_blocks, r.kv_total_blocks);
             let _ = writeln!(
                 out,
-                "  {:>6}  {:<21} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  {}",
+                "  {:>6}  {:<21} {:<7} {:>4} {:>9} {:>8} {:>15} {:>5} {:>5}  {}",
                 w.id,
                 w.endpoint,
+                w.role.as_str(),
                 r.rank,
                 r.active_prefill_tokens,
                 r.active_decode_blocks,
@@ -192,5 +209,47 @@ mod tests {
         assert!(text.contains("SHEDDING (Retry-After 3s)"), "{text}");
         assert!(text.contains("90/100"), "{text}");
         assert!(text.contains("BUSY"), "{text}");
+        assert!(text.contains("10.0.0.1:8000         both"), "{text}");
+        assert!(!text.contains("disaggregation"), "{text}");
+    }
+
+    #[test]
+    fn shows_roles_and_whether_a_model_splits() {
+        let worker = |id: u64, role: &str| {
+            json!({
+                "worker_id": id, "tenant_id": "default", "endpoint": format!("10.0.0.{id}:8000"),
+                "block_size": 16, "role": role,
+                "ranks": [{"dp_rank": 0, "slot": id, "active_prefill_tokens": 0,
+                           "active_decode_blocks": 0, "kv_used_blocks": 0, "kv_total_blocks": 100,
+                           "max_num_batched_tokens": 0, "running": 0, "waiting": 0, "busy": false}]
+            })
+        };
+        let mut state: StateView = serde_json::from_value(json!({
+            "version": 1, "built_at_ms": 1, "epoch": 1,
+            "models": [{
+                "name": "m", "mode": "approximate", "retry_after_s": 0, "shard_count": 0,
+                "thresholds": {},
+                "disaggregated": true,
+                "disaggregation": {
+                    "protocol": "vllm-nixl",
+                    "conditional": {"max_uncached_tokens": 2048, "max_uncached_ratio": 0.7},
+                    "on_prefill_failure": "local", "prefill_timeout_ms": 30000,
+                    "decode_affinity": 3.0
+                },
+                "workers": [worker(1, "prefill"), worker(2, "decode")]
+            }]
+        }))
+        .unwrap();
+        let text = render(&state);
+        assert!(
+            text.contains(
+                "disaggregation vllm-nixl: split  (prefill workers up 1, decode 1, both 0)"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("10.0.0.1:8000         prefill"), "{text}");
+        assert!(text.contains("10.0.0.2:8000         decode"), "{text}");
+        state.models[0].disaggregated = false;
+        assert!(render(&state).contains("served whole"));
     }
 }

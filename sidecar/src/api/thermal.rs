@@ -194,6 +194,7 @@ impl Trial {
                 thermal: Default::default(),
                 planner: None,
                 prompt: None,
+                disaggregation: None,
             });
         if let Some((n, o)) = &self.model
             && n == name

@@ -9,12 +9,14 @@
 //!   `[selection]`, `[indexer]`.
 //! * `worker`: `[[models]]` and `[[workers]]`, the latter also the shape
 //!   of `POST /workers`.
+//! * `disagg`: `[models.disaggregation]`, prefill/decode disaggregation.
 //! * `thermal`: `[thermal]`, GPU readings and the thermal controller's
 //!   settings (overridden per model by `[models.thermal]`).
 //!
 //! Durations are written in whole milliseconds under keys ending in `_ms`,
 //! and read into [`std::time::Duration`]s (`millis`).
 
+mod disagg;
 pub(crate) mod millis;
 mod planner;
 mod sections;
@@ -23,6 +25,7 @@ mod tests;
 mod thermal;
 mod worker;
 
+pub use disagg::DisaggregationConfig;
 pub use planner::{PlannerConfig, PredictorKind, ProfileRow, read_trace};
 pub use sections::{
     Control, Indexer, Kv, Load, ReplicaSync, Scrape, Selection, Server, validate_peer,
@@ -119,6 +122,11 @@ impl Config {
             self.thermal_settings(m)
                 .validate()
                 .map_err(|e| format!("model {:?}: thermal: {e}", m.name))?;
+            if let Some(d) = &m.disaggregation {
+                d.resolve(&m.policy)
+                    .validate()
+                    .map_err(|e| format!("model {:?}: disaggregation: {e}", m.name))?;
+            }
             if let Some(p) = &m.planner {
                 p.validate()
                     .map_err(|e| format!("model {:?}: planner: {e}", m.name))?;

@@ -278,3 +278,104 @@ fn rank_endpoints_follow_the_engines_port_offsets() {
     );
     assert_eq!(offset_port("ipc:///tmp/kv", 1), None);
 }
+
+const SPLIT: &str = r#"
+[[models]]
+name = "pd"
+[models.policy]
+overlap_credit = 2.0
+[models.disaggregation]
+protocol = "sglang"
+max_uncached_tokens = 512
+on_prefill_failure = "fail"
+prefill_timeout_ms = 1500
+
+[[workers]]
+worker_id = 1
+model_name = "pd"
+endpoint = "127.0.0.1:8001"
+role = "prefill"
+[[workers]]
+worker_id = 2
+model_name = "pd"
+endpoint = "127.0.0.1:8002"
+"#;
+
+#[test]
+fn disaggregation_and_roles_parse_with_defaults() {
+    use kvgate_core::{OnPrefillFailure, Protocol, Role};
+    let c = Config::parse(SPLIT).unwrap();
+    assert_eq!(c.workers[0].role, Role::Prefill);
+    assert_eq!(c.workers[1].role, Role::Both, "the default");
+    let m = &c.models[0];
+    let d = m.disaggregation.as_ref().unwrap();
+    assert_eq!(d.prefill_timeout, Duration::from_millis(1500));
+    let r = d.resolve(&m.policy);
+    assert_eq!(r.protocol, Protocol::Sglang);
+    assert_eq!(r.on_prefill_failure, OnPrefillFailure::Fail);
+    assert_eq!(r.prefill_timeout_ms, 1500);
+    assert_eq!(
+        (
+            r.conditional.max_uncached_tokens,
+            r.conditional.max_uncached_ratio
+        ),
+        (512, 0.7)
+    );
+    assert_eq!(r.decode_affinity, 2.0, "the model's overlap credit");
+    let c = Config::parse(&SPLIT.replace("prefill_timeout_ms = 1500", "decode_affinity = 0.0"))
+        .unwrap();
+    let d = c.models[0].disaggregation.as_ref().unwrap();
+    assert_eq!(d.resolve(&c.models[0].policy).decode_affinity, 0.0);
+    assert_eq!(d.prefill_timeout, Duration::from_secs(30));
+    let bare = Config::parse(
+        "[[models]]\nname = \"m\"\n[models.disaggregation]\nprotocol = \"vllm-nixl\"",
+    )
+    .unwrap();
+    let r = bare.models[0]
+        .disaggregation
+        .as_ref()
+        .unwrap()
+        .resolve(&Default::default());
+    assert_eq!(r, kvgate_core::Disaggregation::default());
+    assert!(
+        Config::parse("[[models]]\nname = \"m\"").unwrap().models[0]
+            .disaggregation
+            .is_none()
+    );
+}
+
+#[test]
+fn bad_disaggregation_settings_say_what_is_wrong() {
+    let with = |from: &str, to: &str| {
+        assert!(SPLIT.contains(from), "{from}");
+        err(&SPLIT.replace(from, to))
+    };
+    let e = with("protocol = \"sglang\"", "protocol = \"nixl\"");
+    assert!(e.contains("unknown variant `nixl`"), "{e}");
+    assert!(e.contains("vllm-nixl"), "names the choices: {e}");
+    let e = with("protocol = \"sglang\"\n", "");
+    assert!(e.contains("missing field `protocol`"), "{e}");
+    let e = with("max_uncached_tokens = 512", "max_uncached_ratio = 1.5");
+    assert!(
+        e.contains(
+            "model \"pd\": disaggregation: max_uncached_ratio must be within [0, 1], got 1.5"
+        ),
+        "{e}"
+    );
+    let e = with("prefill_timeout_ms = 1500", "prefill_timeout_ms = 0");
+    assert!(e.contains("prefill_timeout_ms must be above 0"), "{e}");
+    let e = with("prefill_timeout_ms = 1500", "decode_affinity = -1.0");
+    assert!(
+        e.contains("decode_affinity must be finite and not negative"),
+        "{e}"
+    );
+    let e = with(
+        "on_prefill_failure = \"fail\"",
+        "on_prefill_failure = \"retry\"",
+    );
+    assert!(e.contains("unknown variant `retry`"), "{e}");
+    let e = with("prefill_timeout_ms = 1500", "prefill_timeout = \"1s\"");
+    assert!(e.contains("unknown field `prefill_timeout`"), "{e}");
+    let e = with("role = \"prefill\"", "role = \"encode\"");
+    assert!(e.contains("unknown variant `encode`"), "{e}");
+}

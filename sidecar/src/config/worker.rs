@@ -2,7 +2,7 @@
 //! `/workers` API write it.
 
 use super::thermal::ThermalOverride;
-use kvgate_core::{Policy, Thresholds};
+use kvgate_core::{Policy, Role, Thresholds};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -35,6 +35,10 @@ pub struct ModelConfig {
     /// events. Absent, text prompts use the routed-prefix index.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt: Option<crate::prompt::PromptConfig>,
+    /// `[models.disaggregation]`: prefill and decode on different workers
+    /// (the workers' `role`); absent, every request is served whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disaggregation: Option<super::DisaggregationConfig>,
 }
 
 fn is_unset(o: &ThermalOverride) -> bool {
@@ -50,6 +54,10 @@ pub struct WorkerSpec {
     pub model_name: String,
     #[serde(default = "default_tenant", alias = "routing_group")]
     pub tenant_id: String,
+    /// The legs of a disaggregated request it serves: `both` (the
+    /// default), `prefill` or `decode`.
+    #[serde(default)]
+    pub role: Role,
     /// `ip:port` (an `http://` prefix is accepted and dropped): what Envoy's
     /// ORIGINAL_DST cluster connects to.
     pub endpoint: String,

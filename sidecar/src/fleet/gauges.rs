@@ -4,7 +4,7 @@
 use super::{Fleet, Planned};
 use crate::metrics::{LedgerMetrics, PlannerMetrics, SnapshotMetrics};
 use crate::sources::bookings::Bookings;
-use kvgate_core::Snapshot;
+use kvgate_core::{Role, Snapshot};
 use std::collections::HashMap;
 
 impl Fleet {
@@ -20,12 +20,22 @@ impl Fleet {
         let mut per_model: HashMap<&str, i64> =
             self.models.keys().map(|k| (k.as_str(), 0)).collect();
         let mut booked: HashMap<&str, i64> = self.models.keys().map(|k| (k.as_str(), 0)).collect();
+        // Every role of every model, so that a role with no worker shows 0.
+        let mut by_role: HashMap<(&str, Role), (i64, i64)> = self
+            .models
+            .keys()
+            .flat_map(|k| Role::ALL.map(|r| ((k.as_str(), r), (0, 0))))
+            .collect();
         for model in &snap.models {
             m.retry_after
                 .with_label_values(&[model.name.as_str()])
                 .set(i64::from(model.retry_after_s));
             for w in &model.workers {
                 let ids = w.id.to_string();
+                if let Some((up, busy)) = by_role.get_mut(&(model.name.as_str(), w.role)) {
+                    *up += 1;
+                    *busy += i64::from(!w.ranks.is_empty() && w.ranks.iter().all(|r| r.busy));
+                }
                 for r in &w.ranks {
                     let rs = r.rank.to_string();
                     let l = [ids.as_str(), rs.as_str()];
@@ -64,6 +74,16 @@ impl Fleet {
             if w.health.up {
                 *per_model.entry(w.spec.model_name.as_str()).or_default() += 1;
             }
+            let model = w.spec.model_name.as_str();
+            for role in Role::ALL {
+                let l = [model, ids.as_str(), role.as_str()];
+                if role == w.spec.role {
+                    m.worker_info.with_label_values(&l).set(1);
+                } else {
+                    // A PATCH changed the role: the old series goes.
+                    let _ = m.worker_info.remove_label_values(&l);
+                }
+            }
             for (r, rm) in w.ranks.iter().enumerate() {
                 let rs = (w.spec.data_parallel_start_rank + r as u32).to_string();
                 let l = [ids.as_str(), rs.as_str()];
@@ -83,6 +103,11 @@ impl Fleet {
         }
         for (model, n) in per_model {
             m.workers_up.with_label_values(&[model]).set(n);
+        }
+        for ((model, role), (up, busy)) in by_role {
+            let l = [model, role.as_str()];
+            m.role_workers_up.with_label_values(&l).set(up);
+            m.role_workers_busy.with_label_values(&l).set(busy);
         }
     }
 

@@ -4,8 +4,9 @@ use super::Fleet;
 use super::drain::drain_time;
 use crate::sources::bookings::Bookings;
 use kvgate_core::busy::rank_busy;
+use kvgate_core::state::splits;
 use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 impl Fleet {
     /// Builds the snapshot: engine metrics merged with gateway bookings,
@@ -34,9 +35,26 @@ impl Fleet {
                             .get(name)
                             .copied()
                             .unwrap_or_default(),
+                        disaggregation: m.disaggregation.as_ref().map(|d| d.resolve(&m.policy)),
                     },
                 )
             })
+            .collect();
+        // The models that split their requests, as the snapshot will show
+        // them (`ModelState::disaggregated`): their workers are judged busy
+        // by their role's conditions.
+        let split: BTreeSet<String> = models
+            .values()
+            .filter(|m| m.disaggregation.is_some())
+            .filter(|m| {
+                splits(
+                    self.workers
+                        .values()
+                        .filter(|w| w.health.up && w.spec.model_name == m.name)
+                        .map(|w| w.spec.role),
+                )
+            })
+            .map(|m| m.name.clone())
             .collect();
         for w in self.workers.values_mut() {
             let Some(model) = models.get_mut(w.spec.model_name.as_str()) else {
@@ -48,7 +66,10 @@ impl Fleet {
             if !w.health.up {
                 continue;
             }
-            let th = model.thresholds;
+            let th = w
+                .spec
+                .role
+                .judged_by(model.thresholds, split.contains(&model.name));
             let mut drain_s: Option<f64> = None;
             let (mut booked_requests, mut engine_requests, mut completions) = (0u64, 0u64, 0.0);
             let ranks: Vec<RankLoad> = w
@@ -126,6 +147,7 @@ impl Fleet {
                 tenant: w.spec.tenant_id.clone(),
                 thermal,
                 draining: self.planning.draining.contains(&w.spec.worker_id),
+                role: w.spec.role,
             });
         }
         let now = std::time::Instant::now();

@@ -1,6 +1,6 @@
 use super::*;
-use crate::sources::bookings::Bookings;
-use kvgate_core::Thresholds;
+use crate::sources::bookings::{Bookings, Load};
+use kvgate_core::{Role, Snapshot, Thresholds};
 use std::time::{Duration, Instant};
 
 fn config() -> Config {
@@ -257,4 +257,165 @@ fn thresholds_are_validated() {
     )
     .unwrap();
     assert_eq!(f.models["idle"].thresholds.active_prefill_tokens, Some(5));
+}
+
+/// Model `pd` split over prefill worker 11 and decode worker 12, with a
+/// `both` worker 13; decode threshold 0.5, prefill threshold 100 tokens.
+fn split_config() -> Config {
+    Config::parse(
+        r#"
+[[models]]
+name = "pd"
+active_decode_blocks_threshold = 0.5
+active_prefill_tokens_threshold = 100
+[models.disaggregation]
+protocol = "vllm-nixl"
+[[workers]]
+worker_id = 11
+model_name = "pd"
+endpoint = "127.0.0.1:8011"
+role = "prefill"
+[[workers]]
+worker_id = 12
+model_name = "pd"
+endpoint = "127.0.0.1:8012"
+role = "decode"
+[[workers]]
+worker_id = 13
+model_name = "pd"
+endpoint = "127.0.0.1:8013"
+"#,
+    )
+    .unwrap()
+}
+
+#[test]
+fn in_a_split_model_each_worker_is_busy_by_its_roles_conditions() {
+    let mut f = Fleet::new(&split_config()).unwrap();
+    let now = Instant::now();
+    // Every worker's KV cache 90 % full, and 500 prompt tokens booked on
+    // each.
+    let mut b = Bookings::new(Duration::from_secs(300));
+    for (i, id) in [11u64, 12, 13].into_iter().enumerate() {
+        f.record_scrape(id, Ok(vec![metrics(0.9)]), now);
+        let load = Load {
+            slot: f.workers[&id].slots[0],
+            prefill_tokens: 500,
+            decode_blocks: 0,
+        };
+        b.reserve(&format!("r{i}"), load, now).unwrap();
+    }
+    let busy = |s: &Snapshot, id: u64| {
+        let w = s.models[0].workers.iter().find(|w| w.id == id).unwrap();
+        (w.role, w.ranks[0].busy)
+    };
+    let s = f.build_snapshot(&b, 30);
+    assert!(s.models[0].disaggregated());
+    assert_eq!(
+        s.models[0].disaggregation.map(|d| d.decode_affinity),
+        Some(3.0),
+        "the affinity defaults to the model's overlap credit"
+    );
+    // The prefill worker is not judged by its KV cache, the decode worker
+    // not by its prompt tokens; each is over its own threshold here.
+    assert_eq!(busy(&s, 11), (Role::Prefill, true));
+    assert_eq!(busy(&s, 12), (Role::Decode, true));
+    assert_eq!(busy(&s, 13), (Role::Both, true));
+    let mut b = Bookings::new(Duration::from_secs(300));
+    let mut f = Fleet::new(&split_config()).unwrap();
+    for id in [11u64, 12, 13] {
+        f.record_scrape(id, Ok(vec![metrics(0.9)]), now);
+    }
+    b.reserve(
+        "p",
+        Load {
+            slot: f.workers[&12].slots[0],
+            prefill_tokens: 500,
+            decode_blocks: 0,
+        },
+        now,
+    )
+    .unwrap();
+    let s = f.build_snapshot(&b, 30);
+    assert_eq!(busy(&s, 11), (Role::Prefill, false), "a full cache alone");
+    assert_eq!(busy(&s, 12), (Role::Decode, true), "its cache");
+    // Without its decode worker up the model is served whole: the prefill
+    // worker is judged by every condition again.
+    let mut f = Fleet::new(&split_config()).unwrap();
+    for id in [11u64, 13] {
+        f.record_scrape(id, Ok(vec![metrics(0.9)]), now);
+    }
+    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    assert!(!s.models[0].disaggregated());
+    assert_eq!(busy(&s, 11), (Role::Prefill, true));
+}
+
+#[test]
+fn a_patch_changes_a_workers_role() {
+    let mut f = Fleet::new(&split_config()).unwrap();
+    let now = Instant::now();
+    let w = f
+        .patch_worker(13, &serde_json::json!({"role": "decode"}), now)
+        .unwrap();
+    assert_eq!(w.spec().role, Role::Decode);
+    assert!(matches!(
+        f.patch_worker(13, &serde_json::json!({"role": "encode"}), now),
+        Err(FleetError::Invalid(m)) if m.contains("unknown variant `encode`")
+    ));
+    assert_eq!(f.workers[&13].spec().role, Role::Decode, "unchanged");
+}
+
+#[test]
+fn the_info_series_names_each_workers_role() {
+    let mut f = Fleet::new(&split_config()).unwrap();
+    let now = Instant::now();
+    for id in [11u64, 12, 13] {
+        f.record_scrape(id, Ok(vec![metrics(0.0)]), now);
+    }
+    let b = Bookings::new(Duration::from_secs(300));
+    let m = crate::metrics::Metrics::new().unwrap();
+    let s = f.build_snapshot(&b, 30);
+    f.show(&b, &s, &m.snapshot, &m.ledger);
+    let info = |id: &str, role: &str| {
+        m.sample(
+            "kvgate_sidecar_worker_info",
+            &[("model", "pd"), ("worker_id", id), ("role", role)],
+        )
+    };
+    assert_eq!(info("11", "prefill"), Some(1.0));
+    assert_eq!(info("12", "decode"), Some(1.0));
+    assert_eq!(info("13", "both"), Some(1.0));
+    let by_role = |name: &str, role: &str| m.sample(name, &[("model", "pd"), ("role", role)]);
+    assert_eq!(
+        by_role("kvgate_sidecar_workers_up_by_role", "decode"),
+        Some(1.0)
+    );
+    assert_eq!(
+        by_role("kvgate_sidecar_workers_busy_by_role", "decode"),
+        Some(0.0)
+    );
+    // The per-worker series keep their labels.
+    assert_eq!(
+        m.sample(
+            "kvgate_sidecar_worker_up",
+            &[("model", "pd"), ("worker_id", "12")]
+        ),
+        Some(1.0)
+    );
+    // A changed role moves the worker's info series.
+    f.patch_worker(13, &serde_json::json!({"role": "prefill"}), now)
+        .unwrap();
+    f.record_scrape(13, Ok(vec![metrics(0.0)]), now);
+    let s = f.build_snapshot(&b, 30);
+    f.show(&b, &s, &m.snapshot, &m.ledger);
+    assert_eq!(info("13", "prefill"), Some(1.0));
+    assert_eq!(info("13", "both"), None);
+    assert_eq!(
+        by_role("kvgate_sidecar_workers_up_by_role", "prefill"),
+        Some(2.0)
+    );
+    assert_eq!(
+        by_role("kvgate_sidecar_workers_up_by_role", "both"),
+        Some(0.0)
+    );
 }

@@ -9,6 +9,9 @@ pub struct SnapshotMetrics {
     scrape_errors: IntCounterVec,
     pub worker_up: IntGaugeVec,
     pub workers_up: IntGaugeVec,
+    pub worker_info: IntGaugeVec,
+    pub role_workers_up: IntGaugeVec,
+    pub role_workers_busy: IntGaugeVec,
     pub rank_running: IntGaugeVec,
     pub rank_waiting: IntGaugeVec,
     pub rank_kv_used: IntGaugeVec,
@@ -55,6 +58,27 @@ impl SnapshotMetrics {
                 "kvgate_sidecar_workers_up",
                 "Schedulable workers per model.",
                 &["model"],
+            )?,
+            // The role is an info series of its own, not a label on every
+            // per-worker series: dashboards and alerts keep their label
+            // sets, and join on worker_id where they want the role.
+            worker_info: gauge_vec(
+                r,
+                "kvgate_sidecar_worker_info",
+                "1 for each worker in the catalog, labelled with its role (both, prefill, decode).",
+                &["model", "worker_id", "role"],
+            )?,
+            role_workers_up: gauge_vec(
+                r,
+                "kvgate_sidecar_workers_up_by_role",
+                "Schedulable workers per model and role.",
+                &["model", "role"],
+            )?,
+            role_workers_busy: gauge_vec(
+                r,
+                "kvgate_sidecar_workers_busy_by_role",
+                "Schedulable workers per model and role whose every rank is busy (by the conditions its role is judged by).",
+                &["model", "role"],
             )?,
             version: gauge(
                 r,

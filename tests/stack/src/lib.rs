@@ -54,6 +54,9 @@ pub struct StackConfig {
     pub control_token: Option<String>,
     /// Tenant of worker `i` (`default` where absent).
     pub tenants: Vec<String>,
+    /// Catalog role of worker `i` (`both` where absent): `prefill` or
+    /// `decode` for a disaggregated model (see `model_toml`).
+    pub roles: Vec<String>,
     /// Gateway pods (an Envoy and its sidecar each) in front of the same
     /// workers.
     pub gateways: usize,
@@ -148,6 +151,7 @@ impl Default for StackConfig {
             envoy_concurrency: 2,
             control_token: None,
             tenants: Vec::new(),
+            roles: Vec::new(),
             gateways: 1,
             replica_sync: false,
             selection_api: false,
@@ -516,6 +520,9 @@ impl Stack {
             ));
             if let Some(t) = c.tenants.get(i) {
                 toml.push_str(&format!("tenant_id = \"{t}\"\n"));
+            }
+            if let Some(r) = c.roles.get(i) {
+                toml.push_str(&format!("role = \"{r}\"\n"));
             }
             if let Some(t) = &c.thermal {
                 toml.push_str(&format!(

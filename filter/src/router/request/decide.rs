@@ -13,7 +13,8 @@ use crate::metrics::{inc, record};
 use crate::reply::Reply;
 use kvgate_core::approx::Routed;
 use kvgate_core::plan::request::Parsed;
-use kvgate_core::plan::{self, Ask, Placement, Plan, Rejection, retry};
+use kvgate_core::plan::{self, Ask, Placement, Plan, Prefill, Rejection, retry};
+use kvgate_core::state::{OnPrefillFailure, Protocol};
 use kvgate_core::text::skeleton::Path;
 use proxy_wasm::types::LogLevel;
 
@@ -21,6 +22,9 @@ use proxy_wasm::types::LogLevel;
 #[derive(Debug)]
 pub(super) enum Decision {
     Route(Routing),
+    /// A disaggregated request whose prompt is prefilled on another worker
+    /// first ([`Split`]).
+    Split(Box<Split>),
     Reply(Reply),
 }
 
@@ -39,6 +43,31 @@ pub(super) struct Routing {
     pub report: Option<Routed>,
     pub isl_tokens: u32,
     pub output_tokens: u32,
+    /// The model splits prefill from decode: the body the worker gets
+    /// must carry no transfer parameters but kvgate's.
+    pub disaggregated: bool,
+}
+
+/// A disaggregated request: the decode leg is the client's request, sent
+/// on once the prefill leg has answered.
+#[derive(Debug)]
+pub(super) struct Split {
+    pub decode: Routing,
+    pub prefill: PrefillPlan,
+}
+
+/// Where and how a disaggregated request's prompt is prefilled.
+#[derive(Debug, Clone)]
+pub(super) struct PrefillPlan {
+    pub first: Target,
+    /// Tried once when `first` fails, within the same time budget.
+    pub runner_up: Option<Target>,
+    /// What the decode worker computes if no prefill leg succeeds and
+    /// the model says to prefill there.
+    pub local_prefill_tokens: u64,
+    pub on_failure: OnPrefillFailure,
+    /// One budget for every try of the leg.
+    pub timeout_ms: u64,
 }
 
 /// A worker and rank, and the load a request books there.
@@ -50,6 +79,8 @@ pub(super) struct Target {
     pub slot: u16,
     pub prefill_tokens: u64,
     pub decode_blocks: u64,
+    /// The worker has several ranks: the rank header names the target's.
+    pub names_rank: bool,
 }
 
 impl Target {
@@ -61,6 +92,7 @@ impl Target {
             slot: p.choice.rank.slot,
             prefill_tokens: p.prefill_tokens,
             decode_blocks: p.decode_blocks,
+            names_rank: p.names_rank(),
         }
     }
 
@@ -117,8 +149,9 @@ pub(super) fn prepare(st: &mut RouterState, req: &mut Parsed, version: u64) -> O
 
 /// Gathers the prompt's overlap from the index shards once, and places
 /// it: again, with the retry headroom, when every worker is busy and the
-/// request holds a due ticket. `body` names the ticket. Call after
-/// [`prepare`] found a snapshot.
+/// request holds a due ticket. `body` names the ticket, and is what a
+/// disaggregated request's legs are made from. Call after [`prepare`]
+/// found a snapshot.
 pub(super) fn decide(st: &mut RouterState, req: &Parsed, tenant: &str, body: &[u8]) -> Decision {
     st.tie_break = st.tie_break.wrapping_add(1);
     let mut ask = Ask {
@@ -156,17 +189,47 @@ pub(super) fn decide(st: &mut RouterState, req: &Parsed, tenant: &str, body: &[u
         host::now_us().saturating_sub(selecting),
     );
     match planned {
-        Plan::Route(route) => Decision::Route(Routing {
-            model: route.model.name.clone(),
-            first: Target::new(&route.first),
-            fallback: route.fallback.as_ref().map(Target::new),
-            set_rank: route.set_rank,
-            report: route.report,
-            isl_tokens: u32::try_from(req.isl_tokens).unwrap_or(u32::MAX),
-            output_tokens: req
-                .max_tokens
-                .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
-        }),
+        Plan::Route(route) => {
+            let routing = Routing {
+                model: route.model.name.clone(),
+                first: Target::new(&route.first),
+                fallback: route.fallback.as_ref().map(Target::new),
+                set_rank: route.set_rank,
+                report: route.report,
+                isl_tokens: u32::try_from(req.isl_tokens).unwrap_or(u32::MAX),
+                output_tokens: req
+                    .max_tokens
+                    .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
+                disaggregated: route.prefill.is_some(),
+            };
+            let settings = route.model.disaggregation;
+            match (route.prefill, settings) {
+                (Some(Prefill::Remote(leg)), Some(d)) if d.protocol == Protocol::VllmNixl => {
+                    inc(st.metrics.prefill_remote);
+                    Decision::Split(Box::new(Split {
+                        decode: routing,
+                        prefill: PrefillPlan {
+                            first: Target::new(&leg.first),
+                            runner_up: leg.runner_up.as_ref().map(Target::new),
+                            local_prefill_tokens: leg.local_prefill_tokens,
+                            on_failure: d.on_prefill_failure,
+                            timeout_ms: d.prefill_timeout_ms,
+                        },
+                    }))
+                }
+                // SGLang's decode workers cannot serve a request without
+                // its bootstrap room, which only a prefill leg sent beside
+                // it provides: never send one whole.
+                (Some(_), Some(d)) if d.protocol == Protocol::Sglang => Decision::Reply(
+                    Reply::prefill_failed("this filter does not send SGLang's legs yet"),
+                ),
+                (Some(_), _) => {
+                    inc(st.metrics.prefill_local);
+                    Decision::Route(routing)
+                }
+                (None, _) => Decision::Route(routing),
+            }
+        }
         Plan::Reject(r) => Decision::Reply(match (r, ticket) {
             (Rejection::AllBusy { retry_after_s }, Some(hash)) => {
                 router_retry::shed(&st.config, snap, &req.model, hash, retry_after_s)

@@ -5,9 +5,16 @@
 //! template), [`decide::decide`] (gather once, place) and
 //! [`Request::apply`] (headers, report, booking, clock). The first two
 //! produce an owned [`Decision`], so a request can pause on a callout and
-//! apply it when the answer arrives ([`Stage::Waiting`]).
+//! finish when the answer arrives ([`Stage::Prefilling`]).
+//!
+//! A disaggregated request ([`Split`]) books both legs, calls its prefill
+//! worker from its own context, and on the answer goes on to the decode
+//! worker with the prefill's transfer parameters in its body; a failed leg
+//! is tried once on the runner-up, then prefilled on the decode worker or
+//! answered 503, as the model says ([`prefill`]).
 
 mod decide;
+mod prefill;
 
 use super::{Booking, RouterState};
 use crate::config::{OnStale, ms};
@@ -15,14 +22,18 @@ use crate::host;
 use crate::manifest::{self, Manifest};
 use crate::metrics::{inc, record};
 use crate::reply::Reply;
-use decide::{Decision, Routing, Target};
+use decide::{Decision, PrefillPlan, Routing, Split, Target};
 use kvgate_core::DEFAULT_TENANT;
 use kvgate_core::booking::{Event, Key, Timing};
-use kvgate_core::header::ATTEMPT_COUNT;
+use kvgate_core::disagg::nixl;
+use kvgate_core::header::{self, ATTEMPT_COUNT};
 use kvgate_core::plan::local::Release;
 use kvgate_core::plan::request::{Endpoint, parse};
+use kvgate_core::state::OnPrefillFailure;
+use prefill::Verdict;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -34,20 +45,31 @@ enum Stage {
     /// request the router does not route).
     #[default]
     Reading,
-    /// Paused on callout `token`; `then` is applied with its answer.
-    Waiting { token: u32, then: Box<Decision> },
+    /// Paused on its prefill leg, callout `token`.
+    Prefilling { token: u32, leg: Box<Leg> },
     /// Sent on to a worker.
     Routed,
     /// Answered by the filter itself.
     Replied,
 }
 
-/// A callout a request makes from its own context.
-pub(super) struct Call<'a> {
-    pub cluster: &'a str,
-    pub headers: Vec<(&'a str, &'a str)>,
-    pub body: &'a [u8],
-    pub timeout: Duration,
+/// A prefill leg in flight: what the answer is applied to.
+#[derive(Debug)]
+struct Leg {
+    plan: PrefillPlan,
+    /// The worker the callout went to.
+    at: Target,
+    /// The client's body, which the decode leg is made from.
+    client: Vec<u8>,
+    /// The path both legs are sent to.
+    path: String,
+    request_id: String,
+    /// The client's `authorization`, for workers that check an API key.
+    authorization: Option<String>,
+    /// When the leg's one budget runs out, and when this try started.
+    deadline_us: u64,
+    sent_us: u64,
+    retried: bool,
 }
 
 pub struct Request {
@@ -59,6 +81,8 @@ pub struct Request {
     /// From the configured tenant header; `default` when absent.
     tenant: String,
     booking: Option<Booking>,
+    /// A disaggregated request's prefill leg, until it answers.
+    prefill_booking: Option<Booking>,
     fallback: Option<Target>,
     /// What the served-by response header says: engines name no worker.
     served_by: Option<String>,
@@ -97,6 +121,7 @@ impl Request {
             model: String::new(),
             tenant: String::new(),
             booking: None,
+            prefill_booking: None,
             fallback: None,
             served_by: None,
             clock: None,
@@ -140,7 +165,7 @@ impl Request {
             }
             decide::decide(&mut st, &req, &self.tenant, &body)
         };
-        let action = self.apply(decision);
+        let action = self.apply(decision, &body);
         let st = self.state.borrow();
         record(
             st.metrics.decision_us,
@@ -150,14 +175,228 @@ impl Request {
     }
 
     /// Acts on a decision: a route's headers, report, booking and clock,
-    /// or the local reply.
-    fn apply(&mut self, decision: Decision) -> Action {
+    /// a disaggregated request's prefill leg, or the local reply. `body`
+    /// is the client's.
+    fn apply(&mut self, decision: Decision, body: &[u8]) -> Action {
         match decision {
             Decision::Route(r) => {
+                let scrub = r.disaggregated;
                 self.route_to(r);
+                if scrub {
+                    self.send_whole(body);
+                }
                 Action::Continue
             }
+            Decision::Split(s) => self.split(*s, body),
             Decision::Reply(r) => self.reply(&r),
+        }
+    }
+
+    /// Books both legs of a disaggregated request, with the request routed
+    /// to its decode worker, and sends the prefill leg; the request waits
+    /// for its answer.
+    fn split(&mut self, s: Split, body: &[u8]) -> Action {
+        let Split { decode, prefill } = s;
+        self.route_to(decode);
+        let path = host::request_header(":path").unwrap_or_default();
+        let authorization = host::request_header("authorization");
+        let (request_id, now) = {
+            let st = self.state.borrow();
+            (prefill::request_id(st.vm_tag, st.next_seq), host::now_us())
+        };
+        // The decode worker is told the same id; a client's own is logged
+        // beside it, never passed on.
+        if let Some(client_id) = host::request_header(header::REQUEST_ID) {
+            host::log(
+                LogLevel::Debug,
+                &format!("kvgate: request {client_id} is disaggregated as {request_id}"),
+            );
+        }
+        let _ = host::set_request_header(header::REQUEST_ID, &request_id);
+        let leg = Leg {
+            at: prefill.first.clone(),
+            deadline_us: now.saturating_add(prefill.timeout_ms.saturating_mul(1000)),
+            plan: prefill,
+            client: body.to_vec(),
+            path,
+            request_id,
+            authorization,
+            sent_us: now,
+            retried: false,
+        };
+        self.send_prefill(leg)
+    }
+
+    /// Books the leg's worker and calls it; a call Envoy cannot make (its
+    /// host left the catalog) fails the leg at once.
+    fn send_prefill(&mut self, mut leg: Leg) -> Action {
+        let Ok(prefill_body) = nixl::prefill_body(&leg.client) else {
+            return self.prefill_failed(leg, "the request body cannot be rewritten");
+        };
+        let now = host::now_us();
+        let left_ms = leg.deadline_us.saturating_sub(now) / 1000;
+        if left_ms == 0 {
+            return self.prefill_failed(leg, "the prefill timeout ran out");
+        }
+        let (cluster, host_header, rank_header) = {
+            let mut st = self.state.borrow_mut();
+            self.prefill_booking =
+                Some(st.book(&self.model, leg.at.slot, leg.at.prefill_tokens, 0));
+            let c = &st.config;
+            (
+                c.prefill_cluster.clone(),
+                c.prefill_host_header.clone(),
+                c.rank_header.clone(),
+            )
+        };
+        let rank = leg.at.rank.to_string();
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", leg.path.as_str()),
+            (":authority", leg.at.endpoint.as_str()),
+            ("content-type", "application/json"),
+            (header::REQUEST_ID, leg.request_id.as_str()),
+            (host_header.as_str(), leg.at.endpoint.as_str()),
+        ];
+        if leg.at.names_rank {
+            headers.push((rank_header.as_str(), rank.as_str()));
+        }
+        if let Some(a) = &leg.authorization {
+            headers.push(("authorization", a.as_str()));
+        }
+        let timeout = Duration::from_millis(left_ms);
+        match host::dispatch(&cluster, headers, Some(&prefill_body), timeout) {
+            Ok(token) => {
+                leg.sent_us = now;
+                self.stage = Stage::Prefilling {
+                    token,
+                    leg: Box::new(leg),
+                };
+                Action::Pause
+            }
+            Err(status) => {
+                host::log(
+                    LogLevel::Warn,
+                    &format!(
+                        "kvgate: prefill callout to {} failed: {status:?}",
+                        leg.at.endpoint
+                    ),
+                );
+                self.release_prefill();
+                self.prefill_failed(leg, "the prefill worker is not in the catalog")
+            }
+        }
+    }
+
+    /// Applies a prefill leg's answer.
+    fn prefill_answered(&mut self, leg: Leg, body_size: usize) -> Action {
+        self.release_prefill();
+        {
+            let st = self.state.borrow();
+            record(
+                st.metrics.prefill_us,
+                host::now_us().saturating_sub(leg.sent_us),
+            );
+        }
+        let status = host::call_response_header(":status").and_then(|s| s.parse::<u16>().ok());
+        let answer = host::call_response_body(body_size).unwrap_or_default();
+        match prefill::judge(status, &answer, &leg.client) {
+            Verdict::Transfer(body) => {
+                let limit = self.state.borrow().config.max_body_bytes;
+                // Envoy must not be handed a body over its buffer limit
+                // (docs/envoy-callouts.md): the transfer is lost, the
+                // prompt is not.
+                if body.len() > limit {
+                    return self.prefill_failed(leg, "the decode body exceeds max_body_bytes");
+                }
+                self.replace_body(&body);
+                Action::Continue
+            }
+            Verdict::ClientError(status) => {
+                inc(self.state.borrow().metrics.prefill_client_errors);
+                self.stage = Stage::Replied;
+                let content_type = host::call_response_header(header::CONTENT_TYPE)
+                    .unwrap_or_else(|| "application/json".into());
+                if let Err(s) = host::send_response(
+                    status,
+                    &[(header::CONTENT_TYPE, content_type.as_str())],
+                    &answer,
+                ) {
+                    host::log(
+                        LogLevel::Error,
+                        &format!("kvgate: relaying the prefill answer failed: {s:?}"),
+                    );
+                }
+                Action::Pause
+            }
+            Verdict::Failed(cause) => self.prefill_failed(leg, cause),
+        }
+    }
+
+    /// A failed try: the runner-up once, within the same budget; then the
+    /// decode worker prefills, or the request is answered 503.
+    fn prefill_failed(&mut self, mut leg: Leg, cause: &str) -> Action {
+        host::log(
+            LogLevel::Warn,
+            &format!(
+                "kvgate: prefill leg {} on {} failed: {cause}",
+                leg.request_id, leg.at.endpoint
+            ),
+        );
+        if !leg.retried
+            && let Some(next) = leg.plan.runner_up.take()
+            && host::now_us() < leg.deadline_us
+        {
+            inc(self.state.borrow().metrics.prefill_retried);
+            leg.retried = true;
+            leg.at = next;
+            return self.send_prefill(leg);
+        }
+        inc(self.state.borrow().metrics.prefill_failed);
+        match leg.plan.on_failure {
+            OnPrefillFailure::Local => {
+                self.book_local_prefill(leg.plan.local_prefill_tokens);
+                self.send_whole(&leg.client);
+                Action::Continue
+            }
+            OnPrefillFailure::Fail => self.reply(&Reply::prefill_failed(cause)),
+        }
+    }
+
+    /// Adds the prompt the decode worker now computes to its booking.
+    fn book_local_prefill(&mut self, tokens: u64) {
+        let Some(b) = self.booking else {
+            return;
+        };
+        let clock = self.clock.take();
+        self.release(true);
+        self.clock = clock;
+        let mut st = self.state.borrow_mut();
+        self.booking = Some(st.book(&self.model, b.slot, b.prefill + tokens, b.decode));
+    }
+
+    /// Sends the client's body to the decode worker for it to compute the
+    /// prompt itself: without any `kv_transfer_params` of the client's,
+    /// which would name a host for the worker to pull blocks from.
+    fn send_whole(&mut self, client: &[u8]) {
+        match nixl::local_body(client) {
+            Ok(Cow::Owned(body)) => self.replace_body(&body),
+            Ok(Cow::Borrowed(_)) => {}
+            // Not an object: the worker refuses it as the client's error.
+            Err(_) => {}
+        }
+    }
+
+    /// Replaces the buffered request body and its length.
+    fn replace_body(&mut self, body: &[u8]) {
+        let len = body.len().to_string();
+        if host::set_request_body(body).is_err()
+            || host::set_request_header("content-length", &len).is_err()
+        {
+            host::log(
+                LogLevel::Error,
+                "kvgate: could not replace the request body",
+            );
         }
     }
 
@@ -172,6 +411,7 @@ impl Request {
             report,
             isl_tokens,
             output_tokens,
+            disaggregated: _,
         } = r;
         // Envoy's override-host balancer tries the list in order.
         let destination = match &fallback {
@@ -211,36 +451,37 @@ impl Request {
         });
         self.fallback = fallback;
     }
-
-    /// Makes `call` from this request's context and pauses the request:
-    /// `then` is applied when the call answers ([`HttpContext`]'s
-    /// `on_http_call_response`), and the request resumes if it routes.
-    /// A call that cannot be made applies `then` at once.
-    #[expect(
-        dead_code,
-        reason = "the seam for a decision that needs a callout first; the disaggregated request's prefill leg is its first caller"
-    )]
-    fn call_then(&mut self, call: Call<'_>, then: Decision) -> Action {
-        match host::dispatch(call.cluster, call.headers, Some(call.body), call.timeout) {
-            Ok(token) => {
-                self.stage = Stage::Waiting {
-                    token,
-                    then: Box::new(then),
-                };
-                Action::Pause
-            }
-            Err(status) => {
-                host::log(
-                    LogLevel::Warn,
-                    &format!("kvgate: callout to {} failed: {status:?}", call.cluster),
-                );
-                self.apply(then)
-            }
-        }
-    }
 }
 
 impl Request {
+    /// Releases the prefill leg's booking, all of it: the leg answered, or
+    /// the request ended without waiting for it.
+    fn release_prefill(&mut self) {
+        let Some(b) = self.prefill_booking else {
+            return;
+        };
+        let Ok(mut guard) = self.state.try_borrow_mut() else {
+            return;
+        };
+        self.prefill_booking = None;
+        let st = &mut *guard;
+        let release = Release {
+            seq: b.seq,
+            slot: b.slot,
+            prefill: b.prefill,
+            decode: b.decode,
+            done: true,
+            fence: st.next_seq + 1,
+        };
+        st.local
+            .release(st.view.snapshot.as_mut(), release, host::now_ms());
+        let key = Key {
+            vm: st.vm_tag,
+            seq: b.seq,
+        };
+        st.send(&Event::Done { key, timing: None });
+    }
+
     /// Releases the booking: its prefill at the first byte, all of it when
     /// the request ends (`done`), however it ends.
     fn release(&mut self, done: bool) {
@@ -341,17 +582,19 @@ impl Context for Request {
         &mut self,
         token_id: u32,
         _num_headers: usize,
-        _body_size: usize,
+        body_size: usize,
         _num_trailers: usize,
     ) {
-        if !matches!(&self.stage, Stage::Waiting { token, .. } if *token == token_id) {
+        if !matches!(&self.stage, Stage::Prefilling { token, .. } if *token == token_id) {
             return;
         }
-        let Stage::Waiting { then, .. } = std::mem::take(&mut self.stage) else {
+        let Stage::Prefilling { leg, .. } = std::mem::take(&mut self.stage) else {
             return;
         };
-        // A local reply ends the stream by itself; a route goes on.
-        if matches!(self.apply(*then), Action::Continue)
+        self.stage = Stage::Routed;
+        // A local reply ends the stream by itself, and a new try waits for
+        // its own answer; a route goes on.
+        if matches!(self.prefill_answered(*leg, body_size), Action::Continue)
             && let Err(status) = host::resume_request()
         {
             host::log(
@@ -366,6 +609,7 @@ impl Drop for Request {
     /// The backstop: a context Envoy deletes without a log callback still
     /// releases what it booked.
     fn drop(&mut self) {
+        self.release_prefill();
         self.release(true);
     }
 }
@@ -463,6 +707,10 @@ impl HttpContext for Request {
         if matches!(self.stage, Stage::Routed) {
             self.count_upstream_failure();
         }
+        // A client gone during the prefill leg: its answer will find no
+        // context (Envoy does not cancel the callout), so both legs'
+        // bookings end here.
+        self.release_prefill();
         self.release(true);
     }
 

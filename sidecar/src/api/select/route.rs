@@ -14,8 +14,8 @@ use super::{TIE_BREAK, new_reservation_id, place_in, rank_id};
 use crate::api::Backend;
 use crate::api::ledger_view::fresh_model;
 use crate::sources::bookings::Load;
-use kvgate_core::plan::Rejection;
 use kvgate_core::plan::request::Parsed;
+use kvgate_core::plan::{Prefill, Rejection};
 use std::sync::atomic::Ordering;
 use thiserror::Error;
 
@@ -64,9 +64,15 @@ pub fn route_and_reserve(
         .map_err(RouteError::Refused)?;
     let first = &route.first;
     let id = new_reservation_id();
+    // This door sends no prefill leg: on a disaggregated model the decode
+    // worker gets the request whole and computes the prompt itself.
+    let prefill_tokens = match &route.prefill {
+        Some(Prefill::Remote(leg)) => leg.local_prefill_tokens,
+        _ => first.prefill_tokens,
+    };
     let load = Load {
         slot: first.choice.rank.slot,
-        prefill_tokens: first.prefill_tokens,
+        prefill_tokens,
         decode_blocks: first.decode_blocks,
     };
     sc.reserve(&mut ledger, &id, &rank_id(&model, first), load)

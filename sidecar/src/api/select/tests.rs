@@ -24,6 +24,7 @@ fn snapshot() -> Snapshot {
         tenant: kvgate_core::DEFAULT_TENANT.into(),
         thermal: Default::default(),
         draining: false,
+        role: Default::default(),
     };
     Snapshot {
         version: 1,
@@ -202,6 +203,89 @@ fn refusals_say_why() {
     }
     assert_eq!(
         run(&snap, &by_tokens()),
+        Err(Refused::Plan(Rejection::AllBusy { retry_after_s: 3 }))
+    );
+}
+
+/// [`snapshot`] split: worker 1 prefills, worker 2 (ranks 0 and 1)
+/// decodes.
+fn split(d: kvgate_core::Disaggregation) -> Snapshot {
+    let mut s = snapshot();
+    s.models[0].workers[0].role = kvgate_core::Role::Prefill;
+    s.models[0].workers[1].role = kvgate_core::Role::Decode;
+    s.models[0].disaggregation = Some(d);
+    s
+}
+
+#[test]
+fn a_disaggregated_model_answers_both_legs() {
+    use super::views::{LegView, SplitView};
+    use kvgate_core::Disaggregation;
+    use kvgate_core::disagg::Conditional;
+    // The decode worker's rank 1 holds 96 of the 160 tokens: 64 uncached,
+    // under 2048 and under 70 %: computed there.
+    let v = run(&split(Disaggregation::default()), &by_tokens()).unwrap();
+    assert_eq!(
+        (v.worker_id, v.dp_rank, v.effective_prefill_tokens),
+        (2, 1, 64)
+    );
+    let d = v.disaggregation.expect("a split model says so");
+    assert_eq!(
+        (d.local_prefill, d.local_reason.as_deref()),
+        (true, Some("conditional"))
+    );
+    assert_eq!(d.prefill, None);
+    assert_eq!((d.decode.worker_id, d.decode.dp_rank), (2, 1));
+    // With the rule off, a prefill leg on the prefill worker, and the
+    // client's worker (the decode worker) computes no prompt.
+    let off = Disaggregation {
+        conditional: Conditional {
+            max_uncached_tokens: 0,
+            ..Conditional::default()
+        },
+        ..Disaggregation::default()
+    };
+    let v = run(&split(off), &by_tokens()).unwrap();
+    assert_eq!(
+        (v.worker_id, v.dp_rank, v.effective_prefill_tokens),
+        (2, 1, 0)
+    );
+    assert_eq!(
+        v.disaggregation,
+        Some(SplitView {
+            decode: LegView {
+                worker_id: 2,
+                dp_rank: 1,
+                endpoint: "10.0.0.2:8000".into(),
+                effective_prefill_tokens: 0,
+                decode_blocks: 4,
+                reservation_id: None,
+            },
+            prefill: Some(LegView {
+                worker_id: 1,
+                dp_rank: 0,
+                endpoint: "10.0.0.1:8000".into(),
+                effective_prefill_tokens: 160,
+                decode_blocks: 0,
+                reservation_id: None,
+            }),
+            local_prefill: false,
+            local_reason: None,
+        })
+    );
+    // A model served whole answers in Dynamo's shape, unchanged.
+    let whole = serde_json::to_value(run(&snapshot(), &by_tokens()).unwrap()).unwrap();
+    assert!(whole.get("disaggregation").is_none(), "{whole}");
+}
+
+#[test]
+fn a_disaggregated_model_sheds_when_no_decode_worker_is_free() {
+    let mut s = split(kvgate_core::Disaggregation::default());
+    for r in &mut s.models[0].workers[1].ranks {
+        r.busy = true;
+    }
+    assert_eq!(
+        run(&s, &by_tokens()),
         Err(Refused::Plan(Rejection::AllBusy { retry_after_s: 3 }))
     );
 }

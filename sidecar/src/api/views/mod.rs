@@ -39,6 +39,15 @@ pub struct ModelView {
     /// The planner's replicas for the model; absent without a planner.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<kvgate_core::ModelPlan>,
+    /// Its `[models.disaggregation]` as routers apply it; absent when it
+    /// has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disaggregation: Option<kvgate_core::Disaggregation>,
+    /// Whether its requests are split now: settings, and a prefill and a
+    /// decode worker up; absent when not, so a model served whole keeps
+    /// its shape.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disaggregated: bool,
 }
 
 /// Which prefix index a model's requests are placed with.
@@ -88,6 +97,8 @@ impl From<&ModelState> for ModelView {
                 Mode::Approximate
             },
             workers: m.workers.clone(),
+            disaggregation: m.disaggregation,
+            disaggregated: m.disaggregated(),
         }
     }
 }
@@ -334,8 +345,46 @@ pub struct SelectionView {
     pub block_size: u32,
     pub overlap: OverlapView,
     /// The prefill load the request books there: its prompt minus the
-    /// prefix resident on the device, as the filter books it.
+    /// prefix resident on the device, as the filter books it (0 on a
+    /// decode worker that a prefill worker computes the prompt for).
     pub effective_prefill_tokens: u64,
+    /// On a disaggregated model, both legs; absent on a model served
+    /// whole. The worker above is the decode worker: the one the client
+    /// sends its request to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disaggregation: Option<SplitView>,
+}
+
+/// The two legs of a disaggregated selection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SplitView {
+    pub decode: LegView,
+    /// Where the prompt is computed first; `null` when the decode worker
+    /// computes it itself.
+    pub prefill: Option<LegView>,
+    /// The prefill leg is skipped: the request goes to the decode worker
+    /// whole.
+    pub local_prefill: bool,
+    /// Why: `conditional` (the decode worker holds enough of the prompt),
+    /// `same_worker` (the best prefill worker is the decode worker) or
+    /// `no_prefill_worker` (none free, and `on_prefill_failure` is
+    /// `local`); `null` with a prefill leg.
+    pub local_reason: Option<String>,
+}
+
+/// One leg of a disaggregated selection and the load it books.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LegView {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub endpoint: String,
+    pub effective_prefill_tokens: u64,
+    pub decode_blocks: u64,
+    /// `/select_and_reserve`: the reservation holding this leg's load. A
+    /// prefill leg's is its own (free it when the leg answers); a decode
+    /// leg's is the answer's `reservation_id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
 }
 
 /// Matched tokens of the selected worker as the engines' events report

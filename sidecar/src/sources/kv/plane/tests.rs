@@ -263,13 +263,32 @@ fn indexed(plane: &Plane) -> (usize, IngestStats) {
 }
 
 fn wait_indexed(plane: &Plane, n: usize) -> IngestStats {
-    let deadline = Instant::now() + Duration::from_secs(2);
+    let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let (have, stats) = indexed(plane);
         if have == n {
             return stats;
         }
         assert!(Instant::now() < deadline, "{have} blocks indexed, not {n}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Waits until `n` blocks have been stored across the model's ranks (one
+/// block held by several ranks counts once per rank).
+fn wait_stored(plane: &Plane, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, stats) = indexed(plane);
+        if stats.stored_blocks >= n {
+            assert_eq!(stats.stored_blocks, n, "more stores than sent");
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} blocks stored, not {n}",
+            stats.stored_blocks
+        );
         std::thread::sleep(Duration::from_millis(2));
     }
 }
@@ -293,8 +312,10 @@ async fn a_recovery_replays_by_rank_and_batches_wait_for_it() {
         })
         .unwrap();
     }
-    // Same tokens on every rank: two distinct blocks, eight entries.
-    wait_indexed(&peer, 2);
+    // Same tokens on every rank: two distinct blocks, eight entries. The
+    // first batch alone makes the two distinct blocks, so wait for all
+    // eight stores, which is what the dump below is asserted to hold.
+    wait_stored(&peer, 8);
     let dump = peer.dump().await.unwrap();
     assert_eq!(dump.blocks(), 8);
     let bytes = crate::sources::kv::dump::encode(dump);

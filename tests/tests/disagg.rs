@@ -1,0 +1,218 @@
+//! Disaggregated prefill and decode on real Envoy: two prefill and two
+//! decode simulated vLLM workers speaking NIXL's protocol (a real side
+//! channel between them), the filter making the prefill callout from the
+//! request's own context. One stack for every scenario, so the suite
+//! fits CI.
+
+mod common;
+
+use common::*;
+use kvgate_stack::{Stack, StackConfig, http};
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+
+/// Workers 1 and 2 prefill, 3 and 4 decode; decode workers publish the
+/// blocks they receive, so the conditional rule can see them.
+fn pd_stack() -> Stack {
+    let producer = ["--kv-role", "kv_producer", "--kv-side-channel-port", "0"];
+    let consumer = ["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"];
+    let args = |a: [&str; 4]| a.map(String::from).to_vec();
+    start(StackConfig {
+        workers: 4,
+        kv_events: true,
+        roles: ["prefill", "prefill", "decode", "decode"].map(String::from).to_vec(),
+        worker_sim_args: vec![args(producer), args(producer), args(consumer), args(consumer)],
+        model_toml: "[models.disaggregation]\nprotocol = \"vllm-nixl\"\non_prefill_failure = \"local\"\nprefill_timeout_ms = 5000\n".into(),
+        ..StackConfig::default()
+    })
+}
+
+/// What a sim's `/sim/disagg` says.
+fn disagg(stack: &Stack, worker: usize) -> Value {
+    let (status, body) = http::get(&stack.workers[worker].endpoint(), "/sim/disagg").unwrap();
+    assert_eq!(status, 200);
+    serde_json::from_slice(&body).unwrap()
+}
+
+fn counter(stack: &Stack, worker: usize, name: &str) -> u64 {
+    disagg(stack, worker)["counters"][name]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// Prefill legs served by both prefill workers.
+fn prefill_legs(stack: &Stack) -> u64 {
+    counter(stack, 0, "prefill_legs") + counter(stack, 1, "prefill_legs")
+}
+
+/// The newest request a worker recorded.
+fn last_seen(stack: &Stack, worker: usize) -> Value {
+    disagg(stack, worker)["recent"]
+        .as_array()
+        .and_then(|r| r.last().cloned())
+        .unwrap_or(Value::Null)
+}
+
+fn completion_body(prompt: &[u32], stream: bool) -> Vec<u8> {
+    json!({"model": "demo-model", "prompt": prompt, "max_tokens": 4, "stream": stream})
+        .to_string()
+        .into_bytes()
+}
+
+/// The decode worker (3 or 4) that served a reply, as an index.
+fn decode_worker(r: &Reply) -> usize {
+    let (worker, _) = served_by(r);
+    let id: usize = worker.parse().unwrap();
+    assert!(
+        id == 3 || id == 4,
+        "served by worker {id}, not a decode worker"
+    );
+    id - 1
+}
+
+/// Waits until the sidecar's state shows both roles up (the split needs
+/// them), and Envoy holds that snapshot.
+fn wait_split(stack: &Stack) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let state = stack.sidecar_state().unwrap();
+        let up = state["models"][0]["workers"].as_array().map_or(0, Vec::len);
+        let version = state["version"].as_u64().unwrap_or(u64::MAX);
+        if up == 4 && stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the fleet never came up: {state}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn prefill_then_decode_through_envoy() {
+    let _g = serial();
+    let mut stack = pd_stack();
+    wait_split(&stack);
+
+    // A long prompt, nothing cached: the prefill leg runs on a prefill
+    // worker, its transfer reaches the decode worker the plan named.
+    let prompt = unique_prompt(1, 3000);
+    // A client cannot choose where either leg goes: a listener it names
+    // in the prefill cluster's header, or the routed cluster's, hears
+    // nothing.
+    let canary = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    canary.set_nonblocking(true).unwrap();
+    let canary_addr = canary.local_addr().unwrap().to_string();
+    let r = post(
+        &stack,
+        "/v1/completions",
+        &completion_body(&prompt, false),
+        &[
+            ("x-request-id", "client-chosen-id"),
+            ("x-kvgate-prefill-host", &canary_addr),
+            ("x-gateway-destination-endpoint", &canary_addr),
+        ],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        matches!(canary.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "a client header made Envoy connect outside the catalog"
+    );
+    let decode = decode_worker(&r);
+    assert_eq!(prefill_legs(&stack), 1);
+    let prefill = if counter(&stack, 0, "prefill_legs") == 1 {
+        0
+    } else {
+        1
+    };
+    let leg = last_seen(&stack, prefill);
+    assert_eq!(leg["leg"], "prefill");
+    let id = leg["request_id"].as_str().unwrap().to_string();
+    assert!(
+        id.starts_with("kvgate-"),
+        "kvgate's id, not the client's: {id}"
+    );
+    let got = last_seen(&stack, decode);
+    assert_eq!(got["leg"], "decode");
+    assert_eq!(got["request_id"], id.as_str(), "one id on both legs");
+    let params = &got["kv_transfer_params"];
+    assert_eq!(params["do_remote_prefill"], true);
+    let engines = disagg(&stack, prefill)["engine_ids"].clone();
+    assert!(
+        engines
+            .as_array()
+            .unwrap()
+            .contains(&params["remote_engine_id"]),
+        "the transfer names the prefill worker's engine: {params} vs {engines}"
+    );
+    assert!(got["pulled_blocks"].as_u64().unwrap() >= 180, "{got}");
+    assert_eq!(
+        counter(&stack, 2, "prefill_legs") + counter(&stack, 3, "prefill_legs"),
+        0
+    );
+
+    // Streaming, as a chat: the decode leg streams, the prefill leg never.
+    let chat = json!({"model": "demo-model", "stream": true, "max_tokens": 3,
+        "messages": [{"role": "user", "content": "word ".repeat(3000)}]});
+    let r = post(
+        &stack,
+        "/v1/chat/completions",
+        chat.to_string().as_bytes(),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.text().contains("data: [DONE]"), "{}", r.text());
+    assert_eq!(prefill_legs(&stack), 2);
+    assert_eq!(last_seen(&stack, decode_worker(&r))["leg"], "decode");
+
+    // The same prompt again: its decode worker holds it now (it published
+    // the blocks it received), so the conditional rule skips the leg.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = post(
+            &stack,
+            "/v1/completions",
+            &completion_body(&prompt, false),
+            &[],
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        if last_seen(&stack, decode_worker(&r))["leg"] == "local" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a cached prompt still took the prefill leg"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(stack.envoy_stat("kvgate_prefill_local_total").unwrap() >= 1);
+
+    // A prefill worker gone: its leg fails and the runner-up serves it.
+    stack.kill_worker(0);
+    let before = counter(&stack, 1, "prefill_legs");
+    let r = post(
+        &stack,
+        "/v1/completions",
+        &completion_body(&unique_prompt(2, 3000), true),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(last_seen(&stack, decode_worker(&r))["leg"], "decode");
+    assert!(counter(&stack, 1, "prefill_legs") > before);
+
+    // Both gone: the decode worker prefills the prompt itself.
+    stack.kill_worker(1);
+    let r = post(
+        &stack,
+        "/v1/completions",
+        &completion_body(&unique_prompt(3, 3000), false),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let seen = last_seen(&stack, decode_worker(&r));
+    assert_eq!(seen["leg"], "local", "{seen}");
+    assert_eq!(seen["kv_transfer_params"], Value::Null);
+
+    wait_bookings_drained(&stack);
+}
