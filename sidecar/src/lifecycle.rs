@@ -26,6 +26,7 @@ struct Subscription {
 pub(crate) struct Lifecycle {
     zmq: zmq::Context,
     replay_timeout: Duration,
+    max_replay_bytes: u64,
     limits: SocketLimits,
     /// Where each rank's subscriber counts: a subscriber started again
     /// for the same rank counts on in the same series.
@@ -38,12 +39,14 @@ pub(crate) struct Lifecycle {
 impl Lifecycle {
     pub(crate) fn new(
         replay_timeout: Duration,
+        max_replay_bytes: u64,
         limits: SocketLimits,
         counters: SubscriberSeries,
     ) -> Lifecycle {
         Lifecycle {
             zmq: zmq::Context::new(),
             replay_timeout,
+            max_replay_bytes,
             limits,
             counters,
             scrapers: Mutex::new(HashMap::new()),
@@ -89,6 +92,7 @@ impl Lifecycle {
                     replay_endpoint: spec.replay_endpoint_of(i),
                     topic: spec.kv_events_topic.clone().into_bytes(),
                     replay_timeout: self.replay_timeout,
+                    max_replay_bytes: self.max_replay_bytes,
                     limits: self.limits,
                 },
                 plane.sender(),
@@ -182,6 +186,7 @@ mod tests {
         let m = Metrics::new().unwrap();
         Lifecycle::new(
             Duration::from_millis(100),
+            256 << 20,
             SocketLimits::default(),
             m.kv.subscribers,
         )
@@ -286,6 +291,7 @@ mod tests {
         let m = Metrics::new().unwrap();
         let l = Lifecycle::new(
             Duration::from_millis(100),
+            256 << 20,
             SocketLimits::default(),
             m.kv.subscribers.clone(),
         );

@@ -5,18 +5,18 @@
 //! repair what the subscribers missed meanwhile, as after any gap).
 //!
 //! A peer that does not answer in `indexer.timeout_ms`, answers an error
-//! (a peer still recovering answers 503), or sends more than
+//! (a peer still recovering answers 503), declares or sends more than
 //! `indexer.max_dump_bytes` or a dump that does not decode, is skipped for
 //! the next one. When none gives a dump the sidecar carries on with an
 //! empty index, as without recovery; that is a warning, not an error.
 
 use crate::config::Indexer;
 use crate::metrics::KvMetrics;
+use crate::sources::body::{BodyError, read_capped};
 use crate::sources::kv::dump::{self, Dump, DumpError};
 use crate::sources::kv::plane::{Plane, RestoreReport};
 use crate::sources::metrics::scrape::HttpClient;
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -47,6 +47,10 @@ enum FetchError {
     Status(hyper::StatusCode),
     #[error("reading the body: {0} (indexer.max_dump_bytes is {1})")]
     Body(String, usize),
+    #[error(
+        "the dump declares {declared} bytes (Content-Length), over indexer.max_dump_bytes ({cap}): refused unread"
+    )]
+    Declared { declared: u64, cap: usize },
     #[error("no whole answer within {0:?}")]
     Timeout(Duration),
     #[error("the dump does not decode: {0}")]
@@ -150,11 +154,87 @@ async fn get(client: &HttpClient, uri: hyper::Uri, cap: usize) -> Result<Bytes, 
     if resp.status() != hyper::StatusCode::OK {
         return Err(FetchError::Status(resp.status()));
     }
-    // The cap holds whatever Content-Length says: a peer cannot make this
-    // side buffer more.
-    Ok(http_body_util::Limited::new(resp.into_body(), cap)
-        .collect()
+    read_capped(resp.into_body(), cap)
         .await
-        .map_err(|e| FetchError::Body(e.to_string(), cap))?
-        .to_bytes())
+        .map_err(|e| match e {
+            BodyError::Declared { declared, cap } => FetchError::Declared { declared, cap },
+            BodyError::Read(e) => FetchError::Body(e, cap),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sources::metrics::scrape::client;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A peer that answers every request with `answer` and then holds the
+    /// connection open, sending nothing more.
+    async fn stalling_peer(answer: Vec<u8>) -> String {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut s, _)) = l.accept().await {
+                let mut request = [0u8; 4096];
+                let _ = s.read(&mut request).await;
+                let _ = s.write_all(&answer).await;
+                held.push(s);
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    fn indexer(max_dump_bytes: usize) -> Indexer {
+        Indexer {
+            peers: Vec::new(),
+            timeout: Duration::from_secs(60),
+            max_dump_bytes,
+        }
+    }
+
+    /// The fetch's error, which must come well before `indexer.timeout_ms`.
+    async fn refusal(peer: &str, ix: &Indexer) -> FetchError {
+        tokio::time::timeout(Duration::from_secs(5), fetch(&client(), peer, ix))
+            .await
+            .expect("a refusal long before the peer's timeout")
+            .map(|_| ())
+            .unwrap_err()
+    }
+
+    #[tokio::test]
+    async fn a_dump_declared_over_the_cap_is_refused_before_its_body() {
+        let peer =
+            stalling_peer(b"HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\nKVGD".to_vec())
+                .await;
+        let e = refusal(&peer, &indexer(1 << 30)).await;
+        assert!(
+            matches!(
+                e,
+                FetchError::Declared {
+                    declared: 1099511627776,
+                    cap: 1073741824
+                }
+            ),
+            "{e}"
+        );
+        let why = e.to_string();
+        assert!(
+            why.contains("Content-Length") && why.contains("indexer.max_dump_bytes"),
+            "{why}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dump_without_a_length_is_cut_off_at_the_cap() {
+        let mut answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+        for _ in 0..32 {
+            answer.extend_from_slice(b"1000\r\n");
+            answer.extend_from_slice(&[0u8; 0x1000]);
+            answer.extend_from_slice(b"\r\n");
+        }
+        let peer = stalling_peer(answer).await;
+        let e = refusal(&peer, &indexer(64 << 10)).await;
+        assert!(matches!(e, FetchError::Body(_, 65536)), "{e}");
+    }
 }

@@ -181,6 +181,14 @@ impl Config {
                 self.kv.queue_messages
             ));
         }
+        // Below one frame, a replay holding the largest batch would never
+        // go through.
+        if self.kv.max_replay_bytes < self.kv.max_message_bytes {
+            return Err(format!(
+                "kv.max_replay_bytes must be at least kv.max_message_bytes ({}), got {}",
+                self.kv.max_message_bytes, self.kv.max_replay_bytes
+            ));
+        }
         if self.load.booking_ttl.is_zero() || self.load.max_retry_after_s == 0 {
             return Err("load.booking_ttl_ms and load.max_retry_after_s must be above 0".into());
         }

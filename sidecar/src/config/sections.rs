@@ -112,6 +112,12 @@ pub struct Kv {
     /// subscriber holds; a drop is a gap that replay repairs.
     #[serde(default = "default_queue_messages")]
     pub queue_messages: u32,
+    /// Payload bytes one replay may take: the replay at connect, which
+    /// asks for everything the engine buffered, and any gap's (which its
+    /// span of `max_message_bytes` frames bounds too). A publisher sending
+    /// more is cut off there and the rank resynchronised.
+    #[serde(default = "default_max_replay_bytes")]
+    pub max_replay_bytes: u64,
 }
 
 impl Default for Kv {
@@ -125,6 +131,7 @@ impl Default for Kv {
             inflight_ttl: default_inflight_ttl(),
             max_message_bytes: default_max_message_bytes(),
             queue_messages: default_queue_messages(),
+            max_replay_bytes: default_max_replay_bytes(),
         }
     }
 }
@@ -312,6 +319,12 @@ fn default_max_message_bytes() -> u64 {
 }
 fn default_queue_messages() -> u32 {
     1000
+}
+/// An engine buffers its last steps for replay (vLLM: 10,000), typically a
+/// few KiB each; what a buffer holds beyond this is rebuilt from live
+/// events instead.
+fn default_max_replay_bytes() -> u64 {
+    256 << 20
 }
 
 /// Covers a request's wait in the engine's queue and its prefill under

@@ -39,8 +39,12 @@ fn parses_with_defaults_and_normalises() {
     );
     assert_eq!(c.models[0].thresholds.active_decode_blocks, Some(0.85));
     assert_eq!(
-        (c.kv.max_message_bytes, c.kv.queue_messages),
-        (8 << 20, 1000)
+        (
+            c.kv.max_message_bytes,
+            c.kv.queue_messages,
+            c.kv.max_replay_bytes
+        ),
+        (8 << 20, 1000, 256 << 20)
     );
 }
 
@@ -51,6 +55,13 @@ fn kv_socket_bounds_are_checked() {
     assert!(err("[kv]\nmax_message_bytes = 0").contains("kv.max_message_bytes"));
     assert!(err("[kv]\nqueue_messages = 0").contains("kv.queue_messages"));
     assert!(err("[kv]\nqueue_messages = 2147483648").contains("kv.queue_messages"));
+    let c = Config::parse("[kv]\nmax_message_bytes = 65536\nmax_replay_bytes = 65536").unwrap();
+    assert_eq!(c.kv.max_replay_bytes, 65536);
+    assert!(
+        err("[kv]\nmax_replay_bytes = 65535\nmax_message_bytes = 65536")
+            .contains("kv.max_replay_bytes")
+    );
+    assert!(err("[kv]\nmax_replay_bytes = 0").contains("kv.max_replay_bytes"));
 }
 
 #[test]

@@ -64,6 +64,10 @@ subscriber_counters! {
         "Batches recovered by replay.";
     replay_failures: "kvgate_sidecar_kv_replay_failures_total",
         "Replay requests to the rank's publisher that failed (no answer in kv.replay_timeout_ms, or a malformed reply).";
+    /// Replays abandoned because the publisher's answer broke their
+    /// bounds; counted apart from `replay_failures`.
+    replays_refused: "kvgate_sidecar_kv_replays_refused_total",
+        "Replays from the rank's publisher refused part-way: a sequence repeated or went back, or the answer passed its byte bound (a gap's span times kv.max_message_bytes, at most kv.max_replay_bytes).";
     restarts: "kvgate_sidecar_kv_restarts_total",
         "Times the rank's publisher sequence went backwards: a new engine process.";
     resyncs: "kvgate_sidecar_kv_resyncs_total",

@@ -110,6 +110,7 @@ impl Sidecar {
         };
         let workers = Lifecycle::new(
             config.kv.replay_timeout,
+            config.kv.max_replay_bytes,
             SocketLimits {
                 max_message_bytes: config.kv.max_message_bytes,
                 queue_messages: config.kv.queue_messages,

@@ -3,8 +3,9 @@
 //! because a running decode batch keeps its heat until it is cut.
 
 use crate::config::EvictPolicy;
+use crate::sources::body::read_capped;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -91,11 +92,9 @@ impl BatchClient {
                 .await
                 .map_err(|e| BatchError::Request(e.to_string()))?;
             let status = resp.status();
-            let bytes = Limited::new(resp.into_body(), MAX_RESPONSE_BYTES)
-                .collect()
+            let bytes = read_capped(resp.into_body(), MAX_RESPONSE_BYTES)
                 .await
-                .map_err(|e| BatchError::Body(e.to_string()))?
-                .to_bytes();
+                .map_err(|e| BatchError::Body(e.to_string()))?;
             if !status.is_success() {
                 let text = String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned();
                 return Err(BatchError::Status {

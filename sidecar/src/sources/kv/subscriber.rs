@@ -22,6 +22,7 @@ use crate::sources::kv::seq::{SeqCheck, SeqTracker};
 use crate::sources::kv::socket::SocketLimits;
 use monitor::Monitor;
 use std::collections::HashMap;
+use std::ops::{ControlFlow, Range};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::SyncSender;
@@ -38,6 +39,9 @@ pub enum ResyncReason {
     GapNotReplayable,
     /// Batches were lost and the worker has no replay endpoint.
     GapNoReplay,
+    /// A replay of the publisher's whole buffer failed or was refused
+    /// after some of it was applied: a hole follows what it delivered.
+    ReplayIncomplete,
 }
 
 impl ResyncReason {
@@ -46,6 +50,7 @@ impl ResyncReason {
             ResyncReason::Restart => "restart",
             ResyncReason::GapNotReplayable => "gap_not_replayable",
             ResyncReason::GapNoReplay => "gap_no_replay",
+            ResyncReason::ReplayIncomplete => "replay_incomplete",
         }
     }
 }
@@ -72,6 +77,8 @@ pub struct SubscriberSpec {
     pub replay_endpoint: Option<String>,
     pub topic: Vec<u8>,
     pub replay_timeout: Duration,
+    /// Payload bytes one replay may take (`kv.max_replay_bytes`).
+    pub max_replay_bytes: u64,
     pub limits: SocketLimits,
 }
 
@@ -124,8 +131,18 @@ impl Drop for Subscriber {
     }
 }
 
-/// A replayed batch: sequence number and payload.
-type Batch = (u64, Vec<u8>);
+/// How a replay ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replayed {
+    /// It ran to its end marker or past its range.
+    Done,
+    /// The worker has no replay endpoint.
+    NoEndpoint,
+    /// It failed or was refused after handing `delivered` batches over.
+    Failed { delivered: u64 },
+    /// The index is gone: shutting down.
+    Closed,
+}
 
 /// How long a receive waits before checking for shutdown.
 const POLL: Duration = Duration::from_millis(100);
@@ -159,51 +176,110 @@ impl Ctx<'_> {
         })
     }
 
-    /// Fetches `[from, until)` (`until = None`: everything buffered) from
-    /// the replay socket. Returns whether the publisher still had `from`
-    /// (nothing in the range is missing) and the batches; `None` when the
-    /// worker has no replay endpoint or the replay failed.
-    fn fetch_replay(&mut self, from: u64, until: Option<u64>) -> Option<(bool, Vec<Batch>)> {
-        let endpoint = self.spec.replay_endpoint.as_deref()?;
-        let mut batches = Vec::new();
+    /// What a replay of `range` may take: a gap's span of the largest
+    /// frames at most, and never more than `kv.max_replay_bytes`, which
+    /// alone bounds a replay of everything buffered.
+    fn replay_bound(&self, range: &Range<u64>) -> u64 {
+        let cap = self.spec.max_replay_bytes;
+        if range.end == u64::MAX {
+            return cap;
+        }
+        (range.end - range.start)
+            .saturating_mul(self.spec.limits.max_message_bytes)
+            .min(cap)
+    }
+
+    /// Replays `range` (`from..u64::MAX`: everything buffered from `from`)
+    /// from the publisher's buffer, handing each batch to the index as it
+    /// arrives so that nothing accumulates here. `lost`: the resync to send
+    /// first when the publisher no longer holds `range.start`, before the
+    /// batches it still has rebuild the slot.
+    fn replay(&mut self, range: Range<u64>, lost: Option<ResyncReason>) -> Replayed {
+        let (zmq, spec) = (self.zmq, self.spec);
+        let Some(endpoint) = spec.replay_endpoint.as_deref() else {
+            return Replayed::NoEndpoint;
+        };
+        let bound = self.replay_bound(&range);
+        let from = range.start;
+        self.recent.clear();
+        let (mut first, mut resynced, mut closed, mut delivered) = (true, false, false, 0u64);
         let result = replay(
-            self.zmq,
+            zmq,
             endpoint,
-            from,
-            self.spec.replay_timeout,
-            &self.spec.limits,
+            range,
+            spec.replay_timeout,
+            &spec.limits,
+            bound,
             |seq, payload| {
-                if seq >= from && until.is_none_or(|u| seq < u) {
-                    batches.push((seq, payload.to_vec()));
+                if std::mem::take(&mut first)
+                    && seq > from
+                    && let Some(reason) = lost
+                {
+                    resynced = true;
+                    if !self.resync(reason) {
+                        closed = true;
+                        return ControlFlow::Break(());
+                    }
                 }
+                if self.tracker.last().is_some_and(|l| seq <= l) {
+                    return ControlFlow::Continue(());
+                }
+                self.recent.insert(seq, xxh3_64(payload));
+                let batch = Ingest::Batch {
+                    slot: spec.slot,
+                    seq,
+                    payload: payload.to_vec(),
+                };
+                if !self.send(batch) {
+                    closed = true;
+                    return ControlFlow::Break(());
+                }
+                self.tracker.applied(seq);
+                self.stats.replayed_batches.inc();
+                delivered += 1;
+                ControlFlow::Continue(())
             },
         );
+        if closed {
+            return Replayed::Closed;
+        }
         match result {
-            Ok(summary) => Some((summary.first_seq.is_some_and(|f| f <= from), batches)),
+            Ok(summary) => {
+                if summary.first_seq != Some(from)
+                    && !resynced
+                    && let Some(reason) = lost
+                    && !self.resync(reason)
+                {
+                    return Replayed::Closed;
+                }
+                Replayed::Done
+            }
             Err(e) => {
-                self.stats.replay_failures.inc();
-                tracing::warn!(slot = self.spec.slot, endpoint, error = %e, "kv event replay failed");
-                None
+                self.recent.clear();
+                if e.is_refusal() {
+                    self.stats.replays_refused.inc();
+                    tracing::warn!(slot = spec.slot, endpoint, bound, delivered, error = %e, "kv event replay refused");
+                } else {
+                    self.stats.replay_failures.inc();
+                    tracing::warn!(slot = spec.slot, endpoint, delivered, error = %e, "kv event replay failed");
+                }
+                Replayed::Failed { delivered }
             }
         }
     }
 
-    /// Hands replayed batches to the index in order, remembering them so
-    /// that their live copies, still queued on the SUB socket, are skipped.
-    fn deliver(&mut self, batches: Vec<Batch>) {
-        self.stats.replayed_batches.inc_by(batches.len() as u64);
-        self.recent.clear();
-        for (seq, payload) in batches {
-            if self.tracker.last().is_some_and(|l| seq <= l) {
-                continue;
+    /// After a replay of a slot's whole buffer (at connect, or after a
+    /// restart): one that failed part-way left a hole after what it
+    /// delivered, so the slot starts over from the live batches. Whether
+    /// the index is still there.
+    fn after_whole_replay(&mut self, outcome: Replayed) -> bool {
+        match outcome {
+            Replayed::Closed => false,
+            Replayed::Failed { delivered } if delivered > 0 => {
+                self.tracker.reset();
+                self.resync(ResyncReason::ReplayIncomplete)
             }
-            self.recent.insert(seq, xxh3_64(&payload));
-            self.send(Ingest::Batch {
-                slot: self.spec.slot,
-                seq,
-                payload,
-            });
-            self.tracker.applied(seq);
+            _ => true,
         }
     }
 
@@ -252,8 +328,9 @@ fn run(
         recent: HashMap::new(),
     };
     // Learn what the engine cached before we connected.
-    if let Some((_, batches)) = cx.fetch_replay(0, None) {
-        cx.deliver(batches);
+    let outcome = cx.replay(0..u64::MAX, None);
+    if !cx.after_whole_replay(outcome) {
+        return Ok(());
     }
     while !stop.load(Ordering::Relaxed) {
         let received = sub.recv_multipart(0);
@@ -303,21 +380,17 @@ fn run(
                 } else {
                     ResyncReason::GapNoReplay
                 };
-                match cx.fetch_replay(from, Some(to)) {
-                    Some((true, batches)) => cx.deliver(batches),
-                    // What the buffer still has comes after what was lost:
-                    // drop the slot first, then rebuild from those batches.
-                    Some((false, batches)) => {
-                        if !cx.resync(reason) {
-                            return Ok(());
-                        }
-                        cx.deliver(batches);
-                    }
-                    None => {
+                // What the buffer still has after a lost start comes after
+                // what was lost: the replay drops the slot first, then
+                // rebuilds it from those batches.
+                match cx.replay(from..to, Some(reason)) {
+                    Replayed::Done => {}
+                    Replayed::NoEndpoint | Replayed::Failed { .. } => {
                         if !cx.resync(reason) {
                             return Ok(());
                         }
                     }
+                    Replayed::Closed => return Ok(()),
                 }
             }
             SeqCheck::Restart => {
@@ -328,10 +401,11 @@ fn run(
                 cx.tracker.reset();
                 // The new process may have published before this batch; what
                 // its buffer still holds rebuilds the slot.
-                if seq > 0
-                    && let Some((_, batches)) = cx.fetch_replay(0, Some(seq))
-                {
-                    cx.deliver(batches);
+                if seq > 0 {
+                    let outcome = cx.replay(0..seq, None);
+                    if !cx.after_whole_replay(outcome) {
+                        return Ok(());
+                    }
                 }
             }
         }

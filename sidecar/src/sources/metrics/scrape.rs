@@ -2,7 +2,7 @@
 
 use super::promtext::{self, RankMetrics};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty};
+use http_body_util::Empty;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -42,12 +42,9 @@ pub(crate) async fn scrape_once(
         if !resp.status().is_success() {
             return Err(format!("GET {url}: status {}", resp.status()));
         }
-        let body = http_body_util::Limited::new(resp.into_body(), MAX_PAGE)
-            .collect()
+        crate::sources::body::read_capped(resp.into_body(), MAX_PAGE)
             .await
-            .map_err(|e| format!("reading {url}: {e}"))?
-            .to_bytes();
-        Ok(body)
+            .map_err(|e| format!("reading {url}: {e}"))
     };
     let body = tokio::time::timeout(timeout, fetch)
         .await

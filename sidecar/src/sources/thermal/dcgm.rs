@@ -11,7 +11,6 @@
 use super::{GpuReading, ThermalError};
 use crate::sources::metrics::promtext::{self, Sample};
 use crate::sources::metrics::scrape::HttpClient;
-use http_body_util::BodyExt;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -142,10 +141,8 @@ pub async fn scrape(
                 status: resp.status().as_u16(),
             });
         }
-        http_body_util::Limited::new(resp.into_body(), MAX_PAGE)
-            .collect()
+        crate::sources::body::read_capped(resp.into_body(), MAX_PAGE)
             .await
-            .map(|b| b.to_bytes())
             .map_err(|e| fail(format!("reading the page: {e}")))
     };
     let body = tokio::time::timeout(timeout, fetch)

@@ -120,6 +120,7 @@ fn spec(name: &str, replay: bool) -> SubscriberSpec {
         replay_endpoint: replay.then(|| format!("inproc://{name}-replay")),
         topic: Vec::new(),
         replay_timeout: Duration::from_secs(2),
+        max_replay_bytes: 256 << 20,
         limits: SocketLimits::default(),
     }
 }
@@ -251,4 +252,230 @@ fn malformed_messages_are_counted_and_skipped() {
     eng.publish(1, false);
     assert_eq!(collect(&rx, 1), ["0:1"]);
     assert_eq!(sub.counters.malformed_frames.get(), 2);
+}
+
+/// A publisher on loopback TCP whose replay ROUTER answers each request as
+/// the test tells it, in vLLM's reply shape (`[id, "", topic, seq,
+/// payload]`, then the end marker): a hostile or broken one as well as an
+/// honest one. Its XPUB socket tells when the subscription is in, so live
+/// batches are not dropped before it.
+struct Scripted {
+    xpub: zmq::Socket,
+    endpoint: String,
+    replay_endpoint: String,
+    requests: Receiver<u64>,
+    answers: Sender<Vec<(u64, Vec<u8>)>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Scripted {
+    fn start(ctx: &zmq::Context) -> Scripted {
+        let bind = |kind| {
+            let s = ctx.socket(kind).unwrap();
+            s.set_linger(0).unwrap();
+            s.bind("tcp://127.0.0.1:*").unwrap();
+            let endpoint = s.get_last_endpoint().unwrap().unwrap();
+            (s, endpoint)
+        };
+        let (xpub, endpoint) = bind(zmq::XPUB);
+        xpub.set_rcvtimeo(5000).unwrap();
+        let (router, replay_endpoint) = bind(zmq::ROUTER);
+        router.set_rcvtimeo(20).unwrap();
+        let (req_tx, requests) = channel();
+        let (answers, ans_rx) = channel::<Vec<(u64, Vec<u8>)>>();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                let Ok(req) = router.recv_multipart(0) else {
+                    continue;
+                };
+                let [id, _, start] = req.as_slice() else {
+                    continue;
+                };
+                let start = u64::from_be_bytes(start.as_slice().try_into().unwrap());
+                if req_tx.send(start).is_err() {
+                    return;
+                }
+                let Ok(answer) = ans_rx.recv_timeout(Duration::from_secs(10)) else {
+                    return;
+                };
+                // A subscriber that stopped reading is gone from the
+                // ROUTER, which then drops the rest.
+                for (seq, payload) in answer {
+                    let _ = router
+                        .send_multipart([&id[..], b"", b"kv", &seq.to_be_bytes(), &payload], 0);
+                }
+                let _ = router.send_multipart([&id[..], b"", b"kv", &[0xFF; 8], b""], 0);
+            }
+        });
+        Scripted {
+            xpub,
+            endpoint,
+            replay_endpoint,
+            requests,
+            answers,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn spec(&self, limits: SocketLimits, max_replay_bytes: u64) -> SubscriberSpec {
+        SubscriberSpec {
+            slot: 3,
+            endpoint: self.endpoint.clone(),
+            replay_endpoint: Some(self.replay_endpoint.clone()),
+            topic: Vec::new(),
+            replay_timeout: Duration::from_secs(2),
+            max_replay_bytes,
+            limits,
+        }
+    }
+
+    /// Waits for the next replay request, which must ask from `start`,
+    /// and answers it with `replies`.
+    fn answer(&self, start: u64, replies: Vec<(u64, Vec<u8>)>) {
+        let asked = self
+            .requests
+            .recv_timeout(Duration::from_secs(5))
+            .expect("a replay request");
+        assert_eq!(asked, start, "the replay's start");
+        self.answers.send(replies).unwrap();
+    }
+
+    fn wait_subscribed(&self) {
+        let msg = self.xpub.recv_bytes(0).expect("the subscription");
+        assert_eq!(msg.first(), Some(&1), "a subscribe message");
+    }
+
+    fn publish(&self, seq: u64, payload: &[u8]) {
+        self.xpub
+            .send_multipart([&b"kv"[..], &seq.to_be_bytes(), payload], 0)
+            .unwrap();
+    }
+}
+
+impl Drop for Scripted {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The first `n` ingest messages, or those before a deadline passed.
+fn receive(rx: &Receiver<Ingest>, n: usize) -> Vec<Ingest> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut out = Vec::new();
+    while out.len() < n && Instant::now() < deadline {
+        if let Ok(m) = rx.recv_timeout(Duration::from_millis(50)) {
+            out.push(m);
+        }
+    }
+    out
+}
+
+/// `seq:len` of each batch, `resync:reason` of each resync.
+fn sizes(msgs: &[Ingest]) -> Vec<String> {
+    msgs.iter()
+        .map(|m| match m {
+            Ingest::Batch { seq, payload, .. } => format!("{seq}:{}", payload.len()),
+            Ingest::Resync { reason, .. } => format!("resync:{}", reason.as_str()),
+        })
+        .collect()
+}
+
+fn payload_bytes(msgs: &[Ingest]) -> usize {
+    msgs.iter()
+        .map(|m| match m {
+            Ingest::Batch { payload, .. } => payload.len(),
+            Ingest::Resync { .. } => 0,
+        })
+        .sum()
+}
+
+#[test]
+fn a_replay_that_repeats_its_sequences_is_refused_and_the_gap_resyncs() {
+    let ctx = zmq::Context::new();
+    let eng = Scripted::start(&ctx);
+    let (tx, rx) = sync_channel(64);
+    let spec = eng.spec(SocketLimits::default(), 256 << 20);
+    let sub = Subscriber::spawn(ctx.clone(), spec, tx, counters()).unwrap();
+    eng.answer(0, vec![(0, vec![10])]);
+    eng.wait_subscribed();
+
+    // 1..5 are lost live; the replay sends them over and over, in range
+    // every time, as the hostile worker did.
+    eng.publish(5, &[15]);
+    let repeating = (0..1000)
+        .flat_map(|_| [(1, vec![11]), (2, vec![12])])
+        .collect();
+    eng.answer(1, repeating);
+    assert_eq!(
+        collect(&rx, 4),
+        ["0:10", "1:11", "2:12", "resync:gap_not_replayable", "5:15"],
+        "what came before the repeat is applied, then dropped with the slot"
+    );
+    assert_eq!(sub.counters.replays_refused.get(), 1);
+    assert_eq!(sub.counters.replay_failures.get(), 0);
+
+    // The next gap, answered as an engine does, is filled as before.
+    eng.publish(8, &[18]);
+    eng.answer(6, vec![(6, vec![16]), (7, vec![17]), (8, vec![18])]);
+    assert_eq!(collect(&rx, 3), ["6:16", "7:17", "8:18"]);
+    assert_eq!(sub.counters.resyncs.get(), 1);
+    assert_eq!(sub.counters.replays_refused.get(), 1);
+    assert_eq!(sub.counters.replayed_batches.get(), 5);
+}
+
+#[test]
+fn a_replay_past_its_byte_bound_is_refused_before_the_batch_that_passes_it() {
+    const FRAME: usize = 64 << 10;
+    const CAP: usize = 4 * FRAME;
+    let ctx = zmq::Context::new();
+    let eng = Scripted::start(&ctx);
+    let (tx, rx) = sync_channel(64);
+    let limits = SocketLimits {
+        max_message_bytes: FRAME as u64,
+        ..SocketLimits::default()
+    };
+    let sub = Subscriber::spawn(ctx.clone(), eng.spec(limits, CAP as u64), tx, counters()).unwrap();
+
+    // At connect, far more than kv.max_replay_bytes, in order and in range.
+    eng.answer(0, (0..200).map(|s| (s, vec![s as u8; FRAME])).collect());
+    let got = receive(&rx, 5);
+    assert!(payload_bytes(&got) <= CAP);
+    assert_eq!(
+        sizes(&got),
+        [
+            "0:65536",
+            "1:65536",
+            "2:65536",
+            "3:65536",
+            "resync:replay_incomplete"
+        ]
+    );
+    assert_eq!(sub.counters.replays_refused.get(), 1);
+
+    // The slot starts over from the live batches.
+    eng.wait_subscribed();
+    eng.publish(300, &[1]);
+    assert_eq!(collect(&rx, 1), ["300:1"]);
+
+    // A gap of two may take two frames: batches below its range count too.
+    eng.publish(303, &[4]);
+    eng.answer(301, (0..10).map(|s| (s, vec![0; FRAME])).collect());
+    let got = receive(&rx, 2);
+    assert_eq!(sizes(&got), ["resync:gap_not_replayable", "303:1"]);
+    assert_eq!(sub.counters.replays_refused.get(), 2);
+
+    // An honest replay of the next gap still fills it.
+    eng.publish(306, &[7]);
+    eng.answer(304, vec![(304, vec![5]), (305, vec![6]), (306, vec![7])]);
+    assert_eq!(collect(&rx, 3), ["304:5", "305:6", "306:7"]);
+    assert_eq!(sub.counters.resyncs.get(), 2);
+    assert_eq!(sub.counters.replays_refused.get(), 2);
+    assert_eq!(sub.counters.replay_failures.get(), 0);
 }
