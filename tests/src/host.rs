@@ -174,6 +174,15 @@ pub struct Stream {
     pub foreign_calls: Vec<String>,
 }
 
+impl Stream {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
 /// Per-VM host state.
 pub struct HostState {
     shared: SharedRef,

@@ -216,3 +216,82 @@ fn prefill_then_decode_through_envoy() {
 
     wait_bookings_drained(&stack);
 }
+
+/// A fleet whose model fails rather than prefill on a decode worker, with
+/// prefill workers too slow for its prefill timeout on long prompts and
+/// too small for the longest.
+fn failing_stack() -> Stack {
+    let producer = [
+        "--kv-role",
+        "kv_producer",
+        "--kv-side-channel-port",
+        "0",
+        "--num-gpu-blocks",
+        "300",
+        "--prefill-us-per-token",
+        "2000",
+    ];
+    let consumer = ["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"];
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    start(StackConfig {
+        workers: 4,
+        roles: ["prefill", "prefill", "decode", "decode"].map(String::from).to_vec(),
+        worker_sim_args: vec![args(&producer), args(&producer), args(&consumer), args(&consumer)],
+        model_toml: "[models.disaggregation]\nprotocol = \"vllm-nixl\"\non_prefill_failure = \"fail\"\nprefill_timeout_ms = 150\n".into(),
+        ..StackConfig::default()
+    })
+}
+
+#[test]
+fn prefill_failures_through_envoy() {
+    let _g = serial();
+    let stack = failing_stack();
+    wait_split(&stack);
+
+    // Short enough for the timeout: served through both legs.
+    let r = post(
+        &stack,
+        "/v1/completions",
+        &completion_body(&unique_prompt(10, 40), false),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(last_seen(&stack, decode_worker(&r))["leg"], "decode");
+
+    // Too long for a prefill worker's cache: its 400 is the client's
+    // answer, and no decode leg is sent.
+    let decode_legs = || counter(&stack, 2, "decode_legs") + counter(&stack, 3, "decode_legs");
+    let before = decode_legs();
+    let r = post(
+        &stack,
+        "/v1/completions",
+        &completion_body(&unique_prompt(11, 6000), false),
+        &[],
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-reason"), None, "the worker's own answer");
+    assert_eq!(decode_legs(), before);
+
+    // Too slow for the prefill timeout (3,000 tokens at 2 ms a token, sped
+    // up 20×, is 300 ms against 150): the first try spends the one budget
+    // both tries share, so no second try, and the 503 the model asks for.
+    let r = post(
+        &stack,
+        "/v1/completions",
+        &completion_body(&unique_prompt(12, 3000), false),
+        &[],
+    );
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-reason"), Some("prefill_failed"));
+    assert_eq!(decode_legs(), before);
+    assert_eq!(stack.envoy_stat("kvgate_prefill_retried_total").unwrap(), 0);
+    assert_eq!(stack.envoy_stat("kvgate_prefill_failed_total").unwrap(), 1);
+    assert_eq!(
+        stack
+            .envoy_stat("kvgate_rejected_prefill_failed_total")
+            .unwrap(),
+        1
+    );
+
+    wait_bookings_drained(&stack);
+}

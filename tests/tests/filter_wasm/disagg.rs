@@ -161,23 +161,18 @@ fn the_prefill_answer_is_spliced_into_the_clients_bytes_for_the_decode_worker() 
         .unwrap();
     let s = e.routers[0].stream(ctx).unwrap().clone();
     assert_eq!(s.resumes, 1, "resumed once, on the answer");
-    let header = |k: &str| {
-        s.headers
-            .iter()
-            .find(|(n, _)| n == k)
-            .map(|(_, v)| v.as_str())
-    };
     assert_eq!(
-        header("x-gateway-destination-endpoint").map(|d| d.split(',').next().unwrap()),
+        s.header("x-gateway-destination-endpoint")
+            .map(|d| d.split(',').next().unwrap()),
         Some("10.0.0.13:8000")
     );
     assert_eq!(
-        header("x-request-id"),
+        s.header("x-request-id"),
         Some(id.as_str()),
         "both legs, one id"
     );
     assert_eq!(
-        header("content-length"),
+        s.header("content-length"),
         Some(s.body.len().to_string().as_str())
     );
     // The client's bytes, verbatim (0.10 and 1e2 are not rewritten), with
@@ -243,8 +238,7 @@ fn two_paused_requests_answered_out_of_order_each_get_their_own_transfer() {
             body["kv_transfer_params"]["remote_block_ids"],
             json!([[tag, tag + 1]])
         );
-        let id = s.headers.iter().find(|(k, _)| k == "x-request-id").unwrap();
-        assert_eq!(Some(id.1.as_str()), call.header("x-request-id"));
+        assert_eq!(s.header("x-request-id"), call.header("x-request-id"));
     }
 }
 
@@ -349,14 +343,8 @@ fn when_every_try_fails_the_model_says_local_or_fail() {
     let body = json_of(&s.body);
     assert!(body.get("kv_transfer_params").is_none(), "{body}");
     assert_eq!(body["prompt"].as_array().unwrap().len(), 3000);
-    let header = |k: &str| {
-        s.headers
-            .iter()
-            .find(|(n, _)| n == k)
-            .map(|(_, v)| v.as_str())
-    };
     assert_eq!(
-        header("content-length"),
+        s.header("content-length"),
         Some(s.body.len().to_string().as_str())
     );
     assert_eq!(e.counter("kvgate_prefill_failed_total"), 1);

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
 /// What the prefill hands the decoder: the blocks, or why there are none.
 pub type Handoff = Result<Vec<BlockIdentity>, String>;
@@ -184,26 +184,11 @@ pub async fn serve(
     timeout: Duration,
     counters: Arc<Counters>,
 ) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let Ok(permit) = slots.clone().acquire_owned().await else {
-            return;
-        };
-        let (stream, peer) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "bootstrap accept");
-                continue;
-            }
-        };
+    super::listen::serve_bounded(listener, MAX_CONNECTIONS, "bootstrap", move |stream| {
         let (rooms, counters) = (rooms.clone(), counters.clone());
-        tokio::spawn(async move {
-            if let Err(e) = decoder(stream, &rooms, timeout, &counters).await {
-                tracing::debug!(%peer, error = %e, "bootstrap connection ended");
-            }
-            drop(permit);
-        });
-    }
+        async move { decoder(stream, &rooms, timeout, &counters).await }
+    })
+    .await;
 }
 
 async fn decoder(

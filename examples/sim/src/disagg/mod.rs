@@ -13,6 +13,7 @@ pub mod bootstrap;
 pub mod frame;
 pub mod lease;
 pub mod legs;
+mod listen;
 pub mod nixl;
 pub mod record;
 pub mod side_channel;

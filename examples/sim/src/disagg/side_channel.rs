@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 
 /// A peer idle this long between frames is dropped: a stalled or hostile
 /// client cannot hold a connection task forever.
@@ -27,27 +26,12 @@ pub async fn serve(
     leases: Arc<Leases>,
     counters: Arc<Counters>,
 ) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let engine_id: Arc<str> = engine_id.into();
-    loop {
-        let Ok(permit) = slots.clone().acquire_owned().await else {
-            return;
-        };
-        let (stream, peer) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "side channel accept");
-                continue;
-            }
-        };
+    super::listen::serve_bounded(listener, MAX_CONNECTIONS, "side channel", move |stream| {
         let (engine_id, leases, counters) = (engine_id.clone(), leases.clone(), counters.clone());
-        tokio::spawn(async move {
-            if let Err(e) = connection(stream, &engine_id, &leases, &counters).await {
-                tracing::debug!(%peer, error = %e, "side channel connection ended");
-            }
-            drop(permit);
-        });
-    }
+        async move { connection(stream, &engine_id, &leases, &counters).await }
+    })
+    .await;
 }
 
 async fn connection(
