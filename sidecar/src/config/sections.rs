@@ -178,8 +178,10 @@ pub struct Kv {
     )]
     pub inflight_ttl: Duration,
     /// Largest frame a KV-event or replay socket accepts. libzmq drops the
-    /// connection of a peer that sends a larger one (it reconnects), so a
-    /// confused or hostile publisher cannot make the sidecar buffer it.
+    /// connection of a peer that sends a larger one, so a confused or
+    /// hostile publisher cannot make the sidecar buffer it. libzmq never
+    /// reconnects after that (a protocol error): the subscriber sees the
+    /// loss on its socket monitor, counts it and connects again.
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: u64,
     /// Messages each rank's sockets queue before dropping (the receive
