@@ -20,8 +20,8 @@
 //! publishes what the sidecar queues, in batches of whatever is waiting
 //! split under [`MAX_MESSAGE_BYTES`]; one receives from the peers, a SUB
 //! socket each, connects or disconnects them as the peer list changes,
-//! and connects again to a peer whose connection libzmq dropped. Neither blocks the sidecar: a full queue drops the
-//! event and counts it.
+//! and connects again to a peer whose connection libzmq dropped. Neither
+//! blocks the sidecar: a full queue drops the event and counts it.
 
 mod monitor;
 pub mod wire;
