@@ -222,11 +222,14 @@ fn fd_bounded(api: ListenerLimits, selection: ListenerLimits) -> (ListenerLimits
         l.max_connections = cap;
         l
     };
+    let (api, selection) = (bound(api, "api"), bound(selection, "selection"));
     tracing::info!(
         open_files_limit = nofile,
         api_max_connections = api.max_connections,
         selection_max_connections = selection.max_connections,
+        header_read_timeout_ms = api.header_read_timeout.as_millis() as u64,
+        idle_timeout_ms = api.idle_timeout.as_millis() as u64,
         "listener limits"
     );
-    (bound(api, "api"), bound(selection, "selection"))
+    (api, selection)
 }
