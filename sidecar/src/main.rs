@@ -9,9 +9,9 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use http_body_util::BodyExt;
 use kvgate_core::Thresholds;
-use kvgate_sidecar::api::status;
 use kvgate_sidecar::api::views::StateView;
-use kvgate_sidecar::config::Config;
+use kvgate_sidecar::api::{listener, status};
+use kvgate_sidecar::config::{Config, ListenerLimits};
 use kvgate_sidecar::{Sidecar, api};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -165,9 +165,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     config.resolve_token()?;
     let listen = config.server.listen;
     let selection = config.selection.listen;
+    let (api_limits, selection_limits) =
+        fd_bounded(config.server.limits(), config.selection.limits());
     let guarded = config.control.token.is_some();
     let sc = Sidecar::start(config)?;
-    let listener = tokio::net::TcpListener::bind(listen).await?;
+    let api_listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, workers = sc.worker_count(), control_token = guarded, "kvgate-sidecar serving");
     if let Some(addr) = selection {
         let l = tokio::net::TcpListener::bind(addr)
@@ -175,22 +177,59 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen for the selection API on {addr}"))?;
         tracing::info!(listen = %addr, "selection API serving");
         let app = api::selection_router(sc.clone());
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(l, app).await {
-                tracing::error!(error = %e, "the selection API listener failed");
-            }
-        });
+        let series = sc.metrics().listener.series("selection");
+        tokio::spawn(listener::serve(
+            l,
+            "selection",
+            app,
+            selection_limits,
+            series,
+            std::future::pending(),
+        ));
     }
     let shutdown = kvgate_sidecar::shutdown_signal();
-    // Long-poll answers and bookings are small writes; Nagle would hold
-    // them for the peer's delayed ACK.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
-        }
-    });
-    axum::serve(listener, api::router(sc))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let series = sc.metrics().listener.series("api");
+    listener::serve(
+        api_listener,
+        "api",
+        api::router(sc),
+        api_limits,
+        series,
+        shutdown,
+    )
+    .await;
     Ok(())
+}
+
+/// Lowers each listener's connection cap to a quarter of the soft file
+/// limit: at their caps both listeners together hold half the process's
+/// descriptors, and the other half stays with the sidecar's scrapes, GPU
+/// readings, ZMQ sockets and peers, which inbound clients must never
+/// starve.
+fn fd_bounded(api: ListenerLimits, selection: ListenerLimits) -> (ListenerLimits, ListenerLimits) {
+    let nofile = listener::open_files_limit();
+    let bound = |mut l: ListenerLimits, name: &str| {
+        let cap = listener::cap_for_file_limit(l.max_connections, nofile);
+        if cap < l.max_connections {
+            tracing::warn!(
+                listener = name,
+                max_connections = l.max_connections,
+                open_files_limit = nofile,
+                cap,
+                "max_connections lowered to a quarter of the open-files limit; raise the limit (ulimit -n) for more"
+            );
+        }
+        l.max_connections = cap;
+        l
+    };
+    let (api, selection) = (bound(api, "api"), bound(selection, "selection"));
+    tracing::info!(
+        open_files_limit = nofile,
+        api_max_connections = api.max_connections,
+        selection_max_connections = selection.max_connections,
+        header_read_timeout_ms = api.header_read_timeout.as_millis() as u64,
+        idle_timeout_ms = api.idle_timeout.as_millis() as u64,
+        "listener limits"
+    );
+    (api, selection)
 }

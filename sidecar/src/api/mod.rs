@@ -51,6 +51,7 @@ mod backend;
 mod discovery;
 mod dump;
 mod ledger_view;
+pub mod listener;
 mod loads;
 pub mod planner;
 mod poll;

@@ -21,8 +21,9 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The longest a decision poll is held.
-const MAX_WAIT: Duration = Duration::from_secs(30);
+/// The longest a decision poll is held; the listeners' idle timeout is
+/// validated against it.
+const MAX_WAIT: Duration = crate::config::LONGEST_LONG_POLL;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PlannerView {

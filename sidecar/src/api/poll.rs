@@ -14,6 +14,8 @@ use std::time::Duration;
 
 /// The longest a long poll is held, whatever the client asks.
 const MAX_WAIT: Duration = Duration::from_secs(10);
+// The listeners' idle timeout is validated against the longest poll.
+const _: () = assert!(MAX_WAIT.as_secs() <= crate::config::LONGEST_LONG_POLL.as_secs());
 
 #[derive(Debug, Deserialize)]
 pub(super) struct PollQuery {

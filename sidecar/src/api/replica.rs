@@ -1,6 +1,7 @@
 //! Replica-sync peers, changed without a restart (Dynamo's routes):
 //! `POST /replica_sync/register_peer`, `POST /replica_sync/deregister_peer`
-//! with `{"endpoint": "tcp://host:port"}`, and `GET /replica_sync/peers`.
+//! with `{"endpoint": "tcp://host:port"}`, and `GET /replica_sync/peers`
+//! (each peer's connection, last message age, refusals and reconnects).
 //! Changes live in memory; after a restart only the configured peers
 //! return.
 
@@ -16,7 +17,7 @@ use std::sync::Arc;
 
 pub(super) async fn peers(State(sc): State<Arc<dyn Backend>>) -> Response {
     match sc.replica() {
-        Some(r) => json_response(StatusCode::OK, &PeersView { peers: r.peers() }),
+        Some(r) => json_response(StatusCode::OK, &PeersView::of(r)),
         None => off(),
     }
 }
@@ -53,7 +54,7 @@ fn change(sc: &dyn Backend, body: &[u8], add: bool) -> Response {
             format!("{:?} is not a replica-sync peer", req.endpoint),
         );
     }
-    json_response(StatusCode::OK, &PeersView { peers: r.peers() })
+    json_response(StatusCode::OK, &PeersView::of(r))
 }
 
 fn off() -> Response {

@@ -28,7 +28,8 @@ mod worker;
 pub use disagg::DisaggregationConfig;
 pub use planner::{PlannerConfig, PredictorKind, ProfileRow, read_trace};
 pub use sections::{
-    Control, Indexer, Kv, Load, ReplicaSync, Scrape, Selection, Server, validate_peer,
+    Control, Indexer, Kv, LONGEST_LONG_POLL, ListenerLimits, Load, ReplicaSync, Scrape, Selection,
+    Server, validate_peer,
 };
 pub use thermal::{EvictPolicy, MIN_HYSTERESIS_C, Thermal, ThermalOverride, ThermalSettings};
 pub use worker::{ModelConfig, WorkerSpec};
@@ -108,6 +109,8 @@ impl Config {
 
     fn validate(&mut self) -> Result<(), String> {
         self.replica_sync.validate()?;
+        self.server.limits().validate("server")?;
+        self.selection.limits().validate("selection")?;
         let mut names = BTreeSet::new();
         for m in &self.models {
             if !names.insert(m.name.clone()) {

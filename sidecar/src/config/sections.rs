@@ -18,6 +18,26 @@ pub struct Server {
         deserialize_with = "millis::deserialize"
     )]
     pub publish_interval: Duration,
+    /// A request's head must arrive within this of the connection being
+    /// opened (or, on a kept-alive one, of its first byte): slowloris.
+    #[serde(
+        rename = "header_read_timeout_ms",
+        default = "default_header_read_timeout",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub header_read_timeout: Duration,
+    /// A kept-alive connection with no request, or a request with no byte
+    /// moving either way, is closed after this long. Must outlast the
+    /// longest long poll, which is silent until it answers.
+    #[serde(
+        rename = "idle_timeout_ms",
+        default = "default_idle_timeout",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub idle_timeout: Duration,
+    /// Connections open at once; one more is accepted and closed at once.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u32,
 }
 
 impl Default for Server {
@@ -25,9 +45,64 @@ impl Default for Server {
         Server {
             listen: default_listen(),
             publish_interval: default_publish_interval(),
+            header_read_timeout: default_header_read_timeout(),
+            idle_timeout: default_idle_timeout(),
+            max_connections: default_max_connections(),
         }
     }
 }
+
+impl Server {
+    pub fn limits(&self) -> ListenerLimits {
+        ListenerLimits {
+            header_read_timeout: self.header_read_timeout,
+            idle_timeout: self.idle_timeout,
+            max_connections: self.max_connections,
+        }
+    }
+}
+
+/// The longest any route holds a request without writing a byte: the
+/// planner's decision poll (Envoy's snapshot poll is held 10 s at most).
+pub const LONGEST_LONG_POLL: Duration = Duration::from_secs(30);
+
+/// What bounds one HTTP listener: its connections and how long each may
+/// sit without making progress. Together these keep the file descriptors
+/// inbound clients can take well under the process's limit, so that
+/// scrapes, GPU readings, ZMQ and peers always have theirs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ListenerLimits {
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: u32,
+}
+
+impl ListenerLimits {
+    /// Checks the limits of the listener configured under `section`.
+    pub fn validate(&self, section: &str) -> Result<(), String> {
+        if self.header_read_timeout.is_zero() {
+            return Err(format!("{section}.header_read_timeout_ms must be above 0"));
+        }
+        if self.idle_timeout <= LONGEST_LONG_POLL {
+            return Err(format!(
+                "{section}.idle_timeout_ms must be above {} (the longest long poll, which sends nothing until it answers), got {}",
+                LONGEST_LONG_POLL.as_millis(),
+                self.idle_timeout.as_millis()
+            ));
+        }
+        if !(1..=MAX_CONNECTIONS).contains(&self.max_connections) {
+            return Err(format!(
+                "{section}.max_connections must be within [1, {MAX_CONNECTIONS}], got {}",
+                self.max_connections
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Far above any file limit a sidecar runs under; the start-up clamps the
+/// caps to the actual limit anyway.
+const MAX_CONNECTIONS: u32 = 1 << 20;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -103,8 +178,10 @@ pub struct Kv {
     )]
     pub inflight_ttl: Duration,
     /// Largest frame a KV-event or replay socket accepts. libzmq drops the
-    /// connection of a peer that sends a larger one (it reconnects), so a
-    /// confused or hostile publisher cannot make the sidecar buffer it.
+    /// connection of a peer that sends a larger one, so a confused or
+    /// hostile publisher cannot make the sidecar buffer it. libzmq never
+    /// reconnects after that (a protocol error): the subscriber sees the
+    /// loss on its socket monitor, counts it and connects again.
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: u64,
     /// Messages each rank's sockets queue before dropping (the receive
@@ -180,11 +257,49 @@ pub struct Control {
 /// The selection API (`POST /select`) for runtimes without Envoy, on a
 /// listener of its own: off unless an address is given, so a gateway pod
 /// opens no port it does not use.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Selection {
     #[serde(default)]
     pub listen: Option<SocketAddr>,
+    /// As `server.header_read_timeout_ms`, for this listener.
+    #[serde(
+        rename = "header_read_timeout_ms",
+        default = "default_header_read_timeout",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub header_read_timeout: Duration,
+    /// As `server.idle_timeout_ms`, for this listener.
+    #[serde(
+        rename = "idle_timeout_ms",
+        default = "default_idle_timeout",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub idle_timeout: Duration,
+    /// As `server.max_connections`, for this listener.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u32,
+}
+
+impl Default for Selection {
+    fn default() -> Self {
+        Selection {
+            listen: None,
+            header_read_timeout: default_header_read_timeout(),
+            idle_timeout: default_idle_timeout(),
+            max_connections: default_max_connections(),
+        }
+    }
+}
+
+impl Selection {
+    pub fn limits(&self) -> ListenerLimits {
+        ListenerLimits {
+            header_read_timeout: self.header_read_timeout,
+            idle_timeout: self.idle_timeout,
+            max_connections: self.max_connections,
+        }
+    }
 }
 
 /// Replica sync between the sidecars of several gateway pods: each
@@ -279,6 +394,23 @@ fn default_booking_ttl() -> Duration {
 }
 fn default_max_retry_after() -> u32 {
     30
+}
+
+/// Envoy sends a request's head in one write; a client that needs more
+/// than this is broken or holding the connection on purpose.
+fn default_header_read_timeout() -> Duration {
+    Duration::from_millis(10_000)
+}
+/// Twice the longest long poll: Envoy's pooled connections stay open
+/// between its polls and bookings.
+fn default_idle_timeout() -> Duration {
+    Duration::from_millis(60_000)
+}
+/// A gateway pod's Envoy holds a few dozen connections (a long poll per
+/// worker thread, booking posts, scrapes); the start-up lowers the cap to
+/// a quarter of the file limit when that is smaller.
+fn default_max_connections() -> u32 {
+    1024
 }
 
 fn default_listen() -> SocketAddr {

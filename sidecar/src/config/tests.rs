@@ -223,6 +223,38 @@ fn durations_are_read_in_milliseconds_under_their_ms_keys() {
 }
 
 #[test]
+fn listener_limits_have_safe_defaults_and_are_checked() {
+    let ms = Duration::from_millis;
+    let d = Config::parse("").unwrap();
+    for l in [d.server.limits(), d.selection.limits()] {
+        assert_eq!(l.header_read_timeout, ms(10_000));
+        assert_eq!(l.idle_timeout, ms(60_000));
+        assert_eq!(l.max_connections, 1024);
+        assert!(l.idle_timeout > LONGEST_LONG_POLL);
+    }
+    let c = Config::parse(
+        "[server]\nheader_read_timeout_ms = 2000\nidle_timeout_ms = 45000\nmax_connections = 64\n\
+         [selection]\nlisten = \"127.0.0.1:9192\"\nmax_connections = 16",
+    )
+    .unwrap();
+    assert_eq!(
+        c.server.limits(),
+        ListenerLimits {
+            header_read_timeout: ms(2000),
+            idle_timeout: ms(45_000),
+            max_connections: 64
+        }
+    );
+    assert_eq!(c.selection.limits().max_connections, 16);
+    assert!(err("[server]\nheader_read_timeout_ms = 0").contains("server.header_read_timeout_ms"));
+    // An idle timeout under the longest long poll would cut Envoy's polls.
+    assert!(err("[server]\nidle_timeout_ms = 30000").contains("server.idle_timeout_ms"));
+    assert!(err("[selection]\nidle_timeout_ms = 1000").contains("selection.idle_timeout_ms"));
+    assert!(err("[selection]\nmax_connections = 0").contains("selection.max_connections"));
+    assert!(err("[server]\nmax_connections = -1").contains("max_connections"));
+}
+
+#[test]
 fn the_selection_listener_is_off_unless_given() {
     assert_eq!(Config::parse("").unwrap().selection.listen, None);
     let c = Config::parse("[selection]\nlisten = \"127.0.0.1:9192\"").unwrap();

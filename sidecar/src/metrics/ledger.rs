@@ -1,8 +1,8 @@
 //! The ledger family: the load booked on each rank, by this sidecar's
 //! gateways, the selection API's reservations and replica-sync peers.
 
-use super::{MetricsError, RANK, counter, gauge_vec, plain_counter};
-use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Registry};
+use super::{MetricsError, RANK, counter, float_gauge_vec, gauge_vec, plain_counter};
+use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGaugeVec, Registry};
 
 pub struct LedgerMetrics {
     pub rank_active_prefill: IntGaugeVec,
@@ -13,6 +13,10 @@ pub struct LedgerMetrics {
     pub booking_batches: IntCounterVec,
     pub replica_events: IntCounterVec,
     pub replica_refused: IntCounter,
+    pub replica_peer_connected: IntGaugeVec,
+    pub replica_peer_last_message_age: GaugeVec,
+    pub replica_peer_refused: IntCounterVec,
+    pub replica_peer_reconnects: IntCounterVec,
 }
 
 impl LedgerMetrics {
@@ -63,6 +67,30 @@ impl LedgerMetrics {
                 r,
                 "kvgate_sidecar_replica_sync_refused_messages_total",
                 "Replica-sync messages refused whole: malformed, another version, or not signed with this sidecar's control token.",
+            )?,
+            replica_peer_connected: gauge_vec(
+                r,
+                "kvgate_sidecar_replica_peer_connected",
+                "1 while the connection to the replica-sync peer is up (handshake done), else 0.",
+                &["peer"],
+            )?,
+            replica_peer_last_message_age: float_gauge_vec(
+                r,
+                "kvgate_sidecar_replica_peer_last_message_age_seconds",
+                "Seconds since the last message from the replica-sync peer (since it was added, before any).",
+                &["peer"],
+            )?,
+            replica_peer_refused: counter(
+                r,
+                "kvgate_sidecar_replica_peer_refused_messages_total",
+                "Messages from the replica-sync peer refused whole (malformed, another version, unsigned).",
+                &["peer"],
+            )?,
+            replica_peer_reconnects: counter(
+                r,
+                "kvgate_sidecar_replica_peer_reconnects_total",
+                "Times the sidecar connected to the replica-sync peer again after losing the connection: the peer went away, a handshake failed, or the peer sent a frame over the 1 MiB cap, which libzmq drops with the connection.",
+                &["peer"],
             )?,
         })
     }

@@ -10,9 +10,11 @@
 //!   routed-prefix index.
 //! * [`thermal`]: GPU readings, thermal controllers and batch cuts.
 //! * [`planner`]: the replica planner's decisions and estimates.
+//! * [`listener`]: connections on the HTTP listeners.
 
 pub mod kv;
 pub mod ledger;
+pub mod listener;
 pub mod planner;
 pub mod selection;
 pub mod snapshot;
@@ -26,6 +28,7 @@ use thiserror::Error;
 
 pub use kv::{KvMetrics, SubscriberCounters, SubscriberSeries};
 pub use ledger::LedgerMetrics;
+pub use listener::{ListenerMetrics, ListenerSeries};
 pub use planner::PlannerMetrics;
 pub use selection::SelectionMetrics;
 pub use snapshot::SnapshotMetrics;
@@ -40,6 +43,7 @@ pub struct Metrics {
     pub selection: SelectionMetrics,
     pub thermal: ThermalMetrics,
     pub planner: PlannerMetrics,
+    pub listener: ListenerMetrics,
 }
 
 /// A metric that could not be created or registered: a malformed or
@@ -63,6 +67,7 @@ impl Metrics {
             selection: SelectionMetrics::new(&r)?,
             thermal: ThermalMetrics::new(&r)?,
             planner: PlannerMetrics::new(&r)?,
+            listener: ListenerMetrics::new(&r)?,
             registry: r,
         })
     }

@@ -17,32 +17,47 @@
 //! given the same catalog.
 //!
 //! Two OS threads own the sockets (ZMQ sockets are not `Sync`): one
-//! publishes what the sidecar queues, in batches of whatever is waiting;
-//! one receives from the peers and connects or disconnects them as the
-//! peer list changes. Neither blocks the sidecar: a full queue drops the
-//! event and counts it.
+//! publishes what the sidecar queues, in batches of whatever is waiting
+//! split under [`MAX_MESSAGE_BYTES`]; one receives from the peers, a SUB
+//! socket each, connects or disconnects them as the peer list changes,
+//! and connects again to a peer whose connection libzmq dropped. Neither
+//! blocks the sidecar: a full queue drops the event and counts it.
 
+mod monitor;
 pub mod wire;
 
-use prometheus::IntCounter;
-use std::collections::BTreeSet;
+use monitor::Monitor;
+use parking_lot::Mutex;
+use prometheus::{Gauge, IntCounter, IntGauge};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use wire::{MAX_EVENTS, SyncEvent};
 
-/// Largest replica-sync message a peer may send; a larger one disconnects
-/// it (libzmq's limit), it is never buffered.
-const MAX_MESSAGE_BYTES: i64 = 1 << 20;
+/// Largest replica-sync message a peer may send (libzmq's
+/// `ZMQ_MAXMSGSIZE`): a larger one is never buffered, libzmq drops the
+/// connection instead, and the receiver connects again. The publisher
+/// splits its batches to stay under it.
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
 /// Messages a socket queues before it drops (ZMQ high-water marks).
 const QUEUE_MESSAGES: i32 = 10_000;
 /// Events the sidecar may queue for publishing before it drops them.
 const OUTBOX: usize = 65_536;
 /// How often the threads look at their channels and the stop flag.
 const POLL: Duration = Duration::from_millis(20);
+/// A peer whose connection keeps failing is connected again at most this
+/// often, so that a broken peer cannot make the receiver spin.
+const RECONNECT_EVERY: Duration = Duration::from_millis(500);
+/// A peer's lost connections are logged at most this often.
+const LOST_LOG_EVERY: Duration = Duration::from_secs(60);
+/// How often the peers' last-message ages are written to the gauges.
+const AGE_EVERY: Duration = Duration::from_secs(1);
+/// Messages read from one peer before the others get their turn.
+const BURST: usize = 256;
 
 /// Counters of what sync did: the sidecar's Prometheus counters.
 #[derive(Debug, Clone)]
@@ -55,6 +70,10 @@ pub struct SyncStats {
     pub dropped_inbound: IntCounter,
     /// Messages refused whole (malformed, or not signed with our token).
     pub refused: IntCounter,
+    peer_connected: prometheus::IntGaugeVec,
+    peer_age: prometheus::GaugeVec,
+    peer_refused: prometheus::IntCounterVec,
+    peer_reconnects: prometheus::IntCounterVec,
 }
 
 impl SyncStats {
@@ -66,8 +85,90 @@ impl SyncStats {
             dropped_outbox: of("dropped_outbox"),
             dropped_inbound: of("dropped_inbound"),
             refused: m.replica_refused.clone(),
+            peer_connected: m.replica_peer_connected.clone(),
+            peer_age: m.replica_peer_last_message_age.clone(),
+            peer_refused: m.replica_peer_refused.clone(),
+            peer_reconnects: m.replica_peer_reconnects.clone(),
         }
     }
+
+    fn peer(&self, endpoint: &str) -> PeerSeries {
+        PeerSeries {
+            connected: self.peer_connected.with_label_values(&[endpoint]),
+            age: self.peer_age.with_label_values(&[endpoint]),
+            refused: self.peer_refused.with_label_values(&[endpoint]),
+            reconnects: self.peer_reconnects.with_label_values(&[endpoint]),
+        }
+    }
+
+    /// A removed peer's series go with it.
+    fn forget(&self, endpoint: &str) {
+        let _ = self.peer_connected.remove_label_values(&[endpoint]);
+        let _ = self.peer_age.remove_label_values(&[endpoint]);
+        let _ = self.peer_refused.remove_label_values(&[endpoint]);
+        let _ = self.peer_reconnects.remove_label_values(&[endpoint]);
+    }
+}
+
+struct PeerSeries {
+    connected: IntGauge,
+    age: Gauge,
+    refused: IntCounter,
+    reconnects: IntCounter,
+}
+
+/// One peer as the receiving thread last saw it.
+#[derive(Debug)]
+pub struct PeerState {
+    added: Instant,
+    connected: AtomicBool,
+    /// Milliseconds after `added` of the last message; `u64::MAX`: none.
+    last_message: AtomicU64,
+    messages: AtomicU64,
+    refused: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+impl PeerState {
+    fn new() -> PeerState {
+        PeerState {
+            added: Instant::now(),
+            connected: AtomicBool::new(false),
+            last_message: AtomicU64::new(u64::MAX),
+            messages: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
+        }
+    }
+
+    fn heard(&self) {
+        let ms = u64::try_from(self.added.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        self.last_message.store(ms, Ordering::Relaxed);
+        self.messages.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Since the last message, or since the peer was added before any.
+    fn silence(&self) -> Duration {
+        match self.last_message.load(Ordering::Relaxed) {
+            u64::MAX => self.added.elapsed(),
+            ms => self
+                .added
+                .elapsed()
+                .saturating_sub(Duration::from_millis(ms)),
+        }
+    }
+}
+
+/// A peer's state, for `GET /replica_sync/peers`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerStatus {
+    pub endpoint: String,
+    pub connected: bool,
+    /// `None` before the first message.
+    pub last_message_age: Option<Duration>,
+    pub messages: u64,
+    pub refused: u64,
+    pub reconnects: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,7 +183,7 @@ pub enum StartError {
 pub type Inbound = (u64, Vec<SyncEvent>);
 
 enum PeerChange {
-    Connect(String),
+    Connect(String, Arc<PeerState>),
     Disconnect(String),
 }
 
@@ -92,7 +193,7 @@ pub struct ReplicaSync {
     endpoint: String,
     outbox: SyncSender<SyncEvent>,
     changes: SyncSender<PeerChange>,
-    peers: parking_lot::Mutex<BTreeSet<String>>,
+    peers: Mutex<BTreeMap<String, Arc<PeerState>>>,
     stats: SyncStats,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
@@ -122,13 +223,22 @@ impl ReplicaSync {
         };
         publisher.bind(&bind)?;
         let endpoint = publisher.get_last_endpoint()?.unwrap_or(bind);
-        let subscriber = ctx.socket(zmq::SUB)?;
-        subscriber.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
-        subscriber.set_rcvhwm(QUEUE_MESSAGES)?;
-        subscriber.set_linger(0)?;
-        subscriber.set_subscribe(b"")?;
+        let mut receiver = Receiving {
+            ctx,
+            sink: Sink {
+                origin,
+                token: token.clone(),
+                inbound,
+                stats: stats.clone(),
+                warned: false,
+            },
+            peers: Vec::new(),
+        };
+        let mut states = BTreeMap::new();
         for p in peers {
-            subscriber.connect(p)?;
+            let state = Arc::new(PeerState::new());
+            receiver.open(p.clone(), state.clone())?;
+            states.insert(p.clone(), state);
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (outbox, out_rx) = std::sync::mpsc::sync_channel(OUTBOX);
@@ -141,14 +251,10 @@ impl ReplicaSync {
                     .spawn(move || publish(publisher, origin, out_rx, token, &stats, &stop))?
             },
             {
-                let (stats, stop) = (stats.clone(), stop.clone());
+                let stop = stop.clone();
                 std::thread::Builder::new()
                     .name("kvgate-sync-sub".into())
-                    .spawn(move || {
-                        receive(
-                            subscriber, origin, changes_rx, token, inbound, &stats, &stop,
-                        )
-                    })?
+                    .spawn(move || receiver.run(changes_rx, &stop))?
             },
         ];
         Ok(ReplicaSync {
@@ -156,7 +262,7 @@ impl ReplicaSync {
             endpoint,
             outbox,
             changes,
-            peers: parking_lot::Mutex::new(peers.iter().cloned().collect()),
+            peers: Mutex::new(states),
             stats,
             stop,
             threads,
@@ -182,47 +288,69 @@ impl ReplicaSync {
 
     /// The peers subscribed to, sorted.
     pub fn peers(&self) -> Vec<String> {
-        self.peers.lock().iter().cloned().collect()
+        self.peers.lock().keys().cloned().collect()
+    }
+
+    /// Each peer's connection and traffic, sorted by endpoint.
+    pub fn peer_status(&self) -> Vec<PeerStatus> {
+        self.peers
+            .lock()
+            .iter()
+            .map(|(endpoint, s)| PeerStatus {
+                endpoint: endpoint.clone(),
+                connected: s.connected.load(Ordering::Relaxed),
+                last_message_age: (s.last_message.load(Ordering::Relaxed) != u64::MAX)
+                    .then(|| s.silence()),
+                messages: s.messages.load(Ordering::Relaxed),
+                refused: s.refused.load(Ordering::Relaxed),
+                reconnects: s.reconnects.load(Ordering::Relaxed),
+            })
+            .collect()
     }
 
     /// Subscribes to a peer; false if it already was one.
     pub fn add_peer(&self, endpoint: &str) -> bool {
-        let added = self.peers.lock().insert(endpoint.to_string());
-        if added
-            && self
-                .changes
-                .try_send(PeerChange::Connect(endpoint.to_string()))
-                .is_err()
+        let state = Arc::new(PeerState::new());
+        let mut peers = self.peers.lock();
+        if peers.contains_key(endpoint) {
+            return false;
+        }
+        if self
+            .changes
+            .try_send(PeerChange::Connect(endpoint.to_string(), state.clone()))
+            .is_err()
         {
             // The receiving thread is gone or far behind: keep the list
-            // true to the socket.
-            self.peers.lock().remove(endpoint);
+            // true to the sockets.
             tracing::warn!(
                 peer = endpoint,
                 "replica-sync peer not connected: the receiver is not keeping up"
             );
             return false;
         }
-        added
+        peers.insert(endpoint.to_string(), state);
+        true
     }
 
     /// Unsubscribes from a peer; false if it was not one.
     pub fn remove_peer(&self, endpoint: &str) -> bool {
-        let removed = self.peers.lock().remove(endpoint);
-        if removed
-            && self
-                .changes
-                .try_send(PeerChange::Disconnect(endpoint.to_string()))
-                .is_err()
+        let mut peers = self.peers.lock();
+        if !peers.contains_key(endpoint) {
+            return false;
+        }
+        if self
+            .changes
+            .try_send(PeerChange::Disconnect(endpoint.to_string()))
+            .is_err()
         {
-            self.peers.lock().insert(endpoint.to_string());
             tracing::warn!(
                 peer = endpoint,
                 "replica-sync peer not disconnected: the receiver is not keeping up"
             );
             return false;
         }
-        removed
+        peers.remove(endpoint);
+        true
     }
 }
 
@@ -235,7 +363,8 @@ impl Drop for ReplicaSync {
     }
 }
 
-/// Sends whatever is queued, up to [`MAX_EVENTS`] per message.
+/// Sends whatever is queued, up to [`MAX_EVENTS`] per message and split
+/// so that no message exceeds [`MAX_MESSAGE_BYTES`].
 fn publish(
     sock: zmq::Socket,
     origin: u64,
@@ -257,78 +386,245 @@ fn publish(
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
             }
         }
-        let msg = wire::encode(origin, &batch, token.as_deref());
-        // PUB never blocks: past its high-water mark it drops, which is
-        // the contract (best effort).
-        match sock.send(msg, zmq::DONTWAIT) {
-            Ok(()) => {
-                stats.sent.inc_by(batch.len() as u64);
+        for run in wire::split(&batch, MAX_MESSAGE_BYTES, token.is_some()) {
+            let msg = wire::encode(origin, run, token.as_deref());
+            if msg.len() > MAX_MESSAGE_BYTES {
+                // One event alone over the cap: peers would drop it with
+                // the connection. The API's limits on names make this
+                // unreachable; counted all the same.
+                tracing::warn!(bytes = msg.len(), "replica-sync event too large to send");
+                stats.dropped_outbox.inc_by(run.len() as u64);
+                continue;
             }
-            Err(e) => {
-                tracing::debug!(error = %e, "replica-sync message not sent");
-                stats.dropped_outbox.inc_by(batch.len() as u64);
+            // PUB never blocks: past its high-water mark it drops, which is
+            // the contract (best effort).
+            match sock.send(msg, zmq::DONTWAIT) {
+                Ok(()) => {
+                    stats.sent.inc_by(run.len() as u64);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "replica-sync message not sent");
+                    stats.dropped_outbox.inc_by(run.len() as u64);
+                }
             }
         }
         batch.clear();
     }
 }
 
-/// Receives peers' messages, and follows changes to the peer list.
-fn receive(
-    sock: zmq::Socket,
+/// What the receiving thread does with a peer's messages.
+struct Sink {
     origin: u64,
-    changes: Receiver<PeerChange>,
     token: Option<String>,
     inbound: tokio::sync::mpsc::Sender<Inbound>,
-    stats: &SyncStats,
-    stop: &AtomicBool,
-) {
-    let mut warned = false;
-    while !stop.load(Ordering::Relaxed) {
-        while let Ok(c) = changes.try_recv() {
-            let r = match &c {
-                PeerChange::Connect(p) => sock.connect(p),
-                PeerChange::Disconnect(p) => sock.disconnect(p),
-            };
-            if let Err(e) = r {
-                let (PeerChange::Connect(p) | PeerChange::Disconnect(p)) = &c;
-                tracing::warn!(peer = %p, error = %e, "replica-sync peer change failed");
+    stats: SyncStats,
+    warned: bool,
+}
+
+/// One peer's SUB socket: a socket per peer, so that each connection is
+/// watched, counted and started over on its own (one socket for all would
+/// not say which peer a loss or a refused message came from).
+struct Peer {
+    endpoint: String,
+    sock: zmq::Socket,
+    monitor: Option<Monitor>,
+    state: Arc<PeerState>,
+    series: PeerSeries,
+    /// A lost connection waiting to be started over, and when.
+    reconnect_at: Option<Instant>,
+    /// Losses since the last handshake done: the backoff's exponent.
+    failures: u32,
+    last_reconnect: Option<Instant>,
+    logged: Option<Instant>,
+    lost_unlogged: u64,
+}
+
+/// The receiving thread: peers' messages in, peer-list changes applied.
+struct Receiving {
+    ctx: zmq::Context,
+    sink: Sink,
+    peers: Vec<Peer>,
+}
+
+impl Receiving {
+    fn open(&mut self, endpoint: String, state: Arc<PeerState>) -> Result<(), zmq::Error> {
+        let sock = self.ctx.socket(zmq::SUB)?;
+        sock.set_maxmsgsize(MAX_MESSAGE_BYTES as i64)?;
+        sock.set_rcvhwm(QUEUE_MESSAGES)?;
+        sock.set_linger(0)?;
+        sock.set_subscribe(b"")?;
+        let monitor = Monitor::attach(&self.ctx, &sock)
+            .inspect_err(|e| {
+                tracing::warn!(peer = %endpoint, error = %e, "cannot monitor the replica-sync peer's socket; a lost connection is not restarted");
+            })
+            .ok();
+        sock.connect(&endpoint)?;
+        let series = self.sink.stats.peer(&endpoint);
+        series.connected.set(0);
+        series.age.set(0.0);
+        self.peers.push(Peer {
+            endpoint,
+            sock,
+            monitor,
+            state,
+            series,
+            reconnect_at: None,
+            failures: 0,
+            last_reconnect: None,
+            logged: None,
+            lost_unlogged: 0,
+        });
+        Ok(())
+    }
+
+    fn close(&mut self, endpoint: &str) {
+        self.peers.retain(|p| p.endpoint != endpoint);
+        self.sink.stats.forget(endpoint);
+    }
+
+    fn run(mut self, changes: Receiver<PeerChange>, stop: &AtomicBool) {
+        let mut aged = Instant::now();
+        while !stop.load(Ordering::Relaxed) {
+            while let Ok(c) = changes.try_recv() {
+                match c {
+                    PeerChange::Connect(p, state) => {
+                        if let Err(e) = self.open(p.clone(), state) {
+                            tracing::warn!(peer = %p, error = %e, "replica-sync peer change failed");
+                        }
+                    }
+                    PeerChange::Disconnect(p) => self.close(&p),
+                }
             }
-        }
-        match sock.poll(zmq::POLLIN, POLL.as_millis() as i64) {
-            Ok(n) if n > 0 => {}
-            Ok(_) => continue,
-            Err(e) => {
-                tracing::warn!(error = %e, "replica-sync poll failed");
+            if self.peers.is_empty() {
                 std::thread::sleep(POLL);
                 continue;
             }
+            let readable: Vec<bool> = {
+                let mut items: Vec<zmq::PollItem<'_>> = self
+                    .peers
+                    .iter()
+                    .map(|p| p.sock.as_poll_item(zmq::POLLIN))
+                    .collect();
+                match zmq::poll(&mut items, POLL.as_millis() as i64) {
+                    Ok(_) => items.iter().map(zmq::PollItem::is_readable).collect(),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "replica-sync poll failed");
+                        std::thread::sleep(POLL);
+                        continue;
+                    }
+                }
+            };
+            let now = Instant::now();
+            for (p, readable) in self.peers.iter_mut().zip(readable) {
+                if readable {
+                    p.drain(&mut self.sink);
+                }
+                p.watch(now);
+            }
+            if now.duration_since(aged) >= AGE_EVERY {
+                aged = now;
+                for p in &self.peers {
+                    p.series.age.set(p.state.silence().as_secs_f64());
+                }
+            }
         }
-        let bytes = match sock.recv_bytes(zmq::DONTWAIT) {
-            Ok(b) => b,
-            Err(zmq::Error::EAGAIN) => continue,
-            Err(e) => {
-                tracing::warn!(error = %e, "replica-sync receive failed");
-                continue;
+    }
+}
+
+impl Peer {
+    /// Reads what the peer sent, up to [`BURST`] messages.
+    fn drain(&mut self, sink: &mut Sink) {
+        for _ in 0..BURST {
+            let bytes = match self.sock.recv_bytes(zmq::DONTWAIT) {
+                Ok(b) => b,
+                Err(zmq::Error::EAGAIN) => return,
+                Err(e) => {
+                    tracing::warn!(peer = %self.endpoint, error = %e, "replica-sync receive failed");
+                    return;
+                }
+            };
+            self.state.heard();
+            if self.monitor.is_none() {
+                self.set_connected(true);
             }
-        };
-        match wire::decode(&bytes, token.as_deref()) {
-            // A sidecar listed among its own peers hears itself.
-            Ok((from, _)) if from == origin => {}
-            Ok((from, events)) => {
-                stats.received.inc_by(events.len() as u64);
-                if inbound.try_send((from, events)).is_err() {
-                    stats.dropped_inbound.inc();
+            match wire::decode(&bytes, sink.token.as_deref()) {
+                // A sidecar listed among its own peers hears itself.
+                Ok((from, _)) if from == sink.origin => {}
+                Ok((from, events)) => {
+                    sink.stats.received.inc_by(events.len() as u64);
+                    if sink.inbound.try_send((from, events)).is_err() {
+                        sink.stats.dropped_inbound.inc();
+                    }
+                }
+                Err(e) => {
+                    sink.stats.refused.inc();
+                    self.series.refused.inc();
+                    self.state.refused.fetch_add(1, Ordering::Relaxed);
+                    if !sink.warned {
+                        // Once in the log is enough; the counters tell the rest.
+                        sink.warned = true;
+                        tracing::warn!(peer = %self.endpoint, error = %e, "replica-sync message refused");
+                    }
                 }
             }
-            Err(e) => {
-                stats.refused.inc();
-                if !warned {
-                    // Once in the log is enough; the counter tells the rest.
-                    warned = true;
-                    tracing::warn!(error = %e, "replica-sync message refused");
+        }
+    }
+
+    fn set_connected(&self, up: bool) {
+        self.state.connected.store(up, Ordering::Relaxed);
+        self.series.connected.set(i64::from(up));
+    }
+
+    /// Follows the monitor, and starts a lost connection over: libzmq
+    /// gives the endpoint up for good after a protocol error, which an
+    /// oversized frame is.
+    fn watch(&mut self, now: Instant) {
+        if let Some(seen) = self.monitor.as_ref().map(Monitor::read) {
+            if let Some(up) = seen.connected {
+                self.set_connected(up);
+                if up {
+                    self.failures = 0;
                 }
             }
+            if seen.lost && self.reconnect_at.is_none() {
+                self.lost(now);
+            }
+        }
+        if self.reconnect_at.is_some_and(|at| now >= at) {
+            self.reconnect_at = None;
+            self.last_reconnect = Some(now);
+            let _ = self.sock.disconnect(&self.endpoint);
+            if let Err(e) = self.sock.connect(&self.endpoint) {
+                tracing::warn!(peer = %self.endpoint, error = %e, "cannot connect to the replica-sync peer again");
+                self.reconnect_at = Some(now + RECONNECT_EVERY);
+                return;
+            }
+            self.state.reconnects.fetch_add(1, Ordering::Relaxed);
+            self.series.reconnects.inc();
+        }
+    }
+
+    fn lost(&mut self, now: Instant) {
+        // A peer that fails every handshake is retried less and less
+        // often: twice the wait per failure, up to about half a minute.
+        let wait = RECONNECT_EVERY * 2u32.pow(self.failures.min(6));
+        self.failures = self.failures.saturating_add(1);
+        self.reconnect_at = Some(match self.last_reconnect {
+            Some(t) if self.failures > 1 => (t + wait).max(now),
+            _ => now,
+        });
+        self.lost_unlogged += 1;
+        if self
+            .logged
+            .is_none_or(|t| now.duration_since(t) >= LOST_LOG_EVERY)
+        {
+            self.logged = Some(now);
+            tracing::warn!(
+                peer = %self.endpoint,
+                lost = std::mem::take(&mut self.lost_unlogged),
+                max_message_bytes = MAX_MESSAGE_BYTES,
+                "lost the replica-sync connection (peer gone, handshake failed, or a frame over max_message_bytes that libzmq dropped with the connection); connecting again"
+            );
         }
     }
 }

@@ -119,6 +119,50 @@ pub fn encode(origin: u64, events: &[SyncEvent], token: Option<&str>) -> Vec<u8>
     out
 }
 
+/// Bytes of a message besides its events: the header, and the MAC when
+/// signed.
+fn overhead(signed: bool) -> usize {
+    MAGIC.len() + 1 + 8 + 2 + if signed { MAC_LEN } else { 0 }
+}
+
+/// The most bytes `encode` writes for one event (strings may be cut
+/// shorter at a character boundary, never longer).
+pub fn encoded_len(e: &SyncEvent) -> usize {
+    let s = |s: &str| 2 + s.len().min(usize::from(u16::MAX));
+    let id = |id: &SyncId| match id {
+        SyncId::Gateway(_) => 1 + 8 + 8,
+        SyncId::Reservation(r) => 1 + s(r),
+    };
+    match e {
+        SyncEvent::Admit(i, p) => 1 + id(i) + s(&p.model) + s(&p.tenant) + 4 + 8 + 4 + 8 + 8,
+        SyncEvent::PrefillComplete(i) | SyncEvent::Free(i) => 1 + id(i),
+    }
+}
+
+/// Cuts `events` into runs that each encode to at most `max_bytes` and
+/// [`MAX_EVENTS`] events, in order, so that no receiver's frame-size cap
+/// is ever hit by this sender. An event too large on its own is a run by
+/// itself, which the caller must not send. The format is untouched: each
+/// run is an ordinary message.
+pub fn split(events: &[SyncEvent], max_bytes: usize, signed: bool) -> Vec<&[SyncEvent]> {
+    let mut runs = Vec::new();
+    let mut start = 0;
+    let mut bytes = overhead(signed);
+    for (i, e) in events.iter().enumerate() {
+        let len = encoded_len(e);
+        if i > start && (bytes + len > max_bytes || i - start == MAX_EVENTS) {
+            runs.push(&events[start..i]);
+            start = i;
+            bytes = overhead(signed);
+        }
+        bytes += len;
+    }
+    if start < events.len() {
+        runs.push(&events[start..]);
+    }
+    runs
+}
+
 /// Decodes a message; with a `token`, only one it signed. Returns the
 /// sender's origin and its events. A bad message is refused whole.
 pub fn decode(bytes: &[u8], token: Option<&str>) -> Result<(u64, Vec<SyncEvent>), SyncError> {
@@ -306,6 +350,70 @@ mod tests {
             decode(&bad_tag, None),
             Err(SyncError::Tag { tag: 7, .. })
         ));
+    }
+
+    fn admit(id: &str, model_len: usize) -> SyncEvent {
+        SyncEvent::Admit(
+            SyncId::Reservation(id.into()),
+            Placed {
+                model: "m".repeat(model_len),
+                tenant: "t".into(),
+                block_size: 16,
+                worker_id: 1,
+                dp_rank: 0,
+                prefill_tokens: 10,
+                decode_blocks: 1,
+            },
+        )
+    }
+
+    #[test]
+    fn batches_split_under_the_byte_cap_in_order() {
+        const CAP: usize = 1 << 20;
+        // 64 KiB names: sixteen of these are over a MiB, far under the
+        // event count limit.
+        let big: Vec<SyncEvent> = (0..40)
+            .map(|i| admit(&format!("r{i}"), 60_000))
+            .chain(events())
+            .collect();
+        for signed in [false, true] {
+            let token = signed.then_some("s3cret");
+            let runs = split(&big, CAP, signed);
+            assert!(runs.len() >= 3, "{} runs", runs.len());
+            let mut back = Vec::new();
+            for run in &runs {
+                let msg = encode(7, run, token);
+                assert!(msg.len() <= CAP, "{} bytes", msg.len());
+                // Packed: the next event would not have fitted.
+                back.extend(decode(&msg, token).unwrap().1);
+            }
+            assert_eq!(back, big);
+            for w in runs.windows(2) {
+                let next = &w[1][0];
+                assert!(encode(7, w[0], token).len() + encoded_len(next) > CAP);
+            }
+        }
+    }
+
+    #[test]
+    fn batches_split_at_the_event_count_too() {
+        let many: Vec<SyncEvent> = (0..MAX_EVENTS * 2 + 1)
+            .map(|i| SyncEvent::Free(SyncId::Reservation(i.to_string().into())))
+            .collect();
+        let runs = split(&many, 1 << 20, false);
+        assert_eq!(
+            runs.iter().map(|r| r.len()).collect::<Vec<_>>(),
+            [MAX_EVENTS, MAX_EVENTS, 1]
+        );
+        assert!(split(&[], 1 << 20, false).is_empty());
+    }
+
+    #[test]
+    fn encoded_len_is_exact_for_ordinary_events() {
+        for e in events().into_iter().chain([admit("x", 300)]) {
+            let alone = encode(1, std::slice::from_ref(&e), None).len();
+            assert_eq!(alone, overhead(false) + encoded_len(&e));
+        }
     }
 
     proptest! {

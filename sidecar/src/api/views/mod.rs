@@ -523,4 +523,46 @@ pub struct PeerRequest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PeersView {
     pub peers: Vec<String>,
+    /// Each peer's connection and traffic, in the same order.
+    #[serde(default)]
+    pub state: Vec<PeerStateView>,
+}
+
+/// One replica-sync peer as the receiving thread last saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerStateView {
+    pub endpoint: String,
+    /// The connection is up (its handshake done).
+    pub connected: bool,
+    /// Since the last message; absent before the first.
+    pub last_message_age_ms: Option<u64>,
+    pub messages: u64,
+    /// Messages refused whole (malformed, another version, unsigned).
+    pub messages_refused: u64,
+    /// Times the connection was lost and started over (an oversized
+    /// frame is one such loss).
+    pub reconnects: u64,
+}
+
+impl PeersView {
+    pub fn of(r: &crate::replica::ReplicaSync) -> PeersView {
+        let state: Vec<PeerStateView> = r
+            .peer_status()
+            .into_iter()
+            .map(|s| PeerStateView {
+                last_message_age_ms: s
+                    .last_message_age
+                    .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                endpoint: s.endpoint,
+                connected: s.connected,
+                messages: s.messages,
+                messages_refused: s.refused,
+                reconnects: s.reconnects,
+            })
+            .collect();
+        PeersView {
+            peers: state.iter().map(|s| s.endpoint.clone()).collect(),
+            state,
+        }
+    }
 }
