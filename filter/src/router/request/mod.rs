@@ -53,6 +53,10 @@ enum Stage {
     Replied,
 }
 
+/// A second try of a prefill leg needs at least this share (one in ten)
+/// of the leg's time budget left.
+const MIN_RETRY_SHARE: u64 = 10;
+
 /// A prefill leg in flight: what the answer is applied to.
 #[derive(Debug)]
 struct Leg {
@@ -343,9 +347,14 @@ impl Request {
                 leg.request_id, leg.at.endpoint
             ),
         );
+        // A try that spent (almost) all of the one budget leaves none
+        // worth a second: a timed-out leg is failed, not retried for the
+        // last milliseconds.
+        let left_us = leg.deadline_us.saturating_sub(host::now_us());
+        let worth_a_try = left_us >= leg.plan.timeout_ms.saturating_mul(1000) / MIN_RETRY_SHARE;
         if !leg.retried
+            && worth_a_try
             && let Some(next) = leg.plan.runner_up.take()
-            && host::now_us() < leg.deadline_us
         {
             inc(self.state.borrow().metrics.prefill_retried);
             leg.retried = true;
