@@ -624,6 +624,14 @@ async fn a_disaggregated_model_is_selected_and_reserved_per_leg() {
         v["models"][0]["disaggregated"] == true
     })
     .await;
+    // The selection API reads the published snapshot, a publish behind
+    // the state: wait until it too places both legs, as asserted below.
+    wait_until("the selection API splits the model", async || {
+        let ask = json!({"model_name": "m", "token_ids": (0..256).collect::<Vec<u32>>()});
+        let (status, v) = json_of("POST", &format!("{api}/select"), Some(ask)).await;
+        status == 200 && v["disaggregation"]["prefill"]["worker_id"] == 1
+    })
+    .await;
     // The roles in the state, the catalog and the info series.
     let (_, v) = json_of("GET", &format!("{base}/v1/state"), None).await;
     let mut roles: Vec<(u64, String)> = v["models"][0]["workers"]
