@@ -40,6 +40,7 @@ fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
         thermal: Default::default(),
         draining: false,
         role: Default::default(),
+        bootstrap_port: 0,
     }
 }
 

@@ -5,10 +5,13 @@
 //! * [`nixl`]: vLLM's NIXL protocol, the bodies of its two legs: the
 //!   prefill leg's rewrite of the client's body, the parameters its answer
 //!   carries, and the decode leg's body with them spliced in;
+//! * [`sglang`]: SGLang's protocol, the one body both legs get (the
+//!   client's with the bootstrap fields) and the bootstrap room;
 //! * [`Conditional`]: when the decode worker computes the prompt itself,
 //!   with no prefill leg.
 
 pub mod nixl;
+pub mod sglang;
 
 /// Skips the prefill leg when the decode worker would compute little of
 /// the prompt itself: its uncached part is short in tokens and as a share
