@@ -1404,3 +1404,6 @@ fn chat_prompts_are_rendered_and_matched_against_the_text_index() {
 
 #[path = "filter_wasm/disagg.rs"]
 mod disagg;
+
+#[path = "filter_wasm/disagg_sglang.rs"]
+mod disagg_sglang;
