@@ -62,7 +62,7 @@ pub struct WorkerSpec {
     /// (`--disaggregation-bootstrap-port`), on the endpoint's host; unset:
     /// SGLang's default, 8998. Only a model with `protocol = "sglang"`
     /// reads it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub bootstrap_port: Option<u16>,
     /// `ip:port` (an `http://` prefix is accepted and dropped): what Envoy's
     /// ORIGINAL_DST cluster connects to.
