@@ -880,6 +880,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(w.role, Role::Both, "a view without a role: both");
+        assert_eq!(
+            w.bootstrap_port, DEFAULT_BOOTSTRAP_PORT,
+            "and SGLang's port"
+        );
+        let unset = WorkerState::default();
+        assert_eq!(unset.bootstrap_port(), DEFAULT_BOOTSTRAP_PORT);
     }
 
     #[test]
