@@ -11,7 +11,9 @@
 //! worker from its own context, and on the answer goes on to the decode
 //! worker with the prefill's transfer parameters in its body; a failed leg
 //! is tried once on the runner-up, then prefilled on the decode worker or
-//! answered 503, as the model says ([`prefill`]).
+//! answered 503, as the model says ([`prefill`]). An SGLang request sends
+//! both legs at once, one body with its bootstrap room, and drains the
+//! prefill's answer ([`Request::split_sglang`]).
 
 mod decide;
 mod prefill;
