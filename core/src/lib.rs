@@ -44,8 +44,8 @@ pub mod wire;
 pub use plan::{LocalReason, Placement, Plan, Prefill, PrefillLeg, Rejection, Route};
 pub use snapshot::SnapshotError;
 pub use state::{
-    Applied, DEFAULT_TENANT, Disaggregation, InvalidValue, ModelPlan, ModelState, OnPrefillFailure,
-    Policy, Protocol, RankLoad, Role, Snapshot, Thermal, ThermalState, Thresholds, ThresholdsPatch,
-    WorkerState,
+    Applied, DEFAULT_BOOTSTRAP_PORT, DEFAULT_TENANT, Disaggregation, InvalidValue, ModelPlan,
+    ModelState, OnPrefillFailure, Policy, Protocol, RankLoad, Role, Snapshot, Thermal,
+    ThermalState, Thresholds, ThresholdsPatch, WorkerState,
 };
 pub use wire::WireError;

@@ -17,8 +17,9 @@
 
 use crate::disagg::Conditional;
 use crate::state::{
-    Applied, DEFAULT_TENANT, Disaggregation, ModelPlan, ModelState, OnPrefillFailure, Policy,
-    Protocol, RankLoad, Role, Snapshot, Thermal, ThermalState, Thresholds, WorkerState,
+    Applied, DEFAULT_BOOTSTRAP_PORT, DEFAULT_TENANT, Disaggregation, ModelPlan, ModelState,
+    OnPrefillFailure, Policy, Protocol, RankLoad, Role, Snapshot, Thermal, ThermalState,
+    Thresholds, WorkerState,
 };
 use crate::wire::{Reader, WireError};
 use thiserror::Error;
@@ -65,6 +66,8 @@ const WORKER_DRAINING: u8 = 1;
 const PLAN_LEN: usize = 3 * 4;
 /// A worker's role (minor 8).
 const ROLE_LEN: usize = 1;
+/// A worker's SGLang bootstrap port (minor 8, after the role).
+const BOOTSTRAP_PORT_LEN: usize = 2;
 /// A model's disaggregation (minor 8), written whole even when the model
 /// has none so its length is fixed: flags (present), protocol, on prefill
 /// failure, max uncached tokens, max uncached ratio, prefill timeout (ms),
@@ -112,6 +115,7 @@ impl Snapshot {
                                     + w.tenant.len()
                                     + THERMAL_LEN
                                     + ROLE_LEN
+                                    + BOOTSTRAP_PORT_LEN
                             })
                             .sum::<usize>()
                 })
@@ -186,6 +190,7 @@ impl Snapshot {
                 out.push(if w.draining { WORKER_DRAINING } else { 0 });
                 // Minor 8: the role.
                 out.push(w.role.code());
+                out.extend_from_slice(&w.bootstrap_port.to_le_bytes());
                 end_record(out, wrec, "worker record")?;
             }
             // Minor 1 fields follow the workers; older readers skip them.
@@ -291,6 +296,11 @@ impl Snapshot {
                 } else {
                     Role::Both
                 };
+                let bootstrap_port = if w.remaining() >= BOOTSTRAP_PORT_LEN {
+                    w.u16()?
+                } else {
+                    DEFAULT_BOOTSTRAP_PORT
+                };
                 workers.push(WorkerState {
                     id,
                     endpoint,
@@ -300,6 +310,7 @@ impl Snapshot {
                     thermal,
                     draining,
                     role,
+                    bootstrap_port,
                 });
             }
             let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
@@ -615,6 +626,7 @@ mod tests {
                         },
                         draining: true,
                         role: Role::Decode,
+                        bootstrap_port: 9001,
                     }],
                     retry_after_s: 4,
                     lora_adapters: vec!["sql-lora".into(), "chat-lora".into()],
@@ -743,14 +755,32 @@ mod tests {
         assert_eq!(old.models[0].disaggregation, None);
         assert_eq!(old.models[0].prompt_template, 0xFEED);
         // And their workers, cut of their role byte, take either leg.
-        let (bytes, cut) = strip_worker_tail(&s, ROLE_LEN);
-        assert_eq!(cut, [Role::Decode.code()]);
+        let (bytes, cut) = strip_worker_tail(&s, ROLE_LEN + BOOTSTRAP_PORT_LEN);
+        assert_eq!(cut, [Role::Decode.code(), 0x29, 0x23], "role, port 9001");
         let old = Snapshot::decode(&bytes).unwrap();
         let w = &old.models[0].workers[0];
         assert_eq!(w.role, Role::Both);
         assert!(w.draining, "the minor-6 flags are still read");
         assert_eq!(w.thermal, s.models[0].workers[0].thermal);
         assert_eq!(old.models[0].disaggregation, s.models[0].disaggregation);
+    }
+
+    #[test]
+    fn workers_without_a_bootstrap_port_use_sglangs_default() {
+        let s = sample();
+        assert_eq!(s.models[0].workers[0].bootstrap_port, 9001);
+        let (bytes, cut) = strip_worker_tail(&s, BOOTSTRAP_PORT_LEN);
+        assert_eq!(cut, 9001u16.to_le_bytes());
+        let old = Snapshot::decode(&bytes).unwrap();
+        let w = &old.models[0].workers[0];
+        assert_eq!(w.bootstrap_port, DEFAULT_BOOTSTRAP_PORT);
+        assert_eq!(w.role, Role::Decode, "the role before it is still read");
+        // An unset port (0) is written as it is and means the default.
+        let mut unset = s.clone();
+        unset.models[0].workers[0].bootstrap_port = 0;
+        let w = &Snapshot::decode(&unset.encode().unwrap()).unwrap().models[0].workers[0];
+        assert_eq!(w.bootstrap_port, 0);
+        assert_eq!(w.bootstrap_port(), DEFAULT_BOOTSTRAP_PORT);
     }
 
     #[test]
@@ -829,7 +859,7 @@ mod tests {
     #[test]
     fn workers_from_minor_five_writers_are_unmonitored() {
         let s = sample();
-        let (bytes, _) = strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN);
+        let (bytes, _) = strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN);
         let old = Snapshot::decode(&bytes).unwrap();
         let w = &old.models[0].workers[0];
         assert_eq!(w.thermal, Thermal::default());
@@ -844,7 +874,7 @@ mod tests {
         s.models[0].workers[0].thermal.heat = f64::NAN;
         let mut bytes = s.encode().unwrap();
         // The state byte of a newer writer reads as unknown, never as cool.
-        let (_, cut) = strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN);
+        let (_, cut) = strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN);
         let at = bytes
             .windows(cut.len())
             .position(|w| w == cut.as_slice())
@@ -864,7 +894,7 @@ mod tests {
         s.models[0].workers[0].tenant.clear();
         // Cut the (empty) tenant and the thermal record off the worker
         // record, as a minor-1 writer never wrote them.
-        let (bytes, cut) = strip_worker_tail(&s, 2 + THERMAL_LEN + ROLE_LEN);
+        let (bytes, cut) = strip_worker_tail(&s, 2 + THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN);
         assert_eq!(&cut[..2], &[0, 0], "the empty tenant");
         let old = Snapshot::decode(&bytes).unwrap();
         assert_eq!(old.models[0].workers[0].tenant, DEFAULT_TENANT);
@@ -983,6 +1013,7 @@ mod tests {
                         },
                         draining: cap % 2 == 0,
                         role: Role::from_code(role),
+                        bootstrap_port: cap as u16,
                     }
                 },
             );

@@ -121,6 +121,29 @@ pub struct WorkerState {
     /// snapshots: both).
     #[cfg_attr(feature = "serde", serde(default))]
     pub role: Role,
+    /// The port of its SGLang bootstrap server, on the endpoint's host
+    /// (minor 8; older snapshots, and 0: SGLang's default,
+    /// [`DEFAULT_BOOTSTRAP_PORT`]). Only an SGLang prefill leg reads it.
+    #[cfg_attr(feature = "serde", serde(default = "default_bootstrap_port"))]
+    pub bootstrap_port: u16,
+}
+
+/// SGLang's `--disaggregation-bootstrap-port` default.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+#[cfg(feature = "serde")]
+fn default_bootstrap_port() -> u16 {
+    DEFAULT_BOOTSTRAP_PORT
+}
+
+impl WorkerState {
+    /// The bootstrap port an SGLang decode worker is told to connect to.
+    pub fn bootstrap_port(&self) -> u16 {
+        match self.bootstrap_port {
+            0 => DEFAULT_BOOTSTRAP_PORT,
+            p => p,
+        }
+    }
 }
 
 /// The legs of a disaggregated request a worker serves. On a model served
@@ -857,6 +880,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(w.role, Role::Both, "a view without a role: both");
+        assert_eq!(
+            w.bootstrap_port, DEFAULT_BOOTSTRAP_PORT,
+            "and SGLang's port"
+        );
+        let unset = WorkerState::default();
+        assert_eq!(unset.bootstrap_port(), DEFAULT_BOOTSTRAP_PORT);
     }
 
     #[test]

@@ -278,6 +278,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                         thermal: Default::default(),
                         draining: false,
                         role: kvgate_core::Role::Prefill,
+                        bootstrap_port: 8998,
                     },
                     WorkerState {
                         id: 2,
@@ -293,6 +294,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                         },
                         draining: true,
                         role: kvgate_core::Role::Decode,
+                        bootstrap_port: 0,
                     },
                 ],
                 retry_after_s: 3,

@@ -605,6 +605,7 @@ async fn json_bodies_keep_their_shapes() {
         keys(wk),
         [
             "block_size",
+            "bootstrap_port",
             "draining",
             "endpoint",
             "ranks",
@@ -616,6 +617,7 @@ async fn json_bodies_keep_their_shapes() {
     );
     assert_eq!(wk["draining"], false);
     assert_eq!(wk["role"], "both");
+    assert_eq!(wk["bootstrap_port"], 8998, "SGLang's default");
     assert_eq!(
         wk["thermal"],
         json!({"state": "unmonitored", "heat": 0.0, "cap": 0, "in_flight": 2}),
@@ -636,7 +638,8 @@ async fn json_bodies_keep_their_shapes() {
         .unwrap_or(Value::Null);
     assert_eq!(
         shown,
-        json!({"worker_id": 1, "model_name": "m", "tenant_id": "default", "role": "both", "endpoint": w,
+        json!({"worker_id": 1, "model_name": "m", "tenant_id": "default", "role": "both",
+               "bootstrap_port": null, "endpoint": w,
                "metrics_url": null, "block_size": 16, "data_parallel_start_rank": 0,
                "data_parallel_size": 1, "max_num_batched_tokens": 0,
                "kv_events_endpoints": {}, "replay_endpoint": null, "slots": [0],

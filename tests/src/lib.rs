@@ -57,6 +57,7 @@ pub fn bench_snapshot(workers: u16, shard_count: u32) -> Snapshot {
                     thermal: Default::default(),
                     draining: false,
                     role: Default::default(),
+                    bootstrap_port: 0,
                 })
                 .collect(),
             ..Default::default()

@@ -1,7 +1,9 @@
 //! Disaggregated prefill and decode on real Envoy: two prefill and two
 //! decode simulated vLLM workers speaking NIXL's protocol (a real side
 //! channel between them), the filter making the prefill callout from the
-//! request's own context. One stack for every scenario, so the suite
+//! request's own context; and the same fleet speaking SGLang's (both legs
+//! at once, paired in a bootstrap room). A stack per protocol, and one for
+//! a model that fails rather than prefill on a decode worker, so the suite
 //! fits CI.
 
 mod common;
@@ -291,6 +293,117 @@ fn prefill_failures_through_envoy() {
             .envoy_stat("kvgate_rejected_prefill_failed_total")
             .unwrap(),
         1
+    );
+
+    wait_bookings_drained(&stack);
+}
+
+/// Workers 1 and 2 prefill, 3 and 4 decode, speaking SGLang's protocol
+/// with two DP ranks each; the prefill workers' bootstrap ports are
+/// allocated by the stack and named in the catalog.
+fn sglang_stack() -> Stack {
+    let producer = ["--kv-role", "kv_producer", "--pd-protocol", "sglang"];
+    let consumer = ["--kv-role", "kv_consumer", "--pd-protocol", "sglang"];
+    let args = |a: [&str; 4]| a.map(String::from).to_vec();
+    start(StackConfig {
+        workers: 4,
+        dp_size: 2,
+        roles: ["prefill", "prefill", "decode", "decode"].map(String::from).to_vec(),
+        worker_sim_args: vec![args(producer), args(producer), args(consumer), args(consumer)],
+        bootstrap_ports: true,
+        model_toml: "[models.disaggregation]\nprotocol = \"sglang\"\non_prefill_failure = \"fail\"\nprefill_timeout_ms = 10000\n".into(),
+        ..StackConfig::default()
+    })
+}
+
+/// The prefill leg some prefill worker recorded in `room`.
+fn prefill_in_room(stack: &Stack, room: u64) -> Option<Value> {
+    (0..2).find_map(|w| {
+        disagg(stack, w)["recent"]
+            .as_array()?
+            .iter()
+            .find(|r| r["leg"] == "prefill" && r["bootstrap_room"] == room)
+            .cloned()
+    })
+}
+
+/// Checks that a reply's decode leg met a prefill leg in its room: both
+/// served, neither failed. Returns the room.
+fn paired(stack: &Stack, r: &Reply) -> u64 {
+    let decode = last_seen(stack, decode_worker(r));
+    assert_eq!(decode["leg"], "decode", "{decode}");
+    assert_eq!(decode["status"], 200, "{decode}");
+    assert_eq!(decode["error"], Value::Null, "{decode}");
+    let room = decode["bootstrap_room"].as_u64().expect("a room");
+    assert!(room < 1 << 63);
+    // The prefill's answer is drained after the decode worker answered:
+    // wait for its record.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let prefill = loop {
+        if let Some(p) = prefill_in_room(stack, room) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "no prefill leg in room {room}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(prefill["status"], 200, "{prefill}");
+    assert_eq!(prefill["error"], Value::Null, "{prefill}");
+    assert_eq!(prefill["request_id"], decode["request_id"], "one id");
+    assert_eq!(prefill["rank"], room % 2, "the rank SGLang derives");
+    assert_eq!(decode["rank"], room % 2);
+    room
+}
+
+#[test]
+fn sglang_legs_meet_in_one_room_through_envoy() {
+    let _g = serial();
+    let stack = sglang_stack();
+    wait_split(&stack);
+
+    // A long prompt: both legs at once, the decode worker's answer to the
+    // client, the two paired in kvgate's room. A client's own room never
+    // reaches a worker.
+    let body = json!({"model": "demo-model", "prompt": unique_prompt(11, 3000),
+        "max_tokens": 4, "bootstrap_room": 5, "bootstrap_host": "127.0.0.9"});
+    let r = post(&stack, "/v1/completions", body.to_string().as_bytes(), &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let room = paired(&stack, &r);
+    assert_ne!(room, 5, "kvgate's room, not the client's");
+
+    // Streaming, as a chat.
+    let chat = json!({"model": "demo-model", "stream": true, "max_tokens": 3,
+        "messages": [{"role": "user", "content": "word ".repeat(3000)}]});
+    let r = post(
+        &stack,
+        "/v1/chat/completions",
+        chat.to_string().as_bytes(),
+        &[],
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r.text().contains("data: [DONE]"), "{}", r.text());
+    assert_ne!(paired(&stack, &r), room);
+
+    // A few more, streaming and not: every one paired, rooms distinct.
+    let mut rooms = std::collections::HashSet::from([room]);
+    for i in 0..4u32 {
+        let r = post(
+            &stack,
+            "/v1/completions",
+            &completion_body(&unique_prompt(20 + i, 2500), i % 2 == 0),
+            &[],
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(rooms.insert(paired(&stack, &r)));
+    }
+    assert_eq!(
+        counter(&stack, 2, "prefill_legs") + counter(&stack, 3, "prefill_legs"),
+        0,
+        "decode workers never prefill"
+    );
+    assert!(stack.envoy_stat("kvgate_prefill_remote_total").unwrap() >= 6);
+    assert_eq!(
+        stack.envoy_stat("kvgate_prefill_failed_total").unwrap_or(0),
+        0
     );
 
     wait_bookings_drained(&stack);

@@ -40,6 +40,7 @@ fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
         thermal: Default::default(),
         draining: false,
         role: Default::default(),
+        bootstrap_port: 0,
     }
 }
 
@@ -1403,3 +1404,6 @@ fn chat_prompts_are_rendered_and_matched_against_the_text_index() {
 
 #[path = "filter_wasm/disagg.rs"]
 mod disagg;
+
+#[path = "filter_wasm/disagg_sglang.rs"]
+mod disagg_sglang;

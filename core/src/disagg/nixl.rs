@@ -48,10 +48,10 @@ pub enum AnswerError {
 /// A JSON object's top-level fields in their order, each value as its raw
 /// text. A repeated key keeps its first place and its last value, as
 /// Python's `json` (vLLM's reference proxy) reads it.
-struct Fields<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
+pub(super) struct Fields<'a>(pub(super) Vec<(Cow<'a, str>, &'a RawValue)>);
 
 impl<'a> Fields<'a> {
-    fn parse(body: &'a [u8]) -> Result<Fields<'a>, BodyError> {
+    pub(super) fn parse(body: &'a [u8]) -> Result<Fields<'a>, BodyError> {
         let text = std::str::from_utf8(body).map_err(|_| BodyError::NotAnObject)?;
         if !text.trim_start().starts_with('{') {
             return Err(BodyError::NotAnObject);
@@ -62,7 +62,7 @@ impl<'a> Fields<'a> {
         Ok(fields)
     }
 
-    fn get(&self, key: &str) -> Option<&'a RawValue> {
+    pub(super) fn get(&self, key: &str) -> Option<&'a RawValue> {
         self.0.iter().find(|(k, _)| k == key).map(|(_, v)| *v)
     }
 
@@ -99,7 +99,7 @@ impl<'a> Fields<'a> {
     }
 }
 
-fn push_key(out: &mut Vec<u8>, key: &str) {
+pub(super) fn push_key(out: &mut Vec<u8>, key: &str) {
     // A string always serialises; the fallback is never taken.
     let quoted = serde_json::to_string(key).unwrap_or_else(|_| String::from("\"\""));
     out.extend_from_slice(quoted.as_bytes());

@@ -13,6 +13,7 @@ pub(crate) fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
         thermal: Default::default(),
         draining: false,
         role: Default::default(),
+        bootstrap_port: 0,
     }
 }
 

@@ -43,6 +43,9 @@ pub struct RouterState {
     /// sharing a sidecar never collide.
     vm_tag: u64,
     next_seq: u64,
+    /// Counts SGLang bootstrap rooms; mixed, each count is a room's random
+    /// start. Seeded at random, so VMs draw different rooms.
+    next_room: u64,
     /// Bookings, their releases and local replies.
     bookings: Outbox,
     local: LocalBookings,
@@ -63,6 +66,7 @@ impl RouterState {
             tie_break: host::now_us().wrapping_mul(0x9E37_79B9_7F4A_7C15),
             vm_tag: host::random_u64(),
             next_seq: 0,
+            next_room: host::random_u64(),
             bookings: Outbox::new(immediate),
             local: LocalBookings::default(),
             templates: templates::Templates::default(),

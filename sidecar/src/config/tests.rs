@@ -338,6 +338,7 @@ worker_id = 1
 model_name = "pd"
 endpoint = "127.0.0.1:8001"
 role = "prefill"
+bootstrap_port = 9100
 [[workers]]
 worker_id = 2
 model_name = "pd"
@@ -350,6 +351,8 @@ fn disaggregation_and_roles_parse_with_defaults() {
     let c = Config::parse(SPLIT).unwrap();
     assert_eq!(c.workers[0].role, Role::Prefill);
     assert_eq!(c.workers[1].role, Role::Both, "the default");
+    assert_eq!(c.workers[0].bootstrap_port, Some(9100));
+    assert_eq!(c.workers[1].bootstrap_port, None, "SGLang's default");
     let m = &c.models[0];
     let d = m.disaggregation.as_ref().unwrap();
     assert_eq!(d.prefill_timeout, Duration::from_millis(1500));

@@ -58,6 +58,12 @@ pub struct WorkerSpec {
     /// default), `prefill` or `decode`.
     #[serde(default)]
     pub role: Role,
+    /// The port of the worker's SGLang bootstrap server
+    /// (`--disaggregation-bootstrap-port`), on the endpoint's host; unset:
+    /// SGLang's default, 8998. Only a model with `protocol = "sglang"`
+    /// reads it.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
     /// `ip:port` (an `http://` prefix is accepted and dropped): what Envoy's
     /// ORIGINAL_DST cluster connects to.
     pub endpoint: String,
@@ -136,6 +142,9 @@ impl WorkerSpec {
         }
         if self.data_parallel_size == 0 {
             return Err(format!("worker {id}: data_parallel_size must be above 0"));
+        }
+        if self.bootstrap_port == Some(0) {
+            return Err(format!("worker {id}: bootstrap_port must be above 0"));
         }
         if self.model_name.is_empty() {
             return Err(format!("worker {id}: model_name is empty"));

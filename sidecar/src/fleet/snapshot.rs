@@ -148,6 +148,10 @@ impl Fleet {
                 thermal,
                 draining: self.planning.draining.contains(&w.spec.worker_id),
                 role: w.spec.role,
+                bootstrap_port: w
+                    .spec
+                    .bootstrap_port
+                    .unwrap_or(kvgate_core::DEFAULT_BOOTSTRAP_PORT),
             });
         }
         let now = std::time::Instant::now();

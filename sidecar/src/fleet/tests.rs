@@ -366,6 +366,36 @@ fn a_patch_changes_a_workers_role() {
 }
 
 #[test]
+fn bootstrap_ports_reach_the_snapshot_and_a_patch_changes_them() {
+    let mut f = Fleet::new(&split_config()).unwrap();
+    let now = Instant::now();
+    let port = |f: &mut Fleet, id: u64| {
+        f.record_scrape(id, Ok(vec![metrics(0.1)]), Instant::now());
+        let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+        s.models[0]
+            .workers
+            .iter()
+            .find(|w| w.id == id)
+            .unwrap()
+            .bootstrap_port
+    };
+    assert_eq!(port(&mut f, 11), 8998, "SGLang's default");
+    f.patch_worker(11, &serde_json::json!({"bootstrap_port": 9100}), now)
+        .unwrap();
+    assert_eq!(f.workers[&11].spec().bootstrap_port, Some(9100));
+    assert_eq!(port(&mut f, 11), 9100);
+    assert!(matches!(
+        f.patch_worker(11, &serde_json::json!({"bootstrap_port": 0}), now),
+        Err(FleetError::Invalid(m)) if m.contains("bootstrap_port")
+    ));
+    assert!(
+        f.patch_worker(11, &serde_json::json!({"bootstrap_port": 70000}), now)
+            .is_err()
+    );
+    assert_eq!(port(&mut f, 11), 9100, "unchanged");
+}
+
+#[test]
 fn the_info_series_names_each_workers_role() {
     let mut f = Fleet::new(&split_config()).unwrap();
     let now = Instant::now();

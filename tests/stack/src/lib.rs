@@ -57,6 +57,11 @@ pub struct StackConfig {
     /// Catalog role of worker `i` (`both` where absent): `prefill` or
     /// `decode` for a disaggregated model (see `model_toml`).
     pub roles: Vec<String>,
+    /// Each `prefill` worker gets an SGLang bootstrap port of its own,
+    /// allocated here (not the sim's `--bootstrap-port 0`, whose choice
+    /// the catalog could not know), passed to the sim and written to the
+    /// catalog's `bootstrap_port`.
+    pub bootstrap_ports: bool,
     /// Gateway pods (an Envoy and its sidecar each) in front of the same
     /// workers.
     pub gateways: usize,
@@ -152,6 +157,7 @@ impl Default for StackConfig {
             control_token: None,
             tenants: Vec::new(),
             roles: Vec::new(),
+            bootstrap_ports: false,
             gateways: 1,
             replica_sync: false,
             selection_api: false,
@@ -169,6 +175,8 @@ pub struct Worker {
     pub port: u16,
     pub events_port: Option<u16>,
     pub replay_port: Option<u16>,
+    /// Its SGLang bootstrap server's port ([`StackConfig::bootstrap_ports`]).
+    pub bootstrap_port: Option<u16>,
     args: Vec<String>,
     proc: Option<Proc>,
 }
@@ -241,7 +249,7 @@ impl Stack {
         }
         let run_dir = paths.new_run_dir()?;
         let n_gateways = config.gateways.max(1);
-        let mut ports = ports::free_ports(11 * n_gateways + config.workers)?.into_iter();
+        let mut ports = ports::free_ports(11 * n_gateways + 2 * config.workers)?.into_iter();
         let mut next = || ports.next().context("ran out of allocated ports");
         let mut gateways = Vec::with_capacity(n_gateways);
         for g in 0..n_gateways {
@@ -315,11 +323,21 @@ impl Stack {
             }
             args.extend(config.sim_args.iter().cloned());
             args.extend(config.worker_sim_args.get(i).into_iter().flatten().cloned());
+            let bootstrap_port = if config.bootstrap_ports
+                && config.roles.get(i).map(String::as_str) == Some("prefill")
+            {
+                let p = next()?;
+                args.extend(["--bootstrap-port".into(), p.to_string()]);
+                Some(p)
+            } else {
+                None
+            };
             workers.push(Worker {
                 id,
                 port,
                 events_port,
                 replay_port,
+                bootstrap_port,
                 args,
                 proc: None,
             });
@@ -523,6 +541,9 @@ impl Stack {
             }
             if let Some(r) = c.roles.get(i) {
                 toml.push_str(&format!("role = \"{r}\"\n"));
+            }
+            if let Some(p) = w.bootstrap_port {
+                toml.push_str(&format!("bootstrap_port = {p}\n"));
             }
             if let Some(t) = &c.thermal {
                 toml.push_str(&format!(

@@ -9,7 +9,7 @@ use kvgate_core::{ModelState, Snapshot, update};
 use kvgate_tests::host::Callout;
 use serde_json::{Value, json};
 
-const COMPLETIONS: [(&str, &str); 3] = [
+pub(super) const COMPLETIONS: [(&str, &str); 3] = [
     (":method", "POST"),
     (":path", "/v1/completions"),
     (":authority", "gw"),
@@ -56,7 +56,7 @@ fn ready(on_prefill_failure: OnPrefillFailure) -> Envoy {
 
 /// A completion of `n` prompt tokens: long enough (with nothing cached)
 /// that the conditional rule sends it to a prefill worker.
-fn prompt(n: u32, extra: Value) -> Vec<u8> {
+pub(super) fn prompt(n: u32, extra: Value) -> Vec<u8> {
     let mut v = json!({"model": "pd", "prompt": (0..n).map(|t| 7000 + t).collect::<Vec<u32>>(), "max_tokens": 9, "stream": true});
     if let (Value::Object(m), Value::Object(x)) = (&mut v, extra) {
         m.extend(x);
@@ -80,27 +80,27 @@ fn answer(tag: u32) -> Vec<u8> {
 }
 
 /// The one callout pending on router 0.
-fn only_callout(e: &Envoy) -> Callout {
+pub(super) fn only_callout(e: &Envoy) -> Callout {
     let pending = e.routers[0].pending();
     assert_eq!(pending.len(), 1, "{pending:?}");
     pending[0].clone()
 }
 
-fn json_of(bytes: &[u8]) -> Value {
+pub(super) fn json_of(bytes: &[u8]) -> Value {
     serde_json::from_slice(bytes).unwrap()
 }
 
 /// Booking events router 0 sent since the last drain.
-fn bookings(e: &mut Envoy) -> Vec<Event> {
+pub(super) fn bookings(e: &mut Envoy) -> Vec<Event> {
     e.routers[0].tick().unwrap();
     events(&e.routers[0].drain_queue("kvgate", "kvgate.bookings"))
 }
 
 /// A booking: its sequence, slot, prefill tokens and decode blocks.
-type Booked = (u64, u16, u32, u32);
+pub(super) type Booked = (u64, u16, u32, u32);
 
 /// The bookings made, and the sequences released.
-fn ledger(events: &[Event]) -> (Vec<Booked>, Vec<u64>) {
+pub(super) fn ledger(events: &[Event]) -> (Vec<Booked>, Vec<u64>) {
     let mut booked = Vec::new();
     let mut done = Vec::new();
     for ev in events {

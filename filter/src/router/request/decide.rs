@@ -14,7 +14,7 @@ use crate::reply::Reply;
 use kvgate_core::approx::Routed;
 use kvgate_core::plan::request::Parsed;
 use kvgate_core::plan::{self, Ask, Placement, Plan, Prefill, Rejection, retry};
-use kvgate_core::state::{OnPrefillFailure, Protocol};
+use kvgate_core::state::{OnPrefillFailure, Protocol, Role};
 use kvgate_core::text::skeleton::Path;
 use proxy_wasm::types::LogLevel;
 
@@ -49,11 +49,13 @@ pub(super) struct Routing {
 }
 
 /// A disaggregated request: the decode leg is the client's request, sent
-/// on once the prefill leg has answered.
+/// on once the prefill leg has answered (vLLM's NIXL), or at once beside
+/// it (SGLang).
 #[derive(Debug)]
 pub(super) struct Split {
     pub decode: Routing,
     pub prefill: PrefillPlan,
+    pub protocol: Protocol,
 }
 
 /// Where and how a disaggregated request's prompt is prefilled.
@@ -81,10 +83,18 @@ pub(super) struct Target {
     pub decode_blocks: u64,
     /// The worker has several ranks: the rank header names the target's.
     pub names_rank: bool,
+    /// The rank's place among the worker's ranks, and their number: an
+    /// SGLang worker serves a request on `bootstrap_room % dp_size`.
+    pub dp_index: u32,
+    pub dp_size: u32,
+    pub role: Role,
+    /// Its SGLang bootstrap server's port, on the endpoint's host.
+    pub bootstrap_port: u16,
 }
 
 impl Target {
     fn new(p: &Placement<'_>) -> Target {
+        let w = p.choice.worker;
         Target {
             endpoint: p.choice.worker.endpoint.clone(),
             worker_id: p.choice.worker.id,
@@ -93,6 +103,15 @@ impl Target {
             prefill_tokens: p.prefill_tokens,
             decode_blocks: p.decode_blocks,
             names_rank: p.names_rank(),
+            dp_index: w
+                .ranks
+                .iter()
+                .position(|r| std::ptr::eq(r, p.choice.rank))
+                .and_then(|i| u32::try_from(i).ok())
+                .unwrap_or(0),
+            dp_size: u32::try_from(w.ranks.len()).unwrap_or(u32::MAX),
+            role: w.role,
+            bootstrap_port: w.bootstrap_port(),
         }
     }
 
@@ -204,7 +223,7 @@ pub(super) fn decide(st: &mut RouterState, req: &Parsed, tenant: &str, body: &[u
             };
             let settings = route.model.disaggregation;
             match (route.prefill, settings) {
-                (Some(Prefill::Remote(leg)), Some(d)) if d.protocol == Protocol::VllmNixl => {
+                (Some(Prefill::Remote(leg)), Some(d)) => {
                     inc(st.metrics.prefill_remote);
                     Decision::Split(Box::new(Split {
                         decode: routing,
@@ -215,14 +234,33 @@ pub(super) fn decide(st: &mut RouterState, req: &Parsed, tenant: &str, body: &[u
                             on_failure: d.on_prefill_failure,
                             timeout_ms: d.prefill_timeout_ms,
                         },
+                        protocol: d.protocol,
                     }))
                 }
-                // SGLang's decode workers cannot serve a request without
-                // its bootstrap room, which only a prefill leg sent beside
-                // it provides: never send one whole.
-                (Some(_), Some(d)) if d.protocol == Protocol::Sglang => Decision::Reply(
-                    Reply::prefill_failed("this filter does not send SGLang's legs yet"),
-                ),
+                // An SGLang decode worker cannot compute a prompt itself:
+                // a request without the bootstrap room that only a prefill
+                // leg sent beside it provides trips an assertion in the
+                // engine. A `both` worker may take it whole.
+                (Some(Prefill::Local(why)), Some(d)) if d.protocol == Protocol::Sglang => {
+                    if routing.first.role == Role::Decode {
+                        Decision::Reply(Reply::prefill_failed(&format!(
+                            "no prefill worker is free for an SGLang decode worker ({})",
+                            why.as_str()
+                        )))
+                    } else {
+                        inc(st.metrics.prefill_local);
+                        let mut routing = routing;
+                        // Nor may Envoy's retry take it to one.
+                        if routing
+                            .fallback
+                            .as_ref()
+                            .is_some_and(|f| f.role == Role::Decode)
+                        {
+                            routing.fallback = None;
+                        }
+                        Decision::Route(routing)
+                    }
+                }
                 (Some(_), _) => {
                     inc(st.metrics.prefill_local);
                     Decision::Route(routing)

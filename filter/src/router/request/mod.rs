@@ -11,7 +11,9 @@
 //! worker from its own context, and on the answer goes on to the decode
 //! worker with the prefill's transfer parameters in its body; a failed leg
 //! is tried once on the runner-up, then prefilled on the decode worker or
-//! answered 503, as the model says ([`prefill`]).
+//! answered 503, as the model says ([`prefill`]). An SGLang request sends
+//! both legs at once, one body with its bootstrap room, and drains the
+//! prefill's answer ([`Request::split_sglang`]).
 
 mod decide;
 mod prefill;
@@ -25,11 +27,11 @@ use crate::reply::Reply;
 use decide::{Decision, PrefillPlan, Routing, Split, Target};
 use kvgate_core::DEFAULT_TENANT;
 use kvgate_core::booking::{Event, Key, Timing};
-use kvgate_core::disagg::nixl;
+use kvgate_core::disagg::{self, nixl, sglang};
 use kvgate_core::header::{self, ATTEMPT_COUNT};
 use kvgate_core::plan::local::Release;
 use kvgate_core::plan::request::{Endpoint, parse};
-use kvgate_core::state::OnPrefillFailure;
+use kvgate_core::state::{OnPrefillFailure, Protocol};
 use prefill::Verdict;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
@@ -87,11 +89,24 @@ pub struct Request {
     booking: Option<Booking>,
     /// A disaggregated request's prefill leg, until it answers.
     prefill_booking: Option<Booking>,
+    /// An SGLang prefill callout whose answer is drained: the request went
+    /// on to its decode worker beside it.
+    draining: Option<Draining>,
     fallback: Option<Target>,
     /// What the served-by response header says: engines name no worker.
     served_by: Option<String>,
     /// When it was routed and first answered, for the planner.
     clock: Option<Clock>,
+}
+
+/// An SGLang prefill leg in flight beside its decode leg.
+#[derive(Debug)]
+struct Draining {
+    token: u32,
+    endpoint: String,
+    request_id: String,
+    room: u64,
+    sent_us: u64,
 }
 
 /// A routed request's timing, sent with its end.
@@ -126,6 +141,7 @@ impl Request {
             tenant: String::new(),
             booking: None,
             prefill_booking: None,
+            draining: None,
             fallback: None,
             served_by: None,
             clock: None,
@@ -191,6 +207,7 @@ impl Request {
                 }
                 Action::Continue
             }
+            Decision::Split(s) if s.protocol == Protocol::Sglang => self.split_sglang(*s, body),
             Decision::Split(s) => self.split(*s, body),
             Decision::Reply(r) => self.reply(&r),
         }
@@ -200,7 +217,9 @@ impl Request {
     /// to its decode worker, and sends the prefill leg; the request waits
     /// for its answer.
     fn split(&mut self, s: Split, body: &[u8]) -> Action {
-        let Split { decode, prefill } = s;
+        let Split {
+            decode, prefill, ..
+        } = s;
         self.route_to(decode);
         let path = host::request_header(":path").unwrap_or_default();
         let authorization = host::request_header("authorization");
@@ -231,6 +250,181 @@ impl Request {
         self.send_prefill(leg)
     }
 
+    /// SGLang's two legs, sent at once: the same body, the client's with
+    /// the bootstrap fields, to the prefill worker as a callout and to the
+    /// decode worker as the request itself. The request never waits for
+    /// the prefill (the prefill finishes only once the decode worker has
+    /// joined its room); its answer is drained ([`Request::drained`]).
+    ///
+    /// A try Envoy cannot make (the host left the catalog) goes to the
+    /// runner-up, before the decode leg is sent; with none, the request
+    /// is answered 503: an SGLang decode worker cannot compute a prompt
+    /// itself.
+    fn split_sglang(&mut self, s: Split, body: &[u8]) -> Action {
+        let Split {
+            decode,
+            mut prefill,
+            ..
+        } = s;
+        let decode_rank = sglang::Rank {
+            index: decode.first.dp_index,
+            size: decode.first.dp_size,
+        };
+        self.route_to(decode);
+        let path = host::request_header(":path").unwrap_or_default();
+        let authorization = host::request_header("authorization");
+        let request_id = {
+            let st = self.state.borrow();
+            prefill::request_id(st.vm_tag, st.next_seq)
+        };
+        if let Some(client_id) = host::request_header(header::REQUEST_ID) {
+            host::log(
+                LogLevel::Debug,
+                &format!("kvgate: request {client_id} is disaggregated as {request_id}"),
+            );
+        }
+        let _ = host::set_request_header(header::REQUEST_ID, &request_id);
+        let mut at = prefill.first.clone();
+        loop {
+            let room = {
+                let mut st = self.state.borrow_mut();
+                st.next_room = st.next_room.wrapping_add(1);
+                let prefill_rank = sglang::Rank {
+                    index: at.dp_index,
+                    size: at.dp_size,
+                };
+                sglang::room(sglang::mix(st.next_room), prefill_rank, decode_rank)
+            };
+            if !room.both {
+                host::log(
+                    LogLevel::Info,
+                    &format!(
+                        "kvgate: no bootstrap room lands on both chosen ranks of {request_id}: \
+                         the decode worker serves it on rank {} of its {}",
+                        room.room % u64::from(decode_rank.size.max(1)),
+                        decode_rank.size
+                    ),
+                );
+            }
+            let host_ip = sglang::bootstrap_host(&at.endpoint);
+            let Ok(both) = sglang::body(body, host_ip, at.bootstrap_port, room.room) else {
+                return self.reply(&Reply::prefill_failed(
+                    "the request body cannot be rewritten",
+                ));
+            };
+            if both.len() > self.state.borrow().config.max_body_bytes {
+                return self.reply(&Reply::prefill_failed(
+                    "the body with its bootstrap fields exceeds max_body_bytes",
+                ));
+            }
+            let timeout = Duration::from_millis(prefill.timeout_ms.max(1));
+            match self.call_prefill(
+                &at,
+                &path,
+                &request_id,
+                authorization.as_deref(),
+                &both,
+                timeout,
+            ) {
+                Ok(token) => {
+                    self.draining = Some(Draining {
+                        token,
+                        endpoint: at.endpoint.clone(),
+                        request_id,
+                        room: room.room,
+                        sent_us: host::now_us(),
+                    });
+                    self.replace_body(&both);
+                    return Action::Continue;
+                }
+                Err(status) => {
+                    host::log(
+                        LogLevel::Warn,
+                        &format!(
+                            "kvgate: prefill callout to {} failed: {status:?}",
+                            at.endpoint
+                        ),
+                    );
+                    self.release_prefill();
+                    let Some(next) = prefill.runner_up.take() else {
+                        inc(self.state.borrow().metrics.prefill_failed);
+                        return self.reply(&Reply::prefill_failed(
+                            "the prefill worker is not in the catalog",
+                        ));
+                    };
+                    inc(self.state.borrow().metrics.prefill_retried);
+                    at = next;
+                }
+            }
+        }
+    }
+
+    /// Books `at`'s prefill and dispatches the callout that computes it
+    /// there; a call Envoy refuses releases nothing (the caller does).
+    fn call_prefill(
+        &mut self,
+        at: &Target,
+        path: &str,
+        request_id: &str,
+        authorization: Option<&str>,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, proxy_wasm::types::Status> {
+        let (cluster, host_header, rank_header) = {
+            let mut st = self.state.borrow_mut();
+            self.prefill_booking = Some(st.book(&self.model, at.slot, at.prefill_tokens, 0));
+            let c = &st.config;
+            (
+                c.prefill_cluster.clone(),
+                c.prefill_host_header.clone(),
+                c.rank_header.clone(),
+            )
+        };
+        let rank = at.rank.to_string();
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path),
+            (":authority", at.endpoint.as_str()),
+            ("content-type", "application/json"),
+            (header::REQUEST_ID, request_id),
+            (host_header.as_str(), at.endpoint.as_str()),
+        ];
+        if at.names_rank {
+            headers.push((rank_header.as_str(), rank.as_str()));
+        }
+        if let Some(a) = authorization {
+            headers.push(("authorization", a));
+        }
+        host::dispatch(&cluster, headers, Some(body), timeout)
+    }
+
+    /// An SGLang prefill answer: its booking ends. A failure cannot be
+    /// retried (the decode leg is on its way, waiting in the room), so it
+    /// is counted and logged; the decode worker fails the request on its
+    /// own bootstrap timeout.
+    fn drained(&mut self, leg: Draining) {
+        self.release_prefill();
+        let status = host::call_response_header(":status").and_then(|s| s.parse::<u16>().ok());
+        let st = self.state.borrow();
+        record(
+            st.metrics.prefill_us,
+            host::now_us().saturating_sub(leg.sent_us),
+        );
+        if status == Some(200) {
+            return;
+        }
+        inc(st.metrics.prefill_failed);
+        let status = status.map_or_else(|| "a reset".to_string(), |s| format!("status {s}"));
+        host::log(
+            LogLevel::Warn,
+            &format!(
+                "kvgate: SGLang prefill leg {} (room {}) on {} failed with {status}; \
+                 its decode worker fails the request on its bootstrap timeout",
+                leg.request_id, leg.room, leg.endpoint
+            ),
+        );
+    }
+
     /// Books the leg's worker and calls it; a call Envoy cannot make (its
     /// host left the catalog) fails the leg at once.
     fn send_prefill(&mut self, mut leg: Leg) -> Action {
@@ -242,34 +436,16 @@ impl Request {
         if left_ms == 0 {
             return self.prefill_failed(leg, "the prefill timeout ran out");
         }
-        let (cluster, host_header, rank_header) = {
-            let mut st = self.state.borrow_mut();
-            self.prefill_booking =
-                Some(st.book(&self.model, leg.at.slot, leg.at.prefill_tokens, 0));
-            let c = &st.config;
-            (
-                c.prefill_cluster.clone(),
-                c.prefill_host_header.clone(),
-                c.rank_header.clone(),
-            )
-        };
-        let rank = leg.at.rank.to_string();
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", leg.path.as_str()),
-            (":authority", leg.at.endpoint.as_str()),
-            ("content-type", "application/json"),
-            (header::REQUEST_ID, leg.request_id.as_str()),
-            (host_header.as_str(), leg.at.endpoint.as_str()),
-        ];
-        if leg.at.names_rank {
-            headers.push((rank_header.as_str(), rank.as_str()));
-        }
-        if let Some(a) = &leg.authorization {
-            headers.push(("authorization", a.as_str()));
-        }
         let timeout = Duration::from_millis(left_ms);
-        match host::dispatch(&cluster, headers, Some(&prefill_body), timeout) {
+        let called = self.call_prefill(
+            &leg.at,
+            &leg.path,
+            &leg.request_id,
+            leg.authorization.as_deref(),
+            &prefill_body,
+            timeout,
+        );
+        match called {
             Ok(token) => {
                 leg.sent_us = now;
                 self.stage = Stage::Prefilling {
@@ -385,10 +561,11 @@ impl Request {
     }
 
     /// Sends the client's body to the decode worker for it to compute the
-    /// prompt itself: without any `kv_transfer_params` of the client's,
-    /// which would name a host for the worker to pull blocks from.
+    /// prompt itself: without any transfer field of the client's
+    /// (`kv_transfer_params`, SGLang's `bootstrap_*`), which would name a
+    /// host for the worker to pull blocks from.
     fn send_whole(&mut self, client: &[u8]) {
-        match nixl::local_body(client) {
+        match disagg::whole_body(client) {
             Ok(Cow::Owned(body)) => self.replace_body(&body),
             Ok(Cow::Borrowed(_)) => {}
             // Not an object: the worker refuses it as the client's error.
@@ -594,6 +771,10 @@ impl Context for Request {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        if let Some(leg) = self.draining.take_if(|d| d.token == token_id) {
+            self.drained(leg);
+            return;
+        }
         if !matches!(&self.stage, Stage::Prefilling { token, .. } if *token == token_id) {
             return;
         }

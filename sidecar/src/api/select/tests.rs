@@ -25,6 +25,7 @@ fn snapshot() -> Snapshot {
         thermal: Default::default(),
         draining: false,
         role: Default::default(),
+        bootstrap_port: 0,
     };
     Snapshot {
         version: 1,
