@@ -494,6 +494,18 @@ async fn reports_require_the_token_when_one_is_set() {
             );
         }
     }
+    // Counted per route, where an operator looks: a filter without the
+    // token routes on without its bookings, and Envoy says nothing.
+    for path in ["/v1/bookings", "/v1/routed"] {
+        let series = format!("kvgate_sidecar_unauthorized_total{{path=\"{path}\"}}");
+        assert_eq!(metric(&sc, &series), 4.0, "{path}");
+    }
+    let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
+    assert_eq!(
+        s["unauthorized"],
+        json!({"/v1/bookings": 4, "/v1/routed": 4}),
+        "{s}"
+    );
     let rank = async || {
         let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
         s["models"][0]["workers"][0]["ranks"][0].clone()
