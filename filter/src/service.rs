@@ -29,6 +29,40 @@ pub struct Service {
     /// The next poll asks for an immediate answer: a lease just taken
     /// over, when the manifest's freshness may be running out.
     prompt: bool,
+    unauthorized: Unauthorized,
+}
+
+/// How often, at most, the sidecar refusing this filter's token is logged
+/// again while it goes on.
+const UNAUTHORIZED_LOG_EVERY_MS: u64 = 60_000;
+
+/// Reports refused 401/403 by the sidecar. Without this, a filter whose
+/// `sidecar_token` does not match the sidecar's control token routes and
+/// sheds without its own bookings, and nothing but a counter says so: the
+/// first refusal is logged at once, later ones once a minute at most, so
+/// that a refusal per batch does not flood Envoy's log.
+#[derive(Debug, Default)]
+struct Unauthorized {
+    /// When the last warning was logged.
+    logged_at_ms: Option<u64>,
+    /// Refusals since then, not yet logged.
+    unlogged: u64,
+}
+
+impl Unauthorized {
+    /// Counts a refusal at `now_ms`; the number of refusals to report when
+    /// a warning is due.
+    fn refused(&mut self, now_ms: u64) -> Option<u64> {
+        self.unlogged = self.unlogged.saturating_add(1);
+        let due = self
+            .logged_at_ms
+            .is_none_or(|at| now_ms.saturating_sub(at) >= UNAUTHORIZED_LOG_EVERY_MS);
+        if !due {
+            return None;
+        }
+        self.logged_at_ms = Some(now_ms);
+        Some(std::mem::take(&mut self.unlogged))
+    }
 }
 
 fn register(name: &str) -> Option<u32> {
@@ -71,7 +105,30 @@ impl Service {
             bookings_queue: register(host::BOOKINGS_QUEUE),
             bookings_token: None,
             routed_token: None,
+            unauthorized: Unauthorized::default(),
         }
+    }
+
+    /// Counts a report the sidecar refused for its token, and says what to
+    /// set when a warning is due.
+    fn check_refusal(&mut self, path: &str, status: Option<&str>) {
+        let Some(code @ ("401" | "403")) = status else {
+            return;
+        };
+        let Some(n) = self.unauthorized.refused(host::now_ms()) else {
+            return;
+        };
+        let fix = if self.authorization.is_some() {
+            "sidecar_token in the plugin configuration does not match the sidecar's control token: set it to the same value"
+        } else {
+            "the sidecar requires a control token: set sidecar_token in the plugin configuration to the sidecar's control token"
+        };
+        host::log(
+            LogLevel::Warn,
+            &format!(
+                "kvgate: the sidecar refused {n} report(s) with {code} (latest: {path}); {fix}. Until then routing and shedding run without this gateway's bookings"
+            ),
+        );
     }
 
     /// Sends the queued booking events in one request, unless one is in
@@ -189,16 +246,20 @@ impl Service {
     pub fn on_response(&mut self, token: u32, body_size: usize) {
         if Some(token) == self.bookings_token {
             self.bookings_token = None;
-            if host::call_response_header(":status").as_deref() != Some("204") {
+            let status = host::call_response_header(":status");
+            if status.as_deref() != Some("204") {
                 inc(self.metrics.booking_batch_errors);
+                self.check_refusal("/v1/bookings", status.as_deref());
             }
             self.send_bookings();
             return;
         }
         if Some(token) == self.routed_token {
             self.routed_token = None;
-            if host::call_response_header(":status").as_deref() != Some("204") {
+            let status = host::call_response_header(":status");
+            if status.as_deref() != Some("204") {
                 inc(self.metrics.report_errors);
+                self.check_refusal("/v1/routed", status.as_deref());
             }
             self.send_routed();
             return;
@@ -255,5 +316,20 @@ impl Service {
             self.metrics.snapshot_version,
             self.poller.manifest().snapshot_version,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_refusal_is_logged_then_once_a_minute() {
+        let mut u = Unauthorized::default();
+        assert_eq!(u.refused(1_000), Some(1));
+        assert_eq!(u.refused(2_000), None);
+        assert_eq!(u.refused(60_999), None);
+        assert_eq!(u.refused(61_000), Some(3), "the ones held back are counted");
+        assert_eq!(u.refused(61_001), None);
     }
 }

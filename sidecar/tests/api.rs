@@ -315,6 +315,41 @@ async fn the_control_api_requires_the_token_when_one_is_set() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_gateway_booking_past_max_prompt_tokens_is_refused_and_counted() {
+    use kvgate_core::booking::{Event, Key};
+    let (w, _page) = fake_worker().await;
+    let (base, sc) = sidecar(&[&w]).await;
+    wait_until("worker up", async || workers_up(&base).await == 1).await;
+    let slot = sc.store().snapshot().models[0].workers[0].ranks[0].slot;
+    let book = |seq: u64, prefill_tokens: u32, decode_blocks: u32| Event::Book {
+        key: Key { vm: 5, seq },
+        model: "m".into(),
+        slot,
+        prefill_tokens,
+        decode_blocks,
+    };
+    let mut batch = Vec::new();
+    // Over the default bound of 2^24 tokens (and 2^25 blocks), then within.
+    book(1, u32::MAX, 1).encode_into(&mut batch);
+    book(2, 1, u32::MAX).encode_into(&mut batch);
+    book(3, 1 << 24, 1 << 25).encode_into(&mut batch);
+    let url = format!("{base}/v1/bookings");
+    assert_eq!(call_raw("POST", &url, &[], batch).await.0, 204);
+    assert_eq!(sc.active_bookings(), 1, "only the booking within the bound");
+    assert_eq!(
+        metric(
+            &sc,
+            "kvgate_sidecar_bookings_refused_total{reason=\"out_of_bound\",source=\"gateway\"}"
+        ),
+        2.0
+    );
+    wait_until("the watermark passes the refused bookings", async || {
+        sc.store().snapshot().applied == vec![kvgate_core::Applied { vm: 5, seq: 3 }]
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn bookings_load_ranks_until_released() {
     use kvgate_core::booking::{Event, Key};
     let (w, _page) = fake_worker().await;
@@ -459,6 +494,18 @@ async fn reports_require_the_token_when_one_is_set() {
             );
         }
     }
+    // Counted per route, where an operator looks: a filter without the
+    // token routes on without its bookings, and Envoy says nothing.
+    for path in ["/v1/bookings", "/v1/routed"] {
+        let series = format!("kvgate_sidecar_unauthorized_total{{path=\"{path}\"}}");
+        assert_eq!(metric(&sc, &series), 4.0, "{path}");
+    }
+    let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
+    assert_eq!(
+        s["unauthorized"],
+        json!({"/v1/bookings": 4, "/v1/routed": 4}),
+        "{s}"
+    );
     let rank = async || {
         let (_, s) = json_of("GET", &format!("{base}/v1/state"), None).await;
         s["models"][0]["workers"][0]["ranks"][0].clone()

@@ -4,7 +4,7 @@
 //! peer's later messages.
 
 use kvgate_core::booking::Key;
-use kvgate_sidecar::replica::wire::{self, SyncEvent, SyncId};
+use kvgate_sidecar::replica::wire::{self, Placed, SyncEvent, SyncId};
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
@@ -92,4 +92,61 @@ async fn an_oversized_frame_costs_one_reconnect_not_the_peer() {
     // itself count as another loss.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert_eq!(metric(&sc, &reconnects), 1.0);
+}
+
+/// A peer's admission on worker 1's only rank.
+fn admit(id: &str, prefill_tokens: u64, decode_blocks: u64) -> SyncEvent {
+    SyncEvent::Admit(
+        SyncId::Reservation(id.into()),
+        Placed {
+            model: "m".into(),
+            tenant: kvgate_core::DEFAULT_TENANT.into(),
+            block_size: 16,
+            worker_id: 1,
+            dp_rank: 0,
+            prefill_tokens,
+            decode_blocks,
+        },
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peers_admission_past_the_bound_is_refused_and_counted() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    publisher.set_linger(0).unwrap();
+    publisher.bind("tcp://127.0.0.1:*").unwrap();
+    let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+    let toml = format!(
+        "[replica_sync]\nlisten = \"127.0.0.1:0\"\npeers = [\"{endpoint}\"]\n\
+         [[models]]\nname = \"m\"\nmax_prompt_tokens = 4096\n\
+         [[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"127.0.0.1:9\"\n"
+    );
+    let (_base, sc) = sidecar_from(&toml, None).await;
+    let refused = "kvgate_sidecar_bookings_refused_total{reason=\"out_of_bound\",source=\"peer\"}";
+    // One message: two admissions the ledger must not take (2^63 tokens
+    // would wrap a rank's sum with one more), one at the bound.
+    let message = wire::encode(
+        42,
+        &[
+            admit("huge", 1 << 63, 1),
+            admit("over", 4097, 1),
+            admit("blocks", 1, 8193),
+            admit("ok", 4096, 8192),
+        ],
+        None,
+    );
+    // PUB drops what it sends before the subscription reaches it; the same
+    // admissions again replace themselves.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&sc, refused) < 3.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the peer's message never arrived"
+        );
+        publisher.send(&message, 0).unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric(&sc, refused) % 3.0, 0.0, "counted per admission");
+    assert_eq!(sc.active_bookings(), 1, "only the admission at the bound");
 }

@@ -304,6 +304,70 @@ async fn select_and_reserve_books_at_once_so_a_burst_spreads() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_booking_past_max_prompt_tokens_is_refused_and_loads_stay() {
+    let (_, api, sc) = two_workers_up().await;
+    let idle = vec![((1, 0), (0, 0)), ((2, 0), (0, 0))];
+    assert_eq!(loads(&api).await, idle);
+    // Two of these, pinned to one rank, would sum to 2^64: a wrapped sum
+    // reads as an idle rank (release) or panics in the ledger (debug).
+    let huge = 1u64 << 63;
+    for i in 0..2 {
+        let (status, v) = json_of(
+            "POST",
+            &format!("{api}/select_and_reserve"),
+            Some(
+                json!({"model_name": "m", "reservation_id": format!("big-{i}"),
+                        "isl_tokens": huge, "sequence_hashes": [1],
+                        "pinned_worker": {"worker_id": 1, "dp_rank": 0}}),
+            ),
+        )
+        .await;
+        assert_eq!(status, 400, "{v}");
+        let m = v["error"].as_str().unwrap_or("");
+        assert!(m.contains("max_prompt_tokens"), "{v}");
+    }
+    let cases = [
+        (
+            "/reservations",
+            json!({"model_name": "m", "worker_id": 1, "isl_tokens": huge}),
+        ),
+        (
+            "/reservations",
+            json!({"model_name": "m", "worker_id": 1, "isl_tokens": 16,
+                   "expected_output_tokens": u32::MAX}),
+        ),
+        (
+            "/select",
+            json!({"model_name": "m", "isl_tokens": huge, "sequence_hashes": [1]}),
+        ),
+        (
+            "/potential_loads",
+            json!({"model_name": "m", "isl_tokens": huge, "sequence_hashes": [1]}),
+        ),
+    ];
+    for (path, body) in cases {
+        let (status, v) = json_of("POST", &format!("{api}{path}"), Some(body)).await;
+        assert_eq!(status, 400, "{path}: {v}");
+    }
+    assert_eq!(loads(&api).await, idle, "nothing was booked");
+    assert_eq!(
+        metric(
+            &sc,
+            "kvgate_sidecar_bookings_refused_total{reason=\"out_of_bound\",source=\"api\"}"
+        ),
+        6.0
+    );
+    // Up to the bound is still booked.
+    let (status, v) = json_of(
+        "POST",
+        &format!("{api}/reservations"),
+        Some(json!({"model_name": "m", "worker_id": 1, "isl_tokens": 1u64 << 24})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn writes_need_the_token_and_reads_do_not() {
     let (a, _) = fake_worker().await;
     let (_, sc) = sidecar_with(&[&a], Some("s3cret")).await;

@@ -1309,6 +1309,54 @@ fn the_service_forwards_bookings_one_batch_at_a_time() {
     );
 }
 
+/// A sidecar that has a control token refuses the bookings of a filter
+/// without one: the filter warns once, saying what to set, not once per
+/// batch, and again after a minute if the refusals go on.
+#[test]
+fn a_refused_token_is_logged_once_then_rate_limited() {
+    // Fresh state past the minute the test waits, so that it still routes
+    // (and books) then.
+    let mut e = Envoy::ready(r#"{"stale_after_ms": 120000}"#);
+    let warnings = |e: &Envoy| {
+        e.service
+            .logs()
+            .lines()
+            .filter(|l| l.starts_with("[3]") && l.contains("sidecar_token"))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    let refuse_one = |e: &mut Envoy| {
+        e.routers[0].request(&CHAT, &[&chat("m")]);
+        e.routers[0].tick().unwrap();
+        e.service.deliver_queues().unwrap();
+        let post = e
+            .service
+            .pending()
+            .into_iter()
+            .find(|c| path_of(c) == "/v1/bookings")
+            .expect("a booking batch");
+        e.service
+            .respond(post.token, 401, &[("www-authenticate", "Bearer")], b"")
+            .unwrap();
+    };
+    for _ in 0..3 {
+        refuse_one(&mut e);
+    }
+    assert_eq!(e.counter("kvgate_booking_batch_errors_total"), 3);
+    let logged = warnings(&e);
+    assert_eq!(logged.len(), 1, "{}", e.service.logs());
+    assert!(
+        logged[0].contains("refused 1 report(s) with 401"),
+        "{logged:?}"
+    );
+    assert!(logged[0].contains("/v1/bookings"), "{logged:?}");
+    e.shared.lock().unwrap().advance_ms(60_000);
+    refuse_one(&mut e);
+    let logged = warnings(&e);
+    assert_eq!(logged.len(), 2, "{}", e.service.logs());
+    assert!(logged[1].contains("refused 3 report(s)"), "{logged:?}");
+}
+
 /// A chat of a model with a prompt template is rendered in the VM and
 /// matched against the text index: it goes to the rank whose engine holds
 /// the rendered prefix, even with more load; a template blob that does not

@@ -8,9 +8,43 @@
 //! load taken from the ledger at that instant, as the filter adds its own
 //! bookings to its copy of the snapshot.
 
+use super::Backend;
 use crate::sources::bookings::Bookings;
 use kvgate_core::busy::rank_busy;
 use kvgate_core::{ModelState, Snapshot};
+
+/// Refuses a request naming more tokens than one booking of its model may
+/// hold (`max_prompt_tokens`): the prompt's `isl_tokens` and its
+/// `expected_output_tokens`, from which every booked field follows. The
+/// refusal is counted. Call it without the ledger held: it reads the
+/// fleet, which is locked before the ledger elsewhere.
+pub(crate) fn within_bound(
+    sc: &dyn Backend,
+    snap: &Snapshot,
+    model: &str,
+    isl_tokens: Option<u64>,
+    expected_output_tokens: Option<u32>,
+) -> Result<(), String> {
+    // An adapter's requests are booked as its base model's.
+    let name = snap.model(model).map_or(model, |m| m.name.as_str());
+    let max = sc.fleet().booking_bound(name).prefill_tokens;
+    let over = match (isl_tokens, expected_output_tokens.map(u64::from)) {
+        (Some(n), _) if n > max => Some(("isl_tokens", n)),
+        (_, Some(n)) if n > max => Some(("expected_output_tokens", n)),
+        _ => None,
+    };
+    let Some((field, n)) = over else {
+        return Ok(());
+    };
+    sc.metrics()
+        .ledger
+        .bookings_refused
+        .with_label_values(&["api", "out_of_bound"])
+        .inc();
+    Err(format!(
+        "{field} {n} is more than model {model:?}'s max_prompt_tokens {max}"
+    ))
+}
 
 /// A reservation's id: non-empty, printable and short, since it is echoed
 /// in answers and logs and sent to peers.

@@ -2,7 +2,7 @@
 //! All read the fleet with its load as the ledger holds it now.
 
 use super::Backend;
-use super::ledger_view::{fresh, fresh_model};
+use super::ledger_view::{fresh, fresh_model, within_bound};
 use super::select::prompt;
 use super::views::{
     self, LoadsView, ModelLoadView, OverlapRowView, OverlapScoresView, PotentialLoadView,
@@ -84,6 +84,8 @@ fn looked_up(
     let req: SelectRequest = views::parse(body)
         .map_err(|e| (StatusCode::BAD_REQUEST, format!("invalid request: {e}")))?;
     let snap = sc.store().snapshot();
+    within_bound(sc, &snap, &req.model_name, req.prompt.isl_tokens, None)
+        .map_err(|m| (StatusCode::BAD_REQUEST, m))?;
     let model = fresh_model(&snap, &req.model_name, &sc.bookings()).ok_or_else(|| {
         (
             StatusCode::NOT_FOUND,
@@ -112,10 +114,14 @@ pub(super) async fn potential_loads(State(sc): State<Arc<dyn Backend>>, body: By
             loads.push(PotentialLoadView {
                 worker_id: w.id,
                 dp_rank: r.rank,
-                potential_prefill_tokens: r.active_prefill_tokens
-                    + isl.saturating_sub(u64::from(device) * bs),
-                potential_decode_blocks: r.active_decode_blocks
-                    + new_blocks(isl, w.block_size, device),
+                potential_prefill_tokens: r
+                    .active_prefill_tokens
+                    .saturating_add(isl.saturating_sub(u64::from(device) * bs)),
+                potential_decode_blocks: r.active_decode_blocks.saturating_add(new_blocks(
+                    isl,
+                    w.block_size,
+                    device,
+                )),
             });
         }
     }

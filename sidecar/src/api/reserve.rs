@@ -8,7 +8,7 @@
 //! live. A refused call changes nothing in the ledger.
 
 use super::Backend;
-use super::ledger_view::{fresh_model, valid_reservation_id};
+use super::ledger_view::{fresh_model, valid_reservation_id, within_bound};
 use super::select::{new_reservation_id, output_blocks, prompt};
 use super::views::{self, OutputBlockRequest, ReservationRequest, ReservationView};
 use super::{error, json_response};
@@ -35,6 +35,16 @@ pub(super) async fn create(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> R
         return error(StatusCode::BAD_REQUEST, m);
     }
     let snap = sc.store().snapshot();
+    // effective_prefill_tokens is checked against the prompt's length.
+    if let Err(m) = within_bound(
+        &*sc,
+        &snap,
+        &req.model_name,
+        req.prompt.isl_tokens,
+        req.expected_output_tokens,
+    ) {
+        return error(StatusCode::BAD_REQUEST, m);
+    }
     let log = sc.shards();
     let mut ledger = sc.bookings();
     let Some(model) = fresh_model(&snap, &req.model_name, &ledger) else {

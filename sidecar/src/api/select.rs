@@ -5,7 +5,7 @@
 //! same path for a front door that routes an OpenAI body itself.
 
 use super::Backend;
-use super::ledger_view::{fresh_model, valid_reservation_id};
+use super::ledger_view::{fresh_model, valid_reservation_id, within_bound};
 use super::views::{self, LegView, OverlapView, Prompt, SelectRequest, SelectionView, SplitView};
 use super::{error, json_response};
 use crate::fleet::RankId;
@@ -58,6 +58,15 @@ fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
         req.reservation_id = None;
     }
     let snap = sc.store().snapshot();
+    if let Err(m) = within_bound(
+        sc,
+        &snap,
+        &req.model_name,
+        req.prompt.isl_tokens,
+        req.expected_output_tokens,
+    ) {
+        return error(StatusCode::BAD_REQUEST, m);
+    }
     let tie = TIE_BREAK.fetch_add(1, Ordering::Relaxed);
     let log = sc.shards();
     // Held from the view to the booking when reserving: two concurrent

@@ -9,6 +9,7 @@ use axum::response::Response;
 use std::sync::Arc;
 
 pub(super) async fn state(State(sc): State<Arc<dyn Backend>>) -> Response {
-    let view = StateView::new(&sc.store().snapshot(), sc.versions().epoch);
+    let mut view = StateView::new(&sc.store().snapshot(), sc.versions().epoch);
+    view.unauthorized = sc.metrics().listener.unauthorized_by_path();
     json_response(StatusCode::OK, &view)
 }

@@ -15,6 +15,30 @@ pub fn render(state: &StateView) -> String {
         "snapshot version {}  epoch {:x}",
         state.version, state.epoch
     );
+    if !state.unauthorized.is_empty() {
+        let counts: Vec<String> = state
+            .unauthorized
+            .iter()
+            .map(|(path, n)| format!("{path} {n}"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "refused for want of the control token (401): {}",
+            counts.join(", ")
+        );
+        if state
+            .unauthorized
+            .keys()
+            .any(|p| p == "/v1/bookings" || p == "/v1/routed")
+        {
+            // The one place this shows besides a counter: Envoy's filter
+            // routes on without its bookings.
+            let _ = writeln!(
+                out,
+                "  the filter's reports are refused: set sidecar_token in its plugin configuration to this sidecar's control token"
+            );
+        }
+    }
     for m in &state.models {
         model(&mut out, m);
     }
@@ -211,6 +235,15 @@ mod tests {
         assert!(text.contains("BUSY"), "{text}");
         assert!(text.contains("10.0.0.1:8000         both"), "{text}");
         assert!(!text.contains("disaggregation"), "{text}");
+        assert!(
+            !text.contains("401"),
+            "nothing refused, nothing said: {text}"
+        );
+        let mut refused = state.clone();
+        refused.unauthorized = [("/v1/bookings".to_string(), 7)].into();
+        let text = render(&refused);
+        assert!(text.contains("(401): /v1/bookings 7"), "{text}");
+        assert!(text.contains("set sidecar_token"), "{text}");
     }
 
     #[test]

@@ -195,6 +195,7 @@ impl Trial {
                 planner: None,
                 prompt: None,
                 disaggregation: None,
+                max_prompt_tokens: crate::config::DEFAULT_MAX_PROMPT_TOKENS,
             });
         if let Some((n, o)) = &self.model
             && n == name

@@ -32,7 +32,7 @@ pub use sections::{
     Server, validate_peer,
 };
 pub use thermal::{EvictPolicy, MIN_HYSTERESIS_C, Thermal, ThermalOverride, ThermalSettings};
-pub use worker::{ModelConfig, WorkerSpec};
+pub use worker::{DEFAULT_MAX_PROMPT_TOKENS, MAX_PROMPT_TOKENS_CEILING, ModelConfig, WorkerSpec};
 
 use kvgate_core::Thresholds;
 use serde::Deserialize;
@@ -119,6 +119,12 @@ impl Config {
             m.thresholds
                 .validate()
                 .map_err(|e| format!("model {:?}: {e}", m.name))?;
+            if !(1..=MAX_PROMPT_TOKENS_CEILING).contains(&m.max_prompt_tokens) {
+                return Err(format!(
+                    "model {:?}: max_prompt_tokens must be within [1, {MAX_PROMPT_TOKENS_CEILING}], got {}",
+                    m.name, m.max_prompt_tokens
+                ));
+            }
             m.policy
                 .validate()
                 .map_err(|e| format!("model {:?}: policy: {e}", m.name))?;

@@ -425,3 +425,22 @@ fn bad_disaggregation_settings_say_what_is_wrong() {
     let e = with("role = \"prefill\"", "role = \"encode\"");
     assert!(e.contains("unknown variant `encode`"), "{e}");
 }
+
+#[test]
+fn max_prompt_tokens_defaults_and_is_bounded() {
+    let c = Config::parse(
+        "[[models]]\nname = \"m\"\n[[models]]\nname = \"n\"\nmax_prompt_tokens = 4096",
+    )
+    .unwrap();
+    assert_eq!(c.models[0].max_prompt_tokens, DEFAULT_MAX_PROMPT_TOKENS);
+    assert_eq!(c.models[1].max_prompt_tokens, 4096);
+    for bad in ["0", &(MAX_PROMPT_TOKENS_CEILING + 1).to_string()] {
+        assert!(
+            err(&format!(
+                "[[models]]\nname = \"m\"\nmax_prompt_tokens = {bad}"
+            ))
+            .contains("max_prompt_tokens"),
+            "{bad}"
+        );
+    }
+}

@@ -39,6 +39,25 @@ pub struct ModelConfig {
     /// (the workers' `role`); absent, every request is served whole.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disaggregation: Option<super::DisaggregationConfig>,
+    /// The longest prompt, in tokens, one request of this model may book
+    /// (and the most output tokens it may expect). Anything announcing
+    /// more is refused: a booking stands for at most this much load, so
+    /// that no set of bookings can reach the ledger's numeric limits.
+    #[serde(default = "default_max_prompt_tokens")]
+    pub max_prompt_tokens: u64,
+}
+
+/// 16 Mi tokens: past any context window served today.
+pub const DEFAULT_MAX_PROMPT_TOKENS: u64 = 1 << 24;
+
+/// The largest `max_prompt_tokens` accepted: with it, one holder books at
+/// most 2^31 prefill tokens and 2^32 decode blocks, so more than a
+/// billion holders (hundreds of GiB of ledger) would be needed to reach
+/// 2^63; the sums saturate besides.
+pub const MAX_PROMPT_TOKENS_CEILING: u64 = 1 << 31;
+
+fn default_max_prompt_tokens() -> u64 {
+    DEFAULT_MAX_PROMPT_TOKENS
 }
 
 fn is_unset(o: &ThermalOverride) -> bool {

@@ -139,6 +139,17 @@ impl Fleet {
         self.models.get(name)
     }
 
+    /// The most one booking of `model` may hold; a model not configured
+    /// (one whose bookings are refused anyway) gets the default.
+    pub fn booking_bound(&self, model: &str) -> crate::sources::bookings::Bound {
+        crate::sources::bookings::Bound::of_prompt(
+            self.model(model)
+                .map_or(crate::config::DEFAULT_MAX_PROMPT_TOKENS, |m| {
+                    m.max_prompt_tokens
+                }),
+        )
+    }
+
     /// The workers by id.
     pub fn workers(&self) -> &BTreeMap<u64, WorkerEntry> {
         &self.workers

@@ -11,6 +11,7 @@ pub struct LedgerMetrics {
     pub bookings_expired: IntCounter,
     pub holders: IntGaugeVec,
     pub booking_batches: IntCounterVec,
+    pub bookings_refused: IntCounterVec,
     pub replica_events: IntCounterVec,
     pub replica_refused: IntCounter,
     pub replica_peer_connected: IntGaugeVec,
@@ -56,6 +57,12 @@ impl LedgerMetrics {
                 "kvgate_sidecar_booking_batches_total",
                 "Booking batches received from the gateway, by result (ok, malformed).",
                 &["result"],
+            )?,
+            bookings_refused: counter(
+                r,
+                "kvgate_sidecar_bookings_refused_total",
+                "Bookings refused before they reached the ledger, by source (gateway: this sidecar's Envoy batches; peer: replica sync; api: the selection API, answered 400) and reason (out_of_bound: more than the model's max_prompt_tokens allows).",
+                &["source", "reason"],
             )?,
             replica_events: counter(
                 r,

@@ -1,12 +1,15 @@
 //! The listener family: connections on the sidecar's HTTP listeners.
 
 use super::{MetricsError, counter, gauge_vec};
+use prometheus::core::Collector;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
+use std::collections::BTreeMap;
 
 pub struct ListenerMetrics {
     pub open: IntGaugeVec,
     pub refused: IntCounterVec,
     pub closed: IntCounterVec,
+    pub unauthorized: IntCounterVec,
 }
 
 /// One listener's series, labelled with its name.
@@ -39,7 +42,31 @@ impl ListenerMetrics {
                 "Connections the sidecar closed, by reason: header_timeout (a request head arrived too slowly), idle_timeout (nothing moved for idle_timeout_ms).",
                 &["listener", "reason"],
             )?,
+            unauthorized: counter(
+                r,
+                "kvgate_sidecar_unauthorized_total",
+                "Requests refused 401 for a missing or wrong control token, by route (/v1/bookings and /v1/routed: a filter whose sidecar_token does not match, so that routing runs without its bookings).",
+                &["path"],
+            )?,
         })
+    }
+
+    /// The 401s so far per route, for `/v1/state`.
+    pub fn unauthorized_by_path(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for family in self.unauthorized.collect() {
+            for m in family.get_metric() {
+                let path = m
+                    .get_label()
+                    .iter()
+                    .find(|l| l.name() == "path")
+                    .map(|l| l.value().to_string());
+                if let Some(path) = path {
+                    out.insert(path, m.get_counter().value() as u64);
+                }
+            }
+        }
+        out
     }
 
     pub fn series(&self, listener: &str) -> ListenerSeries {

@@ -4,7 +4,7 @@
 use crate::Sidecar;
 use crate::fleet::RankId;
 use crate::replica::wire::{Placed, SyncEvent, SyncId};
-use crate::sources::bookings::{Effect, Holder, Id, Load, Origin};
+use crate::sources::bookings::{Bound, Effect, Holder, Id, Load, Origin};
 use crate::sources::metrics::promtext::RankMetrics;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -13,14 +13,22 @@ impl Sidecar {
     /// Applies a batch of gateway events (bookings, releases, rejections),
     /// and tells the replica-sync peers what was booked and released.
     pub(crate) fn book(&self, events: Vec<kvgate_core::booking::Event>) {
-        // slot -> who it is, for validation, metrics and peers.
-        let owners: HashMap<u16, RankId> = {
+        // slot -> who it is, for validation, metrics and peers; model ->
+        // the most one of its bookings may hold.
+        let (owners, bounds): (HashMap<u16, RankId>, HashMap<String, Bound>) = {
             let f = self.fleet();
-            f.workers()
+            let owners: HashMap<u16, RankId> = f
+                .workers()
                 .values()
                 .flat_map(|w| w.slots().iter().filter_map(|s| Some((*s, f.rank_of(*s)?))))
-                .collect()
+                .collect();
+            let bounds = owners
+                .values()
+                .map(|r| (r.model.clone(), f.booking_bound(&r.model)))
+                .collect();
+            (owners, bounds)
         };
+        let mut out_of_bound = 0u64;
         let now = Instant::now();
         let metrics = &self.metrics().selection;
         let mut b = self.bookings();
@@ -30,6 +38,23 @@ impl Sidecar {
         // lookup per event was most of a booking's cost.
         let mut tally: HashMap<u16, [u64; 3]> = HashMap::new();
         for ev in events {
+            if let kvgate_core::booking::Event::Book {
+                key,
+                model,
+                prefill_tokens,
+                decode_blocks,
+                ..
+            } = &ev
+                && let Some(bound) = bounds.get(model)
+                && let Err(why) = bound.check(u64::from(*prefill_tokens), u64::from(*decode_blocks))
+            {
+                // Not booked, and so not announced to peers; the VM's
+                // watermark still passes it.
+                b.seen(*key, now);
+                out_of_bound += 1;
+                tracing::debug!(model, "gateway booking refused: {why}");
+                continue;
+            }
             // Peers hear what this sidecar's gateways booked and released.
             let copy = self.replica().is_some().then(|| ev.clone());
             let isl = match &ev {
@@ -52,7 +77,10 @@ impl Sidecar {
                             key: *key,
                             model: rank.model.clone(),
                             worker: rank.worker_id,
-                            prefill: (met.prefill_tokens + u64::from(*prefill_tokens)) as f64,
+                            prefill: met
+                                .prefill_tokens
+                                .saturating_add(u64::from(*prefill_tokens))
+                                as f64,
                             decode_kv: (met.decode_blocks * u64::from(rank.block_size)) as f64,
                             uncached: u64::from(*prefill_tokens),
                         });
@@ -91,8 +119,8 @@ impl Sidecar {
                 Effect::Ended { slot, uncached } => {
                     if let Some(isl) = isl {
                         let t = tally.entry(*slot).or_default();
-                        t[1] += isl;
-                        t[2] += isl.saturating_sub(*uncached);
+                        t[1] = t[1].saturating_add(isl);
+                        t[2] = t[2].saturating_add(isl.saturating_sub(*uncached));
                     }
                 }
                 Effect::Released | Effect::Unknown => {}
@@ -102,6 +130,17 @@ impl Sidecar {
             }
         }
         drop(b);
+        if out_of_bound > 0 {
+            self.metrics()
+                .ledger
+                .bookings_refused
+                .with_label_values(&["gateway", "out_of_bound"])
+                .inc_by(out_of_bound);
+            tracing::warn!(
+                out_of_bound,
+                "gateway bookings over their model's max_prompt_tokens: refused"
+            );
+        }
         for (slot, [routed, prompt, cached]) in tally {
             // A booking is only accepted for a slot of its model, so the
             // rank names the model.
@@ -153,20 +192,31 @@ impl Sidecar {
     /// tenant or block size) are dropped, as Dynamo's replicas do.
     pub(crate) fn peer_announced(&self, origin: u64, events: Vec<SyncEvent>) {
         let now = Instant::now();
-        let mut unknown = 0u64;
-        let placed: Vec<Option<u16>> = {
+        let (mut unknown, mut out_of_bound) = (0u64, 0u64);
+        // An admission's slot, or why it is not booked.
+        let placed: Vec<Result<u16, PeerRefusal>> = {
             let f = self.fleet();
             events
                 .iter()
                 .map(|e| match e {
-                    SyncEvent::Admit(_, p) => f.slot_of(&RankId {
-                        model: p.model.clone(),
-                        tenant: p.tenant.clone(),
-                        block_size: p.block_size,
-                        worker_id: p.worker_id,
-                        dp_rank: p.dp_rank,
-                    }),
-                    _ => None,
+                    SyncEvent::Admit(_, p) => {
+                        let slot = f
+                            .slot_of(&RankId {
+                                model: p.model.clone(),
+                                tenant: p.tenant.clone(),
+                                block_size: p.block_size,
+                                worker_id: p.worker_id,
+                                dp_rank: p.dp_rank,
+                            })
+                            .ok_or(PeerRefusal::UnknownRank)?;
+                        // A peer is trusted with its token, not with its
+                        // numbers: a huge admission would hide a rank's load.
+                        f.booking_bound(&p.model)
+                            .check(p.prefill_tokens, p.decode_blocks)
+                            .map_err(PeerRefusal::OutOfBound)?;
+                        Ok(slot)
+                    }
+                    _ => Err(PeerRefusal::NotAnAdmission),
                 })
                 .collect()
         };
@@ -181,7 +231,7 @@ impl Sidecar {
             };
             match e {
                 SyncEvent::Admit(id, p) => match slot {
-                    Some(slot) => b.admit(
+                    Ok(slot) => b.admit(
                         holder(id),
                         Load {
                             slot,
@@ -190,7 +240,11 @@ impl Sidecar {
                         },
                         now,
                     ),
-                    None => unknown += 1,
+                    Err(PeerRefusal::OutOfBound(why)) => {
+                        out_of_bound += 1;
+                        tracing::debug!(origin, "replica-sync admission refused: {why}");
+                    }
+                    Err(_) => unknown += 1,
                 },
                 SyncEvent::PrefillComplete(id) => {
                     b.prefill_complete(&holder(id), now);
@@ -200,6 +254,8 @@ impl Sidecar {
                 }
             }
         }
+        drop(b);
+        self.peer_refusals(origin, out_of_bound);
         if unknown > 0 {
             self.metrics()
                 .ledger
@@ -211,6 +267,22 @@ impl Sidecar {
                 "replica-sync admissions for ranks not in this catalog: dropped"
             );
         }
+    }
+
+    fn peer_refusals(&self, origin: u64, out_of_bound: u64) {
+        if out_of_bound == 0 {
+            return;
+        }
+        self.metrics()
+            .ledger
+            .bookings_refused
+            .with_label_values(&["peer", "out_of_bound"])
+            .inc_by(out_of_bound);
+        tracing::warn!(
+            origin,
+            out_of_bound,
+            "replica-sync admissions over their model's max_prompt_tokens: refused"
+        );
     }
 
     /// Learns routing decisions the filter reported, keeping only those
@@ -249,6 +321,14 @@ impl Sidecar {
             self.publish_now();
         }
     }
+}
+
+/// Why a peer's event books nothing.
+enum PeerRefusal {
+    UnknownRank,
+    OutOfBound(String),
+    /// Not an admission: nothing to place.
+    NotAnAdmission,
 }
 
 /// What the planner hears of a gateway event.

@@ -12,7 +12,7 @@
 
 use super::{TIE_BREAK, new_reservation_id, place_in, rank_id};
 use crate::api::Backend;
-use crate::api::ledger_view::fresh_model;
+use crate::api::ledger_view::{fresh_model, within_bound};
 use crate::sources::bookings::Load;
 use kvgate_core::plan::request::Parsed;
 use kvgate_core::plan::{Prefill, Rejection};
@@ -53,6 +53,9 @@ pub fn route_and_reserve(
     tenant: &str,
 ) -> Result<Routed, RouteError> {
     let snap = sc.store().snapshot();
+    // The door's body limit keeps prompts far shorter; refused as the
+    // ledger would refuse it, should that limit ever be raised.
+    within_bound(sc, &snap, &req.model, Some(req.isl_tokens), None).map_err(RouteError::Ledger)?;
     let tie = TIE_BREAK.fetch_add(1, Ordering::Relaxed);
     let log = sc.shards();
     // Held from the view to the booking: concurrent streams must not both

@@ -11,6 +11,7 @@ use crate::config::WorkerSpec;
 use crate::fleet::WorkerEntry;
 use kvgate_core::{ModelState, Snapshot, Thresholds, ThresholdsPatch, WorkerState};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// `GET /v1/state`: the current snapshot, for people and tests.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -19,6 +20,11 @@ pub struct StateView {
     pub built_at_ms: u64,
     pub epoch: u64,
     pub models: Vec<ModelView>,
+    /// Requests refused 401 (no or wrong control token) per route since
+    /// start; absent when none. A count under `/v1/bookings` is a filter
+    /// whose `sidecar_token` does not match: routing without its bookings.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub unauthorized: BTreeMap<String, u64>,
 }
 
 /// One model in [`StateView`].
@@ -78,6 +84,7 @@ impl StateView {
             built_at_ms: s.built_at_ms,
             epoch,
             models: s.models.iter().map(ModelView::from).collect(),
+            unauthorized: BTreeMap::new(),
         }
     }
 }

@@ -132,6 +132,47 @@ pub enum Effect {
     Refused,
 }
 
+/// The most one holder may book on a slot, per field. Every way load
+/// enters the ledger (the selection API, gateway booking batches, replica
+/// sync) checks it first, so that one booking cannot stand for the load of
+/// billions of requests; the sums saturate besides, so that no number of
+/// holders wraps them round to an idle-looking rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bound {
+    /// The model's `max_prompt_tokens`.
+    pub prefill_tokens: u64,
+    /// A prompt's blocks plus its expected output's, each at most
+    /// `max_prompt_tokens` (blocks hold at least one token).
+    pub decode_blocks: u64,
+}
+
+impl Bound {
+    pub fn of_prompt(max_prompt_tokens: u64) -> Bound {
+        Bound {
+            prefill_tokens: max_prompt_tokens,
+            decode_blocks: max_prompt_tokens.saturating_mul(2),
+        }
+    }
+
+    /// Whether `prefill_tokens` and `decode_blocks` are within the bound;
+    /// the error names the field that is not.
+    pub fn check(&self, prefill_tokens: u64, decode_blocks: u64) -> Result<(), String> {
+        if prefill_tokens > self.prefill_tokens {
+            return Err(format!(
+                "{prefill_tokens} prefill tokens are more than the model's max_prompt_tokens {}",
+                self.prefill_tokens
+            ));
+        }
+        if decode_blocks > self.decode_blocks {
+            return Err(format!(
+                "{decode_blocks} decode blocks are more than the model allows ({}: twice its max_prompt_tokens)",
+                self.decode_blocks
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Why a ledger change was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LedgerError {
@@ -181,8 +222,7 @@ impl Bookings {
                 prefill_tokens,
                 decode_blocks,
             } => {
-                let mark = self.marks.entry(key.vm).or_insert((0, now));
-                *mark = (mark.0.max(key.seq), now);
+                self.seen(key, now);
                 if !slot_exists(&model, slot) {
                     return Effect::Refused;
                 }
@@ -215,6 +255,14 @@ impl Bookings {
         }
     }
 
+    /// A gateway VM's booking `key` arrived: it counts towards the VM's
+    /// watermark whether or not it is booked, so that the VM stops waiting
+    /// for a booking the sidecar refused.
+    pub fn seen(&mut self, key: Key, now: Instant) {
+        let mark = self.marks.entry(key.vm).or_insert((0, now));
+        *mark = (mark.0.max(key.seq), now);
+    }
+
     /// Books `load` for `holder`. A holder booked again (a buggy VM reusing
     /// a key, a peer's message seen twice) is counted once: the old entry
     /// goes.
@@ -229,9 +277,11 @@ impl Bookings {
             at: now,
         };
         let s = self.slots.entry(load.slot).or_default();
-        s.load.prefill_tokens += live.prefill;
-        s.load.decode_blocks += live.decode;
-        s.load.requests += 1;
+        // Callers bound each booking; saturating keeps a sum that still
+        // reached the top at the top, never wrapped round to idle.
+        s.load.prefill_tokens = s.load.prefill_tokens.saturating_add(live.prefill);
+        s.load.decode_blocks = s.load.decode_blocks.saturating_add(live.decode);
+        s.load.requests = s.load.requests.saturating_add(1);
         if let Some(old) = self.live.insert(holder, live) {
             self.release(&old, true);
         }
@@ -258,7 +308,7 @@ impl Bookings {
         let slot = l.slot;
         if let Some(s) = self.slots.get_mut(&slot) {
             s.load.prefill_tokens = s.load.prefill_tokens.saturating_sub(freed);
-            s.freed_prefill += freed;
+            s.freed_prefill = s.freed_prefill.saturating_add(freed);
         }
         true
     }
@@ -276,7 +326,7 @@ impl Bookings {
         let Some(l) = self.live.get_mut(holder) else {
             return false;
         };
-        l.blocks += 1;
+        l.blocks = l.blocks.saturating_add(1);
         if let Some(f) = decay_fraction {
             l.weight = f.clamp(0.0, 1.0);
         }
@@ -285,7 +335,7 @@ impl Bookings {
         l.decode = (l.blocks as f64 * l.weight).round() as u64;
         let (slot, new) = (l.slot, l.decode);
         if let Some(s) = self.slots.get_mut(&slot) {
-            s.load.decode_blocks = s.load.decode_blocks.saturating_sub(old) + new;
+            s.load.decode_blocks = s.load.decode_blocks.saturating_sub(old).saturating_add(new);
         }
         true
     }
@@ -308,9 +358,9 @@ impl Bookings {
         s.load.decode_blocks = s.load.decode_blocks.saturating_sub(l.decode);
         s.load.requests = s.load.requests.saturating_sub(1);
         if drained {
-            s.freed_prefill += l.prefill;
-            s.freed_decode += l.decode;
-            s.finished += 1;
+            s.freed_prefill = s.freed_prefill.saturating_add(l.prefill);
+            s.freed_decode = s.freed_decode.saturating_add(l.decode);
+            s.finished = s.finished.saturating_add(1);
         }
     }
 
@@ -390,9 +440,9 @@ fn sample_drain(s: &mut Slot, now: Instant) {
     }
     let secs = dt.as_secs_f64();
     let alpha = 1.0 - (-secs / DRAIN_TAU.as_secs_f64()).exp();
-    let p_rate = (s.freed_prefill - p0) as f64 / secs;
-    let d_rate = (s.freed_decode - d0) as f64 / secs;
-    let f_rate = (s.finished - f0) as f64 / secs;
+    let p_rate = s.freed_prefill.saturating_sub(p0) as f64 / secs;
+    let d_rate = s.freed_decode.saturating_sub(d0) as f64 / secs;
+    let f_rate = s.finished.saturating_sub(f0) as f64 / secs;
     s.load.prefill_drain_per_s += alpha * (p_rate - s.load.prefill_drain_per_s);
     s.load.decode_drain_per_s += alpha * (d_rate - s.load.decode_drain_per_s);
     s.load.completions_per_s += alpha * (f_rate - s.load.completions_per_s);

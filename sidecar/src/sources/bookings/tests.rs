@@ -209,3 +209,44 @@ fn a_peers_holders_are_its_own_even_with_the_same_names() {
     b.sweep(t + Duration::from_secs(301));
     assert_eq!(b.slot(1), SlotLoad::default());
 }
+
+#[test]
+fn slot_sums_saturate_rather_than_wrap() {
+    let mut b = Bookings::new(Duration::from_secs(300));
+    let t = Instant::now();
+    let huge = 1u64 << 63;
+    // Wrapping, these two would read as an idle slot (and in a debug
+    // build, panic inside the ledger's lock).
+    let r1 = b.reserve("a", load(1, huge, huge), t).unwrap();
+    b.reserve("b", load(1, huge, huge), t).unwrap();
+    let l = b.slot(1);
+    assert_eq!(
+        (l.prefill_tokens, l.decode_blocks, l.requests),
+        (u64::MAX, u64::MAX, 2)
+    );
+    assert!(b.output_block(&r1, None, t));
+    assert_eq!(b.slot(1).decode_blocks, u64::MAX);
+    // Releasing takes off no more than what is there.
+    b.free(&r1);
+    assert_eq!(b.slot(1).prefill_tokens, u64::MAX - huge);
+    b.sweep(t + Duration::from_secs(1));
+    b.sweep(t + Duration::from_secs(2));
+}
+
+#[test]
+fn a_bound_names_the_field_over_it() {
+    let bound = Bound::of_prompt(1 << 24);
+    assert_eq!(bound.check(1 << 24, 1 << 25), Ok(()));
+    assert!(
+        bound
+            .check((1 << 24) + 1, 0)
+            .unwrap_err()
+            .contains("prefill")
+    );
+    assert!(
+        bound
+            .check(0, (1 << 25) + 1)
+            .unwrap_err()
+            .contains("decode")
+    );
+}
