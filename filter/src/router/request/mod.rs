@@ -7,15 +7,16 @@
 //! produce an owned [`Decision`], so a request can pause on a callout and
 //! finish when the answer arrives ([`Stage::Prefilling`]).
 //!
-//! A disaggregated request ([`Split`]) books both legs, calls its prefill
-//! worker from its own context, and on the answer goes on to the decode
-//! worker with the prefill's transfer parameters in its body; a failed leg
-//! is tried once on the runner-up, then prefilled on the decode worker or
-//! answered 503, as the model says ([`prefill`]). An SGLang request sends
+//! A disaggregated request ([`decide::Split`]) books both legs, calls its
+//! prefill worker from its own context, and on the answer goes on to the
+//! decode worker with the prefill's transfer parameters in its body; a
+//! failed leg is tried once on the runner-up, then prefilled on the decode
+//! worker or answered 503, as the model says. An SGLang request sends
 //! both legs at once, one body with its bootstrap room, and drains the
-//! prefill's answer ([`Request::split_sglang`]).
+//! prefill's answer ([`legs`]; answers judged in [`prefill`]).
 
 mod decide;
+mod legs;
 mod prefill;
 
 use super::{Booking, RouterState};
@@ -24,21 +25,18 @@ use crate::host;
 use crate::manifest::{self, Manifest};
 use crate::metrics::{inc, record};
 use crate::reply::Reply;
-use decide::{Decision, PrefillPlan, Routing, Split, Target};
+use decide::{Decision, Routing, Target};
 use kvgate_core::DEFAULT_TENANT;
 use kvgate_core::booking::{Event, Key, Timing};
-use kvgate_core::disagg::{self, nixl, sglang};
-use kvgate_core::header::{self, ATTEMPT_COUNT};
+use kvgate_core::header::ATTEMPT_COUNT;
 use kvgate_core::plan::local::Release;
 use kvgate_core::plan::request::{Endpoint, parse};
-use kvgate_core::state::{OnPrefillFailure, Protocol};
-use prefill::Verdict;
+use kvgate_core::state::Protocol;
+use legs::{Draining, Leg};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
-use std::borrow::Cow;
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::Duration;
 
 /// Where a request is in its life; the callbacks move it on.
 #[derive(Debug, Default)]
@@ -53,29 +51,6 @@ enum Stage {
     Routed,
     /// Answered by the filter itself.
     Replied,
-}
-
-/// A second try of a prefill leg needs at least this share (one in ten)
-/// of the leg's time budget left.
-const MIN_RETRY_SHARE: u64 = 10;
-
-/// A prefill leg in flight: what the answer is applied to.
-#[derive(Debug)]
-struct Leg {
-    plan: PrefillPlan,
-    /// The worker the callout went to.
-    at: Target,
-    /// The client's body, which the decode leg is made from.
-    client: Vec<u8>,
-    /// The path both legs are sent to.
-    path: String,
-    request_id: String,
-    /// The client's `authorization`, for workers that check an API key.
-    authorization: Option<String>,
-    /// When the leg's one budget runs out, and when this try started.
-    deadline_us: u64,
-    sent_us: u64,
-    retried: bool,
 }
 
 pub struct Request {
@@ -97,16 +72,6 @@ pub struct Request {
     served_by: Option<String>,
     /// When it was routed and first answered, for the planner.
     clock: Option<Clock>,
-}
-
-/// An SGLang prefill leg in flight beside its decode leg.
-#[derive(Debug)]
-struct Draining {
-    token: u32,
-    endpoint: String,
-    request_id: String,
-    room: u64,
-    sent_us: u64,
 }
 
 /// A routed request's timing, sent with its end.
@@ -213,379 +178,6 @@ impl Request {
         }
     }
 
-    /// Books both legs of a disaggregated request, with the request routed
-    /// to its decode worker, and sends the prefill leg; the request waits
-    /// for its answer.
-    fn split(&mut self, s: Split, body: &[u8]) -> Action {
-        let Split {
-            decode, prefill, ..
-        } = s;
-        self.route_to(decode);
-        let path = host::request_header(":path").unwrap_or_default();
-        let authorization = host::request_header("authorization");
-        let (request_id, now) = {
-            let st = self.state.borrow();
-            (prefill::request_id(st.vm_tag, st.next_seq), host::now_us())
-        };
-        // The decode worker is told the same id; a client's own is logged
-        // beside it, never passed on.
-        if let Some(client_id) = host::request_header(header::REQUEST_ID) {
-            host::log(
-                LogLevel::Debug,
-                &format!("kvgate: request {client_id} is disaggregated as {request_id}"),
-            );
-        }
-        let _ = host::set_request_header(header::REQUEST_ID, &request_id);
-        let leg = Leg {
-            at: prefill.first.clone(),
-            deadline_us: now.saturating_add(prefill.timeout_ms.saturating_mul(1000)),
-            plan: prefill,
-            client: body.to_vec(),
-            path,
-            request_id,
-            authorization,
-            sent_us: now,
-            retried: false,
-        };
-        self.send_prefill(leg)
-    }
-
-    /// SGLang's two legs, sent at once: the same body, the client's with
-    /// the bootstrap fields, to the prefill worker as a callout and to the
-    /// decode worker as the request itself. The request never waits for
-    /// the prefill (the prefill finishes only once the decode worker has
-    /// joined its room); its answer is drained ([`Request::drained`]).
-    ///
-    /// A try Envoy cannot make (the host left the catalog) goes to the
-    /// runner-up, before the decode leg is sent; with none, the request
-    /// is answered 503: an SGLang decode worker cannot compute a prompt
-    /// itself.
-    fn split_sglang(&mut self, s: Split, body: &[u8]) -> Action {
-        let Split {
-            decode,
-            mut prefill,
-            ..
-        } = s;
-        let decode_rank = sglang::Rank {
-            index: decode.first.dp_index,
-            size: decode.first.dp_size,
-        };
-        self.route_to(decode);
-        let path = host::request_header(":path").unwrap_or_default();
-        let authorization = host::request_header("authorization");
-        let request_id = {
-            let st = self.state.borrow();
-            prefill::request_id(st.vm_tag, st.next_seq)
-        };
-        if let Some(client_id) = host::request_header(header::REQUEST_ID) {
-            host::log(
-                LogLevel::Debug,
-                &format!("kvgate: request {client_id} is disaggregated as {request_id}"),
-            );
-        }
-        let _ = host::set_request_header(header::REQUEST_ID, &request_id);
-        let mut at = prefill.first.clone();
-        loop {
-            let room = {
-                let mut st = self.state.borrow_mut();
-                st.next_room = st.next_room.wrapping_add(1);
-                let prefill_rank = sglang::Rank {
-                    index: at.dp_index,
-                    size: at.dp_size,
-                };
-                sglang::room(sglang::mix(st.next_room), prefill_rank, decode_rank)
-            };
-            if !room.both {
-                host::log(
-                    LogLevel::Info,
-                    &format!(
-                        "kvgate: no bootstrap room lands on both chosen ranks of {request_id}: \
-                         the decode worker serves it on rank {} of its {}",
-                        room.room % u64::from(decode_rank.size.max(1)),
-                        decode_rank.size
-                    ),
-                );
-            }
-            let host_ip = sglang::bootstrap_host(&at.endpoint);
-            let Ok(both) = sglang::body(body, host_ip, at.bootstrap_port, room.room) else {
-                return self.reply(&Reply::prefill_failed(
-                    "the request body cannot be rewritten",
-                ));
-            };
-            if both.len() > self.state.borrow().config.max_body_bytes {
-                return self.reply(&Reply::prefill_failed(
-                    "the body with its bootstrap fields exceeds max_body_bytes",
-                ));
-            }
-            let timeout = Duration::from_millis(prefill.timeout_ms.max(1));
-            match self.call_prefill(
-                &at,
-                &path,
-                &request_id,
-                authorization.as_deref(),
-                &both,
-                timeout,
-            ) {
-                Ok(token) => {
-                    self.draining = Some(Draining {
-                        token,
-                        endpoint: at.endpoint.clone(),
-                        request_id,
-                        room: room.room,
-                        sent_us: host::now_us(),
-                    });
-                    self.replace_body(&both);
-                    return Action::Continue;
-                }
-                Err(status) => {
-                    host::log(
-                        LogLevel::Warn,
-                        &format!(
-                            "kvgate: prefill callout to {} failed: {status:?}",
-                            at.endpoint
-                        ),
-                    );
-                    self.release_prefill();
-                    let Some(next) = prefill.runner_up.take() else {
-                        inc(self.state.borrow().metrics.prefill_failed);
-                        return self.reply(&Reply::prefill_failed(
-                            "the prefill worker is not in the catalog",
-                        ));
-                    };
-                    inc(self.state.borrow().metrics.prefill_retried);
-                    at = next;
-                }
-            }
-        }
-    }
-
-    /// Books `at`'s prefill and dispatches the callout that computes it
-    /// there; a call Envoy refuses releases nothing (the caller does).
-    fn call_prefill(
-        &mut self,
-        at: &Target,
-        path: &str,
-        request_id: &str,
-        authorization: Option<&str>,
-        body: &[u8],
-        timeout: Duration,
-    ) -> Result<u32, proxy_wasm::types::Status> {
-        let (cluster, host_header, rank_header) = {
-            let mut st = self.state.borrow_mut();
-            self.prefill_booking = Some(st.book(&self.model, at.slot, at.prefill_tokens, 0));
-            let c = &st.config;
-            (
-                c.prefill_cluster.clone(),
-                c.prefill_host_header.clone(),
-                c.rank_header.clone(),
-            )
-        };
-        let rank = at.rank.to_string();
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", path),
-            (":authority", at.endpoint.as_str()),
-            ("content-type", "application/json"),
-            (header::REQUEST_ID, request_id),
-            (host_header.as_str(), at.endpoint.as_str()),
-        ];
-        if at.names_rank {
-            headers.push((rank_header.as_str(), rank.as_str()));
-        }
-        if let Some(a) = authorization {
-            headers.push(("authorization", a));
-        }
-        host::dispatch(&cluster, headers, Some(body), timeout)
-    }
-
-    /// An SGLang prefill answer: its booking ends. A failure cannot be
-    /// retried (the decode leg is on its way, waiting in the room), so it
-    /// is counted and logged; the decode worker fails the request on its
-    /// own bootstrap timeout.
-    fn drained(&mut self, leg: Draining) {
-        self.release_prefill();
-        let status = host::call_response_header(":status").and_then(|s| s.parse::<u16>().ok());
-        let st = self.state.borrow();
-        record(
-            st.metrics.prefill_us,
-            host::now_us().saturating_sub(leg.sent_us),
-        );
-        if status == Some(200) {
-            return;
-        }
-        inc(st.metrics.prefill_failed);
-        let status = status.map_or_else(|| "a reset".to_string(), |s| format!("status {s}"));
-        host::log(
-            LogLevel::Warn,
-            &format!(
-                "kvgate: SGLang prefill leg {} (room {}) on {} failed with {status}; \
-                 its decode worker fails the request on its bootstrap timeout",
-                leg.request_id, leg.room, leg.endpoint
-            ),
-        );
-    }
-
-    /// Books the leg's worker and calls it; a call Envoy cannot make (its
-    /// host left the catalog) fails the leg at once.
-    fn send_prefill(&mut self, mut leg: Leg) -> Action {
-        let Ok(prefill_body) = nixl::prefill_body(&leg.client) else {
-            return self.prefill_failed(leg, "the request body cannot be rewritten");
-        };
-        let now = host::now_us();
-        let left_ms = leg.deadline_us.saturating_sub(now) / 1000;
-        if left_ms == 0 {
-            return self.prefill_failed(leg, "the prefill timeout ran out");
-        }
-        let timeout = Duration::from_millis(left_ms);
-        let called = self.call_prefill(
-            &leg.at,
-            &leg.path,
-            &leg.request_id,
-            leg.authorization.as_deref(),
-            &prefill_body,
-            timeout,
-        );
-        match called {
-            Ok(token) => {
-                leg.sent_us = now;
-                self.stage = Stage::Prefilling {
-                    token,
-                    leg: Box::new(leg),
-                };
-                Action::Pause
-            }
-            Err(status) => {
-                host::log(
-                    LogLevel::Warn,
-                    &format!(
-                        "kvgate: prefill callout to {} failed: {status:?}",
-                        leg.at.endpoint
-                    ),
-                );
-                self.release_prefill();
-                self.prefill_failed(leg, "the prefill worker is not in the catalog")
-            }
-        }
-    }
-
-    /// Applies a prefill leg's answer.
-    fn prefill_answered(&mut self, leg: Leg, body_size: usize) -> Action {
-        self.release_prefill();
-        {
-            let st = self.state.borrow();
-            record(
-                st.metrics.prefill_us,
-                host::now_us().saturating_sub(leg.sent_us),
-            );
-        }
-        let status = host::call_response_header(":status").and_then(|s| s.parse::<u16>().ok());
-        let answer = host::call_response_body(body_size).unwrap_or_default();
-        match prefill::judge(status, &answer, &leg.client) {
-            Verdict::Transfer(body) => {
-                let limit = self.state.borrow().config.max_body_bytes;
-                // Envoy must not be handed a body over its buffer limit
-                // (docs/envoy-callouts.md): the transfer is lost, the
-                // prompt is not.
-                if body.len() > limit {
-                    return self.prefill_failed(leg, "the decode body exceeds max_body_bytes");
-                }
-                self.replace_body(&body);
-                Action::Continue
-            }
-            Verdict::ClientError(status) => {
-                inc(self.state.borrow().metrics.prefill_client_errors);
-                self.stage = Stage::Replied;
-                let content_type = host::call_response_header(header::CONTENT_TYPE)
-                    .unwrap_or_else(|| "application/json".into());
-                if let Err(s) = host::send_response(
-                    status,
-                    &[(header::CONTENT_TYPE, content_type.as_str())],
-                    &answer,
-                ) {
-                    host::log(
-                        LogLevel::Error,
-                        &format!("kvgate: relaying the prefill answer failed: {s:?}"),
-                    );
-                }
-                Action::Pause
-            }
-            Verdict::Failed(cause) => self.prefill_failed(leg, cause),
-        }
-    }
-
-    /// A failed try: the runner-up once, within the same budget; then the
-    /// decode worker prefills, or the request is answered 503.
-    fn prefill_failed(&mut self, mut leg: Leg, cause: &str) -> Action {
-        host::log(
-            LogLevel::Warn,
-            &format!(
-                "kvgate: prefill leg {} on {} failed: {cause}",
-                leg.request_id, leg.at.endpoint
-            ),
-        );
-        // A try that spent (almost) all of the one budget leaves none
-        // worth a second: a timed-out leg is failed, not retried for the
-        // last milliseconds.
-        let left_us = leg.deadline_us.saturating_sub(host::now_us());
-        let worth_a_try = left_us >= leg.plan.timeout_ms.saturating_mul(1000) / MIN_RETRY_SHARE;
-        if !leg.retried
-            && worth_a_try
-            && let Some(next) = leg.plan.runner_up.take()
-        {
-            inc(self.state.borrow().metrics.prefill_retried);
-            leg.retried = true;
-            leg.at = next;
-            return self.send_prefill(leg);
-        }
-        inc(self.state.borrow().metrics.prefill_failed);
-        match leg.plan.on_failure {
-            OnPrefillFailure::Local => {
-                self.book_local_prefill(leg.plan.local_prefill_tokens);
-                self.send_whole(&leg.client);
-                Action::Continue
-            }
-            OnPrefillFailure::Fail => self.reply(&Reply::prefill_failed(cause)),
-        }
-    }
-
-    /// Adds the prompt the decode worker now computes to its booking.
-    fn book_local_prefill(&mut self, tokens: u64) {
-        let Some(b) = self.booking else {
-            return;
-        };
-        let clock = self.clock.take();
-        self.release(true);
-        self.clock = clock;
-        let mut st = self.state.borrow_mut();
-        self.booking = Some(st.book(&self.model, b.slot, b.prefill + tokens, b.decode));
-    }
-
-    /// Sends the client's body to the decode worker for it to compute the
-    /// prompt itself: without any transfer field of the client's
-    /// (`kv_transfer_params`, SGLang's `bootstrap_*`), which would name a
-    /// host for the worker to pull blocks from.
-    fn send_whole(&mut self, client: &[u8]) {
-        match disagg::whole_body(client) {
-            Ok(Cow::Owned(body)) => self.replace_body(&body),
-            Ok(Cow::Borrowed(_)) => {}
-            // Not an object: the worker refuses it as the client's error.
-            Err(_) => {}
-        }
-    }
-
-    /// Replaces the buffered request body and its length.
-    fn replace_body(&mut self, body: &[u8]) {
-        let len = body.len().to_string();
-        if host::set_request_body(body).is_err()
-            || host::set_request_header("content-length", &len).is_err()
-        {
-            host::log(
-                LogLevel::Error,
-                "kvgate: could not replace the request body",
-            );
-        }
-    }
-
     fn route_to(&mut self, r: Routing) {
         let mut guard = self.state.borrow_mut();
         let st = &mut *guard;
@@ -640,34 +232,6 @@ impl Request {
 }
 
 impl Request {
-    /// Releases the prefill leg's booking, all of it: the leg answered, or
-    /// the request ended without waiting for it.
-    fn release_prefill(&mut self) {
-        let Some(b) = self.prefill_booking else {
-            return;
-        };
-        let Ok(mut guard) = self.state.try_borrow_mut() else {
-            return;
-        };
-        self.prefill_booking = None;
-        let st = &mut *guard;
-        let release = Release {
-            seq: b.seq,
-            slot: b.slot,
-            prefill: b.prefill,
-            decode: b.decode,
-            done: true,
-            fence: st.next_seq + 1,
-        };
-        st.local
-            .release(st.view.snapshot.as_mut(), release, host::now_ms());
-        let key = Key {
-            vm: st.vm_tag,
-            seq: b.seq,
-        };
-        st.send(&Event::Done { key, timing: None });
-    }
-
     /// Releases the booking: its prefill at the first byte, all of it when
     /// the request ends (`done`), however it ends.
     fn release(&mut self, done: bool) {
