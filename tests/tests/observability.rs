@@ -31,6 +31,10 @@ const ONLY_AFTER: &[(&str, &str)] = &[
         "a worker throttling",
     ),
     ("reason=\"thermal\"", "a request shed for heat"),
+    (
+        "kvgate_sidecar_replica_peer_",
+        "replica sync with a peer (the gateways test's stacks)",
+    ),
 ];
 
 fn repo() -> PathBuf {
