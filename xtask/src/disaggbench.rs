@@ -344,7 +344,7 @@ fn start(fleet: &Fleet) -> Result<Stack> {
 
 pub fn run(quick: bool) -> Result<Value> {
     // Seconds of arrivals per run.
-    let secs = if quick { 15.0 } else { 45.0 };
+    let secs = if quick { 15.0 } else { 40.0 };
     let rt = tokio::runtime::Runtime::new()?;
     let long = poisson(LONG_RATE, secs, (4096, 8192), (200, 500), 31, "long");
     let short = poisson(LONG_RATE, secs, (256, 512), (200, 500), 32, "short");
