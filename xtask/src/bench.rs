@@ -29,6 +29,10 @@
 //! * `text` ([`crate::textbench`]): chat and text prompts through the text
 //!   index against the routed-prefix index and token prompts, hit rates
 //!   next to the offline reference; decision cost and memory. `--only text`.
+//! * `disagg` ([`crate::disaggbench`]): aggregated serving against 2P+2D
+//!   and 1P+3D disaggregated fleets on the same four simulated GPUs (TTFT,
+//!   ITL, goodput, the conditional rule's local share, the decision's
+//!   cost), and decode affinity on and off. `--only disagg`.
 
 use crate::build::{self, Profile};
 use crate::{cargo, repo, setup};
@@ -68,6 +72,7 @@ pub enum Only {
     Planner,
     Text,
     Quality,
+    Disagg,
 }
 
 impl Args {
@@ -168,6 +173,14 @@ pub fn run(args: &Args) -> Result<()> {
                 std::fs::write(dir.join("text.json"), serde_json::to_vec_pretty(&v)?)?;
                 (crate::textbench::report(&v), "\n## Text and chat prompts")
             }
+            Only::Disagg => {
+                let v = crate::disaggbench::run(quick)?;
+                std::fs::write(dir.join("disagg.json"), serde_json::to_vec_pretty(&v)?)?;
+                (
+                    crate::disaggbench::report(&v),
+                    "\n## Disaggregated prefill and decode",
+                )
+            }
             Only::Dump => {
                 let v = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;
                 std::fs::write(dir.join("dump.json"), serde_json::to_vec_pretty(&v)?)?;
@@ -236,6 +249,9 @@ pub fn run(args: &Args) -> Result<()> {
         serde_json::to_vec_pretty(&planner)?,
     )?;
 
+    let disagg = crate::disaggbench::run(quick)?;
+    std::fs::write(dir.join("disagg.json"), serde_json::to_vec_pretty(&disagg)?)?;
+
     let mut report = report(&ingest, &overhead, quick, started.elapsed());
     report.push_str(&kv_report(&kv));
     report.push_str(&crate::apibench::report(&kv["selection_api"], &sync));
@@ -252,6 +268,7 @@ pub fn run(args: &Args) -> Result<()> {
         &planner,
         &repo().join("bench/plots"),
     )?);
+    report.push_str(&crate::disaggbench::report(&disagg));
     let path = repo().join("bench/report.md");
     let old = std::fs::read_to_string(&path).unwrap_or_default();
     let report = keep_summary(&old, &report);

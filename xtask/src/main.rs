@@ -6,6 +6,7 @@ mod bench;
 mod build;
 mod cli;
 mod demo;
+mod disaggbench;
 mod dist;
 #[cfg(test)]
 mod docs;

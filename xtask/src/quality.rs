@@ -113,7 +113,7 @@ pub(crate) fn sims(stack: &Stack) -> Vec<Value> {
         .collect()
 }
 
-fn counter(states: &[Value], key: &str) -> u64 {
+pub(crate) fn counter(states: &[Value], key: &str) -> u64 {
     states
         .iter()
         .flat_map(|s| s["ranks"].as_array().cloned().unwrap_or_default())
@@ -298,10 +298,8 @@ fn workloads(quick: bool) -> Result<Vec<Workload>> {
             .map(|r| (*r, shared_prefix("demo-model", p(*r), 42), 1.0))
             .collect(),
     };
-    let path = std::env::var_os("KVGATE_MOONCAKE_TRACE")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| crate::repo().join("../shared/data/mooncake/conversation_trace.jsonl"));
-    let Ok(text) = std::fs::read_to_string(&path) else {
+    let (path, text) = mooncake_text();
+    let Some(text) = text else {
         eprintln!(
             "xtask: bench quality: no Mooncake trace at {} (set KVGATE_MOONCAKE_TRACE); shared prefix only",
             path.display()
@@ -314,12 +312,7 @@ fn workloads(quick: bool) -> Result<Vec<Workload>> {
     let mut trace = mooncake(&text, "demo-model", n, 512).map_err(anyhow::Error::msg)?;
     // Outputs capped: the simulated fleet shares two cores with Envoy and
     // the load generator, and routing quality shows in the prefill.
-    for s in &mut trace {
-        let mut v: Value = serde_json::from_slice(&s.body).unwrap_or(Value::Null);
-        let out = v["max_tokens"].as_u64().unwrap_or(1).min(32);
-        v["max_tokens"] = json!(out);
-        s.body = Bytes::from(v.to_string());
-    }
+    cap_outputs(&mut trace, 32);
     let span = trace.last().map_or(1.0, |s| s.at.as_secs_f64()).max(1.0);
     let natural = trace.len() as f64 / span;
     let trace_rates: &[f64] = if quick { &[16.0] } else { &[8.0, 16.0] };
@@ -347,6 +340,26 @@ fn workloads(quick: bool) -> Result<Vec<Workload>> {
             .collect(),
     };
     Ok(vec![shared, mooncake])
+}
+
+/// The Mooncake conversation trace's path, and its text when it can be
+/// read: `KVGATE_MOONCAKE_TRACE`, else the shared copy beside the repo.
+pub(crate) fn mooncake_text() -> (std::path::PathBuf, Option<String>) {
+    let path = std::env::var_os("KVGATE_MOONCAKE_TRACE")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| crate::repo().join("../shared/data/mooncake/conversation_trace.jsonl"));
+    let text = std::fs::read_to_string(&path).ok();
+    (path, text)
+}
+
+/// Caps every request's `max_tokens` at `max`.
+pub(crate) fn cap_outputs(specs: &mut [RequestSpec], max: u64) {
+    for s in specs {
+        let mut v: Value = serde_json::from_slice(&s.body).unwrap_or(Value::Null);
+        let out = v["max_tokens"].as_u64().unwrap_or(1).min(max);
+        v["max_tokens"] = json!(out);
+        s.body = Bytes::from(v.to_string());
+    }
 }
 
 /// Eight workers whose prefills take turns (one lane each), as an

@@ -180,6 +180,12 @@ pub(crate) fn poisson_streams(
 /// is cached, every request costs the same), sent at `at_s`.
 pub(crate) fn unique_stream(base: u32, i: u32, max_tokens: u32, at_s: f64) -> RequestSpec {
     let prompt: Vec<u32> = (0..256).map(|k| base + i * 300 + k).collect();
+    token_stream(prompt, max_tokens, at_s, "")
+}
+
+/// A streaming completion of the token `prompt`, sent at `at_s`.
+pub(crate) fn token_stream(prompt: Vec<u32>, max_tokens: u32, at_s: f64, tag: &str) -> RequestSpec {
+    let n = prompt.len() as u64;
     let body =
         json!({"model": "demo-model", "prompt": prompt, "max_tokens": max_tokens, "stream": true});
     RequestSpec {
@@ -187,8 +193,8 @@ pub(crate) fn unique_stream(base: u32, i: u32, max_tokens: u32, at_s: f64) -> Re
         body: Bytes::from(body.to_string()),
         stream: true,
         at: Duration::from_secs_f64(at_s),
-        tag: String::new(),
-        prompt_tokens: Some(256),
+        tag: tag.into(),
+        prompt_tokens: Some(n),
     }
 }
 

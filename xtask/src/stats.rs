@@ -62,6 +62,7 @@ mod tests {
             reason: None,
             retry_after_s: None,
             chunks: 0,
+            itl_us: Vec::new(),
             error_body: None,
             start_us: 0,
         }

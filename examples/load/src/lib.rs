@@ -53,6 +53,11 @@ pub struct Outcome {
     /// `Retry-After` on a 503, in seconds.
     pub retry_after_s: Option<u32>,
     pub chunks: u32,
+    /// Gaps between a stream's tokens as the client saw them, µs, one per
+    /// event after the first: what inter-token latency (ITL) is computed
+    /// from. Events that arrive in one read have a gap of 0 between them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub itl_us: Vec<u64>,
     /// First bytes of an error body.
     pub error_body: Option<String>,
     /// Start offset from the beginning of the run.
@@ -114,6 +119,7 @@ async fn send(
         reason: None,
         retry_after_s: None,
         chunks: 0,
+        itl_us: Vec::new(),
         error_body: None,
         start_us: start.duration_since(run_start).as_micros() as u64,
     };
@@ -141,6 +147,7 @@ async fn send(
         let mut body = resp.into_body();
         let mut error_body = Vec::new();
         let mut sse = SseScanner::default();
+        let mut last_event: Option<Instant> = None;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| e.to_string())?;
             let Some(data) = frame.data_ref() else {
@@ -156,6 +163,16 @@ async fn send(
             };
             if events > 0 && out.ttft_us.is_none() {
                 out.ttft_us = Some(start.elapsed().as_micros() as u64);
+            }
+            if spec.stream && events > 0 {
+                let now = Instant::now();
+                if let Some(prev) = last_event {
+                    out.itl_us.push(now.duration_since(prev).as_micros() as u64);
+                }
+                // The rest of this read's events came with its first.
+                out.itl_us
+                    .extend(std::iter::repeat_n(0, events as usize - 1));
+                last_event = Some(now);
             }
             out.chunks += events;
         }

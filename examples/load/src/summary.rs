@@ -171,6 +171,7 @@ mod tests {
             reason: (status == 503).then(|| "all_workers_busy".into()),
             retry_after_s: None,
             chunks: 1,
+            itl_us: Vec::new(),
             error_body: None,
             start_us: 0,
         }
