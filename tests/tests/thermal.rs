@@ -109,6 +109,30 @@ fn wait_published(stack: &Stack, i: usize, state: &str) {
     }
 }
 
+/// Waits until the sidecar counts no request in flight on any worker and
+/// Envoy holds a snapshot that says so.
+fn wait_idle_published(stack: &Stack) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = stack.sidecar_state().unwrap();
+        let busy: u64 = s["models"][0]["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|w| w["thermal"]["in_flight"].as_u64().unwrap_or(u64::MAX))
+            .fold(0, u64::saturating_add);
+        let version = s["version"].as_u64().unwrap_or(u64::MAX);
+        if busy == 0 && stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "requests stayed in flight: {busy}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn running(stack: &Stack, i: usize) -> u64 {
     let (_, body) = http::get(&stack.workers[i].endpoint(), "/sim/thermal").unwrap();
     let v: Value = serde_json::from_slice(&body).unwrap();
@@ -247,7 +271,10 @@ fn a_fleet_hot_everywhere_sheds_with_reason_thermal() {
     assert!(statuses.contains(&200), "capped, not closed: {statuses:?}");
     assert!(statuses.contains(&503), "nothing was shed: {statuses:?}");
     // Two long requests hold both caps (1 each: the fleet was idle when
-    // it heated); what comes meanwhile is shed.
+    // it heated); what comes meanwhile is shed. The load's last requests
+    // must have left Envoy's view first, or a holder finds its worker
+    // still at its cap and is shed itself.
+    wait_idle_published(&stack);
     let holders: Vec<_> = (0..2)
         .map(|k| {
             let addr = stack.envoy_addr();
