@@ -62,19 +62,8 @@ impl Request {
         self.route_to(decode);
         let path = host::request_header(":path").unwrap_or_default();
         let authorization = host::request_header("authorization");
-        let (request_id, now) = {
-            let st = self.state.borrow();
-            (prefill::request_id(st.vm_tag, st.next_seq), host::now_us())
-        };
-        // The decode worker is told the same id; a client's own is logged
-        // beside it, never passed on.
-        if let Some(client_id) = host::request_header(header::REQUEST_ID) {
-            host::log(
-                LogLevel::Debug,
-                &format!("kvgate: request {client_id} is disaggregated as {request_id}"),
-            );
-        }
-        let _ = host::set_request_header(header::REQUEST_ID, &request_id);
+        let request_id = self.mint_request_id();
+        let now = host::now_us();
         let leg = Leg {
             at: prefill.first.clone(),
             deadline_us: now.saturating_add(prefill.timeout_ms.saturating_mul(1000)),
@@ -87,6 +76,24 @@ impl Request {
             retried: false,
         };
         self.send_prefill(leg)
+    }
+
+    /// The id both legs carry, set on the request for the decode worker:
+    /// the engines key the KV handoff by it, so kvgate chooses it. A
+    /// client's own is logged beside it, never passed on.
+    fn mint_request_id(&mut self) -> String {
+        let request_id = {
+            let st = self.state.borrow();
+            prefill::request_id(st.vm_tag, st.next_seq)
+        };
+        if let Some(client_id) = host::request_header(header::REQUEST_ID) {
+            host::log(
+                LogLevel::Debug,
+                &format!("kvgate: request {client_id} is disaggregated as {request_id}"),
+            );
+        }
+        let _ = host::set_request_header(header::REQUEST_ID, &request_id);
+        request_id
     }
 
     /// SGLang's two legs, sent at once: the same body, the client's with
@@ -112,17 +119,7 @@ impl Request {
         self.route_to(decode);
         let path = host::request_header(":path").unwrap_or_default();
         let authorization = host::request_header("authorization");
-        let request_id = {
-            let st = self.state.borrow();
-            prefill::request_id(st.vm_tag, st.next_seq)
-        };
-        if let Some(client_id) = host::request_header(header::REQUEST_ID) {
-            host::log(
-                LogLevel::Debug,
-                &format!("kvgate: request {client_id} is disaggregated as {request_id}"),
-            );
-        }
-        let _ = host::set_request_header(header::REQUEST_ID, &request_id);
+        let request_id = self.mint_request_id();
         let mut at = prefill.first.clone();
         loop {
             let room = {
