@@ -75,20 +75,12 @@ fn decode_worker(r: &Reply) -> usize {
 /// Waits until the sidecar's state shows both roles up (the split needs
 /// them), and Envoy holds that snapshot.
 fn wait_split(stack: &Stack) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let state = stack.sidecar_state().unwrap();
-        let up = state["models"][0]["workers"].as_array().map_or(0, Vec::len);
-        let version = state["version"].as_u64().unwrap_or(u64::MAX);
-        if up == 4 && stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the fleet never came up: {state}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_published(
+        stack,
+        "the fleet never came up",
+        Duration::from_secs(20),
+        |state| state["models"][0]["workers"].as_array().map_or(0, Vec::len) == 4,
+    );
 }
 
 #[test]

@@ -87,50 +87,31 @@ fn wait_state(stack: &Stack, i: usize, state: &str) -> Value {
 /// Waits until Envoy's view shows worker `i` with this thermal state.
 fn wait_published(stack: &Stack, i: usize, state: &str) {
     let id = stack.workers[i].id;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = stack.sidecar_state().unwrap();
-        let w = s["models"][0]["workers"]
+    let what = format!("snapshot never showed worker {i} {state}");
+    common::wait_published(stack, &what, Duration::from_secs(10), |s| {
+        s["models"][0]["workers"]
             .as_array()
             .into_iter()
             .flatten()
-            .find(|w| w["worker_id"] == id)
-            .cloned();
-        if w.as_ref().is_some_and(|w| w["thermal"]["state"] == state) {
-            // One more publish and poll reach the filter.
-            std::thread::sleep(Duration::from_millis(300));
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "snapshot never showed worker {i} {state}: {w:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+            .any(|w| w["worker_id"] == id && w["thermal"]["state"] == state)
+    });
 }
 
 /// Waits until the sidecar counts no request in flight on any worker and
 /// Envoy holds a snapshot that says so.
 fn wait_idle_published(stack: &Stack) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = stack.sidecar_state().unwrap();
-        let busy: u64 = s["models"][0]["workers"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|w| w["thermal"]["in_flight"].as_u64().unwrap_or(u64::MAX))
-            .fold(0, u64::saturating_add);
-        let version = s["version"].as_u64().unwrap_or(u64::MAX);
-        if busy == 0 && stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "requests stayed in flight: {busy}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::wait_published(
+        stack,
+        "requests stayed in flight",
+        Duration::from_secs(10),
+        |state| {
+            state["models"][0]["workers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .all(|w| w["thermal"]["in_flight"].as_u64() == Some(0))
+        },
+    );
 }
 
 fn running(stack: &Stack, i: usize) -> u64 {

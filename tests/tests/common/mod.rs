@@ -216,24 +216,31 @@ pub fn burst(
     per_worker
 }
 
+/// Waits until the sidecar's state satisfies `ready` and Envoy holds that
+/// snapshot, so the next request is decided on it; `what` names the wait
+/// in the failure.
+pub fn wait_published(stack: &Stack, what: &str, within: Duration, ready: impl Fn(&Value) -> bool) {
+    let deadline = Instant::now() + within;
+    loop {
+        let state = stack.sidecar_state().unwrap();
+        let version = state["version"].as_u64().unwrap_or(u64::MAX);
+        if ready(&state) && stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {state}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits until the sidecar's snapshot shows `n` busy workers and Envoy
 /// holds that snapshot: the next request is decided on it.
 pub fn wait_busy(stack: &Stack, n: usize) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let state = stack.sidecar_state().unwrap();
+    let what = format!("{n} workers never became busy");
+    wait_published(stack, &what, Duration::from_secs(5), |state| {
         let busy = state["models"][0]["workers"]
             .as_array()
             .map(|ws| ws.iter().filter(|w| w["ranks"][0]["busy"] == true).count())
             .unwrap_or(0);
-        let version = state["version"].as_u64().unwrap_or(u64::MAX);
-        if busy >= n && stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{n} workers never became busy: {state}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        busy >= n
+    });
 }
