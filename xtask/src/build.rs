@@ -60,6 +60,15 @@ pub fn bins(profile: Profile) -> Result<()> {
     sh(&cargo(), &args, &[])
 }
 
+/// Every target of the workspace, once, before `cargo test` runs the
+/// suite: the binaries the tests start come out of the same build as the
+/// tests, with the same feature unification, so no dependency is compiled
+/// twice (a per-package `-p` build unifies features differently and
+/// doubles the disk a clean run needs).
+pub fn test_targets() -> Result<()> {
+    sh(&cargo(), &["build", "--workspace", "--all-targets"], &[])
+}
+
 /// The release sidecar alone, for `cargo xtask dist`.
 pub fn sidecar_release() -> Result<()> {
     sh(

@@ -85,7 +85,7 @@ fn test(rest: &[String]) -> Result<()> {
     alert_rules()?;
     manifests()?;
     build::wasm()?;
-    build::bins(build::Profile::Debug)?;
+    build::test_targets()?;
     let wasm = build::wasm_path();
     let bins = build::Profile::Debug.dir();
     let envoy = setup::envoy_path();
@@ -114,8 +114,9 @@ fn test(rest: &[String]) -> Result<()> {
         &cargo(),
         &[
             "test",
-            "-p",
-            "kvgate-tests",
+            // The workspace, as above: selecting one package changes feature
+            // unification and would rebuild every dependency a second time.
+            "--workspace",
             "--test",
             "e2e",
             "--",
