@@ -33,6 +33,9 @@
 //!   and 1P+3D disaggregated fleets on the same four simulated GPUs (TTFT,
 //!   ITL, goodput, the conditional rule's local share, the decision's
 //!   cost), and decode affinity on and off. `--only disagg`.
+//! * `hostile` ([`crate::hostilebench`]): each hardening attack on a fresh
+//!   sidecar, its memory and `/select` latency against the same sidecar
+//!   idle. Only with `--only hostile`: it measures bounds, not speed.
 
 use crate::build::{self, Profile};
 use crate::{cargo, repo, setup};
@@ -73,6 +76,7 @@ pub enum Only {
     Text,
     Quality,
     Disagg,
+    Hostile,
 }
 
 impl Args {
@@ -180,6 +184,11 @@ pub fn run(args: &Args) -> Result<()> {
                     crate::disaggbench::report(&v),
                     "\n## Disaggregated prefill and decode",
                 )
+            }
+            Only::Hostile => {
+                let v = crate::hostilebench::run(quick)?;
+                std::fs::write(dir.join("hostile.json"), serde_json::to_vec_pretty(&v)?)?;
+                (crate::hostilebench::report(&v), "\n## Hostile inputs")
             }
             Only::Dump => {
                 let v = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;

@@ -17,26 +17,46 @@ use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 const WORKERS: usize = 16;
-const CHAIN_BLOCKS: usize = 128;
+pub(crate) const CHAIN_BLOCKS: usize = 128;
 /// The target size: 100k cached blocks per worker.
 const BLOCKS_PER_WORKER: usize = 100_000;
 
-fn chain_tokens(worker: usize, chain: usize) -> Vec<u32> {
+pub(crate) fn chain_tokens(worker: usize, chain: usize) -> Vec<u32> {
     let base = (worker as u32) * 1_000_003 + (chain as u32) * 4099;
     (0..(CHAIN_BLOCKS * 16) as u32)
         .map(|i| (base.wrapping_add(i * 7919)) % 1_000_000 + 100)
         .collect()
 }
 
-struct Publisher {
+/// A worker's KV event publisher, played by the benchmark.
+pub(crate) struct Publisher {
     sock: zmq::Socket,
     seq: u64,
     next_hash: u64,
 }
 
 impl Publisher {
+    /// Binds the worker's event port; block hashes count up from
+    /// `first_hash`, so workers given far-apart starts never collide.
+    pub(crate) fn bind(ctx: &zmq::Context, port: u16, first_hash: u64) -> Result<Publisher> {
+        let sock = ctx.socket(zmq::PUB)?;
+        sock.set_sndhwm(1_000_000)?;
+        sock.bind(&format!("tcp://127.0.0.1:{port}"))?;
+        Ok(Publisher {
+            sock,
+            seq: 0,
+            next_hash: first_hash,
+        })
+    }
+
+    /// Leaves out the next `n` sequence numbers: a gap the subscriber
+    /// sees and asks the replay endpoint to fill.
+    pub(crate) fn skip(&mut self, n: u64) {
+        self.seq += n;
+    }
+
     /// Publishes whole chains: one event per 16 blocks, 64 events a batch.
-    fn chains(&mut self, chains: &[Vec<u32>]) -> Result<usize> {
+    pub(crate) fn chains(&mut self, chains: &[Vec<u32>]) -> Result<usize> {
         let mut events = Vec::new();
         let mut blocks = 0;
         for tokens in chains {
@@ -126,15 +146,8 @@ pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Re
     let ctx = zmq::Context::new();
     let mut pubs = Vec::new();
     for w in &stack.workers {
-        let sock = ctx.socket(zmq::PUB)?;
-        sock.set_sndhwm(1_000_000)?;
         let port = w.events_port.context("no event port")?;
-        sock.bind(&format!("tcp://127.0.0.1:{port}"))?;
-        pubs.push(Publisher {
-            sock,
-            seq: 0,
-            next_hash: w.id << 40,
-        });
+        pubs.push(Publisher::bind(&ctx, port, w.id << 40)?);
     }
     // Subscribers reconnect every 100 ms; let them find the new sockets.
     std::thread::sleep(Duration::from_millis(1500));

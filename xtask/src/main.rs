@@ -11,6 +11,7 @@ mod dist;
 #[cfg(test)]
 mod docs;
 mod fuzz;
+mod hostilebench;
 mod kvbench;
 mod plannerbench;
 mod plot;

@@ -42,6 +42,9 @@ pub struct StackConfig {
     /// the workers do not publish there; the caller binds its own
     /// publishers (benchmarks feeding synthetic events). No replay.
     pub kv_external: bool,
+    /// With `kv_external`: each worker's replay endpoint is configured
+    /// too, and the caller binds the ROUTERs behind them.
+    pub kv_external_replay: bool,
     /// Plugin configuration merged over the stack's defaults.
     pub plugin: serde_json::Value,
     /// Extra TOML appended to the `[[models]]` entry (thresholds).
@@ -149,6 +152,7 @@ impl Default for StackConfig {
             worker_sim_args: Vec::new(),
             kv_events: false,
             kv_external: false,
+            kv_external_replay: false,
             plugin: serde_json::json!({}),
             model_toml: String::new(),
             scrape_interval_ms: 100,
@@ -291,7 +295,8 @@ impl Stack {
             let (events_port, replay_port) = match event_base {
                 Some(base) => {
                     let at = base + 2 * dp * i as u16;
-                    (Some(at), (!config.kv_external).then_some(at + dp))
+                    let replay = !config.kv_external || config.kv_external_replay;
+                    (Some(at), replay.then_some(at + dp))
                 }
                 None => (None, None),
             };
@@ -310,7 +315,7 @@ impl Stack {
                 "--dp-size".into(),
                 config.dp_size.to_string(),
             ];
-            if let (Some(e), Some(r)) = (events_port, replay_port) {
+            if let (Some(e), Some(r), false) = (events_port, replay_port, config.kv_external) {
                 args.extend([
                     "--kv-events-endpoint".into(),
                     format!("tcp://127.0.0.1:{e}"),
@@ -421,12 +426,12 @@ impl Stack {
 
     /// Envoy's resident memory in bytes, from `/proc`.
     pub fn envoy_rss(&self) -> Option<u64> {
-        rss(self.gateways[0].envoy.as_ref()?.pid())
+        process_rss(self.gateways[0].envoy.as_ref()?.pid())
     }
 
     /// Resident memory of the first gateway's sidecar, in bytes.
     pub fn sidecar_rss(&self) -> Option<u64> {
-        rss(self.gateways[0].sidecar.as_ref()?.pid())
+        process_rss(self.gateways[0].sidecar.as_ref()?.pid())
     }
 
     /// CPU seconds (user + system) used so far by Envoy, the sidecar and
@@ -799,6 +804,10 @@ impl Gateway {
     pub fn selection_addr(&self) -> String {
         format!("127.0.0.1:{}", self.selection_port)
     }
+    /// The sidecar's process id, while it runs.
+    pub fn sidecar_pid(&self) -> Option<u32> {
+        self.sidecar.as_ref().map(Proc::pid)
+    }
     /// `kvgate-extproc`'s in-process sidecar, when the stack runs it.
     pub fn extproc_sidecar_addr(&self) -> String {
         format!("127.0.0.1:{}", self.extproc_sidecar_port)
@@ -953,7 +962,7 @@ fn cpu_seconds_of(stat_path: &Path) -> Option<f64> {
 }
 
 /// A process's resident memory in bytes, from `/proc`.
-fn rss(pid: u32) -> Option<u64> {
+pub fn process_rss(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let kb: u64 = status
         .lines()

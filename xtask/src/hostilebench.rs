@@ -1,0 +1,879 @@
+//! `cargo xtask bench --only hostile`: the attacks of the third hardening
+//! round, each on a fresh sidecar, scaled to about a minute. For each one
+//! the sidecar is measured idle, then under the attack, side by side: its
+//! peak resident memory (sampled every 100 ms) and the latency of `/select`
+//! from a client that keeps its connection open, as Envoy and a selection
+//! client do. The attack's own outcome (what was refused, what held) comes
+//! from the sidecar's counters.
+//!
+//! * `replay_flood`: a worker whose replay ROUTER answers every request
+//!   with full-size batches repeating their start sequence, while its
+//!   publisher skips 1,000 sequence numbers every 2 s;
+//! * `slow_dump_readers`: 16 clients read `GET /dump` of the whole index at
+//!   64 KiB a second;
+//! * `idle_and_slowloris`: 2,000 idle sockets and 200 that send a header
+//!   byte every 100 ms, against the selection listener;
+//! * `admission_flood`: reservations from a token holder as fast as two
+//!   threads can send them, and signed peer admissions over replica sync;
+//! * `oversized_sync_frames`: a registered replica-sync peer sending 2 MiB
+//!   frames between small ones;
+//! * `wrapping_loads`: reservations of 2^63 prefill tokens.
+
+use crate::build;
+use crate::kvbench::{Publisher, chain_tokens};
+use anyhow::{Context, Result, bail};
+use kvgate_load::summary::percentile;
+use kvgate_sidecar::replica::wire::{self, Placed, SyncEvent, SyncId};
+use kvgate_stack::{Stack, StackConfig, http};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "hostile-bench-token";
+const WORKERS: usize = 4;
+/// Blocks per published chain, as in the KV benchmark.
+const CHAIN_BLOCKS: usize = crate::kvbench::CHAIN_BLOCKS;
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// How long each phase runs.
+struct Phases {
+    idle: Duration,
+    attack: Duration,
+    blocks_per_worker: usize,
+}
+
+impl Phases {
+    fn of(quick: bool) -> Phases {
+        if quick {
+            Phases {
+                idle: Duration::from_secs(5),
+                attack: Duration::from_secs(15),
+                blocks_per_worker: 25_000,
+            }
+        } else {
+            Phases {
+                idle: Duration::from_secs(10),
+                attack: Duration::from_secs(45),
+                blocks_per_worker: 100_000,
+            }
+        }
+    }
+}
+
+/// One attack: started on a ready stack, stopped by the flag, answering
+/// what it did.
+type Attack = fn(&Stack, &mut Bench, Arc<AtomicBool>) -> Result<JoinHandle<Result<Value>>>;
+
+/// What every attack can use: the stack's publishers and indexed prompts.
+struct Bench {
+    /// One per worker, in order, until an attack takes one over.
+    publishers: Vec<Publisher>,
+    prompts: Vec<Vec<u32>>,
+}
+
+pub fn run(quick: bool) -> Result<Value> {
+    let phases = Phases::of(quick);
+    let attacks: [(&str, Attack); 6] = [
+        ("replay_flood", replay_flood),
+        ("slow_dump_readers", slow_dump_readers),
+        ("idle_and_slowloris", idle_and_slowloris),
+        ("admission_flood", admission_flood),
+        ("oversized_sync_frames", oversized_sync_frames),
+        ("wrapping_loads", wrapping_loads),
+    ];
+    let mut results = Vec::new();
+    for (name, attack) in attacks {
+        eprintln!("xtask: bench hostile: {name}");
+        let v = one(name, attack, &phases).with_context(|| format!("attack {name}"))?;
+        eprintln!("{v}");
+        results.push(v);
+    }
+    Ok(json!({
+        "name": "hostile",
+        "quick": quick,
+        "idle_s": phases.idle.as_secs(),
+        "attack_s": phases.attack.as_secs(),
+        "indexed_blocks": phases.blocks_per_worker * WORKERS,
+        "attacks": results,
+    }))
+}
+
+fn one(name: &str, attack: Attack, phases: &Phases) -> Result<Value> {
+    let stack = Stack::start_with(
+        build::release_paths()?,
+        StackConfig {
+            workers: WORKERS,
+            kv_events: true,
+            kv_external: true,
+            kv_external_replay: name == "replay_flood",
+            sim_args: ["--instant", "--default-max-tokens", "1"]
+                .map(String::from)
+                .to_vec(),
+            selection_api: true,
+            replica_sync: true,
+            control_token: Some(TOKEN.to_string()),
+            scrape_interval_ms: 250,
+            down_after_ms: 3000,
+            ..StackConfig::default()
+        },
+    )?;
+    // Honest, empty replay buffers for every worker but the first, whose
+    // ROUTER the attack binds.
+    let routers = Arc::new(AtomicBool::new(false));
+    let replay_ports: Vec<u16> = stack.workers.iter().filter_map(|w| w.replay_port).collect();
+    let honest = match replay_ports.split_first() {
+        Some((_, rest)) => Some(honest_replay(rest, routers.clone())?),
+        None => None,
+    };
+    let mut bench = fill(&stack, phases.blocks_per_worker)?;
+
+    let idle = measure(&stack, &bench, phases.idle)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let handle = attack(&stack, &mut bench, stop.clone())?;
+    let under = measure(&stack, &bench, phases.attack)?;
+    stop.store(true, Ordering::Relaxed);
+    let outcome = handle
+        .join()
+        .map_err(|_| anyhow::anyhow!("attack thread panicked"))??;
+    routers.store(true, Ordering::Relaxed);
+    if let Some(h) = honest {
+        let _ = h.join();
+    }
+    let counters = counters(&stack)?;
+    bench.publishers.clear();
+    Ok(json!({
+        "attack": name,
+        "idle": idle,
+        "under_attack": under,
+        "rss_ratio": ratio(&under["rss_peak_mib"], &idle["rss_peak_mib"]),
+        "select_p99_ratio": ratio(&under["select_p99_us"], &idle["select_p99_us"]),
+        "outcome": outcome,
+        "counters": counters,
+    }))
+}
+
+fn ratio(a: &Value, b: &Value) -> Value {
+    match (a.as_f64(), b.as_f64()) {
+        (Some(a), Some(b)) if b > 0.0 => json!(a / b),
+        _ => Value::Null,
+    }
+}
+
+/// Publishes `blocks_per_worker` blocks on each worker and waits until the
+/// index holds them.
+fn fill(stack: &Stack, blocks_per_worker: usize) -> Result<Bench> {
+    let ctx = zmq::Context::new();
+    let mut publishers = Vec::new();
+    for w in &stack.workers {
+        let port = w.events_port.context("no event port")?;
+        publishers.push(Publisher::bind(&ctx, port, w.id << 40)?);
+    }
+    // Subscribers reconnect every 100 ms; let them find the new sockets.
+    std::thread::sleep(Duration::from_millis(1500));
+    let chains = blocks_per_worker / CHAIN_BLOCKS;
+    let mut published = 0;
+    for (w, p) in publishers.iter_mut().enumerate() {
+        let c: Vec<Vec<u32>> = (0..chains).map(|c| chain_tokens(w, c)).collect();
+        published += p.chains(&c)?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let indexed = || {
+        stack
+            .sidecar_metric("kvgate_sidecar_kv_indexed_blocks{model=\"demo-model\"}")
+            .unwrap_or(0.0)
+    };
+    while indexed() < published as f64 * 0.999 {
+        if Instant::now() > deadline {
+            bail!("index reached {} of {published} blocks", indexed());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let prompts = (0..64)
+        .map(|i| chain_tokens(i % WORKERS, (i * 37) % chains.max(1)))
+        .collect();
+    Ok(Bench {
+        publishers,
+        prompts,
+    })
+}
+
+/// `/select` over one kept-alive connection for `how_long`, and the
+/// sidecar's resident memory every 100 ms meanwhile.
+fn measure(stack: &Stack, bench: &Bench, how_long: Duration) -> Result<Value> {
+    let addr = stack.gateways[0].selection_addr();
+    let bodies: Vec<String> = bench
+        .prompts
+        .iter()
+        .map(|p| json!({"model_name": "demo-model", "token_ids": p}).to_string())
+        .collect();
+    let done = Arc::new(AtomicBool::new(false));
+    let pid = stack.gateways[0]
+        .sidecar_pid()
+        .context("the sidecar is not running")?;
+    let sampler = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut peak = 0u64;
+            while !done.load(Ordering::Relaxed) {
+                peak = peak.max(kvgate_stack::process_rss(pid).unwrap_or(0));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            peak
+        })
+    };
+    let mut conn = KeepAlive::connect(&addr)?;
+    let mut lat = Vec::new();
+    let (mut failed, mut reconnects) = (0u64, 0u64);
+    let t = Instant::now();
+    let mut i = 0;
+    while t.elapsed() < how_long {
+        let t0 = Instant::now();
+        match conn.post("/select", bodies[i % bodies.len()].as_bytes()) {
+            Ok(200) => lat.push(t0.elapsed().as_micros() as u64),
+            Ok(_) => failed += 1,
+            Err(_) => {
+                failed += 1;
+                reconnects += 1;
+                std::thread::sleep(Duration::from_millis(50));
+                if let Ok(c) = KeepAlive::connect(&addr) {
+                    conn = c;
+                }
+            }
+        }
+        i += 1;
+        // About 200 selections a second: a client, not a load test.
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    done.store(true, Ordering::Relaxed);
+    let peak = sampler
+        .join()
+        .map_err(|_| anyhow::anyhow!("sampler panicked"))?;
+    lat.sort_unstable();
+    Ok(json!({
+        "rss_peak_mib": peak as f64 / MIB,
+        "select_calls": lat.len(),
+        "select_failed": failed,
+        "select_reconnects": reconnects,
+        "select_p50_us": percentile(&lat, 50.0),
+        "select_p99_us": percentile(&lat, 99.0),
+    }))
+}
+
+/// A client connection that stays open between requests.
+struct KeepAlive {
+    s: TcpStream,
+    addr: String,
+}
+
+impl KeepAlive {
+    fn connect(addr: &str) -> Result<KeepAlive> {
+        let s = TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        s.set_nodelay(true)?;
+        Ok(KeepAlive {
+            s,
+            addr: addr.to_string(),
+        })
+    }
+
+    /// Sends one POST and reads its answer whole; the status.
+    fn post(&mut self, path: &str, body: &[u8]) -> Result<u16> {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            self.addr,
+            body.len()
+        );
+        self.s.write_all(head.as_bytes())?;
+        self.s.write_all(body)?;
+        read_response(&mut self.s)
+    }
+}
+
+/// Reads one response with a content length; the status.
+fn read_response(s: &mut TcpStream) -> Result<u16> {
+    let mut buf = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        let n = s.read(&mut chunk)?;
+        if n == 0 {
+            bail!("connection closed");
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        if buf.len() > 64 << 10 {
+            bail!("response head over 64 KiB");
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("no status")?;
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .context("no content-length")?;
+    let mut have = buf.len() - head_end;
+    while have < len {
+        let n = s.read(&mut chunk)?;
+        if n == 0 {
+            bail!("connection closed mid-body");
+        }
+        have += n;
+    }
+    Ok(status)
+}
+
+/// The sidecar's counters that say what each attack met, summed over
+/// their labels.
+fn counters(stack: &Stack) -> Result<Value> {
+    let (status, body) = http::get(&stack.sidecar_addr(), "/metrics")?;
+    if status != 200 {
+        bail!("/metrics answered {status}");
+    }
+    let text = String::from_utf8_lossy(&body);
+    let sum = |name: &str| -> f64 {
+        text.lines()
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let names = [
+        "kvgate_sidecar_kv_replays_refused_total",
+        "kvgate_sidecar_kv_resyncs_total",
+        "kvgate_sidecar_connections_refused_total",
+        "kvgate_sidecar_connections_timed_out_total",
+        "kvgate_sidecar_connections_open",
+        "kvgate_sidecar_bookings_refused_total",
+        "kvgate_sidecar_bookings_active",
+        "kvgate_sidecar_replica_sync_refused_messages_total",
+        "kvgate_sidecar_replica_peer_reconnects_total",
+        "kvgate_sidecar_dump_reads_refused_total",
+        "kvgate_sidecar_unauthorized_total",
+    ];
+    Ok(names
+        .iter()
+        .map(|n| (n.to_string(), json!(sum(n))))
+        .collect())
+}
+
+// ---- the attacks ----
+
+/// The first worker's publisher skips 1,000 sequence numbers every 2 s;
+/// its replay ROUTER answers each request with batches as large as a
+/// message may be, every one carrying the start sequence again, until the
+/// replay timeout would end it.
+fn replay_flood(
+    stack: &Stack,
+    bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let port = stack.workers[0]
+        .replay_port
+        .context("the stack has no replay endpoints")?;
+    // The first worker's publisher now speaks for the attacker.
+    let mut publisher = bench.publishers.remove(0);
+    Ok(std::thread::spawn(move || {
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER)?;
+        router.set_linger(0)?;
+        router.set_rcvtimeo(20)?;
+        router.bind(&format!("tcp://127.0.0.1:{port}"))?;
+        let payload = vec![0xA5u8; 4 << 20];
+        let (mut requests, mut sent_bytes) = (0u64, 0u64);
+        let mut next_gap = Instant::now();
+        while !stop.load(Ordering::Relaxed) {
+            if Instant::now() >= next_gap {
+                publisher.skip(1_000);
+                publisher.chains(&[chain_tokens(0, 1_000_000 + requests as usize)])?;
+                next_gap = Instant::now() + Duration::from_secs(2);
+            }
+            let Ok(req) = router.recv_multipart(0) else {
+                continue;
+            };
+            let [id, _, start] = req.as_slice() else {
+                continue;
+            };
+            requests += 1;
+            let seq = start.clone();
+            // 64 batches of 4 MiB (256 MiB) per request, all one sequence.
+            for _ in 0..64 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                if router
+                    .send_multipart([&id[..], b"", b"kv", &seq, &payload], 0)
+                    .is_err()
+                {
+                    break;
+                }
+                sent_bytes += payload.len() as u64;
+            }
+            let _ = router.send_multipart([&id[..], b"", b"kv", &[0xFF; 8], b""], 0);
+        }
+        Ok(json!({"replay_requests": requests, "replay_bytes_sent_mib": sent_bytes as f64 / MIB}))
+    }))
+}
+
+/// Honest replay buffers holding nothing: the end marker at once.
+fn honest_replay(ports: &[u16], stop: Arc<AtomicBool>) -> Result<JoinHandle<()>> {
+    let ctx = zmq::Context::new();
+    let mut routers = Vec::new();
+    for p in ports {
+        let r = ctx.socket(zmq::ROUTER)?;
+        r.set_linger(0)?;
+        r.bind(&format!("tcp://127.0.0.1:{p}"))?;
+        routers.push(r);
+    }
+    Ok(std::thread::spawn(move || {
+        let _ctx = ctx;
+        while !stop.load(Ordering::Relaxed) {
+            let mut items: Vec<zmq::PollItem> = routers
+                .iter()
+                .map(|r| r.as_poll_item(zmq::POLLIN))
+                .collect();
+            if zmq::poll(&mut items, 50).unwrap_or(0) == 0 {
+                continue;
+            }
+            for r in &routers {
+                while let Ok(req) = r.recv_multipart(zmq::DONTWAIT) {
+                    if let Some(id) = req.first() {
+                        let _ = r.send_multipart([&id[..], b"", b"kv", &[0xFF; 8], b""], 0);
+                    }
+                }
+            }
+        }
+    }))
+}
+
+/// Sixteen clients each read the whole dump at 64 KiB a second, all at
+/// once, reconnecting when one is done or refused.
+fn slow_dump_readers(
+    stack: &Stack,
+    _bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let addr = stack.sidecar_addr();
+    Ok(std::thread::spawn(move || {
+        let statuses = Arc::new(Counts::default());
+        let readers: Vec<_> = (0..16)
+            .map(|_| {
+                let (addr, stop, statuses) = (addr.clone(), stop.clone(), statuses.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let status = slow_get(&addr, "/dump", &stop).unwrap_or(0);
+                        statuses.count(status);
+                        if status != 200 {
+                            std::thread::sleep(Duration::from_millis(500));
+                        }
+                    }
+                })
+            })
+            .collect();
+        for r in readers {
+            let _ = r.join();
+        }
+        Ok(json!({"readers": 16, "answers": statuses.view()}))
+    }))
+}
+
+/// Answers by status (0: no answer), shared between attack threads.
+#[derive(Default)]
+struct Counts(Mutex<BTreeMap<u16, u64>>);
+
+impl Counts {
+    fn count(&self, status: u16) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry(status).or_default() += 1;
+    }
+    fn view(&self) -> Value {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(s, n)| (s.to_string(), json!(n)))
+            .collect()
+    }
+}
+
+/// A GET whose answer is read at 64 KiB a second; its status.
+fn slow_get(addr: &str, path: &str, stop: &AtomicBool) -> Result<u16> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nauthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut chunk = vec![0u8; 8 << 10];
+    let mut head = Vec::new();
+    let mut status = 0;
+    loop {
+        let n = s.read(&mut chunk)?;
+        if n == 0 || stop.load(Ordering::Relaxed) {
+            return Ok(status);
+        }
+        if status == 0 {
+            head.extend_from_slice(&chunk[..n]);
+            if let Some(line) = head
+                .split(|b| *b == b'\n')
+                .next()
+                .filter(|_| head.len() > 12)
+            {
+                status = String::from_utf8_lossy(line)
+                    .split_whitespace()
+                    .nth(1)
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
+            }
+        }
+        // 8 KiB every 125 ms.
+        std::thread::sleep(Duration::from_millis(125));
+    }
+}
+
+/// 2,000 sockets that never send, and 200 that send their head a byte
+/// every 100 ms, all on the selection listener; each reopened when closed.
+fn idle_and_slowloris(
+    stack: &Stack,
+    _bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let addr = stack.gateways[0].selection_addr();
+    Ok(std::thread::spawn(move || {
+        let opened = Arc::new(AtomicU64::new(0));
+        let closed = Arc::new(AtomicU64::new(0));
+        let mut threads = Vec::new();
+        for kind in 0..2 {
+            let sockets = if kind == 0 { 2_000 } else { 200 };
+            // Ten threads each hold a tenth of the sockets.
+            for _ in 0..10 {
+                let (addr, stop, opened, closed) =
+                    (addr.clone(), stop.clone(), opened.clone(), closed.clone());
+                threads.push(std::thread::spawn(move || {
+                    hold(&addr, sockets / 10, kind == 1, &stop, &opened, &closed)
+                }));
+            }
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        Ok(json!({
+            "idle_sockets": 2_000,
+            "slowloris_sockets": 200,
+            "connections_opened": opened.load(Ordering::Relaxed),
+            "connections_closed_by_the_sidecar": closed.load(Ordering::Relaxed),
+        }))
+    }))
+}
+
+fn hold(
+    addr: &str,
+    n: usize,
+    slowloris: bool,
+    stop: &AtomicBool,
+    opened: &AtomicU64,
+    closed: &AtomicU64,
+) {
+    let head = format!("POST /select HTTP/1.1\r\nHost: {addr}\r\ncontent-length: 2\r\n");
+    let mut socks: Vec<(TcpStream, usize)> = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        while socks.len() < n && !stop.load(Ordering::Relaxed) {
+            let Ok(s) = TcpStream::connect(addr) else {
+                std::thread::sleep(Duration::from_millis(100));
+                break;
+            };
+            let _ = s.set_nonblocking(true);
+            opened.fetch_add(1, Ordering::Relaxed);
+            socks.push((s, 0));
+        }
+        socks.retain_mut(|(s, at)| {
+            let mut b = [0u8; 512];
+            let gone = matches!(s.read(&mut b), Ok(0));
+            let gone = gone
+                || (slowloris
+                    && *at < head.len()
+                    && s.write(&head.as_bytes()[*at..*at + 1]).is_err());
+            if slowloris {
+                *at = (*at + 1).min(head.len() - 1);
+            }
+            if gone {
+                closed.fetch_add(1, Ordering::Relaxed);
+            }
+            !gone
+        });
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Two threads of reservations from a token holder, never freed, and a
+/// peer's signed admissions over replica sync, as fast as they go.
+fn admission_flood(
+    stack: &Stack,
+    _bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let addr = stack.gateways[0].selection_addr();
+    let sidecar = stack.sidecar_addr();
+    let statuses = Arc::new(Counts::default());
+    let api: Vec<_> = (0..2)
+        .map(|t| {
+            let (addr, stop, statuses) = (addr.clone(), stop.clone(), statuses.clone());
+            std::thread::spawn(move || -> Result<()> {
+                let mut conn = KeepAlive::connect(&addr)?;
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let body = json!({
+                        "reservation_id": format!("flood-{t}-{i}"),
+                        "model_name": "demo-model",
+                        "worker_id": 1 + i % WORKERS as u64,
+                        "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+                    })
+                    .to_string();
+                    match conn.post_authorized("/reservations", body.as_bytes()) {
+                        Ok(s) => statuses.count(s),
+                        Err(_) => {
+                            statuses.count(0);
+                            conn = KeepAlive::connect(&addr)?;
+                        }
+                    }
+                    i += 1;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let peer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || -> Result<u64> {
+            let ctx = zmq::Context::new();
+            let publisher = ctx.socket(zmq::PUB)?;
+            publisher.set_linger(0)?;
+            publisher.set_sndhwm(100_000)?;
+            publisher.bind("tcp://127.0.0.1:*")?;
+            let endpoint = publisher
+                .get_last_endpoint()?
+                .map_err(|_| anyhow::anyhow!("endpoint not UTF-8"))?;
+            let body = json!({ "endpoint": endpoint }).to_string();
+            let (status, _) = http::request(
+                &sidecar,
+                "POST",
+                "/replica_sync/register_peer",
+                &[
+                    ("content-type", "application/json"),
+                    ("authorization", &format!("Bearer {TOKEN}")),
+                ],
+                Some(body.as_bytes()),
+            )?;
+            if status != 200 {
+                bail!("register_peer answered {status}");
+            }
+            std::thread::sleep(Duration::from_millis(500));
+            let mut sent = 0u64;
+            let origin = 0xBAD_u64;
+            while !stop.load(Ordering::Relaxed) {
+                let events: Vec<SyncEvent> = (0..wire::MAX_EVENTS as u64)
+                    .map(|k| {
+                        SyncEvent::Admit(
+                            SyncId::Reservation(format!("peer-flood-{}", sent + k).into()),
+                            Placed {
+                                model: "demo-model".into(),
+                                tenant: "default".into(),
+                                block_size: 16,
+                                worker_id: 1 + k % WORKERS as u64,
+                                dp_rank: 0,
+                                prefill_tokens: 8,
+                                decode_blocks: 1,
+                            },
+                        )
+                    })
+                    .collect();
+                for run in wire::split(&events, 1 << 20, true) {
+                    publisher.send(wire::encode(origin, run, Some(TOKEN)), 0)?;
+                }
+                sent += events.len() as u64;
+            }
+            Ok(sent)
+        })
+    };
+    let statuses2 = statuses.clone();
+    Ok(std::thread::spawn(move || {
+        for t in api {
+            t.join()
+                .map_err(|_| anyhow::anyhow!("flood thread panicked"))??;
+        }
+        let peer_sent = peer
+            .join()
+            .map_err(|_| anyhow::anyhow!("peer thread panicked"))??;
+        Ok(json!({"api_answers": statuses2.view(), "peer_admissions_sent": peer_sent}))
+    }))
+}
+
+impl KeepAlive {
+    fn post_authorized(&mut self, path: &str, body: &[u8]) -> Result<u16> {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: {}\r\nauthorization: Bearer {TOKEN}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            self.addr,
+            body.len()
+        );
+        self.s.write_all(head.as_bytes())?;
+        self.s.write_all(body)?;
+        read_response(&mut self.s)
+    }
+}
+
+/// A registered peer that sends a 2 MiB frame, then ten small signed ones,
+/// over and over.
+fn oversized_sync_frames(
+    stack: &Stack,
+    _bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let sidecar = stack.sidecar_addr();
+    Ok(std::thread::spawn(move || {
+        let ctx = zmq::Context::new();
+        let publisher = ctx.socket(zmq::PUB)?;
+        publisher.set_linger(0)?;
+        publisher.bind("tcp://127.0.0.1:*")?;
+        let endpoint = publisher
+            .get_last_endpoint()?
+            .map_err(|_| anyhow::anyhow!("endpoint not UTF-8"))?;
+        let body = json!({ "endpoint": endpoint }).to_string();
+        let (status, _) = http::request(
+            &sidecar,
+            "POST",
+            "/replica_sync/register_peer",
+            &[
+                ("content-type", "application/json"),
+                ("authorization", &format!("Bearer {TOKEN}")),
+            ],
+            Some(body.as_bytes()),
+        )?;
+        if status != 200 {
+            bail!("register_peer answered {status}");
+        }
+        let big = vec![0x5Au8; 2 << 20];
+        let (mut big_sent, mut small_sent) = (0u64, 0u64);
+        while !stop.load(Ordering::Relaxed) {
+            publisher.send(&big[..], 0)?;
+            big_sent += 1;
+            for k in 0..10u64 {
+                let id = SyncId::Reservation(format!("sync-{big_sent}-{k}").into());
+                let msg = wire::encode(7, &[SyncEvent::Free(id)], Some(TOKEN));
+                publisher.send(msg, 0)?;
+                small_sent += 1;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(json!({"oversized_frames_sent": big_sent, "small_frames_sent": small_sent}))
+    }))
+}
+
+/// Reservations claiming 2^63 prefill tokens, as fast as one thread sends.
+fn wrapping_loads(
+    stack: &Stack,
+    _bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let addr = stack.gateways[0].selection_addr();
+    Ok(std::thread::spawn(move || {
+        let statuses = Counts::default();
+        let mut conn = KeepAlive::connect(&addr)?;
+        let mut i = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let body = json!({
+                "reservation_id": format!("wrap-{i}"),
+                "model_name": "demo-model",
+                "worker_id": 1,
+                "isl_tokens": 1u64 << 63,
+                "effective_prefill_tokens": 1u64 << 63,
+            })
+            .to_string();
+            match conn.post_authorized("/reservations", body.as_bytes()) {
+                Ok(s) => statuses.count(s),
+                Err(_) => {
+                    statuses.count(0);
+                    conn = KeepAlive::connect(&addr)?;
+                }
+            }
+            i += 1;
+        }
+        Ok(json!({"answers": statuses.view()}))
+    }))
+}
+
+/// The section of `bench/report.md`.
+pub fn report(v: &Value) -> String {
+    let mut s = String::from("\n## Hostile inputs\n\n");
+    s.push_str(&format!(
+        "`cargo xtask bench --only hostile`{}: each attack on a fresh sidecar \
+         holding a {}-block index, measured idle for {} s and then under the \
+         attack for {} s. `/select` is called about 200 times a second on one \
+         kept-alive connection (as Envoy and selection clients hold theirs); \
+         resident memory is sampled every 100 ms. Targets: peak RSS within 2× \
+         idle plus the configured bounds, `/select` p99 within 5× idle.\n\n",
+        if v["quick"].as_bool() == Some(true) {
+            " (quick)"
+        } else {
+            ""
+        },
+        v["indexed_blocks"],
+        v["idle_s"],
+        v["attack_s"],
+    ));
+    s.push_str(
+        "| attack | RSS idle → peak (MiB) | ratio | `/select` p99 idle → attack (µs) | ratio | calls failed | what the sidecar did |\n\
+         | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    let f = |x: &Value| x.as_f64().map_or("–".to_string(), |x| format!("{x:.0}"));
+    let r = |x: &Value| x.as_f64().map_or("–".to_string(), |x| format!("{x:.2}×"));
+    for a in v["attacks"].as_array().into_iter().flatten() {
+        let c = &a["counters"];
+        let nonzero: Vec<String> = c
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, n)| {
+                n.as_f64().is_some_and(|n| n > 0.0)
+                    && !k.ends_with("_open")
+                    && !k.ends_with("bookings_active")
+            })
+            .map(|(k, n)| {
+                format!(
+                    "{} {}",
+                    k.trim_start_matches("kvgate_sidecar_"),
+                    n.as_f64().unwrap_or(0.0)
+                )
+            })
+            .collect();
+        s.push_str(&format!(
+            "| {} | {} → {} | {} | {} → {} | {} | {} | {} |\n",
+            a["attack"].as_str().unwrap_or("?"),
+            f(&a["idle"]["rss_peak_mib"]),
+            f(&a["under_attack"]["rss_peak_mib"]),
+            r(&a["rss_ratio"]),
+            f(&a["idle"]["select_p99_us"]),
+            f(&a["under_attack"]["select_p99_us"]),
+            r(&a["select_p99_ratio"]),
+            a["under_attack"]["select_failed"],
+            if nonzero.is_empty() {
+                "–".to_string()
+            } else {
+                nonzero.join(", ")
+            },
+        ));
+    }
+    s.push_str("\nEach attack's own tally is in `bench/results/hostile.json`.\n");
+    s
+}
