@@ -9,6 +9,10 @@
 //! `indexer.max_dump_bytes` or a dump that does not decode, is skipped for
 //! the next one. When none gives a dump the sidecar carries on with an
 //! empty index, as without recovery; that is a warning, not an error.
+//!
+//! With a control token the request carries it: a sidecar with a token
+//! serves `/dump` to its holders only. A peer that needs none (a Dynamo
+//! selector) ignores it.
 
 use crate::config::Indexer;
 use crate::metrics::KvMetrics;
@@ -67,6 +71,8 @@ pub(crate) struct Handles {
     pub(crate) metrics: KvMetrics,
     /// Set while recovery is under way: the sidecar is not ready.
     pub(crate) recovering: Arc<AtomicBool>,
+    /// The control token, sent to every peer.
+    pub(crate) token: Option<String>,
 }
 
 pub(crate) async fn run(h: Handles) {
@@ -79,7 +85,7 @@ async fn recover(h: &Handles) {
     let started = Instant::now();
     let mut got = None;
     for peer in &ix.peers {
-        match fetch(&h.client, peer, ix).await {
+        match fetch(&h.client, peer, ix, h.token.as_deref()).await {
             Ok((dump, bytes)) => {
                 got = Some((peer, dump, bytes));
                 break;
@@ -130,12 +136,17 @@ fn record(m: &KvMetrics, report: &RestoreReport, seconds: f64) {
 }
 
 /// One peer's dump, decoded, and its size in bytes.
-async fn fetch(client: &HttpClient, peer: &str, ix: &Indexer) -> Result<(Dump, usize), FetchError> {
+async fn fetch(
+    client: &HttpClient,
+    peer: &str,
+    ix: &Indexer,
+    token: Option<&str>,
+) -> Result<(Dump, usize), FetchError> {
     let url = format!("{}/dump", peer.trim_end_matches('/'));
     let uri: hyper::Uri = url
         .parse()
         .map_err(|e| FetchError::Url(format!("{url}: {e}")))?;
-    let body = tokio::time::timeout(ix.timeout, get(client, uri, ix.max_dump_bytes))
+    let body = tokio::time::timeout(ix.timeout, get(client, uri, token, ix.max_dump_bytes))
         .await
         .map_err(|_| FetchError::Timeout(ix.timeout))??;
     let size = body.len();
@@ -146,9 +157,21 @@ async fn fetch(client: &HttpClient, peer: &str, ix: &Indexer) -> Result<(Dump, u
     Ok((dump, size))
 }
 
-async fn get(client: &HttpClient, uri: hyper::Uri, cap: usize) -> Result<Bytes, FetchError> {
+async fn get(
+    client: &HttpClient,
+    uri: hyper::Uri,
+    token: Option<&str>,
+    cap: usize,
+) -> Result<Bytes, FetchError> {
+    let mut req = hyper::Request::get(uri);
+    if let Some(t) = token {
+        req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"));
+    }
+    let req = req
+        .body(http_body_util::Empty::new())
+        .map_err(|e| FetchError::Request(e.to_string()))?;
     let resp = client
-        .get(uri)
+        .request(req)
         .await
         .map_err(|e| FetchError::Request(e.to_string()))?;
     if resp.status() != hyper::StatusCode::OK {
@@ -195,7 +218,7 @@ mod tests {
 
     /// The fetch's error, which must come well before `indexer.timeout_ms`.
     async fn refusal(peer: &str, ix: &Indexer) -> FetchError {
-        tokio::time::timeout(Duration::from_secs(5), fetch(&client(), peer, ix))
+        tokio::time::timeout(Duration::from_secs(5), fetch(&client(), peer, ix, None))
             .await
             .expect("a refusal long before the peer's timeout")
             .map(|_| ())

@@ -294,9 +294,16 @@ async fn busy_threshold_api_in_dynamos_shapes() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_control_api_requires_the_token_when_one_is_set() {
-    let (base, _sc) = sidecar_with(&[], Some("s3cret")).await;
-    for path in ["/busy_threshold", "/workers"] {
-        let url = format!("{base}{path}");
+    let (base, sc) = sidecar_with(&[], Some("s3cret")).await;
+    let selection = selection_api(&sc).await;
+    // The index dump tells what every engine caches: on both listeners.
+    for url in [
+        format!("{base}/busy_threshold"),
+        format!("{base}/workers"),
+        format!("{base}/dump"),
+        format!("{selection}/dump"),
+    ] {
+        let path = &url;
         let (status, headers, _) = call_raw("GET", &url, &[], Vec::new()).await;
         assert_eq!(status, 401, "{path}");
         assert!(
@@ -312,6 +319,83 @@ async fn the_control_api_requires_the_token_when_one_is_set() {
     // The data plane and health stay open.
     assert_eq!(call("GET", &format!("{base}/health"), None).await.0, 200);
     assert_eq!(call("GET", &format!("{base}/v1/state"), None).await.0, 200);
+    assert!(
+        metric(&sc, "kvgate_sidecar_unauthorized_total{path=\"/dump\"}") >= 2.0,
+        "counted as every refused route is"
+    );
+}
+
+/// Sends `uri` to the sidecar's router in-process and returns its answer
+/// with the body unread: a client that reads nothing yet.
+async fn unread(app: &axum::Router, uri: &str) -> axum::response::Response {
+    use tower::ServiceExt;
+    let req = hyper::Request::get(uri)
+        .body(axum::body::Body::empty())
+        .unwrap();
+    app.clone().oneshot(req).await.unwrap()
+}
+
+/// The first bytes a reader is sent, which it has not asked for yet.
+async fn first_chunk(r: axum::response::Response) -> (bytes::Bytes, axum::body::Body) {
+    use http_body_util::BodyExt;
+    let mut body = r.into_body();
+    let chunk = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    (chunk, body)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_whole_index_readers_share_one_copy_and_are_capped() {
+    let (_base, sc) = sidecar_from(
+        "[server]\nmax_full_reads = 3\nfull_read_reuse_ms = 60000\n[[models]]\nname = \"m\"\n",
+        None,
+    )
+    .await;
+    let app = api::router(sc.clone());
+    let selection = api::selection_router(sc.clone());
+    let copies = "kvgate_sidecar_full_read_copies_total{what=\"dump\"}";
+
+    // Three readers that read one chunk and stop, on both listeners.
+    let mut held = Vec::new();
+    for router in [&app, &selection, &app] {
+        let r = unread(router, "/dump").await;
+        assert_eq!(r.status(), 200);
+        held.push(first_chunk(r).await);
+    }
+    assert_eq!(metric(&sc, copies), 1.0, "one encode for every reader");
+    assert!(
+        held.iter().all(|(c, _)| c.as_ptr() == held[0].0.as_ptr()),
+        "every reader is sent the same allocation"
+    );
+    assert_eq!(
+        metric(&sc, "kvgate_sidecar_full_reads_open{what=\"dump\"}"),
+        3.0
+    );
+
+    // A fourth, for the dump or a reset frame, is refused before any copy.
+    for (uri, what) in [
+        ("/dump", "dump"),
+        ("/v1/snapshot?after=0", "snapshot_reset"),
+    ] {
+        let r = unread(&app, uri).await;
+        assert_eq!(r.status(), 503, "{uri}");
+        assert_eq!(r.headers()["retry-after"], "1", "{uri}");
+        let series = format!("kvgate_sidecar_full_reads_refused_total{{what=\"{what}\"}}");
+        assert_eq!(metric(&sc, &series), 1.0);
+    }
+    assert_eq!(metric(&sc, copies), 1.0);
+
+    // A reader that finishes gives its place back; the copy is decoded
+    // whole from its chunks.
+    let (first, body) = held.pop().unwrap();
+    let rest = {
+        use http_body_util::BodyExt;
+        body.collect().await.unwrap().to_bytes()
+    };
+    let whole = [first.as_ref(), rest.as_ref()].concat();
+    kvgate_sidecar::sources::kv::dump::decode(&whole).unwrap();
+    let r = unread(&app, "/v1/snapshot?after=0").await;
+    assert_eq!(r.status(), 200);
+    assert!(update::decode(&first_chunk(r).await.0).unwrap().reset);
 }
 
 #[tokio::test(flavor = "multi_thread")]

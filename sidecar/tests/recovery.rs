@@ -81,9 +81,13 @@ async fn engine() -> String {
 /// `(worker_id, dp_size, engine address, events endpoint per rank)`.
 type Worker<'a> = (u64, u32, &'a str, Vec<&'a str>);
 
-/// A sidecar serving both listeners; returns its base URLs (control,
-/// selection).
-async fn sidecar(workers: &[Worker<'_>], indexer: &str) -> (Arc<Sidecar>, String, String) {
+/// A sidecar serving both listeners, with `token` as its control token;
+/// returns its base URLs (control, selection).
+async fn sidecar(
+    workers: &[Worker<'_>],
+    indexer: &str,
+    token: Option<&str>,
+) -> (Arc<Sidecar>, String, String) {
     let mut toml = format!(
         "[server]\npublish_interval_ms = 10\n[scrape]\ninterval_ms = 50\n\
          [kv]\nshards = 64\n[indexer]\n{indexer}\n[[models]]\nname = \"m\"\n"
@@ -100,17 +104,31 @@ async fn sidecar(workers: &[Worker<'_>], indexer: &str) -> (Arc<Sidecar>, String
             events.join(", ")
         ));
     }
-    let sc = Sidecar::start(Config::parse(&toml).unwrap()).unwrap();
+    let mut config = Config::parse(&toml).unwrap();
+    config.control.token = token.map(str::to_string);
+    let sc = Sidecar::start(config).unwrap();
     let control = serve(api::router(sc.clone())).await;
     let selection = serve(api::selection_router(sc.clone())).await;
     (sc, control, selection)
 }
 
 async fn get_bytes(url: &str) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    get_with(url, None).await
+}
+
+/// A GET carrying `token` as a bearer token, if any.
+async fn get_with(url: &str, token: Option<&str>) -> (u16, Vec<(String, String)>, Vec<u8>) {
     use http_body_util::{BodyExt, Empty};
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Empty<bytes::Bytes>>();
-    let resp = client.get(url.parse().unwrap()).await.unwrap();
+    let mut req = hyper::Request::get(url);
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let resp = client
+        .request(req.body(Empty::new()).unwrap())
+        .await
+        .unwrap();
     let status = resp.status().as_u16();
     let headers = resp
         .headers()
@@ -145,7 +163,11 @@ async fn select(selection: &str, tokens: &[u32]) -> Option<SelectionView> {
 }
 
 async fn dump_of(base: &str) -> Dump {
-    let (status, headers, body) = get_bytes(&format!("{base}/dump")).await;
+    dump_with(base, None).await
+}
+
+async fn dump_with(base: &str, token: Option<&str>) -> Dump {
+    let (status, headers, body) = get_with(&format!("{base}/dump"), token).await;
     assert_eq!(status, 200);
     assert!(
         headers
@@ -188,6 +210,14 @@ fn prompts() -> (Vec<u32>, Vec<u32>) {
 /// Sidecar A with workers 1 (two ranks), 2 and 5, each rank fed until A
 /// places `prompts().0` on worker 1 rank 0 with three blocks matched.
 async fn indexed_peer(ctx: &zmq::Context) -> (Arc<Sidecar>, String, String, [String; 3]) {
+    indexed_peer_with(ctx, None).await
+}
+
+/// The same, with `token` as A's control token.
+async fn indexed_peer_with(
+    ctx: &zmq::Context,
+    token: Option<&str>,
+) -> (Arc<Sidecar>, String, String, [String; 3]) {
     let (t, u) = prompts();
     let engines = [engine().await, engine().await, engine().await];
     let mut pubs: Vec<Publisher> = (0..4).map(|_| Publisher::bind(ctx)).collect();
@@ -203,6 +233,7 @@ async fn indexed_peer(ctx: &zmq::Context) -> (Arc<Sidecar>, String, String, [Str
             (5, 1, &engines[2], vec![&pubs[3].endpoint]),
         ],
         "",
+        token,
     )
     .await;
     let feeds: [(usize, Vec<Value>); 4] = [
@@ -217,7 +248,7 @@ async fn indexed_peer(ctx: &zmq::Context) -> (Arc<Sidecar>, String, String, [Str
             || events.clone(),
             "A to index a rank",
             async || {
-                let dump = dump_of(&a_control).await;
+                let dump = dump_with(&a_control, token).await;
                 dump.blocks() >= [3, 5, 7, 11][i]
             },
         )
@@ -258,6 +289,7 @@ async fn a_sidecar_recovers_its_peers_index_and_places_prompts_as_the_peer_does(
             ),
         ],
         &format!("peers = [\"{a_control}\"]\ntimeout_ms = 2000"),
+        None,
     )
     .await;
     wait_until("B's recovery", async || {
@@ -393,6 +425,7 @@ async fn peers_that_fail_are_skipped_and_without_one_the_sidecar_starts_empty() 
                 "peers = [{}]\ntimeout_ms = 2000\nmax_dump_bytes = 65536",
                 list.join(", ")
             ),
+            None,
         )
         .await;
         wait_until("the recovery to end", async || {
@@ -456,6 +489,7 @@ async fn a_sidecar_is_not_ready_until_its_recovery_ends() {
     let (sc, control, _) = sidecar(
         &[(1, 1, &engine, vec![&p.endpoint])],
         &format!("peers = [\"{slow}\"]\ntimeout_ms = 5000"),
+        None,
     )
     .await;
     let ready = async || {
@@ -480,4 +514,41 @@ async fn a_sidecar_is_not_ready_until_its_recovery_ends() {
     );
     wait_until("ready once recovery ends", async || ready().await.0 == 200).await;
     assert!(metric(&sc, "kvgate_index_recovery_seconds") >= 1.5);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_a_control_token_only_a_peer_sending_it_recovers() {
+    let ctx = zmq::Context::new();
+    let token = "s3cret";
+    let (a, a_control, a_selection, engines) = indexed_peer_with(&ctx, Some(token)).await;
+    // The dump is the whole index: without the token, neither listener
+    // gives it.
+    for base in [&a_control, &a_selection] {
+        assert_eq!(get_bytes(&format!("{base}/dump")).await.0, 401, "{base}");
+    }
+
+    // A sidecar with worker 2, recovering from A with `token`.
+    let p = Publisher::bind(&ctx);
+    let recover = async |token: Option<&str>| {
+        let (sc, _, _) = sidecar(
+            &[(2, 1, &engines[1], vec![&p.endpoint])],
+            &format!("peers = [\"{a_control}\"]\ntimeout_ms = 2000"),
+            token,
+        )
+        .await;
+        wait_until("the recovery to end", async || {
+            metric(&sc, "kvgate_index_recovery_seconds") > 0.0
+        })
+        .await;
+        metric(&sc, "kvgate_index_recovered_blocks_total")
+    };
+    assert_eq!(recover(Some(token)).await, 2.0, "worker 2's blocks");
+    let refused = metric(&a, "kvgate_sidecar_unauthorized_total{path=\"/dump\"}");
+    assert_eq!(recover(None).await, 0.0, "no token: nothing recovered");
+    assert_eq!(recover(Some("guess")).await, 0.0, "a wrong token neither");
+    assert_eq!(
+        metric(&a, "kvgate_sidecar_unauthorized_total{path=\"/dump\"}"),
+        refused + 2.0,
+        "each refusal counted on the peer"
+    );
 }

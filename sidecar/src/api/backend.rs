@@ -3,6 +3,7 @@
 //! API names only the trait and the state types below it, so that it
 //! imports nothing from the wiring that starts it.
 
+use super::FullReads;
 use crate::config::{Config, WorkerSpec};
 use crate::fleet::{Fleet, FleetError, RankId, WorkerEntry};
 use crate::metrics::Metrics;
@@ -26,8 +27,8 @@ pub trait Backend: Send + Sync + 'static {
     fn shards(&self) -> &ShardLog;
     fn plane(&self) -> &Plane;
     fn replica(&self) -> Option<&ReplicaSync>;
-    /// `GET /dump` one at a time: each holds a copy of the index.
-    fn dump_turn(&self) -> &tokio::sync::Mutex<()>;
+    /// The whole-index copies readers share, and their cap.
+    fn full_reads(&self) -> &FullReads;
     /// Whether start-up recovery from index peers is still under way.
     fn recovering(&self) -> bool;
     /// Notes that a gateway's long poll was answered.

@@ -2,39 +2,57 @@
 //! `sources::kv::dump`, for a peer starting up (`[indexer] peers`).
 //!
 //! The index thread only copies its tables; the sort and the encoding run
-//! on a blocking thread, so ingest waits for the copy alone. A sidecar
+//! on a blocking thread, so ingest waits for the copy alone. The encoded
+//! dump is shared between readers (`full_read`). With a control token the
+//! route requires it: a dump tells what every engine caches. A sidecar
 //! still recovering answers 503: its index is not what it will be, and the
 //! peer asking goes on to its next peer.
 
 use super::Backend;
+use super::auth::holds_token;
 use super::error;
+use super::full_read::Whole;
 use crate::sources::kv::dump;
 use crate::sources::kv::plane::DumpUnavailable;
 use axum::extract::State;
-use axum::http::StatusCode;
-use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub(super) async fn dump(State(sc): State<Arc<dyn Backend>>) -> Response {
-    let _turn = sc.dump_turn().lock().await;
+pub(super) async fn dump(State(sc): State<Arc<dyn Backend>>, headers: HeaderMap) -> Response {
+    let reads = sc.full_reads();
+    let place = match reads.admit(Whole::Dump, holds_token(&*sc, &headers)) {
+        Ok(p) => p,
+        Err(busy) => return busy.into_response(),
+    };
+    match reads.copy(Whole::Dump, || encode(&*sc)).await {
+        Ok(bytes) => reads.respond(Whole::Dump, place, bytes),
+        Err(r) => r,
+    }
+}
+
+/// A new dump of the index, or the answer saying why there is none.
+async fn encode(sc: &dyn Backend) -> Result<Bytes, Response> {
     let started = Instant::now();
     let snapshot = match sc.plane().dump().await {
         Ok(d) => d,
         Err(e @ DumpUnavailable::Recovering) => {
             let mut r = error(StatusCode::SERVICE_UNAVAILABLE, e);
             r.headers_mut().insert(RETRY_AFTER, 1.into());
-            return r;
+            return Err(r);
         }
-        Err(e @ DumpUnavailable::NoAnswer) => return error(StatusCode::SERVICE_UNAVAILABLE, e),
+        Err(e @ DumpUnavailable::NoAnswer) => {
+            return Err(error(StatusCode::SERVICE_UNAVAILABLE, e));
+        }
     };
     let copied = started.elapsed();
     let blocks = snapshot.blocks();
-    let bytes = match tokio::task::spawn_blocking(move || dump::encode(snapshot)).await {
-        Ok(b) => b,
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
-    };
+    let bytes = tokio::task::spawn_blocking(move || dump::encode(snapshot))
+        .await
+        .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, e))?;
     tracing::debug!(
         blocks,
         bytes = bytes.len(),
@@ -42,10 +60,5 @@ pub(super) async fn dump(State(sc): State<Arc<dyn Backend>>) -> Response {
         total_ms = started.elapsed().as_secs_f64() * 1e3,
         "index dumped"
     );
-    (
-        StatusCode::OK,
-        [(CONTENT_TYPE, "application/octet-stream")],
-        bytes,
-    )
-        .into_response()
+    Ok(Bytes::from(bytes))
 }

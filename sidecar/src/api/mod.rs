@@ -4,7 +4,9 @@
 //!   snapshot service uses (see `docs/architecture.md`).
 //! * `GET /v1/state` — the current snapshot as JSON, for people and tests.
 //! * `GET /dump` — the prefix index in a recovery format (binary), for a
-//!   peer starting up with `[indexer] peers`; on both listeners.
+//!   peer starting up with `[indexer] peers`; on both listeners. Like a
+//!   reset frame of `/v1/snapshot` it is the whole index: one copy is
+//!   shared between readers, and readers are capped (`full_read`).
 //! * `POST /v1/routed`, `POST /v1/bookings` — what the filter reports:
 //!   routing decisions for the approximate index, and load bookings.
 //! * `GET/POST /busy_threshold` — shedding thresholds, in Dynamo's shapes.
@@ -25,8 +27,9 @@
 //! (`/busy_threshold`, `/v1/admin/thermal`, `/workers`) and the filter's reports
 //! (`/v1/bookings`, `/v1/routed`), since a forged booking sheds every
 //! request for the booking TTL and forged routing decisions steer the
-//! approximate index. What only reads (`/v1/snapshot`, `/v1/state`,
-//! `/dump`, `/health`, `/ready`, `/metrics`) stays open.
+//! approximate index; and `/dump`, the whole index, which kvgate's own
+//! recovery sends the token for. What else only reads (`/v1/snapshot`,
+//! `/v1/state`, `/health`, `/ready`, `/metrics`) stays open.
 //!
 //! The selection API has a listener of its own ([`selection_router`],
 //! `[selection] listen`), Dynamo's standalone selection service's routes:
@@ -50,6 +53,7 @@ mod auth;
 mod backend;
 mod discovery;
 mod dump;
+mod full_read;
 mod ledger_view;
 pub mod listener;
 mod loads;
@@ -68,6 +72,7 @@ pub mod views;
 mod workers;
 
 pub use backend::Backend;
+pub use full_read::FullReads;
 pub use select::route;
 
 use crate::fleet::FleetError;
@@ -84,7 +89,7 @@ pub fn router(sc: Arc<dyn Backend>) -> Router {
     Router::new()
         .route("/v1/snapshot", get(poll::snapshot))
         .route("/v1/state", get(state::state))
-        .route("/dump", get(dump::dump))
+        .route("/dump", get(dump::dump).route_layer(token.clone()))
         .route(
             "/v1/routed",
             post(reports::routed).route_layer(token.clone()),
@@ -145,10 +150,10 @@ pub fn selection_router(sc: Arc<dyn Backend>) -> Router {
                     post(reserve::output_block),
                 )
                 .merge(catalog())
-                .route_layer(token),
+                .route_layer(token.clone()),
         )
         .merge(replica_sync(&sc))
-        .route("/dump", get(dump::dump))
+        .route("/dump", get(dump::dump).route_layer(token))
         .route("/health", get(health))
         .route("/ready", get(probes::ready))
         .with_state(sc)

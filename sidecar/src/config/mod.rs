@@ -109,7 +109,7 @@ impl Config {
 
     fn validate(&mut self) -> Result<(), String> {
         self.replica_sync.validate()?;
-        self.server.limits().validate("server")?;
+        self.server.validate()?;
         self.selection.limits().validate("selection")?;
         let mut names = BTreeSet::new();
         for m in &self.models {

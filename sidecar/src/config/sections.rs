@@ -38,6 +38,21 @@ pub struct Server {
     /// Connections open at once; one more is accepted and closed at once.
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
+    /// Whole-index reads (`GET /dump`, a reset frame of `/v1/snapshot`)
+    /// served at once, on both listeners together, to readers without the
+    /// control token; one more is answered 503 with `Retry-After`. Each
+    /// may hold a copy of the index for as long as its client reads.
+    #[serde(default = "default_max_full_reads")]
+    pub max_full_reads: u32,
+    /// A whole-index copy encoded less than this long ago is served again
+    /// rather than encoded anew: under ingest the index changes every few
+    /// milliseconds, so readers would otherwise share nothing.
+    #[serde(
+        rename = "full_read_reuse_ms",
+        default = "default_full_read_reuse",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub full_read_reuse: Duration,
 }
 
 impl Default for Server {
@@ -48,9 +63,17 @@ impl Default for Server {
             header_read_timeout: default_header_read_timeout(),
             idle_timeout: default_idle_timeout(),
             max_connections: default_max_connections(),
+            max_full_reads: default_max_full_reads(),
+            full_read_reuse: default_full_read_reuse(),
         }
     }
 }
+
+/// Far more whole-index copies than any fleet of peers needs at once.
+const MAX_FULL_READS: u32 = 1024;
+/// A reused copy is at most this old: a reader then catches up from it
+/// (Envoy by its next poll, a recovering peer by its engines' replay).
+const MAX_FULL_READ_REUSE: Duration = Duration::from_secs(60);
 
 impl Server {
     pub fn limits(&self) -> ListenerLimits {
@@ -59,6 +82,24 @@ impl Server {
             idle_timeout: self.idle_timeout,
             max_connections: self.max_connections,
         }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        self.limits().validate("server")?;
+        if !(1..=MAX_FULL_READS).contains(&self.max_full_reads) {
+            return Err(format!(
+                "server.max_full_reads must be within [1, {MAX_FULL_READS}], got {}",
+                self.max_full_reads
+            ));
+        }
+        if self.full_read_reuse > MAX_FULL_READ_REUSE {
+            return Err(format!(
+                "server.full_read_reuse_ms must be at most {}, got {}",
+                MAX_FULL_READ_REUSE.as_millis(),
+                self.full_read_reuse.as_millis()
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -411,6 +452,18 @@ fn default_idle_timeout() -> Duration {
 /// a quarter of the file limit when that is smaller.
 fn default_max_connections() -> u32 {
     1024
+}
+
+/// A few peers recovering at once; at 16 bytes a block, four copies of a
+/// 12M-block index are 0.8 GB.
+fn default_max_full_reads() -> u32 {
+    4
+}
+/// Longer than encoding a large index takes, so that readers arriving
+/// during a burst share one copy; short enough that a reader catches up
+/// within a poll.
+fn default_full_read_reuse() -> Duration {
+    Duration::from_millis(1000)
 }
 
 fn default_listen() -> SocketAddr {

@@ -255,6 +255,21 @@ fn listener_limits_have_safe_defaults_and_are_checked() {
 }
 
 #[test]
+fn whole_index_reads_are_capped_and_reused_by_default() {
+    let d = Config::parse("").unwrap();
+    assert_eq!(d.server.max_full_reads, 4);
+    assert_eq!(d.server.full_read_reuse, Duration::from_millis(1000));
+    let c = Config::parse("[server]\nmax_full_reads = 1\nfull_read_reuse_ms = 0").unwrap();
+    assert_eq!(
+        (c.server.max_full_reads, c.server.full_read_reuse),
+        (1, Duration::ZERO)
+    );
+    assert!(err("[server]\nmax_full_reads = 0").contains("server.max_full_reads"));
+    assert!(err("[server]\nmax_full_reads = 1025").contains("server.max_full_reads"));
+    assert!(err("[server]\nfull_read_reuse_ms = 60001").contains("server.full_read_reuse_ms"));
+}
+
+#[test]
 fn the_selection_listener_is_off_unless_given() {
     assert_eq!(Config::parse("").unwrap().selection.listen, None);
     let c = Config::parse("[selection]\nlisten = \"127.0.0.1:9192\"").unwrap();

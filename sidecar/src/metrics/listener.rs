@@ -1,4 +1,5 @@
-//! The listener family: connections on the sidecar's HTTP listeners.
+//! The listener family: connections on the sidecar's HTTP listeners, and
+//! the whole-index reads they serve.
 
 use super::{MetricsError, counter, gauge_vec};
 use prometheus::core::Collector;
@@ -10,6 +11,9 @@ pub struct ListenerMetrics {
     pub refused: IntCounterVec,
     pub closed: IntCounterVec,
     pub unauthorized: IntCounterVec,
+    pub full_reads_open: IntGaugeVec,
+    pub full_reads_refused: IntCounterVec,
+    pub full_read_copies: IntCounterVec,
 }
 
 /// One listener's series, labelled with its name.
@@ -47,6 +51,24 @@ impl ListenerMetrics {
                 "kvgate_sidecar_unauthorized_total",
                 "Requests refused 401 for a missing or wrong control token, by route (/v1/bookings and /v1/routed: a filter whose sidecar_token does not match, so that routing runs without its bookings).",
                 &["path"],
+            )?,
+            full_reads_open: gauge_vec(
+                r,
+                "kvgate_sidecar_full_reads_open",
+                "Whole-index reads being sent, by what (dump: GET /dump; snapshot_reset: a reset frame of /v1/snapshot), on both listeners.",
+                &["what"],
+            )?,
+            full_reads_refused: counter(
+                r,
+                "kvgate_sidecar_full_reads_refused_total",
+                "Whole-index reads answered 503 because server.max_full_reads were being sent to readers without the control token, by what.",
+                &["what"],
+            )?,
+            full_read_copies: counter(
+                r,
+                "kvgate_sidecar_full_read_copies_total",
+                "Whole-index copies encoded, by what; readers within server.full_read_reuse_ms of one share it.",
+                &["what"],
             )?,
         })
     }

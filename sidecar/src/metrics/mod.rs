@@ -10,7 +10,8 @@
 //!   routed-prefix index.
 //! * [`thermal`]: GPU readings, thermal controllers and batch cuts.
 //! * [`planner`]: the replica planner's decisions and estimates.
-//! * [`listener`]: connections on the HTTP listeners.
+//! * [`listener`]: connections on the HTTP listeners and the whole-index
+//!   reads they serve.
 
 pub mod kv;
 pub mod ledger;

@@ -10,6 +10,12 @@ use kvgate_core::update;
 /// into its VM, whose memory never shrinks.
 pub const FRAME_SHARD_BYTES: usize = 1 << 20;
 
+/// Whether a reader at (`after`, `epoch`) is sent a reset frame: it is new
+/// (`after == 0`), from another epoch, or ahead of this process.
+pub fn is_reset(versions: &Versions, after: u64, epoch: u64) -> bool {
+    epoch != versions.epoch || after == 0 || after > versions.current()
+}
+
 /// The frame for a reader at (`after`, `epoch`), or `None` when it is up to
 /// date. A reader from another epoch, or a new one (`after == 0`), gets a
 /// reset frame. Shards are taken in version order up to
@@ -23,7 +29,7 @@ pub fn frame(
     epoch: u64,
 ) -> Option<Vec<u8>> {
     let current = versions.current();
-    let reset = epoch != versions.epoch || after == 0 || after > current;
+    let reset = is_reset(versions, after, epoch);
     if !reset && current <= after {
         return None;
     }

@@ -7,7 +7,7 @@ mod control;
 mod ingest;
 mod reservations;
 
-use crate::api::Backend;
+use crate::api::{Backend, FullReads};
 use crate::clock::now_ms;
 use crate::config::{Config, WorkerSpec};
 use crate::fleet::{Fleet, FleetError, RankId, WorkerEntry};
@@ -49,8 +49,8 @@ pub struct Sidecar {
     workers: Lifecycle,
     /// Present when `[replica_sync] listen` is set.
     replica: Option<ReplicaSync>,
-    /// `GET /dump` one at a time: each holds a copy of the index.
-    dump_turn: tokio::sync::Mutex<()>,
+    /// The whole-index copies readers share, and their cap.
+    full_reads: FullReads,
     /// Start-up recovery of the index from peers is under way: not ready.
     recovering: Arc<AtomicBool>,
 }
@@ -117,6 +117,7 @@ impl Sidecar {
             },
             metrics.kv.subscribers.clone(),
         );
+        let full_reads = FullReads::new(&config.server, &metrics.listener);
         let sc = Arc::new(Sidecar {
             fleet: Arc::new(Mutex::new(fleet)),
             versions,
@@ -133,7 +134,7 @@ impl Sidecar {
             client: scrape::client(),
             workers,
             replica,
-            dump_turn: tokio::sync::Mutex::new(()),
+            full_reads,
             recovering: Arc::new(AtomicBool::new(!config.indexer.peers.is_empty())),
             config: Arc::new(config),
         });
@@ -159,6 +160,7 @@ impl Sidecar {
                 plane: sc.plane.clone(),
                 metrics: sc.metrics.kv.clone(),
                 recovering: sc.recovering.clone(),
+                token: sc.config.control.token.clone(),
             }));
         }
         sc.publish_now();
@@ -239,8 +241,8 @@ impl Sidecar {
         }
     }
 
-    pub(crate) fn dump_turn(&self) -> &tokio::sync::Mutex<()> {
-        &self.dump_turn
+    pub(crate) fn full_reads(&self) -> &FullReads {
+        &self.full_reads
     }
 
     /// Whether start-up recovery from index peers is still under way.
@@ -342,8 +344,8 @@ impl Backend for Sidecar {
         Sidecar::replica(self)
     }
 
-    fn dump_turn(&self) -> &tokio::sync::Mutex<()> {
-        Sidecar::dump_turn(self)
+    fn full_reads(&self) -> &FullReads {
+        Sidecar::full_reads(self)
     }
 
     fn recovering(&self) -> bool {
