@@ -150,22 +150,23 @@ pub fn dispatch(
     hostcalls::dispatch_http_call(cluster, headers, body, vec![], timeout)
 }
 
+/// Gets `path`; `authorization` is a whole header value.
 pub fn dispatch_get(
     cluster: &str,
     authority: &str,
     path: &str,
+    authorization: Option<&str>,
     timeout: Duration,
 ) -> Result<u32, Status> {
-    dispatch(
-        cluster,
-        vec![
-            (":method", "GET"),
-            (":path", path),
-            (":authority", authority),
-        ],
-        None,
-        timeout,
-    )
+    let mut headers = vec![
+        (":method", "GET"),
+        (":path", path),
+        (":authority", authority),
+    ];
+    if let Some(a) = authorization {
+        headers.push(("authorization", a));
+    }
+    dispatch(cluster, headers, None, timeout)
 }
 
 /// Posts `body`; `authorization` is a whole header value.

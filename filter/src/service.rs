@@ -222,7 +222,15 @@ impl Service {
         let path = self.poller.path(wait);
         // The call's own timeout leaves the sidecar time to answer a full wait.
         let timeout = c.poll_wait + Duration::from_secs(2);
-        match host::dispatch_get(&c.sidecar_cluster, &c.sidecar_authority, &path, timeout) {
+        // The token exempts a reset frame from the sidecar's cap on
+        // whole-index readers, which anyone else can fill.
+        match host::dispatch_get(
+            &c.sidecar_cluster,
+            &c.sidecar_authority,
+            &path,
+            self.authorization.as_deref(),
+            timeout,
+        ) {
             Ok(token) => {
                 self.poll_token = Some(token);
                 self.prompt = false;

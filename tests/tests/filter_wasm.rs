@@ -196,6 +196,7 @@ fn the_service_long_polls_and_writes_shared_data() {
         Some("/v1/snapshot?after=0&epoch=0&wait_ms=1000")
     );
     assert_eq!(p.timeout_ms, 3000);
+    assert_eq!(p.header("authorization"), None, "no sidecar_token");
     e.service.tick().unwrap();
     assert_eq!(
         e.service.pending().len(),
@@ -1307,6 +1308,16 @@ fn the_service_forwards_bookings_one_batch_at_a_time() {
             .iter()
             .any(|c| path_of(c) == "/v1/bookings")
     );
+}
+
+/// The poll carries the sidecar token, which spares its reset frames the
+/// sidecar's cap on whole-index readers.
+#[test]
+fn a_poll_carries_the_sidecar_token() {
+    let e = Envoy::start(r#"{"sidecar_token": "s3cret"}"#);
+    let polls = e.service.pending();
+    assert_eq!(polls.len(), 1);
+    assert_eq!(polls[0].header("authorization"), Some("Bearer s3cret"));
 }
 
 /// A sidecar that has a control token refuses the bookings of a filter

@@ -289,7 +289,8 @@ fn routed_groups(g: &Gateway, groups: &[Vec<u32>]) -> Vec<String> {
 /// Kill one gateway's sidecar and start it again: alone it starts with an
 /// empty index (these engines keep one step of replay), with
 /// `--indexer-peers` it takes the other sidecar's and routes by it from its
-/// first decisions.
+/// first decisions. The sidecars have a control token, which the dump
+/// needs and the recovery sends.
 #[test]
 fn a_restarted_sidecar_recovers_the_index_from_its_peer() {
     let _g = serial();
@@ -297,6 +298,7 @@ fn a_restarted_sidecar_recovers_the_index_from_its_peer() {
         workers: 4,
         gateways: 2,
         kv_events: true,
+        control_token: Some("gateways-dump".into()),
         sim_args: ["--speedup", "20", "--replay-buffer-steps", "1"]
             .map(String::from)
             .to_vec(),
@@ -331,7 +333,10 @@ fn a_restarted_sidecar_recovers_the_index_from_its_peer() {
     let alone = indexed(&stack.gateways[1]);
     assert!(alone < 4.0 * 32.0, "replay alone recovered {alone} blocks");
 
-    // With its peer, it starts from the peer's dump.
+    // With its peer, it starts from the peer's dump, which a client
+    // without the token does not get.
+    let (status, _) = http::get(&stack.gateways[0].sidecar_addr(), "/dump").unwrap();
+    assert_eq!(status, 401);
     let peer = format!("http://{}", stack.gateways[0].sidecar_addr());
     let t = Instant::now();
     stack
