@@ -23,7 +23,7 @@ use crate::build;
 use crate::kvbench::{Publisher, chain_tokens};
 use anyhow::{Context, Result, bail};
 use kvgate_load::summary::percentile;
-use kvgate_sidecar::replica::wire::{self, Placed, SyncEvent, SyncId};
+use kvgate_sidecar::replica::wire::{self, Placed, Stamp, SyncEvent, SyncId};
 use kvgate_stack::{Stack, StackConfig, http};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -360,7 +360,8 @@ fn counters(stack: &Stack) -> Result<Value> {
         "kvgate_sidecar_bookings_active",
         "kvgate_sidecar_replica_sync_refused_messages_total",
         "kvgate_sidecar_replica_peer_reconnects_total",
-        "kvgate_sidecar_dump_reads_refused_total",
+        "kvgate_sidecar_full_reads_refused_total",
+        "kvgate_sidecar_full_read_copies_total",
         "kvgate_sidecar_unauthorized_total",
     ];
     Ok(names
@@ -682,6 +683,8 @@ fn admission_flood(
             std::thread::sleep(Duration::from_millis(500));
             let mut sent = 0u64;
             let origin = 0xBAD_u64;
+            // Each message numbered anew: fresh admissions, not replays.
+            let mut seq = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 let events: Vec<SyncEvent> = (0..wire::MAX_EVENTS as u64)
                     .map(|k| {
@@ -700,7 +703,8 @@ fn admission_flood(
                     })
                     .collect();
                 for run in wire::split(&events, 1 << 20, true) {
-                    publisher.send(wire::encode(origin, run, Some(TOKEN)), 0)?;
+                    seq += 1;
+                    publisher.send(wire::encode(&Stamp::now(origin, seq), run, Some(TOKEN)), 0)?;
                 }
                 sent += events.len() as u64;
             }
@@ -770,7 +774,8 @@ fn oversized_sync_frames(
             big_sent += 1;
             for k in 0..10u64 {
                 let id = SyncId::Reservation(format!("sync-{big_sent}-{k}").into());
-                let msg = wire::encode(7, &[SyncEvent::Free(id)], Some(TOKEN));
+                let seq = big_sent * 10 + k + 1;
+                let msg = wire::encode(&Stamp::now(7, seq), &[SyncEvent::Free(id)], Some(TOKEN));
                 publisher.send(msg, 0)?;
                 small_sent += 1;
             }

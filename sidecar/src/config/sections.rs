@@ -347,7 +347,7 @@ impl Selection {
 /// publishes its admissions, prefill completions and frees on a ZMQ PUB
 /// socket and subscribes to its peers', so every pod counts the load the
 /// others put on the fleet. Off unless `listen` is set.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReplicaSync {
     /// Where this sidecar's PUB socket binds (`--replica-sync-port`).
@@ -356,10 +356,43 @@ pub struct ReplicaSync {
     /// Peers' PUB endpoints, `tcp://host:port` (`--replica-sync-peers`).
     #[serde(default)]
     pub peers: Vec<String>,
+    /// A peer's admission sent longer ago than this (by the peer's clock,
+    /// either way) is refused: it is a replay, or the clocks are apart.
+    /// Bounds how long a recorded message could be replayed at all.
+    #[serde(
+        rename = "max_message_age_ms",
+        default = "default_max_message_age",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub max_message_age: Duration,
 }
+
+impl Default for ReplicaSync {
+    fn default() -> Self {
+        ReplicaSync {
+            listen: None,
+            peers: Vec::new(),
+            max_message_age: default_max_message_age(),
+        }
+    }
+}
+
+/// Clocks of a fleet's pods agree far better; a message takes
+/// milliseconds. Under a second would refuse admissions between pods
+/// whose clocks are merely ordinary.
+const MESSAGE_AGE_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(3600);
 
 impl ReplicaSync {
     pub fn validate(&self) -> Result<(), String> {
+        if !MESSAGE_AGE_RANGE.contains(&self.max_message_age) {
+            return Err(format!(
+                "replica_sync.max_message_age_ms must be within [{}, {}], got {}",
+                MESSAGE_AGE_RANGE.start().as_millis(),
+                MESSAGE_AGE_RANGE.end().as_millis(),
+                self.max_message_age.as_millis()
+            ));
+        }
         if !self.peers.is_empty() && self.listen.is_none() {
             return Err(
                 "replica_sync.peers needs replica_sync.listen (--replica-sync-port): peers that subscribe to this sidecar need a socket to subscribe to".into(),
@@ -418,6 +451,12 @@ impl Default for Indexer {
             max_dump_bytes: default_max_dump_bytes(),
         }
     }
+}
+
+/// A replay is possible only this long after the message was sent, and
+/// clocks may differ by up to this much.
+fn default_max_message_age() -> Duration {
+    Duration::from_millis(30_000)
 }
 
 /// A 1.6M-block dump (16 ranks of 100k) is 26 MB: a second on a slow link.

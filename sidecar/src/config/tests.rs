@@ -459,3 +459,18 @@ fn max_prompt_tokens_defaults_and_is_bounded() {
         );
     }
 }
+
+#[test]
+fn replica_sync_messages_have_a_bounded_age() {
+    let d = Config::parse("").unwrap();
+    assert_eq!(
+        d.replica_sync.max_message_age,
+        Duration::from_millis(30_000)
+    );
+    let c = Config::parse("[replica_sync]\nmax_message_age_ms = 5000").unwrap();
+    assert_eq!(c.replica_sync.max_message_age, Duration::from_millis(5000));
+    for bad in ["999", "3600001"] {
+        let e = err(&format!("[replica_sync]\nmax_message_age_ms = {bad}"));
+        assert!(e.contains("replica_sync.max_message_age_ms"), "{e}");
+    }
+}

@@ -13,10 +13,11 @@ pub struct LedgerMetrics {
     pub booking_batches: IntCounterVec,
     pub bookings_refused: IntCounterVec,
     pub replica_events: IntCounterVec,
-    pub replica_refused: IntCounter,
+    pub replica_refused: IntCounterVec,
     pub replica_peer_connected: IntGaugeVec,
     pub replica_peer_last_message_age: GaugeVec,
     pub replica_peer_refused: IntCounterVec,
+    pub replica_peer_refused_admissions: IntCounterVec,
     pub replica_peer_reconnects: IntCounterVec,
 }
 
@@ -67,13 +68,14 @@ impl LedgerMetrics {
             replica_events: counter(
                 r,
                 "kvgate_sidecar_replica_sync_events_total",
-                "Replica-sync events, by result: sent, received, dropped_outbox (this sidecar queued more than it could send), dropped_inbound (peers sent faster than it applied), unknown_rank (an admission for a rank not in this catalog).",
+                "Replica-sync events, by result: sent, received, dropped_outbox (this sidecar queued more than it could send), dropped_inbound (peers sent faster than it applied), unknown_rank (an admission for a rank not in this catalog), replayed (an admission refused: its message was seen already, or is further behind the origin's latest than the window), stale (an admission refused: its message was sent further from this clock than replica_sync.max_message_age_ms).",
                 &["result"],
             )?,
-            replica_refused: plain_counter(
+            replica_refused: counter(
                 r,
                 "kvgate_sidecar_replica_sync_refused_messages_total",
-                "Replica-sync messages refused whole: malformed, another version, or not signed with this sidecar's control token.",
+                "Replica-sync messages refused whole, by reason: malformed, version (a peer on a release speaking another version), unauthenticated (not signed with this sidecar's control token).",
+                &["reason"],
             )?,
             replica_peer_connected: gauge_vec(
                 r,
@@ -92,6 +94,12 @@ impl LedgerMetrics {
                 "kvgate_sidecar_replica_peer_refused_messages_total",
                 "Messages from the replica-sync peer refused whole (malformed, another version, unsigned).",
                 &["peer"],
+            )?,
+            replica_peer_refused_admissions: counter(
+                r,
+                "kvgate_sidecar_replica_peer_refused_admissions_total",
+                "Admissions from the replica-sync peer's socket refused, by reason: replayed (the message was seen already), stale (sent too long ago by the sender's clock). Frees in those messages still apply.",
+                &["peer", "reason"],
             )?,
             replica_peer_reconnects: counter(
                 r,

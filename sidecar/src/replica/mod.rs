@@ -9,9 +9,11 @@
 //! ranks here and is freed when the peer frees it, or expires with the
 //! booking expiry when that message was lost.
 //!
-//! As in Dynamo's selection service, this is best effort: no sequencing,
-//! acknowledgement or replay. Output-block growth stays local (it is the
-//! most frequent event and the least useful elsewhere). Admissions name the
+//! As in Dynamo's selection service, this is best effort: no
+//! acknowledgement or redelivery. Messages are numbered only so that a
+//! recorded one cannot book its load twice (`replay`). Output-block growth
+//! stays local (it is the most frequent event and the least useful
+//! elsewhere). Admissions name the
 //! worker and rank; a receiver drops those for workers, models, tenants or
 //! block sizes its own catalog does not have, so every sidecar must be
 //! given the same catalog.
@@ -24,19 +26,21 @@
 //! blocks the sidecar: a full queue drops the event and counts it.
 
 mod monitor;
+mod replay;
 pub mod wire;
 
 use monitor::Monitor;
 use parking_lot::Mutex;
 use prometheus::{Gauge, IntCounter, IntGauge};
-use std::collections::BTreeMap;
+use replay::{ReplayGuard, Verdict};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use wire::{MAX_EVENTS, SyncEvent};
+use wire::{MAX_EVENTS, Stamp, SyncEvent};
 
 /// Largest replica-sync message a peer may send (libzmq's
 /// `ZMQ_MAXMSGSIZE`): a larger one is never buffered, libzmq drops the
@@ -68,11 +72,16 @@ pub struct SyncStats {
     pub dropped_outbox: IntCounter,
     /// Messages dropped because the sidecar had not taken the previous ones.
     pub dropped_inbound: IntCounter,
-    /// Messages refused whole (malformed, or not signed with our token).
-    pub refused: IntCounter,
+    /// Admissions refused because their message was seen already.
+    pub replayed: IntCounter,
+    /// Admissions refused because their message was sent too long ago.
+    pub stale: IntCounter,
+    /// Messages refused whole, by reason (`wire::SyncError::reason`).
+    refused: prometheus::IntCounterVec,
     peer_connected: prometheus::IntGaugeVec,
     peer_age: prometheus::GaugeVec,
     peer_refused: prometheus::IntCounterVec,
+    peer_refused_admissions: prometheus::IntCounterVec,
     peer_reconnects: prometheus::IntCounterVec,
 }
 
@@ -84,10 +93,13 @@ impl SyncStats {
             received: of("received"),
             dropped_outbox: of("dropped_outbox"),
             dropped_inbound: of("dropped_inbound"),
+            replayed: of("replayed"),
+            stale: of("stale"),
             refused: m.replica_refused.clone(),
             peer_connected: m.replica_peer_connected.clone(),
             peer_age: m.replica_peer_last_message_age.clone(),
             peer_refused: m.replica_peer_refused.clone(),
+            peer_refused_admissions: m.replica_peer_refused_admissions.clone(),
             peer_reconnects: m.replica_peer_reconnects.clone(),
         }
     }
@@ -97,6 +109,12 @@ impl SyncStats {
             connected: self.peer_connected.with_label_values(&[endpoint]),
             age: self.peer_age.with_label_values(&[endpoint]),
             refused: self.peer_refused.with_label_values(&[endpoint]),
+            replayed: self
+                .peer_refused_admissions
+                .with_label_values(&[endpoint, Verdict::Replayed.reason()]),
+            stale: self
+                .peer_refused_admissions
+                .with_label_values(&[endpoint, Verdict::Stale.reason()]),
             reconnects: self.peer_reconnects.with_label_values(&[endpoint]),
         }
     }
@@ -106,6 +124,11 @@ impl SyncStats {
         let _ = self.peer_connected.remove_label_values(&[endpoint]);
         let _ = self.peer_age.remove_label_values(&[endpoint]);
         let _ = self.peer_refused.remove_label_values(&[endpoint]);
+        for v in [Verdict::Replayed, Verdict::Stale] {
+            let _ = self
+                .peer_refused_admissions
+                .remove_label_values(&[endpoint, v.reason()]);
+        }
         let _ = self.peer_reconnects.remove_label_values(&[endpoint]);
     }
 }
@@ -114,6 +137,8 @@ struct PeerSeries {
     connected: IntGauge,
     age: Gauge,
     refused: IntCounter,
+    replayed: IntCounter,
+    stale: IntCounter,
     reconnects: IntCounter,
 }
 
@@ -126,6 +151,8 @@ pub struct PeerState {
     last_message: AtomicU64,
     messages: AtomicU64,
     refused: AtomicU64,
+    replayed: AtomicU64,
+    stale: AtomicU64,
     reconnects: AtomicU64,
 }
 
@@ -137,6 +164,8 @@ impl PeerState {
             last_message: AtomicU64::new(u64::MAX),
             messages: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            replayed: AtomicU64::new(0),
+            stale: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
         }
     }
@@ -168,6 +197,10 @@ pub struct PeerStatus {
     pub last_message_age: Option<Duration>,
     pub messages: u64,
     pub refused: u64,
+    /// Admissions refused: their message was seen already.
+    pub admissions_replayed: u64,
+    /// Admissions refused: their message was sent too long ago.
+    pub admissions_stale: u64,
     pub reconnects: u64,
 }
 
@@ -203,10 +236,12 @@ impl ReplicaSync {
     /// Binds the PUB socket at `listen`, connects to `peers`, and starts
     /// both threads. What peers send arrives on `inbound`; when that is
     /// full, a message is dropped. `token` signs what goes out and must
-    /// sign what comes in.
+    /// sign what comes in; an admission sent longer than `max_age` ago
+    /// (by the sender's clock) is refused.
     pub fn start(
         listen: SocketAddr,
         peers: &[String],
+        max_age: Duration,
         token: Option<String>,
         inbound: tokio::sync::mpsc::Sender<Inbound>,
         stats: SyncStats,
@@ -230,7 +265,8 @@ impl ReplicaSync {
                 token: token.clone(),
                 inbound,
                 stats: stats.clone(),
-                warned: false,
+                guard: ReplayGuard::new(max_age),
+                warned: BTreeSet::new(),
             },
             peers: Vec::new(),
         };
@@ -303,6 +339,8 @@ impl ReplicaSync {
                     .then(|| s.silence()),
                 messages: s.messages.load(Ordering::Relaxed),
                 refused: s.refused.load(Ordering::Relaxed),
+                admissions_replayed: s.replayed.load(Ordering::Relaxed),
+                admissions_stale: s.stale.load(Ordering::Relaxed),
                 reconnects: s.reconnects.load(Ordering::Relaxed),
             })
             .collect()
@@ -374,6 +412,7 @@ fn publish(
     stop: &AtomicBool,
 ) {
     let mut batch = Vec::with_capacity(MAX_EVENTS);
+    let mut seq = 0u64;
     while !stop.load(Ordering::Relaxed) {
         match outbox.recv_timeout(POLL) {
             Ok(ev) => batch.push(ev),
@@ -387,7 +426,8 @@ fn publish(
             }
         }
         for run in wire::split(&batch, MAX_MESSAGE_BYTES, token.is_some()) {
-            let msg = wire::encode(origin, run, token.as_deref());
+            seq += 1;
+            let msg = wire::encode(&Stamp::now(origin, seq), run, token.as_deref());
             if msg.len() > MAX_MESSAGE_BYTES {
                 // One event alone over the cap: peers would drop it with
                 // the connection. The API's limits on names make this
@@ -418,7 +458,16 @@ struct Sink {
     token: Option<String>,
     inbound: tokio::sync::mpsc::Sender<Inbound>,
     stats: SyncStats,
-    warned: bool,
+    guard: ReplayGuard,
+    /// Refusal reasons logged already: the first of each is, the
+    /// counters tell the rest.
+    warned: BTreeSet<&'static str>,
+}
+
+impl Sink {
+    fn warn_once(&mut self, reason: &'static str) -> bool {
+        self.warned.insert(reason)
+    }
 }
 
 /// One peer's SUB socket: a socket per peer, so that each connection is
@@ -549,24 +598,70 @@ impl Peer {
             }
             match wire::decode(&bytes, sink.token.as_deref()) {
                 // A sidecar listed among its own peers hears itself.
-                Ok((from, _)) if from == sink.origin => {}
-                Ok((from, events)) => {
+                Ok((stamp, _)) if stamp.origin == sink.origin => {}
+                Ok((stamp, mut events)) => {
                     sink.stats.received.inc_by(events.len() as u64);
-                    if sink.inbound.try_send((from, events)).is_err() {
+                    let verdict = sink
+                        .guard
+                        .check(&stamp, crate::clock::now_ms(), Instant::now());
+                    if verdict != Verdict::Fresh {
+                        self.refuse_admissions(sink, &stamp, verdict, &mut events);
+                    }
+                    if !events.is_empty() && sink.inbound.try_send((stamp.origin, events)).is_err()
+                    {
                         sink.stats.dropped_inbound.inc();
                     }
                 }
                 Err(e) => {
-                    sink.stats.refused.inc();
+                    sink.stats.refused.with_label_values(&[e.reason()]).inc();
                     self.series.refused.inc();
                     self.state.refused.fetch_add(1, Ordering::Relaxed);
-                    if !sink.warned {
-                        // Once in the log is enough; the counters tell the rest.
-                        sink.warned = true;
+                    if sink.warn_once(e.reason()) {
                         tracing::warn!(peer = %self.endpoint, error = %e, "replica-sync message refused");
                     }
                 }
             }
+        }
+    }
+
+    /// Takes the admissions out of a message that is not fresh, counting
+    /// them: what is left (frees, prefill completions) only lowers the
+    /// load of holders still live, which a late one must always do.
+    fn refuse_admissions(
+        &self,
+        sink: &mut Sink,
+        stamp: &Stamp,
+        verdict: Verdict,
+        events: &mut Vec<SyncEvent>,
+    ) {
+        let before = events.len();
+        events.retain(|e| !matches!(e, SyncEvent::Admit(..)));
+        let refused = (before - events.len()) as u64;
+        if refused == 0 {
+            return;
+        }
+        let (total, series, state) = match verdict {
+            Verdict::Stale => (&sink.stats.stale, &self.series.stale, &self.state.stale),
+            Verdict::Replayed | Verdict::Fresh => (
+                &sink.stats.replayed,
+                &self.series.replayed,
+                &self.state.replayed,
+            ),
+        };
+        total.inc_by(refused);
+        series.inc_by(refused);
+        state.fetch_add(refused, Ordering::Relaxed);
+        if sink.warn_once(verdict.reason()) {
+            tracing::warn!(
+                peer = %self.endpoint,
+                origin = stamp.origin,
+                seq = stamp.seq,
+                sent_at_ms = stamp.sent_at_ms,
+                refused,
+                why = verdict.reason(),
+                window = replay::WINDOW,
+                "replica-sync admissions refused: their message was seen already or is further behind the origin's latest than the window (replayed), or was sent further from this clock than replica_sync.max_message_age_ms (stale: a replay, or clocks apart); frees in it still apply"
+            );
         }
     }
 

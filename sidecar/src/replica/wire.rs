@@ -1,7 +1,8 @@
 //! The replica-sync message: a batch of lifecycle events from one sidecar.
 //!
 //! ```text
-//! message   = magic "KVGR" | version u8 | origin u64 | count u16 | event*count | mac?
+//! message   = magic "KVGR" | version u8 | origin u64 | seq u64 | sent_at_ms u64
+//!             | count u16 | event*count | mac?
 //! event     = tag u8 | holder | body
 //! holder    = 1 vm u64 seq u64            (a request an Envoy VM routed)
 //!           | 2 id str16                  (a selection API reservation)
@@ -17,6 +18,13 @@
 //! sidecar. The MAC is present exactly when the sender has a control token;
 //! a receiver with a token refuses messages without a valid one, so a
 //! process that is not a peer cannot book load into the fleet.
+//!
+//! Version 2 stamps each message, under the MAC, so that a signed message
+//! recorded off the wire cannot book its load again (`replay`): `origin`
+//! is drawn at random when the sender starts (it is the sender's epoch:
+//! a restarted sidecar is a new origin), `seq` counts the origin's
+//! messages from 1, and `sent_at_ms` is the sender's Unix time. Version 1
+//! had none of the three and is refused.
 
 use hmac::{Hmac, Mac};
 use kvgate_core::booking::Key;
@@ -26,10 +34,32 @@ use std::sync::Arc;
 use thiserror::Error;
 
 const MAGIC: &[u8; 4] = b"KVGR";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 const MAC_LEN: usize = 32;
 /// Events per message at most; a sender splits longer batches.
 pub const MAX_EVENTS: usize = 512;
+
+/// Which message of which sender, and when it was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    /// The sender's id, random at each start.
+    pub origin: u64,
+    /// The message's number among the origin's, from 1.
+    pub seq: u64,
+    /// The sender's Unix time in milliseconds.
+    pub sent_at_ms: u64,
+}
+
+impl Stamp {
+    /// Message `seq` of `origin`, sent now.
+    pub fn now(origin: u64, seq: u64) -> Stamp {
+        Stamp {
+            origin,
+            seq,
+            sent_at_ms: crate::clock::now_ms(),
+        }
+    }
+}
 
 /// Who an event is about, as the sending sidecar names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -63,7 +93,9 @@ pub enum SyncError {
     Wire(#[from] WireError),
     #[error("not a replica-sync message (magic {0:02x?})")]
     Magic([u8; 4]),
-    #[error("replica-sync version {0}, this sidecar speaks {VERSION}")]
+    #[error(
+        "replica-sync version {0} from a peer running another kvgate: this sidecar speaks version {VERSION} (sequenced messages), so every peer must run a release that does"
+    )]
     Version(u8),
     #[error("unknown replica-sync tag {tag} at byte {at}")]
     Tag { tag: u8, at: usize },
@@ -71,6 +103,20 @@ pub enum SyncError {
     Unauthenticated,
     #[error("{0} bytes after the last event")]
     Trailing(usize),
+}
+
+impl SyncError {
+    /// The refusal's reason, as metrics label it.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SyncError::Version(_) => "version",
+            SyncError::Unauthenticated => "unauthenticated",
+            SyncError::Wire(_)
+            | SyncError::Magic(_)
+            | SyncError::Tag { .. }
+            | SyncError::Trailing(_) => "malformed",
+        }
+    }
 }
 
 type HmacSha256 = Hmac<Sha256>;
@@ -81,14 +127,16 @@ fn mac(key: &[u8], bytes: &[u8]) -> Option<[u8; MAC_LEN]> {
     Some(m.finalize().into_bytes().into())
 }
 
-/// Encodes `events` (at most [`MAX_EVENTS`]) from `origin`, signed with
-/// `token` when there is one.
-pub fn encode(origin: u64, events: &[SyncEvent], token: Option<&str>) -> Vec<u8> {
+/// Encodes `events` (at most [`MAX_EVENTS`]) as the message `stamp` names,
+/// signed with `token` when there is one.
+pub fn encode(stamp: &Stamp, events: &[SyncEvent], token: Option<&str>) -> Vec<u8> {
     let events = &events[..events.len().min(MAX_EVENTS)];
-    let mut out = Vec::with_capacity(16 + events.len() * 64);
+    let mut out = Vec::with_capacity(HEADER + events.len() * 64);
     out.extend_from_slice(MAGIC);
     out.push(VERSION);
-    out.extend_from_slice(&origin.to_le_bytes());
+    out.extend_from_slice(&stamp.origin.to_le_bytes());
+    out.extend_from_slice(&stamp.seq.to_le_bytes());
+    out.extend_from_slice(&stamp.sent_at_ms.to_le_bytes());
     out.extend_from_slice(&(events.len() as u16).to_le_bytes());
     for e in events {
         match e {
@@ -119,10 +167,13 @@ pub fn encode(origin: u64, events: &[SyncEvent], token: Option<&str>) -> Vec<u8>
     out
 }
 
+/// magic, version, origin, seq, sent_at_ms, count.
+const HEADER: usize = 4 + 1 + 8 + 8 + 8 + 2;
+
 /// Bytes of a message besides its events: the header, and the MAC when
 /// signed.
 fn overhead(signed: bool) -> usize {
-    MAGIC.len() + 1 + 8 + 2 + if signed { MAC_LEN } else { 0 }
+    HEADER + if signed { MAC_LEN } else { 0 }
 }
 
 /// The most bytes `encode` writes for one event (strings may be cut
@@ -163,9 +214,9 @@ pub fn split(events: &[SyncEvent], max_bytes: usize, signed: bool) -> Vec<&[Sync
     runs
 }
 
-/// Decodes a message; with a `token`, only one it signed. Returns the
-/// sender's origin and its events. A bad message is refused whole.
-pub fn decode(bytes: &[u8], token: Option<&str>) -> Result<(u64, Vec<SyncEvent>), SyncError> {
+/// Decodes a message; with a `token`, only one it signed. Returns its
+/// stamp and its events. A bad message is refused whole.
+pub fn decode(bytes: &[u8], token: Option<&str>) -> Result<(Stamp, Vec<SyncEvent>), SyncError> {
     let body = match token {
         None => bytes,
         Some(t) => {
@@ -192,7 +243,11 @@ pub fn decode(bytes: &[u8], token: Option<&str>) -> Result<(u64, Vec<SyncEvent>)
     if version != VERSION {
         return Err(SyncError::Version(version));
     }
-    let origin = r.u64()?;
+    let stamp = Stamp {
+        origin: r.u64()?,
+        seq: r.u64()?,
+        sent_at_ms: r.u64()?,
+    };
     let count = r.u16()?;
     // The smallest event is a tag, a holder kind and an empty id.
     r.plausible(u32::from(count), 4, "replica-sync events")?;
@@ -224,7 +279,7 @@ pub fn decode(bytes: &[u8], token: Option<&str>) -> Result<(u64, Vec<SyncEvent>)
         // sender has a token and this sidecar has none.
         return Err(SyncError::Trailing(r.remaining()));
     }
-    Ok((origin, events))
+    Ok((stamp, events))
 }
 
 fn put_id(out: &mut Vec<u8>, id: &SyncId) {
@@ -269,6 +324,14 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn stamp(origin: u64) -> Stamp {
+        Stamp {
+            origin,
+            seq: 3,
+            sent_at_ms: 1_700_000_000_000,
+        }
+    }
+
     fn events() -> Vec<SyncEvent> {
         let gw = SyncId::Gateway(Key { vm: 9, seq: 4 });
         let res = SyncId::Reservation("request-123".into());
@@ -294,25 +357,28 @@ mod tests {
     #[test]
     fn a_message_round_trips_signed_and_unsigned() {
         let e = events();
-        assert_eq!(decode(&encode(77, &e, None), None), Ok((77, e.clone())));
-        let signed = encode(77, &e, Some("s3cret"));
-        assert_eq!(decode(&signed, Some("s3cret")), Ok((77, e)));
+        assert_eq!(
+            decode(&encode(&stamp(77), &e, None), None),
+            Ok((stamp(77), e.clone()))
+        );
+        let signed = encode(&stamp(77), &e, Some("s3cret"));
+        assert_eq!(decode(&signed, Some("s3cret")), Ok((stamp(77), e)));
     }
 
     #[test]
     fn a_receiver_with_a_token_refuses_what_that_token_did_not_sign() {
         let e = events();
-        let unsigned = encode(1, &e, None);
+        let unsigned = encode(&stamp(1), &e, None);
         assert_eq!(
             decode(&unsigned, Some("s3cret")),
             Err(SyncError::Unauthenticated)
         );
-        let other = encode(1, &e, Some("other"));
+        let other = encode(&stamp(1), &e, Some("other"));
         assert_eq!(
             decode(&other, Some("s3cret")),
             Err(SyncError::Unauthenticated)
         );
-        let mut forged = encode(1, &e, Some("s3cret"));
+        let mut forged = encode(&stamp(1), &e, Some("s3cret"));
         forged[20] ^= 1;
         assert_eq!(
             decode(&forged, Some("s3cret")),
@@ -321,7 +387,7 @@ mod tests {
         assert_eq!(decode(&[], Some("s3cret")), Err(SyncError::Unauthenticated));
         // And one without a token cannot read a signed one as events.
         assert!(matches!(
-            decode(&encode(1, &e, Some("s3cret")), None),
+            decode(&encode(&stamp(1), &e, Some("s3cret")), None),
             Err(SyncError::Trailing(32))
         ));
     }
@@ -334,22 +400,59 @@ mod tests {
             decode(b"XXXX\x01\0\0\0\0\0\0\0\0\0\0", None),
             Err(SyncError::Magic(_))
         ));
-        let mut v = encode(1, &[], None);
+        let mut v = encode(&stamp(1), &[], None);
         v[4] = 9;
         assert_eq!(decode(&v, None), Err(SyncError::Version(9)));
         // A count the bytes cannot hold is refused before allocating.
-        let mut huge = encode(1, &[], None);
-        huge[13..15].copy_from_slice(&u16::MAX.to_le_bytes());
+        let mut huge = encode(&stamp(1), &[], None);
+        huge[HEADER - 2..HEADER].copy_from_slice(&u16::MAX.to_le_bytes());
         assert!(matches!(
             decode(&huge, None),
             Err(SyncError::Wire(WireError::ImplausibleCount { .. }))
         ));
-        let mut bad_tag = encode(1, &events()[2..3], None);
-        bad_tag[15] = 7;
+        let mut bad_tag = encode(&stamp(1), &events()[2..3], None);
+        bad_tag[HEADER] = 7;
         assert!(matches!(
             decode(&bad_tag, None),
             Err(SyncError::Tag { tag: 7, .. })
         ));
+    }
+
+    /// A version-1 message, as a peer on an older release sends it: no
+    /// sequence number or time.
+    fn version_one(token: Option<&str>) -> Vec<u8> {
+        let mut v = b"KVGR\x01".to_vec();
+        v.extend_from_slice(&9u64.to_le_bytes());
+        v.extend_from_slice(&1u16.to_le_bytes());
+        v.extend_from_slice(&[3, 2, 1, 0, b'r']);
+        if let Some(sig) = token.and_then(|t| mac(t.as_bytes(), &v)) {
+            v.extend_from_slice(&sig);
+        }
+        v
+    }
+
+    #[test]
+    fn a_version_one_message_is_refused_saying_why() {
+        for token in [None, Some("s3cret")] {
+            let e = decode(&version_one(token), token).unwrap_err();
+            assert_eq!(e, SyncError::Version(1));
+            assert_eq!(e.reason(), "version");
+            let why = e.to_string();
+            assert!(
+                why.contains("version 1") && why.contains("version 2"),
+                "{why}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_stamp_is_under_the_mac() {
+        let mut m = encode(&stamp(5), &events(), Some("s3cret"));
+        // The sequence number's low byte: a replayer cannot renumber.
+        m[13] ^= 1;
+        assert_eq!(decode(&m, Some("s3cret")), Err(SyncError::Unauthenticated));
+        let (s, _) = decode(&encode(&stamp(5), &[], None), None).unwrap();
+        assert_eq!(s, stamp(5));
     }
 
     fn admit(id: &str, model_len: usize) -> SyncEvent {
@@ -382,7 +485,7 @@ mod tests {
             assert!(runs.len() >= 3, "{} runs", runs.len());
             let mut back = Vec::new();
             for run in &runs {
-                let msg = encode(7, run, token);
+                let msg = encode(&stamp(7), run, token);
                 assert!(msg.len() <= CAP, "{} bytes", msg.len());
                 // Packed: the next event would not have fitted.
                 back.extend(decode(&msg, token).unwrap().1);
@@ -390,7 +493,7 @@ mod tests {
             assert_eq!(back, big);
             for w in runs.windows(2) {
                 let next = &w[1][0];
-                assert!(encode(7, w[0], token).len() + encoded_len(next) > CAP);
+                assert!(encode(&stamp(7), w[0], token).len() + encoded_len(next) > CAP);
             }
         }
     }
@@ -411,7 +514,7 @@ mod tests {
     #[test]
     fn encoded_len_is_exact_for_ordinary_events() {
         for e in events().into_iter().chain([admit("x", 300)]) {
-            let alone = encode(1, std::slice::from_ref(&e), None).len();
+            let alone = encode(&stamp(1), std::slice::from_ref(&e), None).len();
             assert_eq!(alone, overhead(false) + encoded_len(&e));
         }
     }
@@ -425,7 +528,7 @@ mod tests {
 
         #[test]
         fn every_prefix_of_a_message_is_refused(cut in 0usize..200) {
-            let full = encode(5, &events(), None);
+            let full = encode(&stamp(5), &events(), None);
             prop_assume!(cut < full.len());
             prop_assert!(decode(&full[..cut], None).is_err());
         }

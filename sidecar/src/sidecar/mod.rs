@@ -99,6 +99,7 @@ impl Sidecar {
                 let r = ReplicaSync::start(
                     listen,
                     &config.replica_sync.peers,
+                    config.replica_sync.max_message_age,
                     config.control.token.clone(),
                     inbound_tx,
                     crate::replica::SyncStats::from_metrics(&metrics.ledger),

@@ -546,6 +546,14 @@ pub struct PeerStateView {
     pub messages: u64,
     /// Messages refused whole (malformed, another version, unsigned).
     pub messages_refused: u64,
+    /// Admissions refused because their message was seen already: a
+    /// replay, or a peer re-sending.
+    #[serde(default)]
+    pub admissions_replayed: u64,
+    /// Admissions refused because their message was sent longer ago
+    /// than `replica_sync.max_message_age_ms`.
+    #[serde(default)]
+    pub admissions_stale: u64,
     /// Times the connection was lost and started over (an oversized
     /// frame is one such loss).
     pub reconnects: u64,
@@ -564,6 +572,8 @@ impl PeersView {
                 connected: s.connected,
                 messages: s.messages,
                 messages_refused: s.refused,
+                admissions_replayed: s.admissions_replayed,
+                admissions_stale: s.admissions_stale,
                 reconnects: s.reconnects,
             })
             .collect();
