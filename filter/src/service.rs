@@ -222,8 +222,8 @@ impl Service {
         let path = self.poller.path(wait);
         // The call's own timeout leaves the sidecar time to answer a full wait.
         let timeout = c.poll_wait + Duration::from_secs(2);
-        // The token exempts a reset frame from the sidecar's cap on
-        // whole-index readers, which anyone else can fill.
+        // With the token a reset frame counts under the sidecar's cap on
+        // whole-index readers that hold it, which no one else can fill.
         match host::dispatch_get(
             &c.sidecar_cluster,
             &c.sidecar_authority,

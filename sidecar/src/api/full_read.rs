@@ -8,11 +8,13 @@
 //! slices of it. The latest copy is served again while it is younger than
 //! `server.full_read_reuse_ms` (under ingest the index changes every few
 //! milliseconds, so one copy per version would share nothing), and
-//! readers arriving while one is built wait for it. Readers without the
-//! control token are capped at `server.max_full_reads` at once: a reader
-//! may still hold a copy the cache has replaced, so the cap is what bounds
-//! the copies alive. One over the cap is answered 503 with `Retry-After`,
-//! counted, and logged the first time.
+//! readers arriving while one is built wait for it. Readers are capped at
+//! `server.max_full_reads` at once: a reader may still hold a copy the
+//! cache has replaced, so the cap is what bounds the copies alive. Readers
+//! with the control token (Envoy's polls, recovering peers) have a cap of
+//! the same size to themselves, so that anyone else filling theirs cannot
+//! lock the gateway out. One over a cap is answered 503 with
+//! `Retry-After`, counted, and logged the first time.
 
 use super::error;
 use crate::config::Server;
@@ -88,15 +90,16 @@ struct Slot {
 pub struct FullReads {
     reuse: Duration,
     max_readers: u32,
-    readers: Arc<Semaphore>,
+    /// Places for readers without the control token, and for those with it.
+    readers: [Arc<Semaphore>; 2],
     slots: [Arc<Slot>; 2],
     warned: AtomicBool,
 }
 
-/// A reader's place among those the cap counts; a trusted reader holds
-/// none. Given back when its answer is sent or dropped.
+/// A reader's place among those its cap counts, given back when its
+/// answer is sent or dropped.
 pub(super) struct Place {
-    _permit: Option<OwnedSemaphorePermit>,
+    _permit: OwnedSemaphorePermit,
 }
 
 /// A reader over `server.max_full_reads`.
@@ -128,7 +131,7 @@ impl FullReads {
         FullReads {
             reuse: server.full_read_reuse,
             max_readers: server.max_full_reads,
-            readers: Arc::new(Semaphore::new(server.max_full_reads as usize)),
+            readers: [(); 2].map(|()| Arc::new(Semaphore::new(server.max_full_reads as usize))),
             slots: Whole::ALL.map(slot),
             warned: AtomicBool::new(false),
         }
@@ -138,24 +141,20 @@ impl FullReads {
         &self.slots[what.index()]
     }
 
-    /// A place for a reader, before anything is built for it. A reader
-    /// with the control token is trusted as its writes are, and not
-    /// counted: the cap must not lock Envoy or a peer out.
-    pub(super) fn admit(&self, what: Whole, trusted: bool) -> Result<Place, Busy> {
-        if trusted {
-            return Ok(Place { _permit: None });
-        }
-        match self.readers.clone().try_acquire_owned() {
-            Ok(permit) => Ok(Place {
-                _permit: Some(permit),
-            }),
+    /// A place for a reader, before anything is built for it, under the
+    /// cap of readers with the control token when it holds it.
+    pub(super) fn admit(&self, what: Whole, holds_token: bool) -> Result<Place, Busy> {
+        let pool = &self.readers[usize::from(holds_token)];
+        match pool.clone().try_acquire_owned() {
+            Ok(permit) => Ok(Place { _permit: permit }),
             Err(_) => {
                 self.slot(what).refused.inc();
                 if !self.warned.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
                         what = what.label(),
                         max_full_reads = self.max_readers,
-                        "a whole-index read was refused: server.max_full_reads are being sent to readers without the control token (counted in kvgate_sidecar_full_reads_refused_total; logged once)"
+                        holds_token,
+                        "a whole-index read was refused: server.max_full_reads are being sent to readers like it (with the control token, or without) (counted in kvgate_sidecar_full_reads_refused_total; logged once)"
                     );
                 }
                 Err(Busy {

@@ -40,8 +40,9 @@ pub struct Server {
     pub max_connections: u32,
     /// Whole-index reads (`GET /dump`, a reset frame of `/v1/snapshot`)
     /// served at once, on both listeners together, to readers without the
-    /// control token; one more is answered 503 with `Retry-After`. Each
-    /// may hold a copy of the index for as long as its client reads.
+    /// control token, and as many to readers with it; one more is answered
+    /// 503 with `Retry-After`. Each may hold a copy of the index for as
+    /// long as its client reads.
     #[serde(default = "default_max_full_reads")]
     pub max_full_reads: u32,
     /// A whole-index copy encoded less than this long ago is served again

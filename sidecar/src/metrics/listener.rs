@@ -61,7 +61,7 @@ impl ListenerMetrics {
             full_reads_refused: counter(
                 r,
                 "kvgate_sidecar_full_reads_refused_total",
-                "Whole-index reads answered 503 because server.max_full_reads were being sent to readers without the control token, by what.",
+                "Whole-index reads answered 503 because server.max_full_reads were being sent to readers like it (with the control token, or without), by what.",
                 &["what"],
             )?,
             full_read_copies: counter(
