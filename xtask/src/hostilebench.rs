@@ -362,6 +362,7 @@ fn counters(stack: &Stack) -> Result<Value> {
         "kvgate_sidecar_replica_peer_reconnects_total",
         "kvgate_sidecar_full_reads_refused_total",
         "kvgate_sidecar_full_read_copies_total",
+        "kvgate_sidecar_replica_peer_refused_admissions_total",
         "kvgate_sidecar_unauthorized_total",
     ];
     Ok(names
