@@ -381,11 +381,11 @@ impl Bookings {
         if self.warned & full.bit() == 0 {
             self.warned |= full.bit();
             tracing::warn!(
-                origin = ?holder.origin,
+                ?holder,
                 "load ledger full, holder refused: {full}; further refusals are counted in kvgate_sidecar_bookings_refused_total{{reason=\"ledger_full\"}}"
             );
         } else {
-            tracing::debug!(origin = ?holder.origin, "load ledger full, holder refused: {full}");
+            tracing::debug!(?holder, "load ledger full, holder refused: {full}");
         }
         full
     }
