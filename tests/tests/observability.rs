@@ -35,6 +35,10 @@ const ONLY_AFTER: &[(&str, &str)] = &[
         "kvgate_sidecar_replica_peer_",
         "replica sync with a peer (the gateways test's stacks)",
     ),
+    (
+        "kvgate_sidecar_bookings_refused_total",
+        "a booking refused before the ledger: past max_prompt_tokens or at a [load.caps] cap (the sidecar's ledger_caps test)",
+    ),
 ];
 
 fn repo() -> PathBuf {

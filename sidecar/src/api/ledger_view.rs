@@ -8,8 +8,10 @@
 //! load taken from the ledger at that instant, as the filter adds its own
 //! bookings to its copy of the snapshot.
 
-use super::Backend;
-use crate::sources::bookings::Bookings;
+use super::{Backend, error};
+use crate::sources::bookings::{Bookings, Full, LedgerError};
+use axum::http::StatusCode;
+use axum::response::Response;
 use kvgate_core::busy::rank_busy;
 use kvgate_core::{ModelState, Snapshot};
 
@@ -44,6 +46,20 @@ pub(crate) fn within_bound(
     Err(format!(
         "{field} {n} is more than model {model:?}'s max_prompt_tokens {max}"
     ))
+}
+
+/// The answer to a reservation call the ledger refused.
+pub(crate) fn ledger_refusal(e: LedgerError) -> Response {
+    let status = match &e {
+        LedgerError::Duplicate(_) => StatusCode::CONFLICT,
+        LedgerError::Unknown(_) => StatusCode::NOT_FOUND,
+        // The API's own reservations fill its share: its clients must free
+        // some (or let them expire) before booking more.
+        LedgerError::Full(Full::Origin(_)) => StatusCode::TOO_MANY_REQUESTS,
+        // The ledger as a whole is full: not this client's doing.
+        LedgerError::Full(_) => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    error(status, e)
 }
 
 /// A reservation's id: non-empty, printable and short, since it is echoed

@@ -5,10 +5,13 @@
 //! Answers: 200 with the reservation as booked; 204 for the lifecycle
 //! calls; 400 for a malformed body or a value out of range, 404 for an
 //! unknown worker, rank or reservation, 409 for a reservation id already
-//! live. A refused call changes nothing in the ledger.
+//! live, 429 when the selection API's reservations fill its share of the
+//! ledger (`load.caps.holders_per_origin`) and 503 when the whole ledger
+//! is full (`load.caps.holders`). A refused call changes nothing in the
+//! ledger.
 
 use super::Backend;
-use super::ledger_view::{fresh_model, valid_reservation_id, within_bound};
+use super::ledger_view::{fresh_model, ledger_refusal, valid_reservation_id, within_bound};
 use super::select::{new_reservation_id, output_blocks, prompt};
 use super::views::{self, OutputBlockRequest, ReservationRequest, ReservationView};
 use super::{error, json_response};
@@ -70,7 +73,7 @@ pub(super) async fn create(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> R
                 decode_blocks: load.decode_blocks,
             },
         ),
-        Err(e) => error(StatusCode::CONFLICT, e),
+        Err(e) => ledger_refusal(e),
     }
 }
 
@@ -195,7 +198,6 @@ pub(super) async fn free(State(sc): State<Arc<dyn Backend>>, Path(id): Path<Stri
 fn lifecycle(r: Result<(), LedgerError>) -> Response {
     match r {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e @ LedgerError::Unknown(_)) => error(StatusCode::NOT_FOUND, e),
-        Err(e @ LedgerError::Duplicate(_)) => error(StatusCode::CONFLICT, e),
+        Err(e) => ledger_refusal(e),
     }
 }

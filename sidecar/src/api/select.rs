@@ -5,7 +5,7 @@
 //! same path for a front door that routes an OpenAI body itself.
 
 use super::Backend;
-use super::ledger_view::{fresh_model, valid_reservation_id, within_bound};
+use super::ledger_view::{fresh_model, ledger_refusal, valid_reservation_id, within_bound};
 use super::views::{self, LegView, OverlapView, Prompt, SelectRequest, SelectionView, SplitView};
 use super::{error, json_response};
 use crate::fleet::RankId;
@@ -107,7 +107,7 @@ fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
         None => None,
     };
     if let Err(e) = sc.reserve(&mut ledger, &id, &s.rank, load) {
-        return error(StatusCode::CONFLICT, e);
+        return ledger_refusal(e);
     }
     if let Some(split) = s.view.disaggregation.as_mut() {
         split.decode.decode_blocks += output;
@@ -118,7 +118,7 @@ fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
             // Nothing of a refused call stays booked.
             drop(ledger);
             let _ = sc.free_reservation(&id);
-            return error(StatusCode::CONFLICT, e);
+            return ledger_refusal(e);
         }
         if let Some(leg) = s
             .view

@@ -10,6 +10,7 @@
 //! * `worker`: `[[models]]` and `[[workers]]`, the latter also the shape
 //!   of `POST /workers`.
 //! * `disagg`: `[models.disaggregation]`, prefill/decode disaggregation.
+//! * `ledger`: `[load.caps]`, the load ledger's holder caps.
 //! * `thermal`: `[thermal]`, GPU readings and the thermal controller's
 //!   settings (overridden per model by `[models.thermal]`).
 //!
@@ -17,6 +18,7 @@
 //! and read into [`std::time::Duration`]s (`millis`).
 
 mod disagg;
+mod ledger;
 pub(crate) mod millis;
 mod planner;
 mod sections;
@@ -26,6 +28,7 @@ mod thermal;
 mod worker;
 
 pub use disagg::DisaggregationConfig;
+pub use ledger::{LEDGER_HOLDERS_CEILING, LedgerCaps};
 pub use planner::{PlannerConfig, PredictorKind, ProfileRow, read_trace};
 pub use sections::{
     Control, Indexer, Kv, LONGEST_LONG_POLL, ListenerLimits, Load, ReplicaSync, Scrape, Selection,
@@ -201,6 +204,7 @@ impl Config {
         if self.load.booking_ttl.is_zero() || self.load.max_retry_after_s == 0 {
             return Err("load.booking_ttl_ms and load.max_retry_after_s must be above 0".into());
         }
+        self.load.caps.validate()?;
         self.validate_indexer()
     }
 

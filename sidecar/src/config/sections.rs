@@ -271,6 +271,9 @@ pub struct Load {
     /// drains under its threshold, capped at this.
     #[serde(default = "default_max_retry_after")]
     pub max_retry_after_s: u32,
+    /// `[load.caps]`: the most holders the ledger keeps.
+    #[serde(default)]
+    pub caps: super::LedgerCaps,
 }
 
 impl Default for Load {
@@ -278,6 +281,7 @@ impl Default for Load {
         Load {
             booking_ttl: default_booking_ttl(),
             max_retry_after_s: default_max_retry_after(),
+            caps: super::LedgerCaps::default(),
         }
     }
 }

@@ -474,3 +474,37 @@ fn replica_sync_messages_have_a_bounded_age() {
         assert!(e.contains("replica_sync.max_message_age_ms"), "{e}");
     }
 }
+
+#[test]
+fn the_ledgers_caps_default_and_are_bounded() {
+    let d = Config::parse("").unwrap().load.caps;
+    assert_eq!(d, LedgerCaps::default());
+    // Each kind's flood leaves the others their room within the total.
+    assert!(d.gateway_holders + d.peer_holders + d.holders_per_origin <= d.holders);
+    let c = Config::parse("[load.caps]\nholders = 100\nholders_per_origin = 5\ngateway_vms = 2")
+        .unwrap()
+        .load
+        .caps;
+    assert_eq!(
+        (
+            c.holders,
+            c.holders_per_origin,
+            c.gateway_vms,
+            c.peer_holders
+        ),
+        (100, 5, 2, d.peer_holders)
+    );
+    for bad in [
+        "holders = 0",
+        "peer_holders = 0",
+        "gateway_vms = 0",
+        "holders_per_origin = 1073741825",
+    ] {
+        let key = bad.split(' ').next().unwrap();
+        assert!(
+            err(&format!("[load.caps]\n{bad}")).contains(&format!("load.caps.{key}")),
+            "{bad}"
+        );
+    }
+    assert!(err("[load.caps]\nholder = 1").contains("holder"));
+}

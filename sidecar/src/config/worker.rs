@@ -51,9 +51,9 @@ pub struct ModelConfig {
 pub const DEFAULT_MAX_PROMPT_TOKENS: u64 = 1 << 24;
 
 /// The largest `max_prompt_tokens` accepted: with it, one holder books at
-/// most 2^31 prefill tokens and 2^32 decode blocks, so more than a
-/// billion holders (hundreds of GiB of ledger) would be needed to reach
-/// 2^63; the sums saturate besides.
+/// most 2^31 prefill tokens and 2^32 decode blocks, so more holders than
+/// `load.caps.holders` may ever be (`LEDGER_HOLDERS_CEILING`, 2^30) would
+/// be needed to reach 2^63; the sums saturate besides.
 pub const MAX_PROMPT_TOKENS_CEILING: u64 = 1 << 31;
 
 fn default_max_prompt_tokens() -> u64 {

@@ -66,6 +66,7 @@ impl Fleet {
         ] {
             ledger.holders.with_label_values(&[kind]).set(n as i64);
         }
+        ledger.capacity.set(b.capacity() as i64);
         for (id, w) in &self.workers {
             let ids = id.to_string();
             m.worker_up

@@ -1,4 +1,5 @@
 use super::*;
+use crate::config::LedgerCaps;
 use crate::sources::bookings::{Bookings, Load};
 use kvgate_core::{Role, Snapshot, Thresholds};
 use std::time::{Duration, Instant};
@@ -38,7 +39,10 @@ fn metrics(usage: f64) -> RankMetrics {
 fn the_snapshot_names_each_models_adapters() {
     let c = Config::parse("[[models]]\nname = \"m\"\nlora_adapters = [\"sql-lora\"]").unwrap();
     let mut f = Fleet::new(&c).unwrap();
-    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    let s = f.build_snapshot(
+        &Bookings::new(Duration::from_secs(300), LedgerCaps::default()),
+        30,
+    );
     assert_eq!(s.models[0].lora_adapters, ["sql-lora"]);
     assert_eq!(s.model("sql-lora").map(|m| m.name.as_str()), Some("m"));
 }
@@ -46,12 +50,18 @@ fn the_snapshot_names_each_models_adapters() {
 #[test]
 fn only_scraped_workers_are_listed_and_every_model_is() {
     let mut f = Fleet::new(&config()).unwrap();
-    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    let s = f.build_snapshot(
+        &Bookings::new(Duration::from_secs(300), LedgerCaps::default()),
+        30,
+    );
     assert_eq!(s.models.len(), 2);
     assert!(s.models.iter().all(|m| m.workers.is_empty()));
     let now = Instant::now();
     f.record_scrape(1, Ok(vec![metrics(0.1), metrics(0.9)]), now);
-    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    let s = f.build_snapshot(
+        &Bookings::new(Duration::from_secs(300), LedgerCaps::default()),
+        30,
+    );
     let m = s.model("m").unwrap();
     assert_eq!(m.workers.len(), 1);
     let w = &m.workers[0];
@@ -149,7 +159,7 @@ fn bookings_merge_with_engine_load() {
     let now = Instant::now();
     f.record_scrape(1, Ok(vec![metrics(0.1), metrics(0.1)]), now);
     let slots = f.workers[&1].slots.clone();
-    let mut b = Bookings::new(Duration::from_secs(300));
+    let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
     book(&mut b, 1, slots[0], 700, 30, now);
     book(&mut b, 2, slots[1], 50, 4, now);
     let s = f.build_snapshot(&b, 30);
@@ -182,7 +192,7 @@ fn draining(usage: f64, running: u32, blocks: u32) -> (Fleet, Bookings) {
         t,
     );
     let slot = f.workers[&2].slots[0];
-    let mut b = Bookings::new(Duration::from_secs(300));
+    let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
     b.sweep(t);
     let mut seq = 0;
     for s in 1..=30u64 {
@@ -229,7 +239,10 @@ fn retry_after_follows_the_drain_rate_of_the_first_worker_to_free() {
     // requests (6.5 blocks each) finish a second: 1.15 s, rounded up.
     assert_eq!(m.retry_after_s, 2);
     // Nothing drains: the filter's default applies (0 here).
-    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    let s = f.build_snapshot(
+        &Bookings::new(Duration::from_secs(300), LedgerCaps::default()),
+        30,
+    );
     assert_eq!(s.model("m").unwrap().retry_after_s, 0);
 }
 
@@ -295,7 +308,7 @@ fn in_a_split_model_each_worker_is_busy_by_its_roles_conditions() {
     let now = Instant::now();
     // Every worker's KV cache 90 % full, and 500 prompt tokens booked on
     // each.
-    let mut b = Bookings::new(Duration::from_secs(300));
+    let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
     for (i, id) in [11u64, 12, 13].into_iter().enumerate() {
         f.record_scrape(id, Ok(vec![metrics(0.9)]), now);
         let load = Load {
@@ -321,7 +334,7 @@ fn in_a_split_model_each_worker_is_busy_by_its_roles_conditions() {
     assert_eq!(busy(&s, 11), (Role::Prefill, true));
     assert_eq!(busy(&s, 12), (Role::Decode, true));
     assert_eq!(busy(&s, 13), (Role::Both, true));
-    let mut b = Bookings::new(Duration::from_secs(300));
+    let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
     let mut f = Fleet::new(&split_config()).unwrap();
     for id in [11u64, 12, 13] {
         f.record_scrape(id, Ok(vec![metrics(0.9)]), now);
@@ -345,7 +358,10 @@ fn in_a_split_model_each_worker_is_busy_by_its_roles_conditions() {
     for id in [11u64, 13] {
         f.record_scrape(id, Ok(vec![metrics(0.9)]), now);
     }
-    let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+    let s = f.build_snapshot(
+        &Bookings::new(Duration::from_secs(300), LedgerCaps::default()),
+        30,
+    );
     assert!(!s.models[0].disaggregated());
     assert_eq!(busy(&s, 11), (Role::Prefill, true));
 }
@@ -371,7 +387,10 @@ fn bootstrap_ports_reach_the_snapshot_and_a_patch_changes_them() {
     let now = Instant::now();
     let port = |f: &mut Fleet, id: u64| {
         f.record_scrape(id, Ok(vec![metrics(0.1)]), Instant::now());
-        let s = f.build_snapshot(&Bookings::new(Duration::from_secs(300)), 30);
+        let s = f.build_snapshot(
+            &Bookings::new(Duration::from_secs(300), LedgerCaps::default()),
+            30,
+        );
         s.models[0]
             .workers
             .iter()
@@ -402,7 +421,7 @@ fn the_info_series_names_each_workers_role() {
     for id in [11u64, 12, 13] {
         f.record_scrape(id, Ok(vec![metrics(0.0)]), now);
     }
-    let b = Bookings::new(Duration::from_secs(300));
+    let b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
     let m = crate::metrics::Metrics::new().unwrap();
     let s = f.build_snapshot(&b, 30);
     f.show(&b, &s, &m.snapshot, &m.ledger);

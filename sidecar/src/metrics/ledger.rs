@@ -1,8 +1,8 @@
 //! The ledger family: the load booked on each rank, by this sidecar's
 //! gateways, the selection API's reservations and replica-sync peers.
 
-use super::{MetricsError, RANK, counter, float_gauge_vec, gauge_vec, plain_counter};
-use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGaugeVec, Registry};
+use super::{MetricsError, RANK, counter, float_gauge_vec, gauge, gauge_vec, plain_counter};
+use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
 pub struct LedgerMetrics {
     pub rank_active_prefill: IntGaugeVec,
@@ -10,6 +10,8 @@ pub struct LedgerMetrics {
     pub bookings_active: IntGaugeVec,
     pub bookings_expired: IntCounter,
     pub holders: IntGaugeVec,
+    pub capacity: IntGauge,
+    pub sweep_entries: IntCounterVec,
     pub booking_batches: IntCounterVec,
     pub bookings_refused: IntCounterVec,
     pub replica_events: IntCounterVec,
@@ -48,6 +50,17 @@ impl LedgerMetrics {
                 "Requests in flight in the load ledger, by kind: gateway (this sidecar's Envoy), reservation (the selection API), peer (announced by replica-sync peers).",
                 &["kind"],
             )?,
+            capacity: gauge(
+                r,
+                "kvgate_sidecar_ledger_capacity",
+                "Holders the load ledger's table has room for before it grows: what a surge left allocated, until the publish tick shrinks it (below an eighth full).",
+            )?,
+            sweep_entries: counter(
+                r,
+                "kvgate_sidecar_ledger_sweep_entries_total",
+                "Ledger entries the publish tick's sweep touched, by work: expiry (deadlines due: holders expired, heard of since, or already ended) and rebuild (entries moved to drop ended holders' deadlines or shrink a table after a surge). Grows with holders' churn, never with how many are held.",
+                &["work"],
+            )?,
             bookings_expired: plain_counter(
                 r,
                 "kvgate_sidecar_bookings_expired_total",
@@ -62,7 +75,7 @@ impl LedgerMetrics {
             bookings_refused: counter(
                 r,
                 "kvgate_sidecar_bookings_refused_total",
-                "Bookings refused before they reached the ledger, by source (gateway: this sidecar's Envoy batches; peer: replica sync; api: the selection API, answered 400) and reason (out_of_bound: more than the model's max_prompt_tokens allows).",
+                "Bookings refused before they reached the ledger, by source (gateway: this sidecar's Envoy batches; peer: replica sync; api: the selection API) and reason (out_of_bound: more than the model's max_prompt_tokens allows, answered 400 by the API; ledger_full: a [load.caps] cap was reached, answered 429 by the API for its own share and 503 for the whole ledger's).",
                 &["source", "reason"],
             )?,
             replica_events: counter(

@@ -28,7 +28,7 @@ impl Sidecar {
                 .collect();
             (owners, bounds)
         };
-        let mut out_of_bound = 0u64;
+        let (mut out_of_bound, mut full) = (0u64, 0u64);
         let now = Instant::now();
         let metrics = &self.metrics().selection;
         let mut b = self.bookings();
@@ -49,8 +49,9 @@ impl Sidecar {
                 && let Err(why) = bound.check(u64::from(*prefill_tokens), u64::from(*decode_blocks))
             {
                 // Not booked, and so not announced to peers; the VM's
-                // watermark still passes it.
-                b.seen(*key, now);
+                // watermark still passes it (a VM the ledger cannot track
+                // has none).
+                let _ = b.seen(*key, now);
                 out_of_bound += 1;
                 tracing::debug!(model, "gateway booking refused: {why}");
                 continue;
@@ -114,6 +115,8 @@ impl Sidecar {
                 Effect::Refused => {
                     tracing::debug!("booking for a rank that is gone: ignored");
                 }
+                // Logged by the ledger the first time.
+                Effect::Full(_) => full += 1,
                 // The predicted hit rate counts requests whose prompt
                 // length the gateway reported, once they end.
                 Effect::Ended { slot, uncached } => {
@@ -130,12 +133,9 @@ impl Sidecar {
             }
         }
         drop(b);
+        self.refused("gateway", LEDGER_FULL, full);
         if out_of_bound > 0 {
-            self.metrics()
-                .ledger
-                .bookings_refused
-                .with_label_values(&["gateway", "out_of_bound"])
-                .inc_by(out_of_bound);
+            self.refused("gateway", "out_of_bound", out_of_bound);
             tracing::warn!(
                 out_of_bound,
                 "gateway bookings over their model's max_prompt_tokens: refused"
@@ -192,7 +192,7 @@ impl Sidecar {
     /// tenant or block size) are dropped, as Dynamo's replicas do.
     pub(crate) fn peer_announced(&self, origin: u64, events: Vec<SyncEvent>) {
         let now = Instant::now();
-        let (mut unknown, mut out_of_bound) = (0u64, 0u64);
+        let (mut unknown, mut out_of_bound, mut full) = (0u64, 0u64, 0u64);
         // An admission's slot, or why it is not booked.
         let placed: Vec<Result<u16, PeerRefusal>> = {
             let f = self.fleet();
@@ -231,15 +231,17 @@ impl Sidecar {
             };
             match e {
                 SyncEvent::Admit(id, p) => match slot {
-                    Ok(slot) => b.admit(
-                        holder(id),
-                        Load {
+                    Ok(slot) => {
+                        let load = Load {
                             slot,
                             prefill_tokens: p.prefill_tokens,
                             decode_blocks: p.decode_blocks,
-                        },
-                        now,
-                    ),
+                        };
+                        // Logged by the ledger the first time.
+                        if b.admit(holder(id), load, now).is_err() {
+                            full += 1;
+                        }
+                    }
                     Err(PeerRefusal::OutOfBound(why)) => {
                         out_of_bound += 1;
                         tracing::debug!(origin, "replica-sync admission refused: {why}");
@@ -255,6 +257,7 @@ impl Sidecar {
             }
         }
         drop(b);
+        self.refused("peer", LEDGER_FULL, full);
         self.peer_refusals(origin, out_of_bound);
         if unknown > 0 {
             self.metrics()
@@ -269,15 +272,22 @@ impl Sidecar {
         }
     }
 
+    /// Counts `n` bookings from `source` refused for `reason`.
+    pub(super) fn refused(&self, source: &str, reason: &str, n: u64) {
+        if n > 0 {
+            self.metrics()
+                .ledger
+                .bookings_refused
+                .with_label_values(&[source, reason])
+                .inc_by(n);
+        }
+    }
+
     fn peer_refusals(&self, origin: u64, out_of_bound: u64) {
         if out_of_bound == 0 {
             return;
         }
-        self.metrics()
-            .ledger
-            .bookings_refused
-            .with_label_values(&["peer", "out_of_bound"])
-            .inc_by(out_of_bound);
+        self.refused("peer", "out_of_bound", out_of_bound);
         tracing::warn!(
             origin,
             out_of_bound,
@@ -322,6 +332,9 @@ impl Sidecar {
         }
     }
 }
+
+/// The `reason` of a booking a `[load.caps]` cap refused.
+pub(super) const LEDGER_FULL: &str = "ledger_full";
 
 /// Why a peer's event books nothing.
 enum PeerRefusal {

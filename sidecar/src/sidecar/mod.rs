@@ -130,7 +130,7 @@ impl Sidecar {
                 config.kv.approx_ttl,
                 config.kv.inflight_ttl,
             )),
-            bookings: Mutex::new(Bookings::new(config.load.booking_ttl)),
+            bookings: Mutex::new(Bookings::new(config.load.booking_ttl, config.load.caps)),
             last_poll_ms: AtomicU64::new(now_ms()),
             client: scrape::client(),
             workers,
@@ -266,13 +266,20 @@ impl Sidecar {
         let snap = {
             let now = Instant::now();
             let mut b = self.bookings();
-            let expired = b.sweep(now);
-            if expired > 0 {
+            let sweep = b.sweep(now);
+            let ledger = &self.metrics().ledger;
+            if sweep.expired > 0 {
+                let expired = sweep.expired;
                 tracing::warn!(expired, "bookings expired without their end being reported");
-                self.metrics()
-                    .ledger
-                    .bookings_expired
-                    .inc_by(expired as u64);
+                ledger.bookings_expired.inc_by(expired as u64);
+            }
+            for (work, n) in [("expiry", sweep.visited), ("rebuild", sweep.rebuilt)] {
+                if n > 0 {
+                    ledger
+                        .sweep_entries
+                        .with_label_values(&[work])
+                        .inc_by(n as u64);
+                }
             }
             let mut f = self.fleet();
             f.expire(now, self.config().scrape.down_after);

@@ -2,7 +2,7 @@
 //! selection API, in the same ledger as the gateways' bookings, and told
 //! to the replica-sync peers as the gateways' bookings are.
 
-use super::ingest::placed;
+use super::ingest::{LEDGER_FULL, placed};
 use crate::Sidecar;
 use crate::fleet::RankId;
 use crate::replica::wire::{SyncEvent, SyncId};
@@ -18,7 +18,12 @@ impl Sidecar {
         rank: &RankId,
         load: Load,
     ) -> Result<(), LedgerError> {
-        ledger.reserve(id, load, Instant::now())?;
+        let booked = ledger.reserve(id, load, Instant::now());
+        if let Err(LedgerError::Full(_)) = booked {
+            // Logged by the ledger the first time.
+            self.refused("api", LEDGER_FULL, 1);
+        }
+        booked?;
         self.announce(|| {
             SyncEvent::Admit(
                 SyncId::Reservation(id.into()),

@@ -18,10 +18,25 @@
 //! reloaded, a batch or a peer's message was dropped, a client forgot its
 //! reservation), until nothing was heard of it for the expiry: nothing
 //! outlives its request by more than that.
+//!
+//! Every holder is outside input, so the ledger is capped per origin, per
+//! kind and in total (`census`, `[load.caps]`), and a tick's work follows
+//! what changed, not what is held: expiry pops only the holders due
+//! (`expiry`), and the per-rank sums and the census move with each admit,
+//! end and expiry. The tables shrink again once a surge has passed.
 
+mod census;
+mod expiry;
+
+pub use census::Full;
+
+use crate::config::LedgerCaps;
+use census::Census;
+use expiry::{Deadlines, Due};
 use kvgate_core::Applied;
 use kvgate_core::booking::{Event, Key};
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -95,6 +110,8 @@ struct Live {
     decode: u64,
     /// When the holder was last heard of.
     at: Instant,
+    /// Which admission this is: its deadline entry carries the same.
+    serial: u64,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -130,6 +147,8 @@ pub enum Effect {
     Unknown,
     /// A booking for a slot that no longer exists.
     Refused,
+    /// A booking the ledger has no room for.
+    Full(Full),
 }
 
 /// The most one holder may book on a slot, per field. Every way load
@@ -180,26 +199,73 @@ pub enum LedgerError {
     Duplicate(String),
     #[error("no reservation {0:?}")]
     Unknown(String),
+    #[error("the ledger has no room for another reservation: {0}")]
+    Full(Full),
 }
 
 /// How quickly a drain-rate average forgets: about this long.
 const DRAIN_TAU: Duration = Duration::from_secs(5);
+
+/// What one tick's sweep did, and the work it took.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sweep {
+    /// Holders expired.
+    pub expired: usize,
+    /// Deadline entries looked at: those due, whether their holder expired,
+    /// was heard of since (pushed back) or had already ended.
+    pub visited: usize,
+    /// Entries moved to give memory back or to drop deadlines whose holders
+    /// ended: paid for by the ends since the last time, not by what is
+    /// held.
+    pub rebuilt: usize,
+}
+
+/// A table is shrunk when it holds less than an eighth of its room (and
+/// that room is worth giving back), to twice what it holds: it must lose
+/// at least half of that again, or double, before it is rebuilt again.
+const SHRINK_ABOVE: usize = 1024;
+
+fn sparse(len: usize, capacity: usize) -> bool {
+    capacity > SHRINK_ABOVE && len < capacity / 8
+}
+
+/// Shrinks `m` when it is sparse; the entries moved, when its room changed.
+fn shrink_map<K: Eq + Hash, V>(m: &mut HashMap<K, V>) -> Option<usize> {
+    let before = m.capacity();
+    if !sparse(m.len(), before) {
+        return None;
+    }
+    m.shrink_to(m.len().saturating_mul(2));
+    (m.capacity() < before).then_some(m.len())
+}
 
 #[derive(Debug)]
 pub struct Bookings {
     live: HashMap<Holder, Live>,
     slots: HashMap<u16, Slot>,
     marks: HashMap<u64, (u64, Instant)>,
+    deadlines: Deadlines,
+    census: Census,
+    caps: LedgerCaps,
+    next_serial: u64,
+    /// The caps (`Full::bit`) whose refusal was logged: each is logged the
+    /// first time, then only counted.
+    warned: u8,
     ttl: Duration,
     pub expired_total: u64,
 }
 
 impl Bookings {
-    pub fn new(ttl: Duration) -> Bookings {
+    pub fn new(ttl: Duration, caps: LedgerCaps) -> Bookings {
         Bookings {
             live: HashMap::new(),
             slots: HashMap::new(),
             marks: HashMap::new(),
+            deadlines: Deadlines::default(),
+            census: Census::default(),
+            caps,
+            next_serial: 0,
+            warned: 0,
             ttl,
             expired_total: 0,
         }
@@ -222,20 +288,22 @@ impl Bookings {
                 prefill_tokens,
                 decode_blocks,
             } => {
-                self.seen(key, now);
+                let holder = Holder::here(Id::Gateway(key));
+                if let Err(full) = self.seen(key, now) {
+                    return Effect::Full(self.refused(&holder, full));
+                }
                 if !slot_exists(&model, slot) {
                     return Effect::Refused;
                 }
-                self.admit(
-                    Holder::here(Id::Gateway(key)),
-                    Load {
-                        slot,
-                        prefill_tokens: u64::from(prefill_tokens),
-                        decode_blocks: u64::from(decode_blocks),
-                    },
-                    now,
-                );
-                Effect::Booked { model, slot }
+                let load = Load {
+                    slot,
+                    prefill_tokens: u64::from(prefill_tokens),
+                    decode_blocks: u64::from(decode_blocks),
+                };
+                match self.admit(holder, load, now) {
+                    Ok(()) => Effect::Booked { model, slot },
+                    Err(full) => Effect::Full(full),
+                }
             }
             Event::FirstByte { key } => {
                 match self.prefill_complete(&Holder::here(Id::Gateway(key)), now) {
@@ -257,16 +325,29 @@ impl Bookings {
 
     /// A gateway VM's booking `key` arrived: it counts towards the VM's
     /// watermark whether or not it is booked, so that the VM stops waiting
-    /// for a booking the sidecar refused.
-    pub fn seen(&mut self, key: Key, now: Instant) {
+    /// for a booking the sidecar refused. A VM the ledger has no room to
+    /// track is refused: its bookings could never be echoed as applied.
+    pub fn seen(&mut self, key: Key, now: Instant) -> Result<(), Full> {
+        if !self.marks.contains_key(&key.vm) && self.marks.len() >= self.caps.gateway_vms {
+            return Err(Full::GatewayVms(self.caps.gateway_vms));
+        }
         let mark = self.marks.entry(key.vm).or_insert((0, now));
         *mark = (mark.0.max(key.seq), now);
+        Ok(())
     }
 
-    /// Books `load` for `holder`. A holder booked again (a buggy VM reusing
-    /// a key, a peer's message seen twice) is counted once: the old entry
-    /// goes.
-    pub fn admit(&mut self, holder: Holder, load: Load, now: Instant) {
+    /// Books `load` for `holder`, when its origin, its kind and the ledger
+    /// have room. A holder booked again (a buggy VM reusing a key, a
+    /// peer's message seen twice) is counted once: the old entry goes.
+    pub fn admit(&mut self, holder: Holder, load: Load, now: Instant) -> Result<(), Full> {
+        if !self.live.contains_key(&holder) {
+            if let Err(full) = self.census.room(&holder, self.live.len(), &self.caps) {
+                return Err(self.refused(&holder, full));
+            }
+            self.census.add(&holder);
+        }
+        let serial = self.next_serial;
+        self.next_serial += 1;
         let live = Live {
             slot: load.slot,
             prefill: load.prefill_tokens,
@@ -275,6 +356,7 @@ impl Bookings {
             weight: 1.0,
             decode: load.decode_blocks,
             at: now,
+            serial,
         };
         let s = self.slots.entry(load.slot).or_default();
         // Callers bound each booking; saturating keeps a sum that still
@@ -282,9 +364,30 @@ impl Bookings {
         s.load.prefill_tokens = s.load.prefill_tokens.saturating_add(live.prefill);
         s.load.decode_blocks = s.load.decode_blocks.saturating_add(live.decode);
         s.load.requests = s.load.requests.saturating_add(1);
+        self.deadlines.push(Due {
+            at: now,
+            serial,
+            holder: holder.clone(),
+        });
         if let Some(old) = self.live.insert(holder, live) {
             self.release(&old, true);
         }
+        Ok(())
+    }
+
+    /// Logs a cap's first refusal (later ones are only counted, by the
+    /// caller, who knows the source).
+    fn refused(&mut self, holder: &Holder, full: Full) -> Full {
+        if self.warned & full.bit() == 0 {
+            self.warned |= full.bit();
+            tracing::warn!(
+                ?holder,
+                "load ledger full, holder refused: {full}; further refusals are counted in kvgate_sidecar_bookings_refused_total{{reason=\"ledger_full\"}}"
+            );
+        } else {
+            tracing::debug!(?holder, "load ledger full, holder refused: {full}");
+        }
+        full
     }
 
     /// Books a reservation made here; its id must be new.
@@ -293,7 +396,8 @@ impl Bookings {
         if self.live.contains_key(&holder) {
             return Err(LedgerError::Duplicate(id.to_string()));
         }
-        self.admit(holder.clone(), load, now);
+        self.admit(holder.clone(), load, now)
+            .map_err(LedgerError::Full)?;
         Ok(holder)
     }
 
@@ -344,6 +448,7 @@ impl Bookings {
     /// Returns the slot, or None when the holder is unknown.
     pub fn free(&mut self, holder: &Holder) -> Option<u16> {
         let l = self.live.remove(holder)?;
+        self.census.remove(holder);
         self.release(&l, true);
         Some(l.slot)
     }
@@ -364,33 +469,78 @@ impl Bookings {
         }
     }
 
-    /// Expires holders and VM watermarks not heard of for the expiry, and
-    /// updates drain rates. Returns how many holders expired.
-    pub fn sweep(&mut self, now: Instant) -> usize {
+    /// Expires holders and VM watermarks not heard of for the expiry,
+    /// updates drain rates, and gives back memory a surge left behind.
+    /// Its work follows the holders due and those that ended since, never
+    /// the number held: the watermarks and slots it also walks are bounded
+    /// by `gateway_vms` and the catalog.
+    pub fn sweep(&mut self, now: Instant) -> Sweep {
         let ttl = self.ttl;
-        let old: Vec<Holder> = self
-            .live
-            .iter()
-            .filter(|(_, l)| now.saturating_duration_since(l.at) > ttl)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in &old {
-            if let Some(l) = self.live.remove(k) {
+        let due = |at: Instant| now.saturating_duration_since(at) > ttl;
+        let mut sweep = Sweep::default();
+        while let Some(d) = self.deadlines.pop_if(due) {
+            sweep.visited += 1;
+            let Some(l) = self.live.get(&d.holder) else {
+                continue;
+            };
+            if l.serial != d.serial {
+                // Ended and admitted again: its own entry stands.
+                continue;
+            }
+            if !due(l.at) {
+                // Heard of since it was pushed: due later.
+                let at = l.at;
+                self.deadlines.push(Due { at, ..d });
+                continue;
+            }
+            if let Some(l) = self.live.remove(&d.holder) {
+                self.census.remove(&d.holder);
                 self.release(&l, false);
+                sweep.expired += 1;
             }
         }
-        self.expired_total += old.len() as u64;
+        self.expired_total += sweep.expired as u64;
         self.marks
             .retain(|_, (_, seen)| now.saturating_duration_since(*seen) <= ttl);
         for s in self.slots.values_mut() {
             sample_drain(s, now);
         }
-        old.len()
+        sweep.rebuilt = self.compact();
+        sweep
+    }
+
+    /// Drops deadline entries whose holders ended once they outnumber the
+    /// live ones, and shrinks the tables a surge grew. Returns the entries
+    /// moved.
+    fn compact(&mut self) -> usize {
+        let mut moved = 0;
+        if self.deadlines.needs_rebuild(self.live.len()) {
+            self.deadlines.rebuild(self.live.iter().map(|(h, l)| Due {
+                at: l.at,
+                serial: l.serial,
+                holder: h.clone(),
+            }));
+            moved += self.live.len();
+        } else if self.deadlines.shrink() {
+            moved += self.deadlines.len();
+        }
+        moved += shrink_map(&mut self.live).unwrap_or(0);
+        moved += self.census.shrink().unwrap_or(0);
+        moved += shrink_map(&mut self.marks).unwrap_or(0);
+        moved
     }
 
     /// A slot's rank is gone (worker removed or resized): forget its load.
+    /// A catalog change, not outside input: the scan is the control API's.
     pub fn drop_slot(&mut self, slot: u16) {
-        self.live.retain(|_, l| l.slot != slot);
+        let census = &mut self.census;
+        self.live.retain(|h, l| {
+            let keep = l.slot != slot;
+            if !keep {
+                census.remove(h);
+            }
+            keep
+        });
         self.slots.remove(&slot);
     }
 
@@ -405,15 +555,13 @@ impl Bookings {
     /// Live holders per origin kind: (gateway here, reservations here,
     /// from peers).
     pub fn census(&self) -> (usize, usize, usize) {
-        let mut c = (0, 0, 0);
-        for h in self.live.keys() {
-            match (&h.origin, &h.id) {
-                (Origin::Peer(_), _) => c.2 += 1,
-                (Origin::Here, Id::Gateway(_)) => c.0 += 1,
-                (Origin::Here, Id::Reservation(_)) => c.1 += 1,
-            }
-        }
-        c
+        self.census.counts()
+    }
+
+    /// Holders the ledger's table has room for before it grows: what a
+    /// surge left allocated, until the sweep shrinks it.
+    pub fn capacity(&self) -> usize {
+        self.live.capacity()
     }
 
     /// Per VM, the highest booking applied: what snapshots echo.
