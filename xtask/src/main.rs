@@ -59,6 +59,17 @@ pub fn repo() -> PathBuf {
     here.parent().unwrap_or(here).to_path_buf()
 }
 
+/// Cargo's target folder: `CARGO_TARGET_DIR` when set (relative to the
+/// repository root, as cargo reads it from there), else `target/`. Every
+/// path xtask reads a build output from starts here, so a build into
+/// another folder is found where cargo put it.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) if !d.is_empty() => repo().join(d),
+        _ => repo().join("target"),
+    }
+}
+
 /// Runs a command in the repository root, failing with its name on error.
 pub fn sh(program: &str, args: &[&str], envs: &[(&str, &Path)]) -> Result<()> {
     eprintln!("xtask: $ {program} {}", args.join(" "));
