@@ -33,7 +33,7 @@ fn open(dist: &Path, name: &str) -> Result<(Value, Tree)> {
     let archive = dist.join(format!("{name}.oci.tar"));
     let bytes = std::fs::read(&archive).with_context(|| {
         format!(
-            "reading {}: run `cargo xtask images` first",
+            "reading {}: run `cargo xtask images --registry REGISTRY` first",
             archive.display()
         )
     })?;
