@@ -2,6 +2,7 @@
 //! `kvgate-sidecar status [--url URL]`: prints a running sidecar's fleet.
 //! `kvgate-sidecar agent [--listen ADDR]`: serves this GPU node's NVML
 //! readings under dcgm-exporter's metric names.
+//! `kvgate-sidecar check --config FILE`: validates a configuration file.
 
 #![forbid(unsafe_code)]
 
@@ -19,6 +20,7 @@ use std::path::PathBuf;
 #[derive(Debug, Parser)]
 #[command(
     name = "kvgate-sidecar",
+    version,
     about = "Keeps Envoy's kvgate routing state fresh",
     args_conflicts_with_subcommands = true
 )]
@@ -47,6 +49,14 @@ enum Command {
         listen: SocketAddr,
         #[arg(long, default_value_t = 1000)]
         interval_ms: u64,
+    },
+    /// Reads and validates a configuration file as a start would, then
+    /// exits: 0 when the sidecar would accept it, non-zero with the reason
+    /// when not. Opens no socket and reaches no worker.
+    Check {
+        /// The TOML configuration file.
+        #[arg(long)]
+        config: PathBuf,
     },
 }
 
@@ -99,8 +109,21 @@ async fn main() -> anyhow::Result<()> {
             )
             .await
         }
+        Some(Command::Check { config }) => check(&config),
         None => run(cli.run).await,
     }
+}
+
+fn check(path: &std::path::Path) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    println!(
+        "{}: valid ({} models, {} workers, listens on {})",
+        path.display(),
+        config.models.len(),
+        config.workers.len(),
+        config.server.listen
+    );
+    Ok(())
 }
 
 async fn print_status(url: &str) -> anyhow::Result<()> {

@@ -1,16 +1,18 @@
-//! The deploy manifests (`deploy/`): every YAML parses; the custom
-//! resources carry what their platform requires (wasm URL and sha256, the
-//! filter's root id, the routed cluster's destination header); the catalog
-//! each platform routes to is kvgate.toml's; kvgate.toml parses with the
-//! sidecar's own parser; every plugin configuration loads in the real
-//! filter; and what translates to Envoy configuration loads in real Envoy
-//! (`envoy --mode validate`, which also starts the filter's VMs).
+//! The deploy manifests, as `cargo xtask images` renders them from the
+//! templates in `deploy/` into `target/dist/deploy/`: every YAML parses;
+//! every image reference and digest pin is the built images'; the custom
+//! resources carry what their platform requires (the filter's image and
+//! digest, its root id, the routed cluster's destination header); the
+//! catalog each platform routes to is kvgate.toml's; kvgate.toml parses
+//! with the sidecar's own parser; every plugin configuration loads in the
+//! real filter; and what translates to Envoy configuration loads in real
+//! Envoy (`envoy --mode validate`, which also starts the filter's VMs) with
+//! the `.wasm` from the filter image's layer.
 //! The Kubernetes kinds' schemas are checked by `cargo xtask test`
 //! (kubernetes-validate).
 
 use kvgate_sidecar::config::Config;
 use kvgate_stack::Paths;
-use kvgate_tests::filter_wasm;
 use kvgate_tests::host::{Filter, Shared, Vm};
 use serde_json::{Value, json};
 use std::collections::BTreeSet;
@@ -25,6 +27,39 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// `target/dist/` (`KVGATE_DIST_DIR`), where `cargo xtask images` writes.
+fn dist() -> PathBuf {
+    let d = Paths::discover().unwrap().dist;
+    assert!(
+        d.join("images.json").exists(),
+        "{} has no images: `cargo xtask test` (or `cargo xtask images --registry REGISTRY`) builds them and renders the manifests",
+        d.display()
+    );
+    d
+}
+
+/// The rendered manifests.
+fn rendered() -> PathBuf {
+    dist().join("deploy")
+}
+
+/// `target/dist/images.json`: each image's reference, digest and sizes.
+fn images() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dist().join("images.json")).unwrap()).unwrap()
+}
+
+/// The filter as the filter image's layer holds it (unpacked by the
+/// images check).
+fn layer_wasm() -> PathBuf {
+    let p = dist().join("unpacked/kvgate-filter/plugin.wasm");
+    assert!(
+        p.exists(),
+        "{} is missing: the images check unpacks it",
+        p.display()
+    );
+    p.canonicalize().unwrap()
+}
+
 fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();
@@ -36,10 +71,12 @@ fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// Every document of every YAML file under deploy/, as JSON.
+/// Every document of every rendered manifest, and of the alert rules
+/// under deploy/prometheus, as JSON.
 fn documents() -> Vec<(PathBuf, Value)> {
     let mut files = Vec::new();
-    yaml_files(&repo().join("deploy"), &mut files);
+    yaml_files(&rendered(), &mut files);
+    yaml_files(&repo().join("deploy/prometheus"), &mut files);
     files.sort();
     let mut docs = Vec::new();
     for f in files {
@@ -129,6 +166,96 @@ fn every_manifest_parses_and_names_itself() {
     }
     // The rule files parse as YAML too (promtool checks what they say).
     assert!(documents().len() > objs.len());
+}
+
+/// Every object under `v` that names a container `kvgate-sidecar` and its
+/// image.
+fn sidecar_images<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+    match v {
+        Value::Object(o) => {
+            if o.get("name").and_then(Value::as_str) == Some("kvgate-sidecar")
+                && let Some(image) = o.get("image").and_then(Value::as_str)
+            {
+                out.push(image);
+            }
+            o.values().for_each(|c| sidecar_images(c, out));
+        }
+        Value::Array(a) => a.iter().for_each(|c| sidecar_images(c, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn the_rendered_manifests_pin_the_built_images() {
+    let images = images();
+    let sidecar = str_at(&images, "/kvgate-sidecar/reference");
+    let filter = str_at(&images, "/kvgate-filter/reference");
+    let digest = str_at(&images, "/kvgate-filter/digest");
+    let hex = digest.strip_prefix("sha256:").unwrap();
+    assert!(is_sha256(hex));
+    // The digests are the archives' own (the images check reads each
+    // archive back against them).
+    for (name, reference) in [("kvgate-sidecar", sidecar), ("kvgate-filter", filter)] {
+        let recorded = std::fs::read_to_string(dist().join(format!("{name}.digest"))).unwrap();
+        assert!(reference.contains(&format!("/{name}:")), "{reference}");
+        assert!(
+            reference.ends_with(&format!("@{}", recorded.trim())),
+            "{reference}"
+        );
+    }
+
+    // Every kvgate-sidecar container, on each platform, runs the image.
+    let objs = objects();
+    let mut found = Vec::new();
+    for (_, v) in &objs {
+        sidecar_images(v, &mut found);
+    }
+    assert_eq!(found.len(), 3, "plain, Envoy Gateway and Istio: {found:?}");
+    assert!(found.iter().all(|i| *i == sidecar), "{found:?}");
+
+    // The plain Deployment mounts the filter image's layer.
+    let d = of_kind("Deployment")
+        .into_iter()
+        .find(|d| d["metadata"]["name"] == "kvgate-gateway")
+        .unwrap();
+    let volume = d["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["image"].is_object())
+        .expect("the filter's image volume");
+    assert_eq!(str_at(volume, "/image/reference"), filter);
+
+    // Envoy Gateway and Istio pull the filter by tag and pin its digest.
+    let by_tag = filter.split('@').next().unwrap();
+    let code = &one("EnvoyExtensionPolicy")["spec"]["wasm"][0]["code"];
+    assert_eq!(code["type"], "Image");
+    assert_eq!(str_at(code, "/image/url"), by_tag);
+    assert_eq!(str_at(code, "/image/sha256"), hex);
+    let wp = one("WasmPlugin");
+    assert_eq!(str_at(&wp, "/spec/url"), format!("oci://{by_tag}"));
+    assert_eq!(str_at(&wp, "/spec/sha256"), hex);
+
+    // No template variable is left but the init container's shell one.
+    let mut files = Vec::new();
+    yaml_files(&rendered(), &mut files);
+    for f in files {
+        let text = std::fs::read_to_string(&f)
+            .unwrap()
+            .replace("${KVGATE_CONTROL_TOKEN}", "");
+        assert!(!text.contains("${"), "{} keeps a variable", f.display());
+        assert!(!text.contains("example.com"), "{}", f.display());
+    }
+}
+
+#[test]
+fn the_filter_images_layer_is_the_built_filter() {
+    let layer = std::fs::read(layer_wasm()).unwrap();
+    let built = std::fs::read(dist().join("kvgate_filter.wasm")).unwrap();
+    assert!(
+        layer == built,
+        "the filter image's /plugin.wasm is not target/dist/kvgate_filter.wasm"
+    );
 }
 
 #[test]
@@ -264,7 +391,7 @@ fn added(patches: &[Value], value: &str) -> Vec<Value> {
 
 #[test]
 fn custom_resources_carry_their_required_fields() {
-    // Envoy Gateway's filter: HTTP (or Image) code with its sha256, the
+    // Envoy Gateway's filter: Image (or HTTP) code with its sha256, the
     // router's root id, the HTTP-filter-only mode.
     let eep = one("EnvoyExtensionPolicy");
     assert_eq!(eep["spec"]["targetRefs"][0]["kind"], "Gateway");
@@ -483,10 +610,7 @@ fn envoy_validates(name: &str, config: &str) {
 
 #[test]
 fn the_plain_envoy_configuration_loads_in_envoy() {
-    envoy_validates(
-        "k8s-envoy.yaml",
-        &plain_envoy_config(&filter_wasm().canonicalize().unwrap()),
-    );
+    envoy_validates("k8s-envoy.yaml", &plain_envoy_config(&layer_wasm()));
 }
 
 /// A wasm HTTP filter as Envoy Gateway and Istio generate it for the
@@ -502,7 +626,7 @@ fn wasm_http_filter(vm_id: &str, config: &Value) -> Value {
                 "vm_config": {
                     "vm_id": vm_id,
                     "runtime": "envoy.wasm.runtime.v8",
-                    "code": {"local": {"filename": filter_wasm().canonicalize().unwrap()}}
+                    "code": {"local": {"filename": layer_wasm()}}
                 },
                 "configuration": {
                     "@type": "type.googleapis.com/google.protobuf.StringValue",

@@ -1466,3 +1466,29 @@ mod disagg;
 
 #[path = "filter_wasm/disagg_sglang.rs"]
 mod disagg_sglang;
+
+/// The module is built with its source paths remapped (`cargo xtask`'s
+/// filter build): it names no folder of the machine that built it, so
+/// builds from checkouts at different paths are byte for byte the same.
+#[test]
+fn the_module_names_no_path_of_the_build_machine() {
+    let wasm = std::fs::read(kvgate_tests::filter_wasm()).unwrap();
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .canonicalize()
+        .unwrap();
+    let mut machine = vec![repo.display().to_string(), "/root/".to_string()];
+    if let Some(home) = std::env::var_os("HOME").filter(|h| h.len() > 1) {
+        machine.push(format!("{}/", std::path::Path::new(&home).display()));
+    }
+    for p in machine {
+        assert!(
+            !wasm.windows(p.len()).any(|w| w == p.as_bytes()),
+            "the filter module holds {p:?}"
+        );
+    }
+    // The remapped names are there instead: the dependencies' panic
+    // locations name the registry under /cargo.
+    assert!(wasm.windows(16).any(|w| w == b"/cargo/registry/"));
+}

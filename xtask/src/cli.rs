@@ -44,6 +44,10 @@ pub enum Task {
     /// `target/dist/`, for `deploy/docker/` and the platforms' wasm
     /// sources.
     Dist,
+    /// The sidecar and filter OCI images, built without Docker, as
+    /// archives with their digests in `target/dist/`, checked, and the
+    /// deploy manifests rendered with them into `target/dist/deploy/`.
+    Images(crate::images::Args),
 }
 
 #[derive(Debug, clap::Args)]
@@ -76,7 +80,7 @@ mod tests {
 
     #[test]
     fn help_runs_nothing_and_unknown_flags_are_refused() {
-        for task in ["bench", "fuzz", "test", "demo", "setup", "dist"] {
+        for task in ["bench", "fuzz", "test", "demo", "setup", "dist", "images"] {
             let e = parse(&[task, "--help"]).expect_err("--help is not a task run");
             assert_eq!(e.kind(), clap::error::ErrorKind::DisplayHelp, "{task}");
         }
@@ -86,6 +90,8 @@ mod tests {
             &["fuzz", "--engine", "afl"],
             &["fuzz", "--jobs", "0"],
             &["demo", "--quick"],
+            &["images"],
+            &["images", "--verify", "--registry", "r.io/x"],
             &["nonsense"],
         ] {
             assert!(parse(args).is_err(), "{args:?} was accepted");
@@ -110,5 +116,17 @@ mod tests {
             panic!("not test");
         };
         assert_eq!(t.cargo_test, ["a_filter"]);
+        let Task::Images(i) = parse(&["images", "--registry", "ghcr.io/acme"])
+            .unwrap()
+            .task
+        else {
+            panic!("not images");
+        };
+        assert_eq!(i.registry.as_deref(), Some("ghcr.io/acme"));
+        assert!(!i.verify);
+        let Task::Images(i) = parse(&["images", "--verify"]).unwrap().task else {
+            panic!("not images");
+        };
+        assert!(i.verify);
     }
 }

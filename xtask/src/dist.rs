@@ -1,7 +1,7 @@
 //! `cargo xtask dist`: the release artifacts, without Docker, in
-//! `target/dist/`: the sidecar binary, the filter's `.wasm` and its sha256
-//! (what Envoy Gateway's and Istio's HTTP code sources verify), ready for
-//! `deploy/docker/` to package.
+//! `target/dist/`: the sidecar binary (as its image ships it), the
+//! filter's `.wasm` and its sha256 (what an HTTP code source verifies).
+//! `cargo xtask images` packages the same files as OCI images.
 
 use crate::build;
 use anyhow::{Context, Result};
@@ -13,15 +13,22 @@ pub const WASM_NAME: &str = "kvgate_filter.wasm";
 pub const SIDECAR_NAME: &str = "kvgate-sidecar";
 
 pub fn dir() -> PathBuf {
-    crate::repo().join("target/dist")
+    crate::target_dir().join("dist")
 }
 
 pub fn run() -> Result<()> {
     build::wasm()?;
-    build::sidecar_release()?;
+    let sidecar = build::sidecar_image()?;
+    publish(&sidecar)?;
+    Ok(())
+}
+
+/// Copies the built `sidecar` and filter into `target/dist/` and writes
+/// the `.wasm`'s sha256 beside it.
+pub fn publish(sidecar: &Path) -> Result<()> {
     let out = dir();
     fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let sidecar = copy(&build::Profile::Release.dir().join(SIDECAR_NAME), &out)?;
+    let sidecar = copy(sidecar, &out)?;
     let wasm = copy(&build::wasm_path(), &out)?;
     let bytes = fs::read(&wasm).with_context(|| format!("reading {}", wasm.display()))?;
     let sum = sha256_hex(&bytes);

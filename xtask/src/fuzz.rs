@@ -124,11 +124,11 @@ fn libfuzzer_usable() -> bool {
 }
 
 fn scratch() -> PathBuf {
-    repo().join("target/fuzz")
+    crate::target_dir().join("fuzz")
 }
 
 fn libfuzzer(args: &Args, targets: &[String]) -> Result<()> {
-    let target_dir = repo().join("target/libfuzzer");
+    let target_dir = crate::target_dir().join("libfuzzer");
     let mut build = nightly_cargo();
     build.args([
         "fuzz",
@@ -318,7 +318,7 @@ fn builtin(args: &Args, targets: &[String]) -> Result<()> {
         ],
         &[],
     )?;
-    let bin = repo().join("target/release/kvgate-fuzz");
+    let bin = crate::target_dir().join("release/kvgate-fuzz");
     let crashes = scratch().join("builtin/crashes");
     let mut c = Command::new(&bin);
     c.arg("--seconds")

@@ -12,6 +12,7 @@ mod dist;
 mod docs;
 mod fuzz;
 mod hostilebench;
+mod images;
 mod kvbench;
 mod plannerbench;
 mod plot;
@@ -46,10 +47,11 @@ fn run() -> Result<()> {
         Task::Bench(args) => bench::run(&args),
         Task::Fuzz(args) => fuzz::run(&args),
         Task::Dist => dist::run(),
+        Task::Images(args) => images::run(&args),
         Task::DeployCheck => {
             setup::all()?;
             alert_rules()?;
-            manifests()
+            manifests(&repo())
         }
     }
 }
@@ -58,6 +60,17 @@ fn run() -> Result<()> {
 pub fn repo() -> PathBuf {
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
     here.parent().unwrap_or(here).to_path_buf()
+}
+
+/// Cargo's target folder: `CARGO_TARGET_DIR` when set (relative to the
+/// repository root, as cargo reads it from there), else `target/`. Every
+/// path xtask reads a build output from starts here, so a build into
+/// another folder is found where cargo put it.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) if !d.is_empty() => repo().join(d),
+        _ => repo().join("target"),
+    }
 }
 
 /// Runs a command in the repository root, failing with its name on error.
@@ -81,14 +94,31 @@ fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
 
+/// The registry the test run renders the manifests for: a local one, as a
+/// kind or minikube cluster pulls from. `cargo xtask images --registry`
+/// renders them for a real one.
+const TEST_REGISTRY: &str = "localhost:5000/kvgate";
+
+/// The source label of a test run's sidecar image when the checkout has
+/// no `origin` URL (CI's clone has a local path there).
+const TEST_SOURCE: &str = "urn:kvgate:unpublished";
+
 fn test(rest: &[String]) -> Result<()> {
     setup::all()?;
     alert_rules()?;
-    manifests()?;
-    build::wasm()?;
+    manifests(&repo())?;
+    // The filter, the optimised sidecar and their images: the test run's
+    // one release build. The tests read the images' rendered manifests
+    // and the filter from the image's layer.
+    let source = images::origin_url().unwrap_or_else(|| TEST_SOURCE.into());
+    images::build(TEST_REGISTRY, &source)?;
+    let dist = dist::dir();
+    manifests(&dist)?;
+    images::check(&dist)?;
     build::test_targets()?;
     let wasm = build::wasm_path();
     let bins = build::Profile::Debug.dir();
+    images::run_in_chroot(&dist, &bins)?;
     let envoy = setup::envoy_path();
     let prometheus = setup::prometheus_path();
     let mut args = vec!["test", "--workspace", "--all-targets"];
@@ -98,6 +128,7 @@ fn test(rest: &[String]) -> Result<()> {
         ("KVGATE_BIN_DIR", bins.as_path()),
         ("KVGATE_ENVOY", envoy.as_path()),
         ("KVGATE_PROMETHEUS", prometheus.as_path()),
+        ("KVGATE_DIST_DIR", dist.as_path()),
     ];
     sh(&cargo(), &args, &env)?;
     if !rest.is_empty() {
@@ -162,14 +193,15 @@ fn alert_rules() -> Result<()> {
 
 /// The deploy manifests' Kubernetes kinds (Deployment, Service,
 /// ConfigMap, ...) against Kubernetes' JSON schemas, strictly (unknown
-/// fields are errors). Custom resources (Envoy Gateway, Istio, KEDA,
-/// Prometheus Operator) have no schema there and are only warned about;
-/// tests/tests/deploy.rs checks their fields.
-fn manifests() -> Result<()> {
+/// fields are errors): the templates when `root` is the repository, the
+/// rendered ones when it is `target/dist`. Custom resources
+/// (Envoy Gateway, Istio, KEDA, Prometheus Operator) have no schema there
+/// and are only warned about; tests/tests/deploy.rs checks their fields.
+fn manifests(root: &Path) -> Result<()> {
     let tool = setup::kubernetes_validate_path();
     let mut files = Vec::new();
     for dir in MANIFEST_DIRS {
-        let mut found: Vec<PathBuf> = std::fs::read_dir(repo().join(dir))
+        let mut found: Vec<PathBuf> = std::fs::read_dir(root.join(dir))
             .with_context(|| format!("listing {dir}"))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
@@ -193,14 +225,15 @@ fn manifests() -> Result<()> {
     // A file that stopped parsing as Kubernetes objects would pass silently.
     anyhow::ensure!(passed > 0, "kubernetes-validate validated nothing:\n{text}");
     eprintln!(
-        "xtask: {passed} Kubernetes objects in {} manifest files validate against {KUBERNETES_VERSION}",
-        files.len()
+        "xtask: {passed} Kubernetes objects in {} manifest files under {} validate against {KUBERNETES_VERSION}",
+        files.len(),
+        root.display()
     );
     Ok(())
 }
 
 /// Where the Kubernetes manifests are.
-const MANIFEST_DIRS: [&str; 4] = [
+pub(crate) const MANIFEST_DIRS: [&str; 4] = [
     "deploy/kubernetes",
     "deploy/envoy-gateway",
     "deploy/istio",

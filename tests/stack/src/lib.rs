@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 pub use paths::Paths;
 pub use ports::free_ports;
-pub use process::Proc;
+pub use process::{Proc, tails};
 
 /// What to start.
 #[derive(Debug, Clone)]

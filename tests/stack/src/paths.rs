@@ -15,6 +15,9 @@ pub struct Paths {
     pub envoy: PathBuf,
     /// The filter module (`KVGATE_FILTER_WASM`).
     pub wasm: PathBuf,
+    /// What `cargo xtask images` writes (`KVGATE_DIST_DIR`): the images,
+    /// their digests, the rendered manifests and the unpacked images.
+    pub dist: PathBuf,
 }
 
 impl Paths {
@@ -31,6 +34,7 @@ impl Paths {
                 "KVGATE_FILTER_WASM",
                 repo.join("target/wasm32-wasip1/release-wasm/kvgate_filter.wasm"),
             ),
+            dist: var("KVGATE_DIST_DIR", repo.join("target/dist")),
             repo,
         })
     }
