@@ -1455,3 +1455,6 @@ mod disagg;
 
 #[path = "filter_wasm/disagg_sglang.rs"]
 mod disagg_sglang;
+
+#[path = "filter_wasm/reference.rs"]
+mod reference;
