@@ -120,7 +120,7 @@ fn body(kind: Kind, n: usize, i: usize) -> (&'static str, String) {
         Kind::Tokens => {
             let mut t = chain(w, i % 50);
             t.truncate(n);
-            t.extend((t.len()..n).map(|k| 3_000_000 + (k as u32).wrapping_mul(7919) ^ i as u32));
+            t.extend((t.len()..n).map(|k| (3_000_000 + (k as u32).wrapping_mul(7919)) ^ i as u32));
             let b = json!({"model": "m", "prompt": t, "max_tokens": 1});
             ("/v1/completions", b.to_string())
         }
