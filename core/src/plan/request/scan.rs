@@ -135,6 +135,36 @@ pub(super) fn fields(body: &[u8]) -> Result<Fields<'_>, ScanError> {
     Ok(f)
 }
 
+/// Where the run of a string's plain bytes from `i` ends: at a quote, a
+/// backslash, a control character or the end. Eight bytes a step, as
+/// serde_json does: a long prompt's text is most of its body.
+fn plain_end(b: &[u8], mut i: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    // A byte of `x` below `n` sets its high bit in `less(x, n)`; bits above
+    // the lowest may be false, the lowest is exact.
+    let less = |x: u64, n: u8| x.wrapping_sub(ONES * u64::from(n)) & !x & HIGH;
+    while let Some(chunk) = b.get(i..i + 8) {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(chunk);
+        let w = u64::from_le_bytes(w);
+        let hit = less(w ^ (ONES * u64::from(b'"')), 1)
+            | less(w ^ (ONES * u64::from(b'\\')), 1)
+            | less(w, 0x20);
+        if hit != 0 {
+            return i + (hit.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while let Some(&c) = b.get(i) {
+        if c == b'"' || c == b'\\' || c < 0x20 {
+            break;
+        }
+        i += 1;
+    }
+    i
+}
+
 /// One element of a prompt list.
 enum Item {
     Token(u32),
@@ -175,9 +205,11 @@ impl<'a> Reader<'a> {
     }
 
     fn ws(&mut self) {
-        while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.peek() {
-            self.i += 1;
+        let mut i = self.i;
+        while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.b.get(i) {
+            i += 1;
         }
+        self.i = i;
     }
 
     fn expect(&mut self, c: u8) -> Result<(), ScanError> {
@@ -218,28 +250,21 @@ impl<'a> Reader<'a> {
     fn string(&mut self) -> Result<Cow<'a, str>, ScanError> {
         self.i += 1;
         let from = self.i;
-        loop {
-            match self.peek() {
-                Some(b'"') => {
-                    let s = self.slice(from)?;
-                    self.i += 1;
-                    return Ok(Cow::Borrowed(s));
-                }
-                Some(b'\\') => break,
-                Some(c) if c < 0x20 => return Err(self.err("control character in string")),
-                Some(_) => self.i += 1,
-                None => return Err(self.err("EOF while parsing a string")),
+        self.i = plain_end(self.b, self.i);
+        match self.peek() {
+            Some(b'"') => {
+                let s = self.slice(from)?;
+                self.i += 1;
+                return Ok(Cow::Borrowed(s));
             }
+            Some(b'\\') => {}
+            Some(_) => return Err(self.err("control character in string")),
+            None => return Err(self.err("EOF while parsing a string")),
         }
         let mut out = String::from(self.slice(from)?);
         loop {
             let run = self.i;
-            while let Some(c) = self.peek() {
-                if c == b'"' || c == b'\\' || c < 0x20 {
-                    break;
-                }
-                self.i += 1;
-            }
+            self.i = plain_end(self.b, self.i);
             out.push_str(self.slice(run)?);
             match self.next() {
                 Some(b'"') => return Ok(Cow::Owned(out)),
@@ -306,6 +331,7 @@ impl<'a> Reader<'a> {
     fn skip_string(&mut self) -> Result<(), ScanError> {
         self.i += 1;
         loop {
+            self.i = plain_end(self.b, self.i);
             match self.next() {
                 Some(b'"') => return Ok(()),
                 Some(b'\\') => match self.next() {
@@ -351,8 +377,11 @@ impl<'a> Reader<'a> {
             }
             Some(c @ b'1'..=b'9') => {
                 v = u64::from(c - b'0');
-                while let Some(c @ b'0'..=b'9') = self.peek() {
-                    self.i += 1;
+                // In locals: the reader's fields live in memory, and this
+                // loop runs once a digit of every id.
+                let mut i = self.i;
+                while let Some(c @ b'0'..=b'9') = self.b.get(i).copied() {
+                    i += 1;
                     // Past u32::MAX the value no longer matters, only
                     // that it is too large; this keeps the u64 from
                     // overflowing however long the digits run.
@@ -360,6 +389,7 @@ impl<'a> Reader<'a> {
                         v = v * 10 + u64::from(c - b'0');
                     }
                 }
+                self.i = i;
             }
             Some(_) => return Err(self.err_before("invalid number")),
             None => return Err(self.err("EOF while parsing a value")),
