@@ -29,6 +29,12 @@ pub struct RouterMetrics {
     pub rejected: [Option<u32>; Reason::ALL.len()],
     pub failed_open: Option<u32>,
     pub decision_us: Option<u32>,
+    /// The decision's phases, so that a regression shows where: the body
+    /// copied out and parsed, a text prompt rendered (`parse_us`); the
+    /// prompt's overlap read from the index (`gather_us`, part of
+    /// `selection_us`, which adds the placement).
+    pub parse_us: Option<u32>,
+    pub gather_us: Option<u32>,
     pub selection_us: Option<u32>,
     pub snapshot_decode_errors: Option<u32>,
     pub report_errors: Option<u32>,
@@ -81,6 +87,8 @@ impl RouterMetrics {
             rejected,
             failed_open: define(MetricType::Counter, "kvgate_failed_open_total"),
             decision_us: define(MetricType::Histogram, "kvgate_decision_us"),
+            parse_us: define(MetricType::Histogram, "kvgate_parse_us"),
+            gather_us: define(MetricType::Histogram, "kvgate_gather_us"),
             selection_us: define(MetricType::Histogram, "kvgate_selection_us"),
             snapshot_decode_errors: define(
                 MetricType::Counter,

@@ -17,11 +17,13 @@
 //! `on_request_headers` or after a local reply, which makes Envoy send the
 //! request upstream twice or beside the reply, traps.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use wasmtime::error::Context;
-use wasmtime::{Caller, Engine, Extern, Instance, Linker, Memory, Module, Store, TypedFunc};
+use wasmtime::{
+    Caller, Config, Engine, Extern, Instance, Linker, Memory, Module, Store, TypedFunc,
+};
 use wasmtime::{Result, bail, format_err as anyhow};
 
 // ABI enumerations.
@@ -183,8 +185,87 @@ impl Stream {
     }
 }
 
+/// What a VM's guest cost, as the host counts it: the same on any machine
+/// under any load, so a change to the filter's hot path can be judged
+/// while wall-clock timings are noise.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Cost {
+    /// Host calls, by import.
+    pub calls: BTreeMap<&'static str, u64>,
+    /// Bytes the host copied into guest memory, by what they were
+    /// (`request_body`, `shared_data`, `header`, ...): Envoy copies each
+    /// of them out of its own buffers too.
+    pub bytes_out: BTreeMap<&'static str, u64>,
+    /// Bytes the guest handed the host, by import.
+    pub bytes_in: BTreeMap<&'static str, u64>,
+    /// Callbacks into the guest, by export.
+    pub callbacks: BTreeMap<&'static str, u64>,
+    /// Fuel the guest burnt, by export (a metered [`Filter`] only): about
+    /// one unit per wasm instruction, the guest's allocations for what the
+    /// host hands it included.
+    pub fuel: BTreeMap<&'static str, u64>,
+}
+
+impl Cost {
+    pub fn total_calls(&self) -> u64 {
+        self.calls.values().sum()
+    }
+
+    pub fn total_fuel(&self) -> u64 {
+        self.fuel.values().sum()
+    }
+
+    pub fn total_bytes_out(&self) -> u64 {
+        self.bytes_out.values().sum()
+    }
+
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &Cost) {
+        for (mine, theirs) in [
+            (&mut self.calls, &other.calls),
+            (&mut self.bytes_out, &other.bytes_out),
+            (&mut self.bytes_in, &other.bytes_in),
+            (&mut self.callbacks, &other.callbacks),
+            (&mut self.fuel, &other.fuel),
+        ] {
+            for (k, v) in theirs {
+                *mine.entry(k).or_default() += v;
+            }
+        }
+    }
+}
+
+/// Counts a host call, and names it as the one running, for the bytes it
+/// reads from the guest.
+fn tally(c: &mut Caller<'_, HostState>, name: &'static str) {
+    let st = c.data_mut();
+    *st.cost.calls.entry(name).or_default() += 1;
+    st.in_call = name;
+}
+
+/// The clock the guest reads. With [`HostState::fuel_clock`] on a metered
+/// filter, time runs one nanosecond per unit of fuel from the start of the
+/// running callback, so the filter's own microsecond histograms record its
+/// phases in thousands of fuel units, exactly.
+fn clock_ns(c: &Caller<'_, HostState>) -> u64 {
+    let now = lock(&c.data().shared).clock_ns;
+    let st = c.data();
+    match (st.fuel_clock, c.get_fuel()) {
+        (true, Ok(left)) => now + st.entry_fuel.saturating_sub(left),
+        _ => now,
+    }
+}
+
 /// Per-VM host state.
 pub struct HostState {
+    /// What the guest cost since the last [`Vm::take_cost`].
+    pub cost: Cost,
+    /// The host call running, for [`Cost::bytes_in`].
+    in_call: &'static str,
+    /// Fuel left when the running callback began.
+    entry_fuel: u64,
+    /// See [`clock_ns`].
+    pub fuel_clock: bool,
     shared: SharedRef,
     vm_id: String,
     root_id: String,
@@ -263,6 +344,8 @@ fn memory(caller: &mut Caller<'_, HostState>) -> Result<Memory> {
 fn read(caller: &mut Caller<'_, HostState>, ptr: i32, len: i32) -> Result<Vec<u8>> {
     let m = memory(caller)?;
     let (ptr, len) = (ptr as u32 as usize, len as u32 as usize);
+    let st = caller.data_mut();
+    *st.cost.bytes_in.entry(st.in_call).or_default() += len as u64;
     m.data(&*caller)
         .get(ptr..ptr + len)
         .map(<[u8]>::to_vec)
@@ -287,6 +370,7 @@ fn write_u32(caller: &mut Caller<'_, HostState>, ptr: i32, v: u32) -> Result<()>
 /// writes its address and length to the two out-pointers.
 fn give(
     caller: &mut Caller<'_, HostState>,
+    what: &'static str,
     bytes: &[u8],
     ptr_out: i32,
     len_out: i32,
@@ -295,6 +379,7 @@ fn give(
         Some(Extern::Func(f)) => f.typed::<i32, i32>(&*caller)?,
         _ => bail!("guest exports no proxy_on_memory_allocate"),
     };
+    *caller.data_mut().cost.bytes_out.entry(what).or_default() += bytes.len() as u64;
     let addr = alloc.call(&mut *caller, bytes.len().max(1) as i32)?;
     write(caller, addr, bytes)?;
     write_u32(caller, ptr_out, addr as u32)?;
@@ -381,14 +466,32 @@ fn copy_from(buf: &mut Vec<u8>, start: usize, len: usize, data: &[u8]) -> i32 {
 pub struct Filter {
     engine: Engine,
     module: Module,
+    metered: bool,
 }
 
 impl Filter {
     pub fn load(path: &Path) -> Result<Filter> {
-        let engine = Engine::default();
+        Filter::compile(path, false)
+    }
+
+    /// Loads the module so that its VMs count the fuel each callback burns
+    /// ([`Cost::fuel`]). Metered code runs slower: for counting, not for
+    /// wall-clock timings.
+    pub fn load_metered(path: &Path) -> Result<Filter> {
+        Filter::compile(path, true)
+    }
+
+    fn compile(path: &Path, metered: bool) -> Result<Filter> {
+        let mut config = Config::new();
+        config.consume_fuel(metered);
+        let engine = Engine::new(&config)?;
         let module = Module::from_file(&engine, path)
             .with_context(|| format!("loading {}", path.display()))?;
-        Ok(Filter { engine, module })
+        Ok(Filter {
+            engine,
+            module,
+            metered,
+        })
     }
 
     /// Names of imports this host does not implement (they would trap).
@@ -452,6 +555,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_log",
         |mut c: Caller<'_, HostState>, level: i32, p: i32, l: i32| -> Result<i32> {
+            tally(&mut c, "proxy_log");
             let msg = read_str(&mut c, p, l)?;
             c.data_mut().logs.push((level, msg));
             Ok(OK)
@@ -461,6 +565,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_get_log_level",
         |mut c: Caller<'_, HostState>, out: i32| -> Result<i32> {
+            tally(&mut c, "proxy_get_log_level");
             write_u32(&mut c, out, 2)?;
             Ok(OK)
         },
@@ -469,7 +574,8 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_get_current_time_nanoseconds",
         |mut c: Caller<'_, HostState>, out: i32| -> Result<i32> {
-            let now = lock(&c.data().shared).clock_ns;
+            tally(&mut c, "proxy_get_current_time_nanoseconds");
+            let now = clock_ns(&c);
             write(&mut c, out, &now.to_le_bytes())?;
             Ok(OK)
         },
@@ -478,6 +584,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_set_tick_period_milliseconds",
         |mut c: Caller<'_, HostState>, ms: i32| -> i32 {
+            tally(&mut c, "proxy_set_tick_period_milliseconds");
             c.data_mut().tick_ms = ms as u32;
             OK
         },
@@ -492,15 +599,16 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          po: i32,
          lo: i32|
          -> Result<i32> {
+            tally(&mut c, "proxy_get_buffer_bytes");
             let st = c.data_mut();
-            let buf = match kind {
+            let (what, buf) = match kind {
                 BUF_REQUEST_BODY => match st.stream_mut() {
-                    Some(s) => s.body.clone(),
+                    Some(s) => ("request_body", s.body.clone()),
                     None => return Ok(NOT_FOUND),
                 },
-                BUF_CALL_RESPONSE_BODY => st.call_body.clone(),
-                BUF_PLUGIN_CONFIGURATION => st.plugin_config.clone(),
-                BUF_VM_CONFIGURATION => Vec::new(),
+                BUF_CALL_RESPONSE_BODY => ("call_response_body", st.call_body.clone()),
+                BUF_PLUGIN_CONFIGURATION => ("plugin_configuration", st.plugin_config.clone()),
+                BUF_VM_CONFIGURATION => ("vm_configuration", Vec::new()),
                 _ => return Ok(NOT_FOUND),
             };
             let start = (start as u32 as usize).min(buf.len());
@@ -508,7 +616,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
             if buf.is_empty() {
                 return Ok(NOT_FOUND);
             }
-            give(&mut c, &buf[start..end], po, lo)?;
+            give(&mut c, what, &buf[start..end], po, lo)?;
             Ok(OK)
         },
     )?;
@@ -522,6 +630,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          dp: i32,
          dl: i32|
          -> Result<i32> {
+            tally(&mut c, "proxy_set_buffer_bytes");
             let data = read(&mut c, dp, dl)?;
             if kind != BUF_REQUEST_BODY {
                 return Ok(BAD_ARGUMENT);
@@ -547,6 +656,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          po: i32,
          lo: i32|
          -> Result<i32> {
+            tally(&mut c, "proxy_get_header_map_value");
             let key = read_str(&mut c, kp, kl)?;
             let v = match map_mut(c.data_mut(), map) {
                 Some(m) => m.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone()),
@@ -554,7 +664,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
             };
             match v {
                 Some(v) => {
-                    give(&mut c, v.as_bytes(), po, lo)?;
+                    give(&mut c, "header", v.as_bytes(), po, lo)?;
                     Ok(OK)
                 }
                 None => Ok(NOT_FOUND),
@@ -575,6 +685,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
                   vp: i32,
                   vl: i32|
                   -> Result<i32> {
+                tally(&mut c, name);
                 let (k, v) = (read_str(&mut c, kp, kl)?, read_str(&mut c, vp, vl)?);
                 let Some(m) = map_mut(c.data_mut(), map) else {
                     return Ok(BAD_ARGUMENT);
@@ -591,6 +702,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_remove_header_map_value",
         |mut c: Caller<'_, HostState>, map: i32, kp: i32, kl: i32| -> Result<i32> {
+            tally(&mut c, "proxy_remove_header_map_value");
             let k = read_str(&mut c, kp, kl)?;
             match map_mut(c.data_mut(), map) {
                 Some(m) => {
@@ -605,11 +717,12 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_get_header_map_pairs",
         |mut c: Caller<'_, HostState>, map: i32, po: i32, lo: i32| -> Result<i32> {
+            tally(&mut c, "proxy_get_header_map_pairs");
             let pairs = match map_mut(c.data_mut(), map) {
                 Some(m) => m.clone(),
                 None => return Ok(BAD_ARGUMENT),
             };
-            give(&mut c, &serialize_map(&pairs), po, lo)?;
+            give(&mut c, "header_pairs", &serialize_map(&pairs), po, lo)?;
             Ok(OK)
         },
     )?;
@@ -617,6 +730,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_set_header_map_pairs",
         |mut c: Caller<'_, HostState>, map: i32, p: i32, l: i32| -> Result<i32> {
+            tally(&mut c, "proxy_set_header_map_pairs");
             let pairs = deserialize_map(&read(&mut c, p, l)?);
             match map_mut(c.data_mut(), map) {
                 Some(m) => {
@@ -631,6 +745,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_get_property",
         |mut c: Caller<'_, HostState>, pp: i32, pl: i32, po: i32, lo: i32| -> Result<i32> {
+            tally(&mut c, "proxy_get_property");
             let path = read_str(&mut c, pp, pl)?;
             let v = match path.trim_end_matches('\0') {
                 "plugin_root_id" => c.data().root_id.clone(),
@@ -638,14 +753,17 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
                 "plugin_name" => c.data().root_id.clone(),
                 _ => return Ok(NOT_FOUND),
             };
-            give(&mut c, v.as_bytes(), po, lo)?;
+            give(&mut c, "property", v.as_bytes(), po, lo)?;
             Ok(OK)
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_set_property",
-        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32| -> i32 { OK },
+        |mut c: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32| -> i32 {
+            tally(&mut c, "proxy_set_property");
+            OK
+        },
     )?;
     linker.func_wrap(
         "env",
@@ -657,6 +775,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          lo: i32,
          cas_out: i32|
          -> Result<i32> {
+            tally(&mut c, "proxy_get_shared_data");
             let key = read_str(&mut c, kp, kl)?;
             let found = {
                 let mut s = lock(&c.data().shared);
@@ -665,7 +784,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
             };
             match found {
                 Some((v, cas)) => {
-                    give(&mut c, &v, po, lo)?;
+                    give(&mut c, "shared_data", &v, po, lo)?;
                     write_u32(&mut c, cas_out, cas)?;
                     Ok(OK)
                 }
@@ -683,6 +802,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          vl: i32,
          cas: i32|
          -> Result<i32> {
+            tally(&mut c, "proxy_set_shared_data");
             let (key, value) = (read_str(&mut c, kp, kl)?, read(&mut c, vp, vl)?);
             let mut s = lock(&c.data().shared);
             if cas != 0 && s.data.get(&key).map(|(_, c)| *c) != Some(cas as u32) {
@@ -696,6 +816,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_register_shared_queue",
         |mut c: Caller<'_, HostState>, np: i32, nl: i32, id_out: i32| -> Result<i32> {
+            tally(&mut c, "proxy_register_shared_queue");
             let name = read_str(&mut c, np, nl)?;
             let vm_id = c.data().vm_id.clone();
             let id = {
@@ -727,6 +848,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          nl: i32,
          id_out: i32|
          -> Result<i32> {
+            tally(&mut c, "proxy_resolve_shared_queue");
             let (vm_id, name) = (read_str(&mut c, vp, vl)?, read_str(&mut c, np, nl)?);
             let found = lock(&c.data().shared)
                 .queues
@@ -746,6 +868,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_enqueue_shared_queue",
         |mut c: Caller<'_, HostState>, id: i32, dp: i32, dl: i32| -> Result<i32> {
+            tally(&mut c, "proxy_enqueue_shared_queue");
             let data = read(&mut c, dp, dl)?;
             let mut s = lock(&c.data().shared);
             match s.queues.get_mut(&(id as u32)) {
@@ -761,6 +884,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_dequeue_shared_queue",
         |mut c: Caller<'_, HostState>, id: i32, po: i32, lo: i32| -> Result<i32> {
+            tally(&mut c, "proxy_dequeue_shared_queue");
             let item = {
                 let mut s = lock(&c.data().shared);
                 match s.queues.get_mut(&(id as u32)) {
@@ -770,7 +894,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
             };
             match item {
                 Some(data) => {
-                    give(&mut c, &data, po, lo)?;
+                    give(&mut c, "queue", &data, po, lo)?;
                     Ok(OK)
                 }
                 None => Ok(EMPTY),
@@ -790,6 +914,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          hl: i32,
          _grpc: i32|
          -> Result<i32> {
+            tally(&mut c, "proxy_send_local_response");
             let body = read(&mut c, bp, bl)?;
             let headers = deserialize_map(&read(&mut c, hp, hl)?);
             let Some(stream) = c.data_mut().stream_mut() else {
@@ -818,6 +943,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          timeout: i32,
          token_out: i32|
          -> Result<i32> {
+            tally(&mut c, "proxy_http_call");
             let cluster = read_str(&mut c, up, ul)?;
             let headers = deserialize_map(&read(&mut c, hp, hl)?);
             let body = if bl > 0 {
@@ -864,6 +990,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          _ro: i32,
          _rl: i32|
          -> Result<i32> {
+            tally(&mut c, "proxy_call_foreign_function");
             let name = read_str(&mut c, np, nl)?;
             let known = name == "clear_route_cache";
             if let Some(stream) = c.data_mut().stream_mut() {
@@ -876,6 +1003,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_define_metric",
         |mut c: Caller<'_, HostState>, kind: i32, np: i32, nl: i32, id_out: i32| -> Result<i32> {
+            tally(&mut c, "proxy_define_metric");
             let name = read_str(&mut c, np, nl)?;
             let kind = match kind {
                 0 => MetricKind::Counter,
@@ -901,7 +1029,8 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_increment_metric",
-        |c: Caller<'_, HostState>, id: i32, offset: i64| -> i32 {
+        |mut c: Caller<'_, HostState>, id: i32, offset: i64| -> i32 {
+            tally(&mut c, "proxy_increment_metric");
             let Some(name) = c.data().metric_names.get(id as usize).cloned() else {
                 return NOT_FOUND;
             };
@@ -922,7 +1051,8 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_record_metric",
-        |c: Caller<'_, HostState>, id: i32, value: i64| -> i32 {
+        |mut c: Caller<'_, HostState>, id: i32, value: i64| -> i32 {
+            tally(&mut c, "proxy_record_metric");
             let Some(name) = c.data().metric_names.get(id as usize).cloned() else {
                 return NOT_FOUND;
             };
@@ -941,6 +1071,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_get_metric",
         |mut c: Caller<'_, HostState>, id: i32, out: i32| -> Result<i32> {
+            tally(&mut c, "proxy_get_metric");
             let Some(name) = c.data().metric_names.get(id as usize).cloned() else {
                 return Ok(NOT_FOUND);
             };
@@ -956,6 +1087,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_set_effective_context",
         |mut c: Caller<'_, HostState>, ctx: i32| -> i32 {
+            tally(&mut c, "proxy_set_effective_context");
             let st = c.data_mut();
             if ctx != ROOT_CONTEXT && !st.streams.contains_key(&ctx) {
                 return BAD_ARGUMENT;
@@ -968,6 +1100,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "env",
         "proxy_continue_stream",
         |mut c: Caller<'_, HostState>, kind: i32| -> Result<i32> {
+            tally(&mut c, "proxy_continue_stream");
             if kind != STREAM_REQUEST {
                 return Ok(BAD_ARGUMENT);
             }
@@ -987,21 +1120,28 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
     linker.func_wrap(
         "env",
         "proxy_close_stream",
-        |_: Caller<'_, HostState>, _: i32| -> i32 { OK },
+        |mut c: Caller<'_, HostState>, _: i32| -> i32 {
+            tally(&mut c, "proxy_close_stream");
+            OK
+        },
     )?;
     linker.func_wrap(
         "env",
         "proxy_get_status",
-        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
+        |mut c: Caller<'_, HostState>, _: i32, _: i32, _: i32| -> i32 {
+            tally(&mut c, "proxy_get_status");
+            UNIMPLEMENTED
+        },
     )?;
-    linker.func_wrap("env", "proxy_done", |_: Caller<'_, HostState>| -> i32 {
+    linker.func_wrap("env", "proxy_done", |mut c: Caller<'_, HostState>| -> i32 {
+        tally(&mut c, "proxy_done");
         OK
     })?;
     // gRPC is not used by the filter; answer "unimplemented" rather than trap.
     linker.func_wrap(
         "env",
         "proxy_grpc_call",
-        |_: Caller<'_, HostState>,
+        |mut c: Caller<'_, HostState>,
          _: i32,
          _: i32,
          _: i32,
@@ -1014,12 +1154,15 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          _: i32,
          _: i32,
          _: i32|
-         -> i32 { UNIMPLEMENTED },
+         -> i32 {
+            tally(&mut c, "proxy_grpc_call");
+            UNIMPLEMENTED
+        },
     )?;
     linker.func_wrap(
         "env",
         "proxy_grpc_stream",
-        |_: Caller<'_, HostState>,
+        |mut c: Caller<'_, HostState>,
          _: i32,
          _: i32,
          _: i32,
@@ -1029,22 +1172,34 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          _: i32,
          _: i32,
          _: i32|
-         -> i32 { UNIMPLEMENTED },
+         -> i32 {
+            tally(&mut c, "proxy_grpc_stream");
+            UNIMPLEMENTED
+        },
     )?;
     linker.func_wrap(
         "env",
         "proxy_grpc_send",
-        |_: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32| -> i32 { UNIMPLEMENTED },
+        |mut c: Caller<'_, HostState>, _: i32, _: i32, _: i32, _: i32| -> i32 {
+            tally(&mut c, "proxy_grpc_send");
+            UNIMPLEMENTED
+        },
     )?;
     linker.func_wrap(
         "env",
         "proxy_grpc_cancel",
-        |_: Caller<'_, HostState>, _: i32| -> i32 { UNIMPLEMENTED },
+        |mut c: Caller<'_, HostState>, _: i32| -> i32 {
+            tally(&mut c, "proxy_grpc_cancel");
+            UNIMPLEMENTED
+        },
     )?;
     linker.func_wrap(
         "env",
         "proxy_grpc_close",
-        |_: Caller<'_, HostState>, _: i32| -> i32 { UNIMPLEMENTED },
+        |mut c: Caller<'_, HostState>, _: i32| -> i32 {
+            tally(&mut c, "proxy_grpc_close");
+            UNIMPLEMENTED
+        },
     )?;
 
     // WASI preview1, the four calls a wasm32-wasip1 Rust module makes.
@@ -1053,6 +1208,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         w,
         "environ_sizes_get",
         |mut c: Caller<'_, HostState>, count: i32, size: i32| -> Result<i32> {
+            tally(&mut c, "environ_sizes_get");
             write_u32(&mut c, count, 0)?;
             write_u32(&mut c, size, 0)?;
             Ok(0)
@@ -1061,12 +1217,16 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
     linker.func_wrap(
         w,
         "environ_get",
-        |_: Caller<'_, HostState>, _: i32, _: i32| -> i32 { 0 },
+        |mut c: Caller<'_, HostState>, _: i32, _: i32| -> i32 {
+            tally(&mut c, "environ_get");
+            0
+        },
     )?;
     linker.func_wrap(
         w,
         "fd_write",
         |mut c: Caller<'_, HostState>, _fd: i32, iovs: i32, n: i32, written: i32| -> Result<i32> {
+            tally(&mut c, "fd_write");
             let mut total = 0u32;
             for i in 0..n {
                 let iov = read(&mut c, iovs + i * 8, 8)?;
@@ -1088,6 +1248,7 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         w,
         "random_get",
         |mut c: Caller<'_, HostState>, buf: i32, len: i32| -> Result<i32> {
+            tally(&mut c, "random_get");
             let mut x = lock(&c.data().shared).clock_ns | 1;
             let bytes: Vec<u8> = (0..len)
                 .map(|_| {
@@ -1105,7 +1266,8 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         w,
         "clock_time_get",
         |mut c: Caller<'_, HostState>, _id: i32, _precision: i64, out: i32| -> Result<i32> {
-            let now = lock(&c.data().shared).clock_ns;
+            tally(&mut c, "clock_time_get");
+            let now = clock_ns(&c);
             write(&mut c, out, &now.to_le_bytes())?;
             Ok(0)
         },
@@ -1113,7 +1275,8 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
     linker.func_wrap(
         w,
         "proc_exit",
-        |_: Caller<'_, HostState>, code: i32| -> Result<()> {
+        |mut c: Caller<'_, HostState>, code: i32| -> Result<()> {
+            tally(&mut c, "proc_exit");
             bail!("guest called proc_exit({code})")
         },
     )?;
@@ -1144,6 +1307,10 @@ impl Vm {
         link(&mut linker)?;
         linker.define_unknown_imports_as_traps(&filter.module)?;
         let state = HostState {
+            cost: Cost::default(),
+            in_call: "",
+            entry_fuel: 0,
+            fuel_clock: false,
             shared: shared.clone(),
             vm_id: vm_id.into(),
             root_id: root_id.into(),
@@ -1163,6 +1330,9 @@ impl Vm {
             unlisted_hosts: Vec::new(),
         };
         let mut store = Store::new(&filter.engine, state);
+        if filter.metered {
+            store.set_fuel(1 << 62)?;
+        }
         let instance = linker.instantiate(&mut store, &filter.module)?;
         let mut vm = Vm {
             store,
@@ -1192,18 +1362,35 @@ impl Vm {
     /// Calls an export; a trap is recorded and returned as an error.
     fn call<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
         &mut self,
-        name: &str,
+        name: &'static str,
         params: P,
     ) -> Result<R> {
         if let Some(t) = &self.trapped {
             bail!("VM is dead after a trap: {t}");
         }
         let f = self.func::<P, R>(name)?;
-        f.call(&mut self.store, params).map_err(|e| {
+        let before = self.store.get_fuel().ok();
+        if let Some(f) = before {
+            self.store.data_mut().entry_fuel = f;
+        }
+        let result = f.call(&mut self.store, params);
+        let after = self.store.get_fuel().ok();
+        let cost = &mut self.store.data_mut().cost;
+        *cost.callbacks.entry(name).or_default() += 1;
+        if let (Some(b), Some(a)) = (before, after) {
+            *cost.fuel.entry(name).or_default() += b.saturating_sub(a);
+        }
+        result.map_err(|e| {
             let msg = format!("{name}: {e:?}");
             self.trapped = Some(msg.clone());
             anyhow!(msg)
         })
+    }
+
+    /// What the guest cost since the VM started or the last call of this,
+    /// and starts counting afresh.
+    pub fn take_cost(&mut self) -> Cost {
+        std::mem::take(&mut self.state_mut().cost)
     }
 
     pub fn state(&self) -> &HostState {
@@ -1228,7 +1415,7 @@ impl Vm {
     fn call_on<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
         &mut self,
         ctx: i32,
-        name: &str,
+        name: &'static str,
         params: P,
     ) -> Result<R> {
         self.state_mut().current = ctx;

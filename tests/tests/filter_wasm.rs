@@ -1467,6 +1467,9 @@ mod disagg;
 #[path = "filter_wasm/disagg_sglang.rs"]
 mod disagg_sglang;
 
+#[path = "filter_wasm/reference.rs"]
+mod reference;
+
 /// The module is built with its source paths remapped (`cargo xtask`'s
 /// filter build): it names no folder of the machine that built it, so
 /// builds from checkouts at different paths are byte for byte the same.

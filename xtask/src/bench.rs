@@ -61,6 +61,12 @@ pub struct Args {
     /// only from a full run).
     #[arg(long, value_enum)]
     pub only: Option<Only>,
+    /// Builds the filter of this git revision too, and runs it beside
+    /// this tree's on a second kvgate listener of the same Envoy in the
+    /// request-shape benchmark (part of `overhead`): before and after in
+    /// one run, alternating.
+    #[arg(long, value_name = "REV")]
+    pub baseline: Option<String>,
 }
 
 /// The benchmarks `--only` can run alone.
@@ -89,6 +95,9 @@ impl Args {
         if let Some(only) = self.only.and_then(|o| o.to_possible_value()) {
             flags.extend(["--only".to_string(), only.get_name().to_string()]);
         }
+        if let Some(rev) = &self.baseline {
+            flags.extend(["--baseline".to_string(), rev.clone()]);
+        }
         flags
     }
 }
@@ -112,6 +121,12 @@ pub fn run(args: &Args) -> Result<()> {
     }
     let quick = args.quick;
     let only = args.only;
+    let baseline = args
+        .baseline
+        .as_deref()
+        .map(build::baseline_wasm)
+        .transpose()?;
+    let baseline = baseline.as_deref();
     let started = Instant::now();
     // The dump benchmark runs its sidecars in process: no Envoy, no filter.
     if only != Some(Only::Dump) {
@@ -152,7 +167,7 @@ pub fn run(args: &Args) -> Result<()> {
                 (kv_report(&v), "\n## KV-aware routing")
             }
             Only::Overhead => {
-                let v = overhead(quick)?;
+                let v = overhead(quick, baseline)?;
                 std::fs::write(dir.join("overhead.json"), serde_json::to_vec_pretty(&v)?)?;
                 (overhead_section(&v), "\n## Filter overhead")
             }
@@ -221,7 +236,7 @@ pub fn run(args: &Args) -> Result<()> {
     std::fs::write(dir.join("ingest.json"), serde_json::to_vec_pretty(&ingest)?)?;
     let dump = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;
     std::fs::write(dir.join("dump.json"), serde_json::to_vec_pretty(&dump)?)?;
-    let overhead = overhead(quick)?;
+    let overhead = overhead(quick, baseline)?;
     std::fs::write(
         dir.join("overhead.json"),
         serde_json::to_vec_pretty(&overhead)?,
@@ -569,7 +584,7 @@ const ROUTES: [&str; 4] = ["plain", "least_request", "kvgate", "extproc"];
 /// The processes whose CPU `overhead` reports, per request.
 const CPU_PARTS: [&str; 5] = ["envoy", "sidecar", "extproc", "workers", "load_generator"];
 
-fn overhead(quick: bool) -> Result<Value> {
+fn overhead(quick: bool, baseline: Option<&std::path::Path>) -> Result<Value> {
     let (reps, n, concurrency) = if quick { (3, 1500, 8) } else { (5, 5000, 8) };
     eprintln!(
         "xtask: bench overhead ({reps} × {n} requests per route, {} routes, concurrency {concurrency})",
@@ -659,7 +674,7 @@ fn overhead(quick: bool) -> Result<Value> {
         &[50.0, 90.0, 99.0, 99.9],
     );
     drop(stack);
-    let shapes = crate::shapebench::run(quick)?;
+    let shapes = crate::shapebench::run(quick, baseline)?;
     let (p, k) = (&sides[0], &sides[2]);
     let f = |v: &Value, key: &str| v[key].as_f64().unwrap_or(0.0);
     let vs_plain = |v: &Value| {

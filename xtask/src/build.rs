@@ -32,6 +32,57 @@ fn wasm_path_in(target: &Path) -> PathBuf {
     target.join("wasm32-wasip1/release-wasm/kvgate_filter.wasm")
 }
 
+/// The filter module of git revision `rev`, built as [`wasm`] builds it,
+/// in a worktree of its own under `target/`: the baseline a before/after
+/// benchmark runs beside this tree's build. Its build directory is kept
+/// across revisions, so a second baseline builds little.
+pub fn baseline_wasm(rev: &str) -> Result<PathBuf> {
+    let commit = crate::output(
+        "git",
+        &["rev-parse", "--verify", &format!("{rev}^{{commit}}")],
+    )?;
+    let commit = commit.trim();
+    let dir = target_dir().join("baseline");
+    let out = dir.join(format!("kvgate_filter-{commit}.wasm"));
+    if out.exists() {
+        return Ok(out);
+    }
+    let tree = dir.join(format!("tree-{commit}"));
+    let tree_s = tree.display().to_string();
+    if !tree.exists() {
+        sh(
+            "git",
+            &["worktree", "add", "--detach", &tree_s, commit],
+            &[],
+        )?;
+    }
+    let build_dir = dir.join("target");
+    let built = std::process::Command::new(cargo())
+        .args([
+            "build",
+            "-p",
+            "kvgate-filter",
+            "--target",
+            "wasm32-wasip1",
+            "--profile",
+            "release-wasm",
+        ])
+        .env("CARGO_TARGET_DIR", &build_dir)
+        .current_dir(&tree)
+        .status()?;
+    let removed = sh("git", &["worktree", "remove", "--force", &tree_s], &[]);
+    anyhow::ensure!(
+        built.success(),
+        "building the filter of {rev} ({commit}) failed"
+    );
+    removed?;
+    std::fs::copy(
+        build_dir.join("wasm32-wasip1/release-wasm/kvgate_filter.wasm"),
+        &out,
+    )?;
+    Ok(out)
+}
+
 /// The filter is always built optimized: Envoy runs it, and a debug build
 /// would make every filter test measure the wrong thing.
 pub fn wasm() -> Result<()> {

@@ -90,6 +90,23 @@ pub fn sh(program: &str, args: &[&str], envs: &[(&str, &Path)]) -> Result<()> {
     Ok(())
 }
 
+/// Runs a command in the repository root and returns what it printed.
+pub fn output(program: &str, args: &[&str]) -> Result<String> {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "`{program} {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }

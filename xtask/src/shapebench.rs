@@ -130,7 +130,9 @@ fn shapes(quick: bool) -> Vec<Shape> {
     ]
 }
 
-pub fn run(quick: bool) -> Result<Value> {
+/// `baseline`: another build of the filter, measured beside this one on a
+/// listener of its own (its rows' `baseline` and `baseline_added_cpu_us`).
+pub fn run(quick: bool, baseline: Option<&std::path::Path>) -> Result<Value> {
     let reps = if quick { 2 } else { 3 };
     let concurrency = 8;
     eprintln!("xtask: bench request shapes (streams, long prompts; {reps} repetitions)");
@@ -150,12 +152,17 @@ pub fn run(quick: bool) -> Result<Value> {
             .map(String::from)
             .to_vec(),
             envoy_concurrency: 2,
+            baseline_wasm: baseline.map(std::path::Path::to_path_buf),
             ..StackConfig::default()
         },
     )?;
     stack.wait_routing_ready(Duration::from_secs(30))?;
     let rt = tokio::runtime::Runtime::new()?;
-    let routes = [stack.plain_url(), stack.envoy_url()];
+    let mut routes = vec![stack.plain_url(), stack.envoy_url()];
+    if baseline.is_some() {
+        routes.push(stack.baseline_url());
+    }
+    let n = routes.len();
     let mut out = Vec::new();
     for shape in shapes(quick) {
         let specs: Vec<RequestSpec> = (0..shape.requests)
@@ -171,13 +178,16 @@ pub fn run(quick: bool) -> Result<Value> {
         }
         // Per route: Envoy, its worker threads alone, and the sidecar: CPU
         // µs per request; errors, p50.
-        let mut envoy = [vec![], vec![]];
-        let mut workers = [vec![], vec![]];
-        let mut sidecar = [vec![], vec![]];
-        let mut p50 = [vec![], vec![]];
-        let mut errors = [0usize; 2];
+        let mut envoy = vec![vec![]; n];
+        let mut workers = vec![vec![]; n];
+        let mut sidecar = vec![vec![]; n];
+        let mut p50 = vec![vec![]; n];
+        let mut errors = vec![0usize; n];
         for rep in 0..reps {
-            let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
+            let mut order: Vec<usize> = (0..n).collect();
+            if rep % 2 == 1 {
+                order.reverse();
+            }
             for r in order {
                 let [e0, s0, _] = stack.cpu_seconds();
                 let [_, w0] = stack.envoy_thread_cpu_seconds();
@@ -213,7 +223,7 @@ pub fn run(quick: bool) -> Result<Value> {
             + f(&kvgate, "sidecar_cpu_us")
             - f(&plain, "sidecar_cpu_us");
         let tokens = shape.tokens as f64;
-        out.push(json!({
+        let mut row = json!({
             "shape": shape.name,
             "requests": shape.requests,
             "prompt_tokens_sent": shape.tokens,
@@ -221,7 +231,16 @@ pub fn run(quick: bool) -> Result<Value> {
             "kvgate": kvgate,
             "added_cpu_us": added,
             "added_cpu_us_per_1k_tokens": if shape.tokens > 0 { added / (tokens / 1000.0) } else { f64::NAN },
-        }));
+        });
+        if n > 2 {
+            let old = route(2);
+            row["baseline_added_cpu_us"] = json!(
+                f(&old, "envoy_cpu_us") - f(&plain, "envoy_cpu_us") + f(&old, "sidecar_cpu_us")
+                    - f(&plain, "sidecar_cpu_us")
+            );
+            row["baseline"] = old;
+        }
+        out.push(row);
     }
     Ok(json!({
         "runs": reps,
@@ -245,7 +264,7 @@ pub fn report(v: &Value) -> String {
     for s in shapes {
         let per_1k = f(s, &["added_cpu_us_per_1k_tokens"]);
         rows.push_str(&format!(
-            "| {} | {} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} µs | {} |\n",
+            "| {} | {} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} µs{} | {} |\n",
             s["shape"].as_str().unwrap_or("?"),
             match f(s, &["prompt_tokens_sent"]) {
                 t if t > 0.0 => format!("{}k", t / 1024.0),
@@ -258,6 +277,10 @@ pub fn report(v: &Value) -> String {
             f(s, &["plain", "sidecar_cpu_us"]),
             f(s, &["kvgate", "sidecar_cpu_us"]),
             f(s, &["added_cpu_us"]),
+            match s["baseline_added_cpu_us"].as_f64() {
+                Some(b) => format!(" (baseline build: {b:.0} µs)"),
+                None => String::new(),
+            },
             if per_1k.is_nan() {
                 "—".into()
             } else {

@@ -129,6 +129,42 @@ pub fn with_comparison(yaml: &str, c: &Comparison) -> Result<String> {
     Ok(out)
 }
 
+/// `yaml` with a copy of the kvgate listener (on `port`, the filter's
+/// router from `wasm` instead of `current`) right after it: another build
+/// of the filter measured beside this one in the same Envoy, alternating.
+/// Its VMs are its own (Envoy keys VMs by their code too) but share the
+/// snapshot service's shared data and queues, which are keyed by vm_id.
+pub fn with_baseline(
+    yaml: &str,
+    listen_port: u16,
+    current: &str,
+    port: u16,
+    wasm: &str,
+) -> Result<String> {
+    let head = "  - name: kvgate_inference\n";
+    let block = listener_block(yaml, head)?;
+    let swap = |text: &str, from: &str, to: &str| -> Result<String> {
+        anyhow::ensure!(
+            text.matches(from).count() == 1,
+            "the kvgate listener does not name {from:?} exactly once"
+        );
+        Ok(text.replacen(from, to, 1))
+    };
+    let copy = swap(block, head, "  - name: kvgate_inference_baseline\n")?;
+    let copy = swap(
+        &copy,
+        &format!("port_value: {listen_port} "),
+        &format!("port_value: {port} "),
+    )?;
+    let copy = swap(
+        &copy,
+        &format!("filename: \"{current}\""),
+        &format!("filename: \"{wasm}\""),
+    )?;
+    let at = yaml.find(block).map_or(yaml.len(), |s| s + block.len());
+    Ok(format!("{}{copy}{}", &yaml[..at], &yaml[at..]))
+}
+
 /// A block of the kvgate listener as `envoy.yaml` writes it: the line
 /// `head`, and what follows it deeper (or, under a key, its list items),
 /// so that the comparison listeners configure a piece exactly as the
@@ -288,6 +324,38 @@ ${WORKER_ENDPOINTS}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_baseline_listener_is_the_kvgate_listener_on_its_own_port_and_module() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let v = Vars {
+            admin_port: 1,
+            listen_port: 2,
+            plain_port: 3,
+            sidecar_port: 4,
+            control_port: 5,
+            wasm_path: "/new.wasm".into(),
+            plugin_config: "{}".into(),
+            fallback: vec!["127.0.0.1:6".into()],
+            tenant_jwks: "{}".into(),
+        };
+        let yaml = render(&dir.join("envoy/envoy.yaml"), &v).unwrap();
+        let out = with_baseline(&yaml, 2, "/new.wasm", 7, "/old.wasm").unwrap();
+        let copy = listener_block(&out, "  - name: kvgate_inference_baseline\n").unwrap();
+        let original = listener_block(&out, "  - name: kvgate_inference\n").unwrap();
+        assert_eq!(
+            copy.replace("_baseline", "")
+                .replace("port_value: 7 ", "port_value: 2 ")
+                .replace("/old.wasm", "/new.wasm"),
+            original
+        );
+        assert_eq!(
+            out.matches("/new.wasm").count(),
+            2,
+            "the service runs the current build"
+        );
+        assert_eq!(out.matches("/old.wasm").count(), 1);
+    }
 
     #[test]
     fn the_extproc_listener_scrubs_what_the_kvgate_listener_scrubs() {

@@ -88,6 +88,12 @@ pub struct StackConfig {
     /// directory, running its own sidecar in-process with this stack's
     /// sidecar configuration), the architecture peers use.
     pub extproc: bool,
+    /// Another build of the filter module, run by a second kvgate listener
+    /// of the same Envoy ([`Stack::baseline_url`]): before and after
+    /// measured side by side, on the same workers and the same shared
+    /// data (its VMs read the snapshot service's, under the same vm_id, so
+    /// the two builds must agree on its format).
+    pub baseline_wasm: Option<PathBuf>,
 }
 
 impl StackConfig {
@@ -168,6 +174,7 @@ impl Default for StackConfig {
             thermal: None,
             http_filter_only: std::env::var_os("KVGATE_HTTP_FILTER_ONLY").is_some(),
             extproc: false,
+            baseline_wasm: None,
         }
     }
 }
@@ -210,6 +217,8 @@ pub struct Gateway {
     pub extproc_port: u16,
     pub extproc_grpc_port: u16,
     pub extproc_sidecar_port: u16,
+    /// With [`StackConfig::baseline_wasm`]: the listener running it.
+    pub baseline_port: u16,
     /// Names its config and logs apart from the other gateways' ("" for
     /// the first).
     tag: String,
@@ -253,7 +262,7 @@ impl Stack {
         }
         let run_dir = paths.new_run_dir()?;
         let n_gateways = config.gateways.max(1);
-        let mut ports = ports::free_ports(11 * n_gateways + 2 * config.workers)?.into_iter();
+        let mut ports = ports::free_ports(12 * n_gateways + 2 * config.workers)?.into_iter();
         let mut next = || ports.next().context("ran out of allocated ports");
         let mut gateways = Vec::with_capacity(n_gateways);
         for g in 0..n_gateways {
@@ -269,6 +278,7 @@ impl Stack {
                 extproc_port: next()?,
                 extproc_grpc_port: next()?,
                 extproc_sidecar_port: next()?,
+                baseline_port: next()?,
                 tag: if g == 0 {
                     String::new()
                 } else {
@@ -394,6 +404,11 @@ impl Stack {
     /// [`StackConfig::extproc`]).
     pub fn least_request_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.gateways[0].least_request_port)
+    }
+    /// The kvgate route run by another build of the filter (with
+    /// [`StackConfig::baseline_wasm`]).
+    pub fn baseline_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.gateways[0].baseline_port)
     }
     /// Envoy deciding through `ext_proc` (with [`StackConfig::extproc`]).
     pub fn extproc_url(&self) -> String {
@@ -699,6 +714,15 @@ impl Stack {
         )?;
         if self.config.http_filter_only {
             yaml = envoy::without_snapshot_service(&yaml)?;
+        }
+        if let Some(wasm) = &self.config.baseline_wasm {
+            yaml = envoy::with_baseline(
+                &yaml,
+                gw.envoy_port,
+                &self.paths.wasm.display().to_string(),
+                gw.baseline_port,
+                &wasm.display().to_string(),
+            )?;
         }
         if self.config.extproc {
             yaml = envoy::with_comparison(

@@ -1,12 +1,15 @@
 //! OpenAI request bodies, as far as routing needs them.
 
+#[cfg(test)]
+mod equivalence;
 mod prompt;
+mod scan;
 
 use crate::text::skeleton::Path;
 use crate::text::template::{Renderer, TemplateError};
 use prompt::Prompt;
+use scan::ScanError;
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 /// The two inference endpoints kvgate routes.
@@ -102,38 +105,12 @@ pub fn estimate_tokens(text: &str) -> u64 {
     (text.len() as u64).div_ceil(4).max(1)
 }
 
-/// The top-level fields routing reads, each left as raw JSON until it is
-/// checked, except the prompt, read in the same pass (see [`prompt`]);
-/// the rest of the body is skipped without being built.
-#[derive(Deserialize)]
-struct Fields<'a> {
-    #[serde(borrow)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow)]
-    stream: Option<&'a RawValue>,
-    #[serde(borrow)]
-    max_tokens: Option<&'a RawValue>,
-    #[serde(borrow)]
-    max_completion_tokens: Option<&'a RawValue>,
-    #[serde(borrow)]
-    cache_salt: Option<&'a RawValue>,
-    prompt: Option<Prompt>,
-    #[serde(borrow)]
-    messages: Option<&'a RawValue>,
-    #[serde(borrow)]
-    tools: Option<&'a RawValue>,
-    #[serde(borrow)]
-    chat_template_kwargs: Option<&'a RawValue>,
-    #[serde(borrow)]
-    add_generation_prompt: Option<&'a RawValue>,
-}
-
 /// A field's value as `T`; absent and `null` are `None`.
 fn field<'a, T: Deserialize<'a>>(
-    raw: Option<&'a RawValue>,
+    raw: Option<&'a str>,
     msg: impl FnOnce() -> String,
 ) -> Result<Option<T>, BadRequest> {
-    match raw.map(RawValue::get) {
+    match raw {
         None | Some("null") => Ok(None),
         Some(json) => serde_json::from_str(json)
             .map(Some)
@@ -142,19 +119,18 @@ fn field<'a, T: Deserialize<'a>>(
 }
 
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
-    let f: Fields = match serde_json::from_slice(body) {
-        Ok(f) => f,
-        Err(e) if e.is_data() => {
-            // Valid JSON of the wrong shape, or a key given twice: an
-            // engine would read a repeated key differently, so neither
-            // routes.
-            return match serde_json::from_slice::<Value>(body) {
-                Ok(Value::Object(_)) => bad(format!("request body is ambiguous: {e}")),
-                _ => bad("request body must be a JSON object"),
-            };
-        }
-        Err(e) => return bad(format!("request body is not valid JSON: {e}")),
-    };
+    match scan::fields(body) {
+        Ok(f) => read(endpoint, f),
+        // An engine would read a repeated key differently, so it does
+        // not route.
+        Err(e @ ScanError::Duplicate(_)) => bad(format!("request body is ambiguous: {e}")),
+        Err(ScanError::NotObject) => bad("request body must be a JSON object"),
+        Err(e) => bad(format!("request body is not valid JSON: {e}")),
+    }
+}
+
+/// Checks the fields routing reads and builds what it needs of them.
+fn read(endpoint: Endpoint, f: scan::Fields) -> Result<Parsed, BadRequest> {
     let model: String = match field(f.model, || "'model' must be a non-empty string".into())? {
         Some(m) if !String::is_empty(&m) => m,
         Some(_) => return bad("'model' must be a non-empty string"),

@@ -1,15 +1,18 @@
-//! `/v1/completions`' `prompt`, read in one pass over the body.
+//! `/v1/completions`' `prompt`: the shapes routing accepts, and why it
+//! refuses the others.
 //!
-//! A long prompt sent as token ids is the largest body kvgate routes (a
-//! 128k-token list is about 750 KB of JSON), and reading it is most of the
-//! decision's cost: the visitor here takes the ids straight into a
-//! `Vec<u32>`, with no JSON tree and no second pass, and checks the
-//! prompt's shape as it goes. A shape it refuses is a value, not a parse
-//! error, so that the client hears which rule the prompt broke.
+//! The body reader ([`super::scan`]) checks the prompt's shape as it reads
+//! it. A shape it refuses is a value, not a parse error, so that the
+//! client hears which rule the prompt broke. The serde_json visitor it
+//! replaced stays here, in tests, as the reference it must agree with.
 
+#[cfg(test)]
 use super::estimate_tokens;
+#[cfg(test)]
 use serde::Deserializer;
+#[cfg(test)]
 use serde::de::{self, IgnoredAny, SeqAccess, Visitor};
+#[cfg(test)]
 use std::fmt;
 
 /// The prompt as routing reads it: the first prompt of a batch and the
@@ -28,17 +31,21 @@ pub(super) enum Prompt {
     Invalid(&'static str),
 }
 
+#[cfg(test)]
 impl<'de> de::Deserialize<'de> for Prompt {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Prompt, D::Error> {
         d.deserialize_any(PromptVisitor)
     }
 }
 
-const NOT_TOKENS: &str = "'prompt' must contain token ids (integers from 0 to 4294967295)";
-const WRONG_TYPE: &str = "'prompt' must be a string, a list of strings, or token ids";
+pub(super) const NOT_TOKENS: &str =
+    "'prompt' must contain token ids (integers from 0 to 4294967295)";
+pub(super) const WRONG_TYPE: &str = "'prompt' must be a string, a list of strings, or token ids";
 
+#[cfg(test)]
 struct PromptVisitor;
 
+#[cfg(test)]
 impl<'de> Visitor<'de> for PromptVisitor {
     type Value = Prompt;
 
@@ -134,6 +141,7 @@ impl<'de> Visitor<'de> for PromptVisitor {
     }
 }
 
+#[cfg(test)]
 /// One element of a prompt list.
 enum Item {
     Token(u32),
@@ -143,14 +151,17 @@ enum Item {
     Other,
 }
 
+#[cfg(test)]
 impl<'de> de::Deserialize<'de> for Item {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Item, D::Error> {
         d.deserialize_any(ItemVisitor)
     }
 }
 
+#[cfg(test)]
 struct ItemVisitor;
 
+#[cfg(test)]
 impl<'de> Visitor<'de> for ItemVisitor {
     type Value = Item;
 
@@ -213,8 +224,12 @@ impl<'de> Visitor<'de> for ItemVisitor {
 mod tests {
     use super::*;
 
+    /// The prompt as the body reader reads it, checked against the
+    /// serde_json visitor it replaced.
     fn read(json: &str) -> Prompt {
-        serde_json::from_str(json).unwrap()
+        let p = super::super::scan::prompt_value(json).unwrap().unwrap();
+        assert_eq!(p, serde_json::from_str::<Prompt>(json).unwrap(), "{json}");
+        p
     }
 
     #[test]
@@ -276,6 +291,7 @@ mod tests {
             }
             let b: B = serde_json::from_str(&body).unwrap();
             assert_eq!(b.q, 1, "{json}");
+            assert_eq!(Some(&b.p), read_in_body(json).as_ref(), "{json}");
             match b.p {
                 Prompt::Invalid(m) => assert!(m.contains(why), "{json}: {m}"),
                 other => panic!("{json} read as {other:?}"),
@@ -283,9 +299,25 @@ mod tests {
         }
     }
 
+    /// The prompt of a body with a field after it, read to its end.
+    fn read_in_body(json: &str) -> Option<Prompt> {
+        let body = format!(r#"{{"prompt":{json},"q":1}}"#);
+        super::super::scan::fields(body.as_bytes()).unwrap().prompt
+    }
+
     #[test]
     fn bad_json_is_still_a_syntax_error() {
-        assert!(serde_json::from_str::<Prompt>("[1,2").is_err());
-        assert!(serde_json::from_str::<Prompt>("[1,,2]").is_err());
+        for json in [
+            "[1,2",
+            "[1,,2]",
+            "[1 2]",
+            "[01]",
+            "[1.]",
+            "[-]",
+            r#"["\x"]"#,
+        ] {
+            assert!(serde_json::from_str::<Prompt>(json).is_err(), "{json}");
+            assert!(super::super::scan::prompt_value(json).is_err(), "{json}");
+        }
     }
 }

@@ -182,6 +182,10 @@ pub(super) fn decide(st: &mut RouterState, req: &Parsed, tenant: &str, body: &[u
     };
     let selecting = host::now_us();
     let gathered = plan::gather(snap, req, tenant, &mut host::get_shared);
+    record(
+        st.metrics.gather_us,
+        host::now_us().saturating_sub(selecting),
+    );
     let place = |ask: &Ask| match &gathered {
         Ok(g) => g.place(req, tenant, ask, &[]),
         Err(r) => Plan::Reject(*r),

@@ -148,6 +148,7 @@ impl Request {
                 drop(st);
                 return self.reply(&Reply::stale());
             }
+            record(st.metrics.parse_us, host::now_us().saturating_sub(started));
             decide::decide(&mut st, &req, &self.tenant, &body)
         };
         let action = self.apply(decision, &body);

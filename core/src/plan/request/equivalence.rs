@@ -1,0 +1,335 @@
+//! The body reader against the serde_json reader it replaced, kept here as
+//! the reference: on any body both accept, the same [`Parsed`]; on any
+//! other, an error from both, of the same kind.
+
+use super::*;
+use proptest::prelude::*;
+use serde_json::value::RawValue;
+
+/// The fields routing reads, each left as raw JSON by serde_json, the
+/// prompt read by its visitor.
+#[derive(Deserialize)]
+struct Fields<'a> {
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_completion_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    cache_salt: Option<&'a RawValue>,
+    prompt: Option<Prompt>,
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow)]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(borrow)]
+    add_generation_prompt: Option<&'a RawValue>,
+}
+
+pub(super) fn parse_reference(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, BadRequest> {
+    let f: Fields = match serde_json::from_slice(body) {
+        Ok(f) => f,
+        Err(e) if e.is_data() => {
+            return match serde_json::from_slice::<Value>(body) {
+                Ok(Value::Object(_)) => bad(format!("request body is ambiguous: {e}")),
+                _ => bad("request body must be a JSON object"),
+            };
+        }
+        Err(e) => return bad(format!("request body is not valid JSON: {e}")),
+    };
+    fn raw(r: Option<&RawValue>) -> Option<&str> {
+        r.map(RawValue::get)
+    }
+    read(
+        endpoint,
+        scan::Fields {
+            model: raw(f.model),
+            stream: raw(f.stream),
+            max_tokens: raw(f.max_tokens),
+            max_completion_tokens: raw(f.max_completion_tokens),
+            cache_salt: raw(f.cache_salt),
+            prompt: f.prompt,
+            messages: raw(f.messages),
+            tools: raw(f.tools),
+            chat_template_kwargs: raw(f.chat_template_kwargs),
+            add_generation_prompt: raw(f.add_generation_prompt),
+        },
+    )
+}
+
+/// What an error is about: the body as a whole (its messages carry the
+/// parser's own position, which differs), or the field it names.
+fn kind(r: &Result<Parsed, BadRequest>) -> Option<String> {
+    match r {
+        Ok(_) => None,
+        Err(BadRequest(m)) if m.starts_with("request body") => Some("body".into()),
+        Err(BadRequest(m)) => Some(m.clone()),
+    }
+}
+
+fn same(body: &str) {
+    for e in [Endpoint::Completions, Endpoint::Chat] {
+        let old = parse_reference(e, body.as_bytes());
+        let new = parse(e, body.as_bytes());
+        match (&old, &new) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "{e:?} {body:?}"),
+            _ => assert_eq!(kind(&old), kind(&new), "{e:?} {body:?}\n{old:?}\n{new:?}"),
+        }
+    }
+}
+
+fn ws() -> impl Strategy<Value = &'static str> {
+    prop::sample::select(vec!["", "", " ", "\n\t ", "\r\n  "])
+}
+
+/// A JSON string, quoted, from characters written plainly or escaped in
+/// every way JSON allows, lone surrogates included.
+fn string() -> impl Strategy<Value = String> {
+    let piece = prop_oneof![
+        4 => prop::sample::select(vec!["a", "b", "model", "prompt", " ", "é", "日", "😀"])
+            .prop_map(str::to_owned),
+        1 => prop::sample::select(vec![
+            "\\\"", "\\\\", "\\/", "\\b", "\\f", "\\n", "\\r", "\\t", "\\u0041", "\\u00e9",
+            "\\u65e5", "\\ud83d\\ude00", "\\uD83D\\uDE00", "\\ud800", "\\udc00", "\\ud800x",
+            "\\ud800\\n", "\\ud800\\u0041",
+        ])
+        .prop_map(str::to_owned),
+    ];
+    prop::collection::vec(piece, 0..6).prop_map(|p| format!("\"{}\"", p.concat()))
+}
+
+/// Numbers in every form, token ids' edges among them; none past f64's
+/// range (see `out_of_range_numbers`).
+fn number() -> impl Strategy<Value = String> {
+    prop_oneof![
+        3 => any::<u32>().prop_map(|n| n.to_string()),
+        1 => any::<u64>().prop_map(|n| n.to_string()),
+        1 => any::<i64>().prop_map(|n| n.to_string()),
+        2 => prop::sample::select(vec![
+            "0", "-0", "1", "4294967295", "4294967296", "18446744073709551616",
+            "99999999999999999999999", "1.5", "1.0", "1e3", "1E+2", "2e-1", "-7", "0.0",
+        ])
+        .prop_map(str::to_owned),
+    ]
+}
+
+fn value() -> impl Strategy<Value = String> {
+    let leaf = prop_oneof![
+        Just("null".to_owned()),
+        Just("true".to_owned()),
+        Just("false".to_owned()),
+        number(),
+        string(),
+    ];
+    leaf.prop_recursive(4, 24, 4, |inner| {
+        prop_oneof![
+            (prop::collection::vec((ws(), inner.clone(), ws()), 0..4)).prop_map(|v| {
+                let items: Vec<String> = v
+                    .into_iter()
+                    .map(|(a, x, b)| a.to_owned() + &x + b)
+                    .collect();
+                format!("[{}]", items.join(","))
+            }),
+            (prop::collection::vec((string(), ws(), inner), 0..4)).prop_map(|v| {
+                let items: Vec<String> = v
+                    .into_iter()
+                    .map(|(k, w, x)| format!("{k}{w}:{w}{x}"))
+                    .collect();
+                format!("{{{}}}", items.join(","))
+            }),
+        ]
+    })
+}
+
+fn list(items: Vec<String>, w: &str) -> String {
+    format!("[{w}{}{w}]", items.join(&format!("{w},{w}")))
+}
+
+/// Prompts of every shape routing accepts or refuses.
+fn prompt() -> impl Strategy<Value = String> {
+    let id = prop_oneof![8 => any::<u32>().prop_map(|n| n.to_string()), 1 => number()];
+    let ids = (prop::collection::vec(id, 0..8), ws())
+        .prop_map(|(v, w)| list(v, w))
+        .boxed();
+    prop_oneof![
+        3 => ids.clone(),
+        2 => string(),
+        1 => (prop::collection::vec(string(), 0..4), ws()).prop_map(|(v, w)| list(v, w)),
+        1 => (prop::collection::vec(ids, 0..4), ws()).prop_map(|(v, w)| list(v, w)),
+        1 => (prop::collection::vec(value(), 0..4), ws()).prop_map(|(v, w)| list(v, w)),
+        1 => value(),
+    ]
+}
+
+fn messages() -> impl Strategy<Value = String> {
+    let message = (string(), prop_oneof![string(), value()])
+        .prop_map(|(role, content)| format!(r#"{{"role":{role},"content":{content}}}"#));
+    prop_oneof![
+        3 => prop::collection::vec(message, 0..3).prop_map(|v| format!("[{}]", v.join(","))),
+        1 => value(),
+    ]
+}
+
+/// One member: a field routing reads, its name sometimes escaped, with a
+/// value of the type it wants or of any; or some other field.
+fn member() -> impl Strategy<Value = String> {
+    let known = prop_oneof![
+        4 => Just(r#""model""#.to_owned()),
+        1 => Just(r#""mod\u0065l""#.to_owned()),
+        1 => Just(r#""stream""#.to_owned()),
+        1 => Just(r#""max_tokens""#.to_owned()),
+        1 => Just(r#""max_completion_tokens""#.to_owned()),
+        1 => Just(r#""cache_salt""#.to_owned()),
+        1 => Just(r#""tools""#.to_owned()),
+        1 => Just(r#""chat_template_kwargs""#.to_owned()),
+        1 => Just(r#""add_generation_prompt""#.to_owned()),
+    ];
+    prop_oneof![
+        3 => (known, prop_oneof![
+            Just(r#""m""#.to_owned()), Just("true".to_owned()), Just("7".to_owned()),
+            Just("{}".to_owned()), value()
+        ]),
+        4 => (prop_oneof![Just(r#""prompt""#.to_owned()), Just(r#""pr\u006fmpt""#.to_owned())], prompt()),
+        3 => (Just(r#""messages""#.to_owned()), messages()),
+        2 => (string(), value()),
+    ]
+    .prop_map(|(k, v)| format!("{k}:{v}"))
+}
+
+/// A body, then maybe damaged: cut short, a byte changed, or something
+/// after its end.
+fn body() -> impl Strategy<Value = String> {
+    let whole = (
+        Just(r#""model":"m""#.to_owned()),
+        prop::collection::vec(member(), 0..6),
+        ws(),
+        any::<bool>(),
+    )
+        .prop_map(|(model, mut m, w, lead)| {
+            if lead {
+                m.insert(0, model);
+            }
+            format!("{w}{{{w}{}{w}}}{w}", m.join(&format!("{w},{w}")))
+        });
+    (
+        whole,
+        0..12u8,
+        any::<prop::sample::Index>(),
+        prop::sample::select(vec![",", "}", "]", "\"", "x", "1", " ", "-", "\\", "{}"]),
+    )
+        .prop_map(|(b, damage, at, junk)| {
+            let cut = at.index(b.len() + 1);
+            let cut = (0..=cut)
+                .rev()
+                .find(|&i| b.is_char_boundary(i))
+                .unwrap_or(0);
+            match damage {
+                0 => b[..cut].to_owned(),
+                1 => format!("{}{junk}{}", &b[..cut], &b[cut..]),
+                2 => format!("{b}{junk}"),
+                _ => b,
+            }
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(4096))]
+
+    #[test]
+    fn the_reader_agrees_with_serde_json(b in body()) {
+        same(&b);
+    }
+}
+
+#[test]
+fn agree_on_chosen_bodies() {
+    for b in [
+        r#"{"model":"m","prompt":[0,4294967295]}"#,
+        r#"{"model":"m","prompt":[1,4294967296]}"#,
+        r#"{"model":"m","prompt":[1,-0]}"#,
+        r#"{"model":"m","prompt":[1,1.0]}"#,
+        r#"{"model":"m","prompt":[1,1e2]}"#,
+        r#"{"model":"m","prompt":[1,01]}"#,
+        r#"{"model":"m","prompt":[1,]}"#,
+        r#"{"model":"m","prompt":[1 2]}"#,
+        r#"{"model":"m","prompt":[[1],[["\ud800"]]]}"#,
+        r#"{"model":"m","prompt":[[1],[{"a":"\ud800"}]]}"#,
+        r#"{"model":"m","prompt":"\ud83d\ude00","x":"\udc00"}"#,
+        r#"{"model":"m","prompt":"a\u0000b"}"#,
+        "{\"model\":\"m\",\"prompt\":\"a\tb\"}",
+        r#"{"model":"m","prompt":[1],"model":"n"}"#,
+        r#"{"model":"m","prompt":null,"prompt":[1]}"#,
+        r#"{"model":"m","x":1,"x":2,"prompt":[1]}"#,
+        r#"{"model":"m","prompt":[1]} x"#,
+        r#"{"model":"m","prompt":[1]}   "#,
+        r#"{"model":"m","prompt":[1]"#,
+        r#"{"model":"m","prompt":[1],}"#,
+        r#"{"model":"m" "prompt":[1]}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":"\u00e9"}],"tools":"\ud800"}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":"hi"}],"prompt":[[1],[]]}"#,
+        "",
+        "  ",
+        "[]",
+        "3",
+        "nul",
+        "{}",
+        r#"{"model":"m","prompt":[1],"n":{"a":[{"b":[]}],"c":[[],{}]}}"#,
+    ] {
+        same(b);
+    }
+}
+
+#[test]
+fn nesting_past_serde_jsons_bound_is_refused_where_it_was() {
+    let deep = |n: usize| format!("{}1{}", "[".repeat(n), "]".repeat(n));
+    // The body's object is one level: a prompt nested 126 deep is 127.
+    for n in [120, 125, 126, 127, 200] {
+        same(&format!(r#"{{"model":"m","prompt":{}}}"#, deep(n)));
+        same(&format!(r#"{{"model":"m","prompt":[[1],{}]}}"#, deep(n)));
+    }
+}
+
+/// Where the reader is stricter than serde_json was, on purpose: bytes
+/// that are not UTF-8 in a field routing skips, and nesting past
+/// serde_json's bound there (it skipped without a bound, so a body of
+/// brackets cost a pass at most, but nothing routes such a request).
+#[test]
+fn stricter_where_no_engine_would_accept() {
+    let mut b = br#"{"model":"m","prompt":[1],"user":"x"}"#.to_vec();
+    let at = b.len() - 3;
+    b[at] = 0xff;
+    assert!(parse_reference(Endpoint::Completions, &b).is_ok());
+    let e = parse(Endpoint::Completions, &b).unwrap_err().0;
+    assert!(e.contains("not valid JSON") && e.contains("UTF-8"), "{e}");
+
+    let bomb = format!(
+        r#"{{"model":"m","prompt":[1],"user":{}}}"#,
+        "[".repeat(100_000) + &"]".repeat(100_000)
+    );
+    assert!(parse_reference(Endpoint::Completions, bomb.as_bytes()).is_ok());
+    let e = parse(Endpoint::Completions, bomb.as_bytes()).unwrap_err().0;
+    assert!(e.contains("recursion limit"), "{e}");
+}
+
+/// serde_json turned every number of a prompt item into a value, and
+/// refused one past f64's range; the reader only checks its grammar. A
+/// completion's prompt holding one is refused all the same (it is no
+/// token id); a chat, which never reads `prompt`, is no longer refused
+/// for it.
+#[test]
+fn out_of_range_numbers() {
+    let b = r#"{"model":"m","prompt":[1e400],"messages":[{"role":"u","content":"x"}]}"#;
+    assert!(
+        parse(Endpoint::Completions, b.as_bytes())
+            .unwrap_err()
+            .0
+            .contains("token ids")
+    );
+    assert!(parse_reference(Endpoint::Chat, b.as_bytes()).is_err());
+    assert!(parse(Endpoint::Chat, b.as_bytes()).is_ok());
+}

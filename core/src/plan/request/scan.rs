@@ -1,0 +1,701 @@
+//! The request body's top level, read in one strict pass without
+//! serde_json.
+//!
+//! A long prompt sent as token ids is the largest body kvgate routes, and
+//! serde_json spent some 630 fuel units a token reading it (its numbers go
+//! through a visitor a byte at a time). This reader takes the ids straight
+//! into `u32`s and leaves every other field as its raw JSON text, so the
+//! small ones can still be checked by serde_json as before and the rest
+//! cost one byte walk. It accepts exactly the JSON serde_json accepts
+//! (RFC 8259), except that it is stricter in two places an engine would
+//! refuse anyway: invalid UTF-8 anywhere, and nesting deeper than
+//! serde_json's own bound inside fields routing skips.
+
+use super::estimate_tokens;
+use super::prompt::{NOT_TOKENS, Prompt, WRONG_TYPE};
+use std::borrow::Cow;
+use thiserror::Error;
+
+/// Nested arrays and objects, the body's own included: serde_json's bound
+/// for what it parses, so a prompt it read is read here.
+const MAX_DEPTH: u32 = 127;
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub(super) enum ScanError {
+    #[error("{what} at byte {at}")]
+    Syntax { what: &'static str, at: usize },
+    #[error("request body must be a JSON object")]
+    NotObject,
+    #[error("duplicate field `{0}`")]
+    Duplicate(&'static str),
+}
+
+/// The top-level fields routing reads, as their raw JSON text, except the
+/// prompt, read in the same pass.
+#[derive(Debug, Default)]
+pub(super) struct Fields<'a> {
+    pub model: Option<&'a str>,
+    pub stream: Option<&'a str>,
+    pub max_tokens: Option<&'a str>,
+    pub max_completion_tokens: Option<&'a str>,
+    pub cache_salt: Option<&'a str>,
+    /// `None` when absent or `null`.
+    pub prompt: Option<Prompt>,
+    pub messages: Option<&'a str>,
+    pub tools: Option<&'a str>,
+    pub chat_template_kwargs: Option<&'a str>,
+    pub add_generation_prompt: Option<&'a str>,
+}
+
+/// The names [`Fields`] reads; a key's place here is its bit in the set
+/// of keys seen.
+const NAMES: [&str; 10] = [
+    "model",
+    "stream",
+    "max_tokens",
+    "max_completion_tokens",
+    "cache_salt",
+    "prompt",
+    "messages",
+    "tools",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+];
+const PROMPT: usize = 5;
+
+pub(super) fn fields(body: &[u8]) -> Result<Fields<'_>, ScanError> {
+    let s = std::str::from_utf8(body).map_err(|e| ScanError::Syntax {
+        what: "invalid UTF-8",
+        at: e.valid_up_to(),
+    })?;
+    let mut r = Reader { s, b: body, i: 0 };
+    r.ws();
+    match r.peek() {
+        None => return Err(r.err("EOF while parsing a value")),
+        Some(b'{') => r.i += 1,
+        Some(_) => return Err(ScanError::NotObject),
+    }
+    let mut f = Fields::default();
+    let mut seen = 0u16;
+    r.ws();
+    if r.peek() == Some(b'}') {
+        r.i += 1;
+    } else {
+        loop {
+            r.ws();
+            if r.peek() != Some(b'"') {
+                return Err(r.err("key must be a string"));
+            }
+            let key = r.string()?;
+            let known = NAMES.iter().position(|n| *n == key);
+            r.ws();
+            r.expect(b':')?;
+            r.ws();
+            match known {
+                // A key given twice is read differently by different
+                // parsers: refused, as serde_json refused it.
+                Some(k) if seen & (1 << k) != 0 => {
+                    return Err(ScanError::Duplicate(NAMES.get(k).copied().unwrap_or("?")));
+                }
+                Some(PROMPT) => {
+                    seen |= 1 << PROMPT;
+                    f.prompt = r.prompt()?;
+                }
+                Some(k) => {
+                    seen |= 1 << k;
+                    let raw = r.raw(1)?;
+                    let slot = match k {
+                        0 => &mut f.model,
+                        1 => &mut f.stream,
+                        2 => &mut f.max_tokens,
+                        3 => &mut f.max_completion_tokens,
+                        4 => &mut f.cache_salt,
+                        6 => &mut f.messages,
+                        7 => &mut f.tools,
+                        8 => &mut f.chat_template_kwargs,
+                        _ => &mut f.add_generation_prompt,
+                    };
+                    *slot = Some(raw);
+                }
+                None => r.skip(1)?,
+            }
+            r.ws();
+            match r.next() {
+                Some(b',') => {}
+                Some(b'}') => break,
+                Some(_) => return Err(r.err_before("expected `,` or `}`")),
+                None => return Err(r.err("EOF while parsing an object")),
+            }
+        }
+    }
+    r.ws();
+    if r.i < r.b.len() {
+        return Err(r.err("trailing characters"));
+    }
+    Ok(f)
+}
+
+/// Where the run of a string's plain bytes from `i` ends: at a quote, a
+/// backslash, a control character or the end. Eight bytes a step, as
+/// serde_json does: a long prompt's text is most of its body.
+fn plain_end(b: &[u8], mut i: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    // A byte of `x` below `n` sets its high bit in `less(x, n)`; bits above
+    // the lowest may be false, the lowest is exact.
+    let less = |x: u64, n: u8| x.wrapping_sub(ONES * u64::from(n)) & !x & HIGH;
+    while let Some(chunk) = b.get(i..i + 8) {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(chunk);
+        let w = u64::from_le_bytes(w);
+        let hit = less(w ^ (ONES * u64::from(b'"')), 1)
+            | less(w ^ (ONES * u64::from(b'\\')), 1)
+            | less(w, 0x20);
+        if hit != 0 {
+            return i + (hit.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while let Some(&c) = b.get(i) {
+        if c == b'"' || c == b'\\' || c < 0x20 {
+            break;
+        }
+        i += 1;
+    }
+    i
+}
+
+/// One element of a prompt list.
+enum Item {
+    Token(u32),
+    Text(String),
+    /// A token list of a batch, or why it is refused.
+    List(Result<Vec<u32>, &'static str>),
+    Other,
+}
+
+struct Reader<'a> {
+    /// The body, checked to be UTF-8 once for all its strings.
+    s: &'a str,
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn err(&self, what: &'static str) -> ScanError {
+        ScanError::Syntax { what, at: self.i }
+    }
+
+    /// An error at the byte just consumed.
+    fn err_before(&self, what: &'static str) -> ScanError {
+        ScanError::Syntax {
+            what,
+            at: self.i.saturating_sub(1),
+        }
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    fn next(&mut self) -> Option<u8> {
+        let c = self.peek()?;
+        self.i += 1;
+        Some(c)
+    }
+
+    fn ws(&mut self) {
+        let mut i = self.i;
+        while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.b.get(i) {
+            i += 1;
+        }
+        self.i = i;
+    }
+
+    fn expect(&mut self, c: u8) -> Result<(), ScanError> {
+        match self.next() {
+            Some(x) if x == c => Ok(()),
+            Some(_) => Err(self.err_before(match c {
+                b':' => "expected `:`",
+                _ => "expected a delimiter",
+            })),
+            None => Err(self.err("EOF while parsing a value")),
+        }
+    }
+
+    fn slice(&self, from: usize) -> Result<&'a str, ScanError> {
+        // Both ends sit on ASCII bytes, so this never fails on a body that
+        // passed the UTF-8 check; an error rather than a panic all the same.
+        self.s.get(from..self.i).ok_or(self.err("invalid UTF-8"))
+    }
+
+    /// Skips a value and returns its JSON text.
+    fn raw(&mut self, depth: u32) -> Result<&'a str, ScanError> {
+        let from = self.i;
+        self.skip(depth)?;
+        self.slice(from)
+    }
+
+    fn literal(&mut self, word: &'static [u8]) -> Result<(), ScanError> {
+        let end = self.i + word.len();
+        if self.b.get(self.i..end) == Some(word) {
+            self.i = end;
+            Ok(())
+        } else {
+            Err(self.err("expected value"))
+        }
+    }
+
+    /// A string, decoded; borrowed from the body when it has no escapes.
+    fn string(&mut self) -> Result<Cow<'a, str>, ScanError> {
+        self.i += 1;
+        let from = self.i;
+        self.i = plain_end(self.b, self.i);
+        match self.peek() {
+            Some(b'"') => {
+                let s = self.slice(from)?;
+                self.i += 1;
+                return Ok(Cow::Borrowed(s));
+            }
+            Some(b'\\') => {}
+            Some(_) => return Err(self.err("control character in string")),
+            None => return Err(self.err("EOF while parsing a string")),
+        }
+        let mut out = String::from(self.slice(from)?);
+        loop {
+            let run = self.i;
+            self.i = plain_end(self.b, self.i);
+            out.push_str(self.slice(run)?);
+            match self.next() {
+                Some(b'"') => return Ok(Cow::Owned(out)),
+                Some(b'\\') => out.push(self.escape()?),
+                Some(_) => return Err(self.err_before("control character in string")),
+                None => return Err(self.err("EOF while parsing a string")),
+            }
+        }
+    }
+
+    /// The character an escape stands for, its backslash consumed.
+    fn escape(&mut self) -> Result<char, ScanError> {
+        Ok(match self.next() {
+            Some(b'"') => '"',
+            Some(b'\\') => '\\',
+            Some(b'/') => '/',
+            Some(b'b') => '\u{8}',
+            Some(b'f') => '\u{c}',
+            Some(b'n') => '\n',
+            Some(b'r') => '\r',
+            Some(b't') => '\t',
+            Some(b'u') => {
+                let n = self.hex4()?;
+                let code = match n {
+                    0xDC00..=0xDFFF => return Err(self.err("lone surrogate in hex escape")),
+                    0xD800..=0xDBFF => {
+                        // A decoded string must be valid UTF-8: the low
+                        // half must follow at once.
+                        if self.next() != Some(b'\\') || self.next() != Some(b'u') {
+                            return Err(self.err_before("lone surrogate in hex escape"));
+                        }
+                        let lo = self.hex4()?;
+                        if !(0xDC00..=0xDFFF).contains(&lo) {
+                            return Err(self.err("lone surrogate in hex escape"));
+                        }
+                        0x1_0000 + ((u32::from(n) - 0xD800) << 10) + (u32::from(lo) - 0xDC00)
+                    }
+                    n => u32::from(n),
+                };
+                char::from_u32(code).ok_or(self.err("invalid escape"))?
+            }
+            Some(_) => return Err(self.err_before("invalid escape")),
+            None => return Err(self.err("EOF while parsing a string")),
+        })
+    }
+
+    fn hex4(&mut self) -> Result<u16, ScanError> {
+        let mut n = 0u16;
+        for _ in 0..4 {
+            let d = match self.next() {
+                Some(c @ b'0'..=b'9') => c - b'0',
+                Some(c @ b'a'..=b'f') => c - b'a' + 10,
+                Some(c @ b'A'..=b'F') => c - b'A' + 10,
+                Some(_) => return Err(self.err_before("invalid escape")),
+                None => return Err(self.err("EOF while parsing a string")),
+            };
+            n = (n << 4) | u16::from(d);
+        }
+        Ok(n)
+    }
+
+    /// Skips a string, checking its escapes' syntax but not what they
+    /// decode to, as serde_json skips one.
+    fn skip_string(&mut self) -> Result<(), ScanError> {
+        self.i += 1;
+        loop {
+            self.i = plain_end(self.b, self.i);
+            match self.next() {
+                Some(b'"') => return Ok(()),
+                Some(b'\\') => match self.next() {
+                    Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {}
+                    Some(b'u') => {
+                        self.hex4()?;
+                    }
+                    Some(_) => return Err(self.err_before("invalid escape")),
+                    None => return Err(self.err("EOF while parsing a string")),
+                },
+                Some(c) if c < 0x20 => return Err(self.err_before("control character in string")),
+                Some(_) => {}
+                None => return Err(self.err("EOF while parsing a string")),
+            }
+        }
+    }
+
+    fn digits(&mut self) -> Result<(), ScanError> {
+        if !matches!(self.peek(), Some(b'0'..=b'9')) {
+            return Err(self.err("invalid number"));
+        }
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.i += 1;
+        }
+        Ok(())
+    }
+
+    /// A number, checked against JSON's grammar; its value when it is a
+    /// token id. serde_json gave a `u64` only for a non-negative integer
+    /// without fraction or exponent (`-0` and `1.0` are floats to it), and
+    /// the old reader took those up to `u32::MAX`: exactly these are ids.
+    fn number(&mut self) -> Result<Option<u32>, ScanError> {
+        let negative = self.peek() == Some(b'-');
+        if negative {
+            self.i += 1;
+        }
+        let mut v: u64 = 0;
+        match self.next() {
+            Some(b'0') => {
+                if let Some(b'0'..=b'9') = self.peek() {
+                    return Err(self.err("invalid number"));
+                }
+            }
+            Some(c @ b'1'..=b'9') => {
+                v = u64::from(c - b'0');
+                // In locals: the reader's fields live in memory, and this
+                // loop runs once a digit of every id.
+                let mut i = self.i;
+                while let Some(c @ b'0'..=b'9') = self.b.get(i).copied() {
+                    i += 1;
+                    // Past u32::MAX the value no longer matters, only
+                    // that it is too large; this keeps the u64 from
+                    // overflowing however long the digits run.
+                    if v <= u64::from(u32::MAX) {
+                        v = v * 10 + u64::from(c - b'0');
+                    }
+                }
+                self.i = i;
+            }
+            Some(_) => return Err(self.err_before("invalid number")),
+            None => return Err(self.err("EOF while parsing a value")),
+        }
+        let mut integer = true;
+        if self.peek() == Some(b'.') {
+            self.i += 1;
+            self.digits()?;
+            integer = false;
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            self.i += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.i += 1;
+            }
+            self.digits()?;
+            integer = false;
+        }
+        Ok(match u32::try_from(v) {
+            Ok(id) if integer && !negative => Some(id),
+            _ => None,
+        })
+    }
+
+    /// Skips one value of any kind, checking its syntax, without
+    /// recursion: `depth` containers are open around it.
+    fn skip(&mut self, depth: u32) -> Result<(), ScanError> {
+        // Which open container is an object, one bit each, innermost
+        // lowest; MAX_DEPTH keeps them within the u128.
+        let mut objects: u128 = 0;
+        let mut open: u32 = 0;
+        loop {
+            self.ws();
+            match self.peek() {
+                Some(c @ (b'{' | b'[')) => {
+                    if depth + open >= MAX_DEPTH {
+                        return Err(self.err("recursion limit exceeded"));
+                    }
+                    self.i += 1;
+                    open += 1;
+                    objects = (objects << 1) | u128::from(c == b'{');
+                    self.ws();
+                    let close = if c == b'{' { b'}' } else { b']' };
+                    if self.peek() != Some(close) {
+                        if c == b'{' {
+                            self.key()?;
+                        }
+                        continue;
+                    }
+                    self.i += 1;
+                    open -= 1;
+                    objects >>= 1;
+                }
+                Some(b'"') => self.skip_string()?,
+                Some(b'-' | b'0'..=b'9') => {
+                    self.number()?;
+                }
+                Some(b't') => self.literal(b"true")?,
+                Some(b'f') => self.literal(b"false")?,
+                Some(b'n') => self.literal(b"null")?,
+                Some(_) => return Err(self.err("expected value")),
+                None => return Err(self.err("EOF while parsing a value")),
+            }
+            // A value ended: close what it ended, or go on to the next.
+            loop {
+                if open == 0 {
+                    return Ok(());
+                }
+                self.ws();
+                let object = objects & 1 == 1;
+                match self.next() {
+                    Some(b',') => {
+                        if object {
+                            self.ws();
+                            self.key()?;
+                        }
+                        break;
+                    }
+                    Some(b'}') if object => {}
+                    Some(b']') if !object => {}
+                    Some(_) => return Err(self.err_before("expected `,` or a closing bracket")),
+                    None => return Err(self.err("EOF while parsing a value")),
+                }
+                open -= 1;
+                objects >>= 1;
+            }
+        }
+    }
+
+    /// Skips an object's key and its colon.
+    fn key(&mut self) -> Result<(), ScanError> {
+        if self.peek() != Some(b'"') {
+            return Err(self.err("key must be a string"));
+        }
+        self.skip_string()?;
+        self.ws();
+        self.expect(b':')
+    }
+
+    /// Skips an object in a prompt, decoding its keys (so refusing one
+    /// that is no string, like a lone surrogate) but not its values, as
+    /// serde_json's visitor did.
+    fn object_keys_decoded(&mut self, depth: u32) -> Result<(), ScanError> {
+        if depth >= MAX_DEPTH {
+            return Err(self.err("recursion limit exceeded"));
+        }
+        self.i += 1;
+        self.ws();
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+            return Ok(());
+        }
+        loop {
+            self.ws();
+            if self.peek() != Some(b'"') {
+                return Err(self.err("key must be a string"));
+            }
+            self.string()?;
+            self.ws();
+            self.expect(b':')?;
+            self.skip(depth + 1)?;
+            self.ws();
+            match self.next() {
+                Some(b',') => {}
+                Some(b'}') => return Ok(()),
+                Some(_) => return Err(self.err_before("expected `,` or `}`")),
+                None => return Err(self.err("EOF while parsing an object")),
+            }
+        }
+    }
+
+    /// After a list element: whether another follows.
+    fn more(&mut self) -> Result<bool, ScanError> {
+        self.ws();
+        match self.next() {
+            Some(b',') => {
+                self.ws();
+                Ok(true)
+            }
+            Some(b']') => Ok(false),
+            Some(_) => Err(self.err_before("expected `,` or `]`")),
+            None => Err(self.err("EOF while parsing a list")),
+        }
+    }
+
+    /// `/v1/completions`' `prompt`, its shape checked as it is read (see
+    /// [`Prompt`]); `None` for `null`.
+    fn prompt(&mut self) -> Result<Option<Prompt>, ScanError> {
+        Ok(Some(match self.peek() {
+            Some(b'n') => {
+                self.literal(b"null")?;
+                return Ok(None);
+            }
+            Some(b'"') => {
+                let s = self.string()?;
+                Prompt::Text {
+                    isl_tokens: estimate_tokens(&s),
+                    first: s.into_owned(),
+                }
+            }
+            Some(b'[') => self.prompt_list()?,
+            Some(b'{') => {
+                self.object_keys_decoded(1)?;
+                Prompt::Invalid(WRONG_TYPE)
+            }
+            _ => {
+                self.skip(1)?;
+                Prompt::Invalid(WRONG_TYPE)
+            }
+        }))
+    }
+
+    fn prompt_list(&mut self) -> Result<Prompt, ScanError> {
+        // The body's object and this list.
+        const DEPTH: u32 = 2;
+        self.i += 1;
+        self.ws();
+        if self.peek() == Some(b']') {
+            self.i += 1;
+            return Ok(Prompt::Invalid("'prompt' must not be empty"));
+        }
+        let refused = match self.item(DEPTH)? {
+            Item::Token(t) => {
+                // Ids are some six bytes of JSON each.
+                let mut ids = Vec::with_capacity(self.b.len().saturating_sub(self.i) / 6 + 1);
+                ids.push(t);
+                loop {
+                    if !self.more()? {
+                        let isl_tokens = ids.len() as u64;
+                        return Ok(Prompt::Tokens {
+                            first: ids,
+                            isl_tokens,
+                        });
+                    }
+                    // The hot loop: an id is read in place, never as an
+                    // `Item`.
+                    match self.peek() {
+                        Some(b'0'..=b'9') => match self.number()? {
+                            Some(t) => ids.push(t),
+                            None => break NOT_TOKENS,
+                        },
+                        _ => {
+                            self.item(DEPTH)?;
+                            break NOT_TOKENS;
+                        }
+                    }
+                }
+            }
+            Item::Text(first) => {
+                let mut isl_tokens = estimate_tokens(&first);
+                loop {
+                    if !self.more()? {
+                        return Ok(Prompt::Text { first, isl_tokens });
+                    }
+                    match self.item(DEPTH)? {
+                        Item::Text(s) => isl_tokens += estimate_tokens(&s),
+                        _ => break "'prompt' must not mix strings and other values",
+                    }
+                }
+            }
+            Item::List(Ok(first)) => {
+                let mut isl_tokens = first.len() as u64;
+                loop {
+                    if !self.more()? {
+                        return Ok(Prompt::Tokens { first, isl_tokens });
+                    }
+                    match self.item(DEPTH)? {
+                        Item::List(Ok(l)) => isl_tokens += l.len() as u64,
+                        Item::List(Err(why)) => break why,
+                        _ => break "'prompt' must not mix token lists and other values",
+                    }
+                }
+            }
+            Item::List(Err(why)) => why,
+            Item::Other => NOT_TOKENS,
+        };
+        // The rest of the list is skipped, still checked to be JSON.
+        while self.more()? {
+            self.skip(DEPTH)?;
+        }
+        Ok(Prompt::Invalid(refused))
+    }
+
+    /// An element of a list that `depth` containers hold.
+    fn item(&mut self, depth: u32) -> Result<Item, ScanError> {
+        Ok(match self.peek() {
+            Some(b'-' | b'0'..=b'9') => self.number()?.map_or(Item::Other, Item::Token),
+            Some(b'"') => Item::Text(self.string()?.into_owned()),
+            Some(b'[') => {
+                if depth >= MAX_DEPTH {
+                    return Err(self.err("recursion limit exceeded"));
+                }
+                self.i += 1;
+                self.ws();
+                if self.peek() == Some(b']') {
+                    self.i += 1;
+                    return Ok(Item::List(Err(
+                        "'prompt' must not contain an empty token list",
+                    )));
+                }
+                let mut ids = Vec::new();
+                let mut refused = None;
+                loop {
+                    match self.peek() {
+                        Some(b'0'..=b'9') => match self.number()? {
+                            Some(t) => ids.push(t),
+                            None => refused = Some(NOT_TOKENS),
+                        },
+                        // Read as an item, as serde_json's visitor read
+                        // it: its strings are decoded, so checked.
+                        _ => {
+                            self.item(depth + 1)?;
+                            refused = Some(NOT_TOKENS);
+                        }
+                    }
+                    if !self.more()? {
+                        break;
+                    }
+                }
+                Item::List(refused.map_or(Ok(ids), Err))
+            }
+            Some(b'{') => {
+                self.object_keys_decoded(depth)?;
+                Item::Other
+            }
+            _ => {
+                self.skip(depth)?;
+                Item::Other
+            }
+        })
+    }
+}
+
+/// Reads one prompt value on its own, as the body's `prompt` field.
+#[cfg(test)]
+pub(super) fn prompt_value(json: &str) -> Result<Option<Prompt>, ScanError> {
+    let mut r = Reader {
+        s: json,
+        b: json.as_bytes(),
+        i: 0,
+    };
+    r.ws();
+    let p = r.prompt()?;
+    r.ws();
+    if r.i < r.b.len() {
+        return Err(r.err("trailing characters"));
+    }
+    Ok(p)
+}

@@ -1,0 +1,421 @@
+//! The decision's cost in counts, not time: the real `.wasm` in the
+//! wasmtime host, metered, over 16 workers with a token index (100k blocks
+//! a worker), a text index and the Llama-3-style fixture template, for
+//! prompts of 1k to 128k tokens sent as token ids, as text, and as chats
+//! matched precisely (text index) or approximately (a model without a
+//! template). Each prompt's first 2k tokens are one worker's cached prefix;
+//! the rest is its own.
+//!
+//! Per request: fuel (about one unit per wasm instruction) over all its
+//! callbacks, the filter's own phase histograms in thousands of fuel units
+//! (the host's clock runs on fuel, see `HostState::fuel_clock`), host calls
+//! by kind, and bytes copied into the VM by kind. These do not move with
+//! the machine's load, so two builds compare exactly.
+//!
+//! `--baseline PATH` runs another build of the filter on the same requests
+//! beside it and checks every request went to the same workers;
+//! `--quick` builds a smaller index and measures fewer requests. Prints
+//! one JSON object on stdout and a table on stderr.
+
+use kvgate_core::hash::{CacheScope, XXH3_SEED, block_hashes, sequence_hashes};
+use kvgate_core::shard::{Holder, TIER_DEVICE, encode, shard_of};
+use kvgate_core::text::template::{PromptTemplate, Renderer};
+use kvgate_core::text::{self, prefix_keys};
+use kvgate_core::{Snapshot, update};
+use kvgate_tests::bench_snapshot;
+use kvgate_tests::host::{Cost, Filter, Shared, Vm};
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+const WORKERS: u16 = 16;
+/// Tokens of each worker's cached prefix chains.
+const CHAIN_TOKENS: usize = 2048;
+const SIZES: [usize; 5] = [1024, 2048, 8192, 32_768, 131_072];
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Tokens,
+    Text,
+    Chat,
+    ChatApproximate,
+}
+
+impl Kind {
+    const ALL: [Kind; 4] = [Kind::Tokens, Kind::Text, Kind::Chat, Kind::ChatApproximate];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Tokens => "token ids",
+            Kind::Text => "text",
+            Kind::Chat => "chat, precise",
+            Kind::ChatApproximate => "chat, approximate",
+        }
+    }
+}
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/chat")
+        .join(name)
+}
+
+fn template() -> PromptTemplate {
+    let cfg: Value = serde_json::from_slice(
+        &std::fs::read(fixture("llama3-style.tokenizer_config.json")).expect("fixture"),
+    )
+    .expect("fixture JSON");
+    let s = |k: &str| cfg[k].as_str().unwrap_or_default().to_string();
+    PromptTemplate {
+        chat_template: s("chat_template"),
+        bos_token: s("bos_token"),
+        eos_token: s("eos_token"),
+        completion_prefix: s("bos_token"),
+    }
+}
+
+/// Worker `w`'s cached chain `c` of token ids.
+fn chain(w: u16, c: usize) -> Vec<u32> {
+    let base = u32::from(w) << 24 | (c as u32) << 8;
+    (0..CHAIN_TOKENS as u32)
+        .map(|i| base.wrapping_add(i * 7919) % 150_000 + u32::from(w) * 150_000)
+        .collect()
+}
+
+/// About 2k tokens (four bytes each) of worker `w`'s system prompt.
+fn system(w: u16) -> String {
+    let mut s = String::new();
+    let mut i = 0u32;
+    while s.len() < CHAIN_TOKENS * 4 {
+        let x = (i.wrapping_mul(2_654_435_761) ^ u32::from(w) << 20) >> 7;
+        s.push_str(&format!("w{} ", x % 5000));
+        i += 1;
+    }
+    s.truncate(CHAIN_TOKENS * 4);
+    s
+}
+
+/// Words of request `i`'s own, up to `bytes`.
+fn filler(i: usize, bytes: usize) -> String {
+    const WORDS: [&str; 8] = [
+        "routing ", "prefix ", "cache ", "worker ", "token ", "block ", "engine ", "gateway ",
+    ];
+    let mut s = format!("Request {i}. ");
+    let mut x = i;
+    while s.len() < bytes {
+        s.push_str(WORDS[x % WORDS.len()]);
+        x = x.wrapping_mul(31).wrapping_add(7);
+    }
+    s.truncate(bytes);
+    s
+}
+
+const KWARGS: &str = "26 Jul 2024";
+
+/// Request `i` of `kind` with `n` prompt tokens; worker `i % WORKERS` holds
+/// its first 2k tokens.
+fn body(kind: Kind, n: usize, i: usize) -> (&'static str, String) {
+    let w = (i % WORKERS as usize) as u16;
+    match kind {
+        Kind::Tokens => {
+            let mut t = chain(w, i % 50);
+            t.truncate(n);
+            t.extend((t.len()..n).map(|k| (3_000_000 + (k as u32).wrapping_mul(7919)) ^ i as u32));
+            let b = json!({"model": "m", "prompt": t, "max_tokens": 1});
+            ("/v1/completions", b.to_string())
+        }
+        Kind::Text => {
+            let mut p = system(w);
+            p.truncate(n * 4);
+            let rest = n * 4 - p.len();
+            p.push_str(&filler(i, rest));
+            let b = json!({"model": "m", "prompt": p, "max_tokens": 1});
+            ("/v1/completions", b.to_string())
+        }
+        Kind::Chat | Kind::ChatApproximate => {
+            let model = if matches!(kind, Kind::Chat) { "m" } else { "a" };
+            let mut sys = system(w);
+            sys.truncate(n * 4);
+            let user = filler(i, (n * 4 - sys.len()).max(32));
+            let b = json!({
+                "model": model,
+                "messages": [
+                    {"role": "system", "content": sys.trim_end()},
+                    {"role": "user", "content": user.trim_end()},
+                ],
+                "max_tokens": 1,
+                "chat_template_kwargs": {"date_string": KWARGS},
+            });
+            ("/v1/chat/completions", b.to_string())
+        }
+    }
+}
+
+/// Shards of one namespace from (hash, holder slot) pairs.
+fn shards(entries: impl IntoIterator<Item = (u64, u16)>, count: u32) -> HashMap<u32, Vec<u8>> {
+    let mut per: HashMap<u32, HashMap<u64, Vec<Holder>>> = HashMap::new();
+    for (h, slot) in entries {
+        per.entry(shard_of(h, count))
+            .or_default()
+            .entry(h)
+            .or_default()
+            .push(Holder {
+                slot,
+                tiers: TIER_DEVICE,
+            });
+    }
+    per.into_iter()
+        .map(|(s, m)| (s, encode(&mut m.into_iter().collect::<Vec<_>>())))
+        .collect()
+}
+
+/// The update frame: the snapshot (model `m` with its template and
+/// indexes, model `a` with neither), and every shard.
+fn frame(blocks_per_worker: usize, t: &PromptTemplate) -> (Vec<u8>, usize) {
+    let mut snap: Snapshot = bench_snapshot(WORKERS, 4096);
+    snap.models[0].prompt_template = t.version();
+    let mut approx = snap.models[0].clone();
+    approx.name = "a".into();
+    approx.prompt_template = 0;
+    approx.shard_count = 0;
+    snap.models.push(approx);
+    let chains = blocks_per_worker / (CHAIN_TOKENS / 16);
+    let tokens = (0..WORKERS).flat_map(|w| {
+        (0..chains).flat_map(move |c| {
+            sequence_hashes(&block_hashes(&chain(w, c), 16, XXH3_SEED))
+                .into_iter()
+                .map(move |h| (h, w))
+        })
+    });
+    let token_shards = shards(tokens, 4096);
+    let indexed = token_shards.len();
+    // The text index: each worker holds its system prompt, as a chat's
+    // first message and as a completion's prompt.
+    let r = Renderer::new(t.clone()).expect("template compiles");
+    let mut keys = Vec::new();
+    for w in 0..WORKERS {
+        let sys = system(w);
+        let messages = json!([{"role": "system", "content": sys.trim_end()}]);
+        let kwargs = json!({"date_string": KWARGS});
+        let rendered = r
+            .chat(&messages, None, kwargs.as_object(), 0)
+            .expect("renders");
+        let end = rendered.find(sys.trim_end()).expect("content") + sys.trim_end().len();
+        for k in prefix_keys(&rendered[..end], CacheScope::default()) {
+            keys.push((k, w));
+        }
+        for k in prefix_keys(&r.completion(&sys), CacheScope::default()) {
+            keys.push((k, w));
+        }
+    }
+    let text_shards = shards(keys, text::SHARDS);
+    let text_ns = text::index_key("m");
+    let template_ns = text::template_key("m");
+    let blob = t.encode();
+    let encoded = snap.encode().expect("snapshot");
+    let all = token_shards
+        .iter()
+        .map(|(s, b)| ("m", *s, b.as_slice()))
+        .chain(
+            text_shards
+                .iter()
+                .map(|(s, b)| (text_ns.as_str(), *s, b.as_slice())),
+        )
+        .chain(std::iter::once((template_ns.as_str(), 0, blob.as_slice())));
+    (update::encode(1, 1, true, Some(&encoded), all), indexed)
+}
+
+/// One Envoy's worth of VMs on one build of the filter.
+struct Side {
+    shared: kvgate_tests::host::SharedRef,
+    router: Vm,
+}
+
+impl Side {
+    fn start(wasm: &std::path::Path, frame: &[u8]) -> Side {
+        let filter = Filter::load_metered(wasm).expect("filter module");
+        let shared = Shared::new();
+        let mut svc = Vm::start(&filter, &shared, "kvgate", "kvgate_snapshot_service", "")
+            .expect("service VM");
+        let token = svc.pending().pop().expect("poll").token;
+        svc.respond(token, 200, &[], frame).expect("update applied");
+        let mut router = Vm::start(
+            &filter,
+            &shared,
+            "kvgate",
+            "kvgate_router",
+            r#"{"max_body_bytes": 4194304}"#,
+        )
+        .expect("router VM");
+        router.state_mut().fuel_clock = true;
+        router.take_cost();
+        Side { shared, router }
+    }
+
+    /// Sends one request; returns where it went, what it cost and the
+    /// filter's phase histograms' samples (thousands of fuel units).
+    fn request(&mut self, path: &str, body: &str) -> (String, Cost, Value) {
+        let headers = [(":method", "POST"), (":path", path)];
+        let ex = self.router.request(&headers, &[body.as_bytes()]);
+        assert!(
+            ex.continued,
+            "{:?} {:?}\n{}",
+            ex.reply,
+            ex.trapped,
+            self.router.logs()
+        );
+        let cost = self.router.take_cost();
+        let mut phases = serde_json::Map::new();
+        let mut shared = self.shared.lock().expect("shared");
+        for name in ["parse", "gather", "selection", "decision"] {
+            let key = format!("kvgate_{name}_us");
+            if let Some(m) = shared.metrics.get_mut(&key) {
+                if let Some(v) = m.samples.pop() {
+                    phases.insert(name.into(), json!(v));
+                }
+                m.samples.clear();
+            }
+        }
+        let dest = ex
+            .header("x-gateway-destination-endpoint")
+            .unwrap_or_default()
+            .to_string();
+        (dest, cost, Value::Object(phases))
+    }
+}
+
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+/// A side's figures for one prompt shape: medians over the measured
+/// requests (they differ only in their own words).
+fn summary(costs: &[Cost], phases: &[Value]) -> Value {
+    let by = |f: &dyn Fn(&Cost) -> u64| median(costs.iter().map(f).collect());
+    let last = &costs[costs.len() - 1];
+    let mut ph = serde_json::Map::new();
+    for name in ["parse", "gather", "selection", "decision"] {
+        let v: Vec<u64> = phases.iter().filter_map(|p| p[name].as_u64()).collect();
+        if !v.is_empty() {
+            ph.insert(name.into(), json!(median(v)));
+        }
+    }
+    json!({
+        "fuel": by(&Cost::total_fuel),
+        "fuel_request_body": by(&|c: &Cost| c.fuel.get("proxy_on_request_body").copied().unwrap_or(0)),
+        "phases_kfuel": ph,
+        "host_calls": by(&Cost::total_calls),
+        "bytes_out": by(&Cost::total_bytes_out),
+        "host_calls_by_kind": last.calls,
+        "bytes_out_by_kind": last.bytes_out,
+    })
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut baseline = None;
+    let mut quick = false;
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--baseline" => baseline = args.next().map(PathBuf::from),
+            "--quick" => quick = true,
+            other => panic!("unknown argument {other}: [--baseline PATH] [--quick]"),
+        }
+    }
+    let (blocks, warm, measured) = if quick {
+        (10_000, 1, 2)
+    } else {
+        (100_000, 2, 5)
+    };
+    let t = template();
+    let (frame, _) = frame(blocks, &t);
+    let mut sides = vec![(
+        "candidate",
+        Side::start(&kvgate_tests::filter_wasm(), &frame),
+    )];
+    if let Some(b) = &baseline {
+        sides.push(("baseline", Side::start(b, &frame)));
+    }
+    let mut rows = Vec::new();
+    let mut table = String::from(
+        "| prompt | tokens | body bytes | side | fuel / request | parse | gather | selection | decision (kfuel) | host calls | bytes copied in |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for kind in Kind::ALL {
+        for n in SIZES {
+            let reqs: Vec<(&str, String)> =
+                (0..warm + measured).map(|i| body(kind, n, i)).collect();
+            let mut row = json!({
+                "kind": kind.name(),
+                "tokens": n,
+                "body_bytes": reqs[0].1.len(),
+            });
+            let mut dests: Vec<Vec<String>> = Vec::new();
+            for (name, side) in &mut sides {
+                let mut costs = Vec::new();
+                let mut phases = Vec::new();
+                let mut went = Vec::new();
+                for (i, (path, b)) in reqs.iter().enumerate() {
+                    let (dest, cost, ph) = side.request(path, b);
+                    went.push(dest);
+                    if i >= warm {
+                        costs.push(cost);
+                        phases.push(ph);
+                    }
+                }
+                let s = summary(&costs, &phases);
+                let f = |p: &str| {
+                    s["phases_kfuel"][p]
+                        .as_u64()
+                        .map_or("—".to_string(), |v| v.to_string())
+                };
+                table.push_str(&format!(
+                    "| {} | {}k | {} | {name} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    kind.name(),
+                    n / 1024,
+                    reqs[0].1.len(),
+                    s["fuel"],
+                    f("parse"),
+                    f("gather"),
+                    f("selection"),
+                    f("decision"),
+                    s["host_calls"],
+                    s["bytes_out"],
+                ));
+                row[*name] = s;
+                dests.push(went);
+            }
+            if let [a, b] = dests.as_slice() {
+                assert_eq!(
+                    a,
+                    b,
+                    "{} at {n} tokens: the builds route differently",
+                    kind.name()
+                );
+            }
+            row["routed_to_holder"] = json!(
+                dests[0]
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, d)| d
+                        .split(',')
+                        .next()
+                        .is_some_and(|d| d == format!("10.0.0.{}:8000", i % WORKERS as usize + 1)))
+                    .count()
+            );
+            rows.push(row);
+        }
+    }
+    eprintln!("{table}");
+    println!(
+        "{}",
+        json!({
+            "name": "decision_cost",
+            "workers": WORKERS,
+            "blocks_per_worker": blocks,
+            "requests_measured": measured,
+            "rows": rows,
+        })
+    );
+}
