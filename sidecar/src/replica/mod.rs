@@ -47,8 +47,18 @@ use wire::{MAX_EVENTS, Stamp, SyncEvent};
 /// connection instead, and the receiver connects again. The publisher
 /// splits its batches to stay under it.
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
-/// Messages a socket queues before it drops (ZMQ high-water marks).
+/// Messages the PUB socket queues for each peer before it drops.
 const QUEUE_MESSAGES: i32 = 10_000;
+/// Messages a peer's SUB socket queues before libzmq drops its newest.
+/// The queue's memory is this times [`MAX_MESSAGE_BYTES`] at worst, so it
+/// is kept short: an honest peer sends a few messages a second, which the
+/// receiving thread reads within microseconds, while a flooding peer's
+/// backlog would otherwise sit in memory (10,000 full batches of
+/// admissions held about 400 MiB in the hostile bench).
+pub const RECEIVE_QUEUE_MESSAGES: i32 = 128;
+/// Decoded batches waiting for the sidecar to apply them; past it a
+/// message is dropped and counted (`dropped_inbound`).
+pub const INBOUND_BATCHES: usize = 64;
 /// Events the sidecar may queue for publishing before it drops them.
 const OUTBOX: usize = 65_536;
 /// How often the threads look at their channels and the stop flag.
@@ -499,7 +509,7 @@ impl Receiving {
     fn open(&mut self, endpoint: String, state: Arc<PeerState>) -> Result<(), zmq::Error> {
         let sock = self.ctx.socket(zmq::SUB)?;
         sock.set_maxmsgsize(MAX_MESSAGE_BYTES as i64)?;
-        sock.set_rcvhwm(QUEUE_MESSAGES)?;
+        sock.set_rcvhwm(RECEIVE_QUEUE_MESSAGES)?;
         sock.set_linger(0)?;
         sock.set_subscribe(b"")?;
         let monitor = Monitor::attach(&self.ctx, &sock)

@@ -93,7 +93,7 @@ impl Sidecar {
             fleet.prompt_published(&m.name, version);
         }
         let metrics = Metrics::new()?;
-        let (inbound_tx, mut inbound) = tokio::sync::mpsc::channel(1024);
+        let (inbound_tx, mut inbound) = tokio::sync::mpsc::channel(crate::replica::INBOUND_BATCHES);
         let replica = match config.replica_sync.listen {
             Some(listen) => {
                 let r = ReplicaSync::start(
