@@ -353,7 +353,8 @@ fn counters(stack: &Stack) -> Result<Value> {
                     .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
             })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+            // An empty f64 sum is -0.0.
+            .fold(0.0, |a, b| a + b)
     };
     let names = [
         "kvgate_sidecar_kv_replays_refused_total",
