@@ -368,7 +368,12 @@ async fn late_frees_apply_restarted_origins_are_heard_and_old_versions_are_refus
     // would deliver it: its free applies, its admission does not.
     let replayed = metric(&sc, REPLAYED);
     send(signed(1, 2, 0, &[reservation_free("x"), admit("z", 10, 1)]));
-    wait("the late message", &|| metric(&sc, REPLAYED) > replayed).await;
+    // The admission is refused on receipt, the free applied after it by
+    // the ingest side: wait for both, not for the counter alone.
+    wait("the late message's free", &|| {
+        metric(&sc, REPLAYED) > replayed && held() == 1
+    })
+    .await;
     assert_eq!(held(), 1, "x freed, z refused, y kept");
     assert_eq!(metric(&sc, REPLAYED), replayed + 1.0);
 
