@@ -22,6 +22,7 @@ use kvgate_core::shard::{Holder, TIER_DEVICE, encode, shard_of};
 use kvgate_core::text::template::{PromptTemplate, Renderer};
 use kvgate_core::text::{self, prefix_keys};
 use kvgate_core::{Snapshot, update};
+use kvgate_tests::fixture_template;
 use kvgate_tests::bench_snapshot;
 use kvgate_tests::host::{Cost, Filter, Shared, Vm};
 use serde_json::{Value, json};
@@ -54,24 +55,8 @@ impl Kind {
     }
 }
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/chat")
-        .join(name)
-}
-
 fn template() -> PromptTemplate {
-    let cfg: Value = serde_json::from_slice(
-        &std::fs::read(fixture("llama3-style.tokenizer_config.json")).expect("fixture"),
-    )
-    .expect("fixture JSON");
-    let s = |k: &str| cfg[k].as_str().unwrap_or_default().to_string();
-    PromptTemplate {
-        chat_template: s("chat_template"),
-        bos_token: s("bos_token"),
-        eos_token: s("eos_token"),
-        completion_prefix: s("bos_token"),
-    }
+    fixture_template("llama3-style")
 }
 
 /// Worker `w`'s cached chain `c` of token ids.

@@ -14,6 +14,7 @@ use kvgate_core::shard::{Holder, TIER_DEVICE, encode, shard_of};
 use kvgate_core::text::template::{PromptTemplate, Renderer};
 use kvgate_core::text::{self, prefix_keys};
 use kvgate_core::update;
+use kvgate_tests::fixture_template;
 use kvgate_tests::host::{Filter, Shared, Vm};
 use kvgate_tests::{bench_snapshot, filter_wasm};
 use serde_json::{Value, json};
@@ -24,27 +25,8 @@ use std::time::Instant;
 const WORKERS: u16 = 16;
 const REQUESTS: usize = 2000;
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/chat")
-        .join(name)
-}
-
-/// A fixture family's template: `llama3-style` (a macro, `trim`) or
-/// `qwen-style` (contents searched for `</think>`, so every chat pays a
-/// guard scan).
 fn template(family: &str) -> PromptTemplate {
-    let cfg: Value = serde_json::from_slice(
-        &std::fs::read(fixture(&format!("{family}.tokenizer_config.json"))).expect("fixture"),
-    )
-    .expect("fixture JSON");
-    let s = |k: &str| cfg[k].as_str().unwrap_or_default().to_string();
-    PromptTemplate {
-        chat_template: s("chat_template"),
-        bos_token: s("bos_token"),
-        eos_token: s("eos_token"),
-        completion_prefix: s("bos_token"),
-    }
+    fixture_template(family)
 }
 
 const FAMILIES: [&str; 2] = ["llama3-style", "qwen-style"];

@@ -4,8 +4,35 @@
 
 pub mod host;
 
+use kvgate_core::text::template::PromptTemplate;
 use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState};
 use std::path::PathBuf;
+
+/// A file of the chat fixtures (`tests/fixtures/chat/`).
+pub fn chat_fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/chat")
+        .join(name)
+}
+
+/// A fixture family's prompt template, read from its
+/// `tokenizer_config.json` as the sidecar reads a model's:
+/// `llama3-style` (a macro, `trim`) or `qwen-style` (contents searched for
+/// `</think>`, so every chat pays a guard scan).
+pub fn fixture_template(family: &str) -> PromptTemplate {
+    let path = chat_fixture(&format!("{family}.tokenizer_config.json"));
+    let bytes =
+        std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let cfg: serde_json::Value = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
+    let s = |k: &str| cfg[k].as_str().unwrap_or_default().to_string();
+    PromptTemplate {
+        chat_template: s("chat_template"),
+        bos_token: s("bos_token"),
+        eos_token: s("eos_token"),
+        completion_prefix: s("bos_token"),
+    }
+}
 
 /// The filter module under test: `KVGATE_FILTER_WASM`, or the release-wasm
 /// build in this repository.

@@ -56,30 +56,11 @@ pub fn baseline_wasm(rev: &str) -> Result<PathBuf> {
             &[],
         )?;
     }
-    let build_dir = dir.join("target");
-    let built = std::process::Command::new(cargo())
-        .args([
-            "build",
-            "-p",
-            "kvgate-filter",
-            "--target",
-            "wasm32-wasip1",
-            "--profile",
-            "release-wasm",
-        ])
-        .env("CARGO_TARGET_DIR", &build_dir)
-        .current_dir(&tree)
-        .status()?;
+    let built = wasm_in(&tree, &dir.join("target"));
     let removed = sh("git", &["worktree", "remove", "--force", &tree_s], &[]);
-    anyhow::ensure!(
-        built.success(),
-        "building the filter of {rev} ({commit}) failed"
-    );
+    let built = built.with_context(|| format!("building the filter of {rev} ({commit})"))?;
     removed?;
-    std::fs::copy(
-        build_dir.join("wasm32-wasip1/release-wasm/kvgate_filter.wasm"),
-        &out,
-    )?;
+    std::fs::copy(built, &out)?;
     Ok(out)
 }
 

@@ -669,24 +669,7 @@ fn admission_flood(
             let publisher = ctx.socket(zmq::PUB)?;
             publisher.set_linger(0)?;
             publisher.set_sndhwm(100_000)?;
-            publisher.bind("tcp://127.0.0.1:*")?;
-            let endpoint = publisher
-                .get_last_endpoint()?
-                .map_err(|_| anyhow::anyhow!("endpoint not UTF-8"))?;
-            let body = json!({ "endpoint": endpoint }).to_string();
-            let (status, _) = http::request(
-                &sidecar,
-                "POST",
-                "/replica_sync/register_peer",
-                &[
-                    ("content-type", "application/json"),
-                    ("authorization", &format!("Bearer {TOKEN}")),
-                ],
-                Some(body.as_bytes()),
-            )?;
-            if status != 200 {
-                bail!("register_peer answered {status}");
-            }
+            register_peer(&sidecar, &publisher)?;
             std::thread::sleep(Duration::from_millis(500));
             let mut sent = 0u64;
             let origin = 0xBAD_u64;
@@ -749,6 +732,30 @@ impl KeepAlive {
     }
 }
 
+/// Binds `publisher` on a free loopback port and registers it with the
+/// sidecar as a replica-sync peer.
+fn register_peer(sidecar: &str, publisher: &zmq::Socket) -> Result<()> {
+    publisher.bind("tcp://127.0.0.1:*")?;
+    let endpoint = publisher
+        .get_last_endpoint()?
+        .map_err(|_| anyhow::anyhow!("endpoint not UTF-8"))?;
+    let body = json!({ "endpoint": endpoint }).to_string();
+    let (status, _) = http::request(
+        sidecar,
+        "POST",
+        "/replica_sync/register_peer",
+        &[
+            ("content-type", "application/json"),
+            ("authorization", &format!("Bearer {TOKEN}")),
+        ],
+        Some(body.as_bytes()),
+    )?;
+    if status != 200 {
+        bail!("register_peer answered {status}");
+    }
+    Ok(())
+}
+
 /// A registered peer that sends a 2 MiB frame, then ten small signed ones,
 /// over and over.
 fn oversized_sync_frames(
@@ -761,24 +768,7 @@ fn oversized_sync_frames(
         let ctx = zmq::Context::new();
         let publisher = ctx.socket(zmq::PUB)?;
         publisher.set_linger(0)?;
-        publisher.bind("tcp://127.0.0.1:*")?;
-        let endpoint = publisher
-            .get_last_endpoint()?
-            .map_err(|_| anyhow::anyhow!("endpoint not UTF-8"))?;
-        let body = json!({ "endpoint": endpoint }).to_string();
-        let (status, _) = http::request(
-            &sidecar,
-            "POST",
-            "/replica_sync/register_peer",
-            &[
-                ("content-type", "application/json"),
-                ("authorization", &format!("Bearer {TOKEN}")),
-            ],
-            Some(body.as_bytes()),
-        )?;
-        if status != 200 {
-            bail!("register_peer answered {status}");
-        }
+        register_peer(&sidecar, &publisher)?;
         let big = vec![0x5Au8; 2 << 20];
         let (mut big_sent, mut small_sent) = (0u64, 0u64);
         while !stop.load(Ordering::Relaxed) {

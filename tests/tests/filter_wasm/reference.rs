@@ -47,18 +47,7 @@ const ADAPTER: &str = "m-adapter";
 const DATE: &str = "26 Jul 2024";
 
 fn template() -> PromptTemplate {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/chat");
-    let cfg: Value = serde_json::from_slice(
-        &std::fs::read(dir.join("llama3-style.tokenizer_config.json")).unwrap(),
-    )
-    .unwrap();
-    let s = |k: &str| cfg[k].as_str().unwrap_or_default().to_string();
-    PromptTemplate {
-        chat_template: s("chat_template"),
-        bos_token: s("bos_token"),
-        eos_token: s("eos_token"),
-        completion_prefix: s("bos_token"),
-    }
+    kvgate_tests::fixture_template("llama3-style")
 }
 
 /// Six workers of two block sizes. Each rank's running requests differ
