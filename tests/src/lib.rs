@@ -21,8 +21,7 @@ pub fn chat_fixture(name: &str) -> PathBuf {
 /// `</think>`, so every chat pays a guard scan).
 pub fn fixture_template(family: &str) -> PromptTemplate {
     let path = chat_fixture(&format!("{family}.tokenizer_config.json"));
-    let bytes =
-        std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let cfg: serde_json::Value = serde_json::from_slice(&bytes)
         .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
     let s = |k: &str| cfg[k].as_str().unwrap_or_default().to_string();
