@@ -19,7 +19,6 @@ use kvgate_tests::host::{Filter, Shared, Vm};
 use kvgate_tests::{bench_snapshot, filter_wasm};
 use serde_json::{Value, json};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::time::Instant;
 
 const WORKERS: u16 = 16;

@@ -16,7 +16,7 @@ use kvgate_core::shard::{Holder, TIER_DEVICE, TIER_HOST, encode, shard_of};
 use kvgate_core::text::template::{PromptTemplate, Renderer};
 use kvgate_core::text::{self, prefix_keys};
 use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState, update};
-use serde_json::{Value, json};
+use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
 
 /// A small deterministic generator (splitmix64): the test needs no crate
