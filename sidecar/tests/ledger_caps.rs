@@ -28,14 +28,6 @@ fn admit(seq: u64) -> SyncEvent {
     )
 }
 
-fn publisher(ctx: &zmq::Context) -> (zmq::Socket, String) {
-    let s = ctx.socket(zmq::PUB).unwrap();
-    s.set_linger(0).unwrap();
-    s.bind("tcp://127.0.0.1:*").unwrap();
-    let endpoint = s.get_last_endpoint().unwrap().unwrap();
-    (s, endpoint)
-}
-
 const PEER_FULL: &str =
     "kvgate_sidecar_bookings_refused_total{reason=\"ledger_full\",source=\"peer\"}";
 

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 mod support;
 
 use support::{
-    call_raw, fake_worker, json_of, metric, selection_api, sidecar_from, wait_until, workers_up,
+    call_raw, fake_worker, json_of, metric, publisher, selection_api, sidecar_from, wait_until,
+    workers_up,
 };
 
 fn free(seq: u64) -> Vec<u8> {
@@ -32,10 +33,7 @@ async fn peer_state(base: &str) -> Value {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_oversized_frame_costs_one_reconnect_not_the_peer() {
     let ctx = zmq::Context::new();
-    let publisher = ctx.socket(zmq::PUB).unwrap();
-    publisher.set_linger(0).unwrap();
-    publisher.bind("tcp://127.0.0.1:*").unwrap();
-    let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+    let (publisher, endpoint) = publisher(&ctx);
     let toml = format!(
         "[replica_sync]\nlisten = \"127.0.0.1:0\"\npeers = [\"{endpoint}\"]\n[[models]]\nname = \"m\"\n"
     );
@@ -116,10 +114,7 @@ fn admit(id: &str, prefill_tokens: u64, decode_blocks: u64) -> SyncEvent {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_peers_admission_past_the_bound_is_refused_and_counted() {
     let ctx = zmq::Context::new();
-    let publisher = ctx.socket(zmq::PUB).unwrap();
-    publisher.set_linger(0).unwrap();
-    publisher.bind("tcp://127.0.0.1:*").unwrap();
-    let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+    let (publisher, endpoint) = publisher(&ctx);
     let toml = format!(
         "[replica_sync]\nlisten = \"127.0.0.1:0\"\npeers = [\"{endpoint}\"]\n\
          [[models]]\nname = \"m\"\nmax_prompt_tokens = 4096\n\
@@ -165,15 +160,6 @@ fn sync_config(worker: &str, peers: &[&str]) -> String {
          [[models]]\nname = \"m\"\n\
          [[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"{worker}\"\n"
     )
-}
-
-/// A PUB socket standing where a peer should be.
-fn hostile_pub(ctx: &zmq::Context) -> (zmq::Socket, String) {
-    let publisher = ctx.socket(zmq::PUB).unwrap();
-    publisher.set_linger(0).unwrap();
-    publisher.bind("tcp://127.0.0.1:*").unwrap();
-    let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
-    (publisher, endpoint)
 }
 
 /// Sends `message` until `done`: PUB drops what it sends before the
@@ -272,7 +258,7 @@ async fn a_recorded_admission_sent_again_after_its_free_books_nothing() {
     .expect("the free recorded");
 
     // B, with the same token, hears them from where A should be.
-    let (publisher, endpoint) = hostile_pub(&ctx);
+    let (publisher, endpoint) = publisher(&ctx);
     let (b_base, b) = sidecar_from(&sync_config(&w, &[&endpoint]), Some(TOKEN)).await;
     send_until(
         &publisher,
@@ -334,7 +320,7 @@ fn version_one(events_free: &str) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread")]
 async fn late_frees_apply_restarted_origins_are_heard_and_old_versions_are_refused() {
     let ctx = zmq::Context::new();
-    let (publisher, endpoint) = hostile_pub(&ctx);
+    let (publisher, endpoint) = publisher(&ctx);
     let toml = format!(
         "[replica_sync]\nlisten = \"127.0.0.1:0\"\npeers = [\"{endpoint}\"]\n\
          [[models]]\nname = \"m\"\n\

@@ -273,6 +273,8 @@ fn measure(stack: &Stack, bench: &Bench, how_long: Duration) -> Result<Value> {
 struct KeepAlive {
     s: TcpStream,
     addr: String,
+    /// Sends the control token with every request.
+    authorized: bool,
 }
 
 impl KeepAlive {
@@ -283,13 +285,27 @@ impl KeepAlive {
         Ok(KeepAlive {
             s,
             addr: addr.to_string(),
+            authorized: false,
+        })
+    }
+
+    /// A connection of a token holder.
+    fn authorized(addr: &str) -> Result<KeepAlive> {
+        Ok(KeepAlive {
+            authorized: true,
+            ..KeepAlive::connect(addr)?
         })
     }
 
     /// Sends one POST and reads its answer whole; the status.
     fn post(&mut self, path: &str, body: &[u8]) -> Result<u16> {
+        let auth = if self.authorized {
+            format!("authorization: Bearer {TOKEN}\r\n")
+        } else {
+            String::new()
+        };
         let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            "POST {path} HTTP/1.1\r\nHost: {}\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\n\r\n",
             self.addr,
             body.len()
         );
@@ -638,27 +654,16 @@ fn admission_flood(
     let api: Vec<_> = (0..2)
         .map(|t| {
             let (addr, stop, statuses) = (addr.clone(), stop.clone(), statuses.clone());
-            std::thread::spawn(move || -> Result<()> {
-                let mut conn = KeepAlive::connect(&addr)?;
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    let body = json!({
+            std::thread::spawn(move || {
+                reserve_until(&addr, &stop, &statuses, |i| {
+                    json!({
                         "reservation_id": format!("flood-{t}-{i}"),
                         "model_name": "demo-model",
                         "worker_id": 1 + i % WORKERS as u64,
                         "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
                     })
-                    .to_string();
-                    match conn.post_authorized("/reservations", body.as_bytes()) {
-                        Ok(s) => statuses.count(s),
-                        Err(_) => {
-                            statuses.count(0);
-                            conn = KeepAlive::connect(&addr)?;
-                        }
-                    }
-                    i += 1;
-                }
-                Ok(())
+                    .to_string()
+                })
             })
         })
         .collect();
@@ -719,17 +724,27 @@ fn admission_flood(
     }))
 }
 
-impl KeepAlive {
-    fn post_authorized(&mut self, path: &str, body: &[u8]) -> Result<u16> {
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: {}\r\nauthorization: Bearer {TOKEN}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            self.addr,
-            body.len()
-        );
-        self.s.write_all(head.as_bytes())?;
-        self.s.write_all(body)?;
-        read_response(&mut self.s)
+/// Posts the reservations `body(i)` gives, i = 0, 1, ..., as a token
+/// holder on one kept-alive connection until `stop`, counting the answers.
+fn reserve_until(
+    addr: &str,
+    stop: &AtomicBool,
+    statuses: &Counts,
+    body: impl Fn(u64) -> String,
+) -> Result<()> {
+    let mut conn = KeepAlive::authorized(addr)?;
+    let mut i = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        match conn.post("/reservations", body(i).as_bytes()) {
+            Ok(s) => statuses.count(s),
+            Err(_) => {
+                statuses.count(0);
+                conn = KeepAlive::authorized(addr)?;
+            }
+        }
+        i += 1;
     }
+    Ok(())
 }
 
 /// Binds `publisher` on a free loopback port and registers it with the
@@ -796,26 +811,16 @@ fn wrapping_loads(
     let addr = stack.gateways[0].selection_addr();
     Ok(std::thread::spawn(move || {
         let statuses = Counts::default();
-        let mut conn = KeepAlive::connect(&addr)?;
-        let mut i = 0u64;
-        while !stop.load(Ordering::Relaxed) {
-            let body = json!({
+        reserve_until(&addr, &stop, &statuses, |i| {
+            json!({
                 "reservation_id": format!("wrap-{i}"),
                 "model_name": "demo-model",
                 "worker_id": 1,
                 "isl_tokens": 1u64 << 63,
                 "effective_prefill_tokens": 1u64 << 63,
             })
-            .to_string();
-            match conn.post_authorized("/reservations", body.as_bytes()) {
-                Ok(s) => statuses.count(s),
-                Err(_) => {
-                    statuses.count(0);
-                    conn = KeepAlive::connect(&addr)?;
-                }
-            }
-            i += 1;
-        }
+            .to_string()
+        })?;
         Ok(json!({"answers": statuses.view()}))
     }))
 }

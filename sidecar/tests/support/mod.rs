@@ -13,6 +13,16 @@ use serde_json::Value;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// A PUB socket on a free loopback port, and its endpoint: a peer or an
+/// engine publisher played by a test.
+pub fn publisher(ctx: &zmq::Context) -> (zmq::Socket, String) {
+    let s = ctx.socket(zmq::PUB).unwrap();
+    s.set_linger(0).unwrap();
+    s.bind("tcp://127.0.0.1:*").unwrap();
+    let endpoint = s.get_last_endpoint().unwrap().unwrap();
+    (s, endpoint)
+}
+
 /// A worker's metrics endpoint; `None` makes it answer 500.
 #[derive(Clone)]
 pub struct Page(Arc<Mutex<Option<String>>>);
