@@ -326,12 +326,9 @@ async fn subscribed(addr: &str, endpoint: &str) -> zmq::Socket {
     s
 }
 
+/// From below the ephemeral range: no client socket takes it before use.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvgate_stack::free_ports(1).unwrap()[0]
 }
 
 #[tokio::test(flavor = "multi_thread")]

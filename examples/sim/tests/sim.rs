@@ -2,30 +2,26 @@
 
 use clap::Parser;
 use kvgate_sim::{Args, build, serve};
+use kvgate_stack::{free_block, free_ports};
 use rmpv::Value;
 use std::time::Duration;
 
+/// One port for a ZMQ endpoint, from below the ephemeral range so that no
+/// client socket of a parallel test takes it before the sim binds it.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    free_ports(1).unwrap()[0]
 }
 
 async fn start(extra: &[&str]) -> (String, Args) {
-    let port = free_port();
-    let mut argv = vec![
-        "kvgate-sim".to_string(),
-        "--listen".into(),
-        format!("127.0.0.1:{port}"),
-    ];
+    // Bound before the sim is built and held: no gap for another socket.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let mut argv = vec!["kvgate-sim".to_string(), "--listen".into(), addr.clone()];
     argv.extend(extra.iter().map(|s| s.to_string()));
     let args = Args::parse_from(argv);
     let sim = build(&args).unwrap();
-    let listener = tokio::net::TcpListener::bind(args.listen).await.unwrap();
     tokio::spawn(serve(listener, sim));
-    (format!("127.0.0.1:{port}"), args)
+    (addr, args)
 }
 
 async fn post(
@@ -88,7 +84,9 @@ fn recv_batch(s: &zmq::Socket) -> (u64, Value) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn completions_cache_prefixes_and_publish_events() {
-    let (ev, rp) = (free_port(), free_port());
+    let [ev, rp] = free_ports(2).unwrap()[..] else {
+        unreachable!()
+    };
     let (addr, _) = start(&[
         "--instant",
         "--block-size",
@@ -196,7 +194,8 @@ async fn streamed_usage_comes_last_and_only_when_asked() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn streaming_and_dp_ranks_and_metrics() {
-    let ev = free_port();
+    // Rank r publishes on ev + r.
+    let ev = free_block(2).unwrap();
     let (addr, _) = start(&[
         "--instant",
         "--dp-size",

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub use paths::Paths;
-pub use ports::free_ports;
+pub use ports::{free_block, free_ports};
 pub use process::{Proc, tails};
 
 /// What to start.
