@@ -237,11 +237,46 @@ fn body() -> impl Strategy<Value = String> {
         })
 }
 
+/// Long token lists, so that most ids are read eight bytes at a time:
+/// ids of every length up to u32's and past it, with the endings and
+/// the damage that must leave the fast path (a leading zero, a
+/// fraction, an exponent, a sign), any spacing, and the list's end at
+/// every distance from the body's end.
+fn token_list() -> impl Strategy<Value = String> {
+    let id = prop_oneof![
+        8 => (0u32..10, any::<u32>()).prop_map(|(digits, n)| {
+            u64::from(n).min(10u64.pow(digits) - 1).to_string()
+        }),
+        1 => prop::sample::select(vec![
+            "0", "00", "01", "0000001", "12.5", "3e4", "3E+4", "7.", "-5", "-0",
+            "4294967295", "4294967296", "12345678", "99999999", "1234567890123",
+        ])
+        .prop_map(str::to_owned),
+    ];
+    (
+        prop::collection::vec((id, ws()), 1..40),
+        ws(),
+        prop::sample::select(vec!["}", ",\"stream\":true}", ",\"n\":[1, 2]}"]),
+    )
+        .prop_map(|(ids, w, tail)| {
+            let items: Vec<String> = ids.into_iter().map(|(id, w)| id + w).collect();
+            format!(
+                "{{\"model\":\"m\",\"prompt\":[{w}{}]{tail}",
+                items.join(",")
+            )
+        })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(4096))]
 
     #[test]
     fn the_reader_agrees_with_serde_json(b in body()) {
+        same(&b);
+    }
+
+    #[test]
+    fn token_lists_read_eight_bytes_at_a_time_agree(b in token_list()) {
         same(&b);
     }
 }

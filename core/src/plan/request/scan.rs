@@ -165,6 +165,60 @@ fn plain_end(b: &[u8], mut i: usize) -> usize {
     i
 }
 
+/// A token id at `i`, read eight bytes at a time: its value and its
+/// length, when the bytes from `i` hold an integer of one to ten digits
+/// that fits a `u32`, then a byte that ends it. Anything else (a float, a
+/// leading zero, a larger number, an id in the body's last eight bytes)
+/// is `None`, left to [`Reader::number`], which also says what is wrong
+/// with it. Read a byte at a time, a token list cost some 50 fuel units a
+/// byte, five times a string.
+fn id8(b: &[u8], i: usize) -> Option<(u32, usize)> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    let chunk = b.get(i..i + 8)?;
+    let mut w = [0u8; 8];
+    w.copy_from_slice(chunk);
+    let w = u64::from_le_bytes(w);
+    // A byte is a digit when its high nibble is 3, and still 3 with 6
+    // added. Only bytes after the first other one can take a carry from
+    // the addition, and those are not read.
+    let high = ONES * 0xF0;
+    let three = ONES * 0x30;
+    let z = ((w & high) ^ three) | ((w.wrapping_add(ONES * 6) & high) ^ three);
+    // Each non-zero byte of `z` to its high bit, exactly: no carries.
+    let other = (((z & (ONES * 0x7F)) + ONES * 0x7F) | z) & (ONES * 0x80);
+    let n = (other.trailing_zeros() / 8) as usize;
+    if n == 0 || (n > 1 && chunk.first() == Some(&b'0')) {
+        return None;
+    }
+    // Little-endian, the first digit is the lowest byte: shifted up, the
+    // digits have zeros below them, an eight-digit number's leading
+    // zeros, and its pairs, quads and halves are summed in place.
+    let d = w
+        .wrapping_sub(three)
+        .checked_shl(8 * (8 - n as u32))
+        .unwrap_or(0);
+    let d = (d.wrapping_mul(10) + (d >> 8)) & 0x00FF_00FF_00FF_00FF;
+    let d = (d.wrapping_mul(100) + (d >> 16)) & 0x0000_FFFF_0000_FFFF;
+    let mut v = (d.wrapping_mul(10_000) + (d >> 32)) & 0xFFFF_FFFF;
+    let mut end = i + n;
+    if n == 8 {
+        // u32's ids run to ten digits; an eleventh is too many.
+        for _ in 0..3 {
+            match b.get(end) {
+                Some(c @ b'0'..=b'9') => {
+                    v = v * 10 + u64::from(c - b'0');
+                    end += 1;
+                }
+                _ => break,
+            }
+        }
+    }
+    match b.get(end) {
+        None | Some(b'.' | b'e' | b'E' | b'0'..=b'9') => None,
+        Some(_) => Some((u32::try_from(v).ok()?, end - i)),
+    }
+}
+
 /// One element of a prompt list.
 enum Item {
     Token(u32),
@@ -576,26 +630,40 @@ impl<'a> Reader<'a> {
                 // Ids are some six bytes of JSON each.
                 let mut ids = Vec::with_capacity(self.b.len().saturating_sub(self.i) / 6 + 1);
                 ids.push(t);
+                let mut more = self.more()?;
                 loop {
-                    if !self.more()? {
+                    if !more {
                         let isl_tokens = ids.len() as u64;
                         return Ok(Prompt::Tokens {
                             first: ids,
                             isl_tokens,
                         });
                     }
-                    // The hot loop: an id is read in place, never as an
-                    // `Item`.
-                    match self.peek() {
-                        Some(b'0'..=b'9') => match self.number()? {
-                            Some(t) => ids.push(t),
-                            None => break NOT_TOKENS,
-                        },
-                        _ => {
-                            self.item(DEPTH)?;
-                            break NOT_TOKENS;
+                    // The hot loop, at an element: an id is read in place,
+                    // never as an `Item`, eight bytes at a time where it
+                    // can be, and the separators clients write (`,` and
+                    // `, `) are taken without the general reader.
+                    if let Some((t, len)) = id8(self.b, self.i) {
+                        ids.push(t);
+                        self.i += len;
+                        if self.peek() == Some(b',') {
+                            self.i += 1;
+                            self.ws();
+                            continue;
+                        }
+                    } else {
+                        match self.peek() {
+                            Some(b'0'..=b'9') => match self.number()? {
+                                Some(t) => ids.push(t),
+                                None => break NOT_TOKENS,
+                            },
+                            _ => {
+                                self.item(DEPTH)?;
+                                break NOT_TOKENS;
+                            }
                         }
                     }
+                    more = self.more()?;
                 }
             }
             Item::Text(first) => {
