@@ -279,6 +279,31 @@ proptest! {
     fn token_lists_read_eight_bytes_at_a_time_agree(b in token_list()) {
         same(&b);
     }
+
+    /// Each string is checked where it is read or skipped, not the body
+    /// up front: a byte that is not UTF-8 is refused wherever it lands.
+    #[test]
+    fn a_body_that_is_not_utf8_is_refused_wherever(
+        b in prop_oneof![body(), token_list()],
+        at in any::<prop::sample::Index>(),
+        bad in prop::sample::select(vec![
+            &[0xff][..], &[0xc3], &[0x80], &[0xed, 0xa0, 0x80], &[0xc0, 0xaf],
+            &[0xf4, 0x90, 0x80, 0x80], &[0xe6, 0x97],
+        ]),
+    ) {
+        // At a character's boundary the bytes are invalid whatever
+        // stands beside them.
+        let mut at = at.index(b.len() + 1);
+        while !b.is_char_boundary(at) {
+            at -= 1;
+        }
+        let mut bytes = b.into_bytes();
+        bytes.splice(at..at, bad.iter().copied());
+        for e in [Endpoint::Completions, Endpoint::Chat] {
+            let got = parse(e, &bytes);
+            prop_assert_eq!(kind(&got), Some("body".to_owned()), "{:?}", bytes);
+        }
+    }
 }
 
 #[test]

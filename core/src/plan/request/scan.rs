@@ -64,11 +64,7 @@ const NAMES: [&str; 10] = [
 const PROMPT: usize = 5;
 
 pub(super) fn fields(body: &[u8]) -> Result<Fields<'_>, ScanError> {
-    let s = std::str::from_utf8(body).map_err(|e| ScanError::Syntax {
-        what: "invalid UTF-8",
-        at: e.valid_up_to(),
-    })?;
-    let mut r = Reader { s, b: body, i: 0 };
+    let mut r = Reader { b: body, i: 0 };
     r.ws();
     match r.peek() {
         None => return Err(r.err("EOF while parsing a value")),
@@ -117,7 +113,7 @@ pub(super) fn fields(body: &[u8]) -> Result<Fields<'_>, ScanError> {
                     };
                     *slot = Some(raw);
                 }
-                None => r.skip(1)?,
+                None => r.skip_checked(1)?,
             }
             r.ws();
             match r.next() {
@@ -135,19 +131,25 @@ pub(super) fn fields(body: &[u8]) -> Result<Fields<'_>, ScanError> {
     Ok(f)
 }
 
+/// A byte repeated across a word: `ONES * b`.
+const ONES: u64 = 0x0101_0101_0101_0101;
+
+/// The eight bytes from `i`, the first one lowest.
+fn word(b: &[u8], i: usize) -> Option<u64> {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(b.get(i..i + 8)?);
+    Some(u64::from_le_bytes(w))
+}
+
 /// Where the run of a string's plain bytes from `i` ends: at a quote, a
 /// backslash, a control character or the end. Eight bytes a step, as
 /// serde_json does: a long prompt's text is most of its body.
 fn plain_end(b: &[u8], mut i: usize) -> usize {
-    const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
     // A byte of `x` below `n` sets its high bit in `less(x, n)`; bits above
     // the lowest may be false, the lowest is exact.
     let less = |x: u64, n: u8| x.wrapping_sub(ONES * u64::from(n)) & !x & HIGH;
-    while let Some(chunk) = b.get(i..i + 8) {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(chunk);
-        let w = u64::from_le_bytes(w);
+    while let Some(w) = word(b, i) {
         let hit = less(w ^ (ONES * u64::from(b'"')), 1)
             | less(w ^ (ONES * u64::from(b'\\')), 1)
             | less(w, 0x20);
@@ -173,30 +175,20 @@ fn plain_end(b: &[u8], mut i: usize) -> usize {
 /// with it. Read a byte at a time, a token list cost some 50 fuel units a
 /// byte, five times a string.
 fn id8(b: &[u8], i: usize) -> Option<(u32, usize)> {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    let chunk = b.get(i..i + 8)?;
-    let mut w = [0u8; 8];
-    w.copy_from_slice(chunk);
-    let w = u64::from_le_bytes(w);
-    // A byte is a digit when its high nibble is 3, and still 3 with 6
-    // added. Only bytes after the first other one can take a carry from
-    // the addition, and those are not read.
-    let high = ONES * 0xF0;
-    let three = ONES * 0x30;
-    let z = ((w & high) ^ three) | ((w.wrapping_add(ONES * 6) & high) ^ three);
-    // Each non-zero byte of `z` to its high bit, exactly: no carries.
-    let other = (((z & (ONES * 0x7F)) + ONES * 0x7F) | z) & (ONES * 0x80);
+    // Digits become their values, 0 to 9; every other byte 10 or more
+    // (its high bit set when it is not ASCII).
+    let t = word(b, i)? ^ (ONES * u64::from(b'0'));
+    // Each byte of 10 or more to its high bit. Only a byte of 0x8A or
+    // more carries into the next, which comes after it and is not read.
+    let other = (t.wrapping_add(ONES * 0x76) | t) & (ONES * 0x80);
     let n = (other.trailing_zeros() / 8) as usize;
-    if n == 0 || (n > 1 && chunk.first() == Some(&b'0')) {
+    if n == 0 || (n > 1 && t & 0xFF == 0) {
         return None;
     }
     // Little-endian, the first digit is the lowest byte: shifted up, the
     // digits have zeros below them, an eight-digit number's leading
     // zeros, and its pairs, quads and halves are summed in place.
-    let d = w
-        .wrapping_sub(three)
-        .checked_shl(8 * (8 - n as u32))
-        .unwrap_or(0);
+    let d = t.checked_shl(8 * (8 - n as u32)).unwrap_or(0);
     let d = (d.wrapping_mul(10) + (d >> 8)) & 0x00FF_00FF_00FF_00FF;
     let d = (d.wrapping_mul(100) + (d >> 16)) & 0x0000_FFFF_0000_FFFF;
     let mut v = (d.wrapping_mul(10_000) + (d >> 32)) & 0xFFFF_FFFF;
@@ -228,9 +220,11 @@ enum Item {
     Other,
 }
 
+/// Reads the body once. Outside strings JSON is ASCII, which the grammar
+/// checks; a string's bytes are checked to be UTF-8 where it is taken
+/// ([`Reader::slice`]) or skipped ([`Reader::skip_checked`]), once each.
+/// A token list, the largest body, has no string to check.
 struct Reader<'a> {
-    /// The body, checked to be UTF-8 once for all its strings.
-    s: &'a str,
     b: &'a [u8],
     i: usize,
 }
@@ -277,10 +271,19 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// The bytes from `from` to here, checked to be UTF-8.
     fn slice(&self, from: usize) -> Result<&'a str, ScanError> {
-        // Both ends sit on ASCII bytes, so this never fails on a body that
-        // passed the UTF-8 check; an error rather than a panic all the same.
-        self.s.get(from..self.i).ok_or(self.err("invalid UTF-8"))
+        let bytes = self.b.get(from..self.i).unwrap_or_default();
+        std::str::from_utf8(bytes).map_err(|e| ScanError::Syntax {
+            what: "invalid UTF-8",
+            at: from + e.valid_up_to(),
+        })
+    }
+
+    /// Skips a value that nothing takes as text, its strings checked to
+    /// be UTF-8 all the same: an engine would refuse the body.
+    fn skip_checked(&mut self, depth: u32) -> Result<(), ScanError> {
+        self.raw(depth).map(|_| ())
     }
 
     /// Skips a value and returns its JSON text.
@@ -564,7 +567,7 @@ impl<'a> Reader<'a> {
             self.string()?;
             self.ws();
             self.expect(b':')?;
-            self.skip(depth + 1)?;
+            self.skip_checked(depth + 1)?;
             self.ws();
             match self.next() {
                 Some(b',') => {}
@@ -610,7 +613,7 @@ impl<'a> Reader<'a> {
                 Prompt::Invalid(WRONG_TYPE)
             }
             _ => {
-                self.skip(1)?;
+                self.skip_checked(1)?;
                 Prompt::Invalid(WRONG_TYPE)
             }
         }))
@@ -696,7 +699,7 @@ impl<'a> Reader<'a> {
         };
         // The rest of the list is skipped, still checked to be JSON.
         while self.more()? {
-            self.skip(DEPTH)?;
+            self.skip_checked(DEPTH)?;
         }
         Ok(Prompt::Invalid(refused))
     }
@@ -744,7 +747,7 @@ impl<'a> Reader<'a> {
                 Item::Other
             }
             _ => {
-                self.skip(depth)?;
+                self.skip_checked(depth)?;
                 Item::Other
             }
         })
@@ -755,7 +758,6 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 pub(super) fn prompt_value(json: &str) -> Result<Option<Prompt>, ScanError> {
     let mut r = Reader {
-        s: json,
         b: json.as_bytes(),
         i: 0,
     };
