@@ -850,9 +850,11 @@ The same requests through four routes of one Envoy, in one run, the order revers
 The ext_proc route is the architecture peers use (Gateway API Inference Extension, llm-d, AIBrix): Envoy's `ext_proc` filter \
 streams each request to an endpoint picker outside the proxy over gRPC (HTTP/2, Envoy's gRPC client), here `kvgate-extproc`, \
 which holds the fleet state in-process (a whole kvgate sidecar) and makes the filter's decision over it \
-(request headers, the buffered body, and the response headers cross; a reservation per request).\n\n\
+(request headers, the buffered body, and the response headers cross; a reservation per request). \
+Every request is the same one-word chat (`\"content\": \"ping\"`, `max_tokens` 1, not streamed), so the figures are the proxy's cost; \
+the decision on long prompts is in the request-shape table below.\n\n\
 | route | p50 | p99 | throughput | added p50, p50 ratio | throughput ratio |\n| --- | --- | --- | --- | --- | --- |\n{rows}\n\
-Added latency of the filter: p50 {:+.0} µs (ratio {:.2}), p99 {:+.0} µs; throughput ratio {:.2}. The filter's own decision time (Envoy histogram `kvgate_decision_us`, the measured runs only, warm-up excluded): P50 {:.0} µs, P99 {:.0} µs.\n\n\
+Added latency of the filter: p50 {:+.0} µs (ratio {:.2}), p99 {:+.0} µs; throughput ratio {:.2}. The filter's own decision time on the one-word chat (Envoy histogram `kvgate_decision_us`, the measured runs only, warm-up excluded): P50 {:.0} µs, P99 {:.0} µs.\n\n\
 The loop keeps both cores busy, so latency and throughput follow CPU per request. Where it goes (CPU µs per request, user + system, from `/proc`; \
 the sidecars' background work, scraping and publishing, is counted on every route, so the ext_proc server's column on the other routes is its idle cost):\n\n\
 | route | Envoy | sidecar | ext_proc server | workers | load generator | total |\n| --- | --- | --- | --- | --- | --- | --- |\n{cpu_rows}",

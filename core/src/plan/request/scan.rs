@@ -211,6 +211,31 @@ fn id8(b: &[u8], i: usize) -> Option<(u32, usize)> {
     }
 }
 
+/// Where the whitespace from `i` ends.
+fn ws_end(b: &[u8], mut i: usize) -> usize {
+    while let Some(b' ' | b'\n' | b'\t' | b'\r') = b.get(i) {
+        i += 1;
+    }
+    i
+}
+
+/// The hot loop of a token list, from an element at `i`: ids read by
+/// [`id8`], each with the comma after it and the whitespace after that,
+/// in locals rather than the reader's fields. Returns where it stopped,
+/// and whether just after an id (which no comma follows): otherwise at an
+/// element `id8` cannot read, for the general reader to judge.
+fn id_run(b: &[u8], mut i: usize, ids: &mut Vec<u32>) -> (usize, bool) {
+    while let Some((t, len)) = id8(b, i) {
+        ids.push(t);
+        i += len;
+        if b.get(i) != Some(&b',') {
+            return (i, true);
+        }
+        i = ws_end(b, i + 1);
+    }
+    (i, false)
+}
+
 /// One element of a prompt list.
 enum Item {
     Token(u32),
@@ -253,11 +278,7 @@ impl<'a> Reader<'a> {
     }
 
     fn ws(&mut self) {
-        let mut i = self.i;
-        while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.b.get(i) {
-            i += 1;
-        }
-        self.i = i;
+        self.i = ws_end(self.b, self.i);
     }
 
     fn expect(&mut self, c: u8) -> Result<(), ScanError> {
@@ -642,19 +663,9 @@ impl<'a> Reader<'a> {
                             isl_tokens,
                         });
                     }
-                    // The hot loop, at an element: an id is read in place,
-                    // never as an `Item`, eight bytes at a time where it
-                    // can be, and the separators clients write (`,` and
-                    // `, `) are taken without the general reader.
-                    if let Some((t, len)) = id8(self.b, self.i) {
-                        ids.push(t);
-                        self.i += len;
-                        if self.peek() == Some(b',') {
-                            self.i += 1;
-                            self.ws();
-                            continue;
-                        }
-                    } else {
+                    let (end, after_id) = id_run(self.b, self.i, &mut ids);
+                    self.i = end;
+                    if !after_id {
                         match self.peek() {
                             Some(b'0'..=b'9') => match self.number()? {
                                 Some(t) => ids.push(t),
