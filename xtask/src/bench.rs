@@ -675,6 +675,7 @@ fn overhead(quick: bool, baseline: Option<&std::path::Path>) -> Result<Value> {
     );
     drop(stack);
     let shapes = crate::shapebench::run(quick, baseline)?;
+    crate::shapebench::plot(&shapes, &repo().join("bench/plots"))?;
     let (p, k) = (&sides[0], &sides[2]);
     let f = |v: &Value, key: &str| v[key].as_f64().unwrap_or(0.0);
     let vs_plain = |v: &Value| {

@@ -1,12 +1,15 @@
 //! Per-request cost by request shape, through the plain route and the
 //! filter of one Envoy: a response streamed in 256 chunks against the same
-//! response in one piece, and long prompts (32k and 128k tokens, as token
-//! ids and as chat text). What it answers: does the filter's cost grow with
-//! the chunks of a stream, and what does routing cost per 1k prompt tokens,
-//! so how many cores a gateway pod needs for a long-context fleet.
+//! response in one piece, and prompts of 1k to 128k tokens as token ids,
+//! as text and as chat text (the length curve). What it answers: does the
+//! filter's cost grow with the chunks of a stream, what does routing cost
+//! per 1k prompt tokens on Envoy's worker threads, and does it stay linear
+//! in the prompt, so how many cores a gateway pod needs for a long-context
+//! fleet.
 
 use crate::bench::median;
 use crate::build;
+use crate::plot;
 use anyhow::Result;
 use bytes::Bytes;
 use kvgate_load::{RequestSpec, Target, run_closed_loop};
@@ -22,8 +25,68 @@ const CHUNKS: u64 = 256;
 /// (`peers-2026.md`).
 const LLMD_CORE_S_PER_100K_REQUEST: f64 = 0.4;
 
+/// The length curve's prompt sizes, in tokens.
+const LENGTHS: [u64; 5] = [1024, 2048, 8192, 32_768, 131_072];
+
+/// How a prompt of the length curve is sent.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    TokenIds,
+    Text,
+    Chat,
+}
+
+impl Kind {
+    const ALL: [Kind; 3] = [Kind::TokenIds, Kind::Text, Kind::Chat];
+
+    /// The shape's name at `tokens`; the 32k and 128k names are the ones
+    /// earlier reports used.
+    fn shape_name(self, tokens: u64) -> String {
+        let k = tokens / 1024;
+        match self {
+            Kind::TokenIds => format!("{k}k token ids"),
+            Kind::Text => format!("{k}k-token text"),
+            Kind::Chat => format!("{k}k-token chat text"),
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Kind::TokenIds => "token ids",
+            Kind::Text => "text",
+            Kind::Chat => "chat",
+        }
+    }
+
+    fn spec(self) -> fn(usize, u64) -> RequestSpec {
+        match self {
+            Kind::TokenIds => token_ids,
+            Kind::Text => text,
+            Kind::Chat => chat_text,
+        }
+    }
+
+    /// Requests per run at `tokens`: fewer as prompts grow, the simulated
+    /// engine's tokenizer being the slow part of the long text rows.
+    fn requests(self, tokens: u64, quick: bool) -> usize {
+        let full = match (self, tokens / 1024) {
+            (Kind::TokenIds, 0..=1) => 1500,
+            (Kind::TokenIds, 2) => 1000,
+            (Kind::TokenIds, 3..=8) => 500,
+            (Kind::TokenIds, 9..=32) => 300,
+            (Kind::TokenIds, _) => 120,
+            (_, 0..=1) => 1000,
+            (_, 2) => 800,
+            (_, 3..=8) => 300,
+            (_, 9..=32) => 120,
+            (_, _) => 40,
+        };
+        if quick { (full / 4).max(16) } else { full }
+    }
+}
+
 struct Shape {
-    name: &'static str,
+    name: String,
     /// Prompt tokens as sent (token ids), or aimed at (chat text, four
     /// bytes a token).
     tokens: u64,
@@ -66,9 +129,9 @@ fn token_ids(i: usize, n: u64) -> RequestSpec {
     )
 }
 
-/// A system prompt of about `n` tokens (four bytes each), distinct per
-/// request from its first word.
-fn chat_text(i: usize, n: u64) -> RequestSpec {
+/// About `n` tokens of words (four bytes a token), distinct per request
+/// from its first word.
+fn words(i: usize, n: u64) -> String {
     const WORDS: [&str; 8] = [
         "routing ", "prefix ", "cache ", "worker ", "token ", "block ", "engine ", "gateway ",
     ];
@@ -78,6 +141,22 @@ fn chat_text(i: usize, n: u64) -> RequestSpec {
         text.push_str(WORDS[w % WORDS.len()]);
         w = w.wrapping_mul(31).wrapping_add(7);
     }
+    text
+}
+
+/// A completion whose prompt is about `n` tokens of text.
+fn text(i: usize, n: u64) -> RequestSpec {
+    spec(
+        "/v1/completions",
+        json!({"model": "demo-model", "max_tokens": 1, "prompt": words(i, n)}),
+        false,
+        None,
+    )
+}
+
+/// A chat whose system prompt is about `n` tokens.
+fn chat_text(i: usize, n: u64) -> RequestSpec {
+    let text = words(i, n);
     spec(
         "/v1/chat/completions",
         json!({"model": "demo-model", "max_tokens": 1, "messages": [
@@ -90,44 +169,31 @@ fn chat_text(i: usize, n: u64) -> RequestSpec {
 
 fn shapes(quick: bool) -> Vec<Shape> {
     let q = |full: usize, quick_n: usize| if quick { quick_n } else { full };
-    vec![
+    let mut shapes = vec![
         Shape {
-            name: "one-piece response, 256 tokens",
+            name: "one-piece response, 256 tokens".into(),
             tokens: 0,
             requests: q(2000, 600),
             spec: |_, _| short_chat(false),
         },
         Shape {
-            name: "streamed response, 256 chunks",
+            name: "streamed response, 256 chunks".into(),
             tokens: 0,
             requests: q(2000, 600),
             spec: |_, _| short_chat(true),
         },
-        Shape {
-            name: "32k token ids",
-            tokens: 32_768,
-            requests: q(300, 80),
-            spec: token_ids,
-        },
-        Shape {
-            name: "128k token ids",
-            tokens: 131_072,
-            requests: q(120, 30),
-            spec: token_ids,
-        },
-        Shape {
-            name: "32k-token chat text",
-            tokens: 32_768,
-            requests: q(120, 40),
-            spec: chat_text,
-        },
-        Shape {
-            name: "128k-token chat text",
-            tokens: 131_072,
-            requests: q(40, 16),
-            spec: chat_text,
-        },
-    ]
+    ];
+    for kind in Kind::ALL {
+        for tokens in LENGTHS {
+            shapes.push(Shape {
+                name: kind.shape_name(tokens),
+                tokens,
+                requests: kind.requests(tokens, quick),
+                spec: kind.spec(),
+            });
+        }
+    }
+    shapes
 }
 
 /// `baseline`: another build of the filter, measured beside this one on a
@@ -330,6 +396,7 @@ pub fn report(v: &Value) -> String {
             gateway_per_1k * 100.0 * 100.0 / 1e6,
         ));
     }
+    let curve = length_curve(shapes);
     format!(
         "\n### By request shape: streamed responses and long prompts\n\n\
 Same Envoy (2 worker threads), plain route against the filter, alternating, closed loop ×{}, medians of {} runs; \
@@ -339,8 +406,171 @@ which weighs most on the slow rows (the simulated engine tokenizes long chats); 
 added CPU is Envoy's plus the sidecar's, kvgate's route minus the plain one, over the same requests, which takes most of the background off; token prompts are distinct per request \
 (no shared prefix: the whole prompt is hashed and looked up). Chat prompts are sized at four bytes a token, kvgate's own estimate.\n\n\
 | request | prompt tokens | Envoy CPU µs, plain / kvgate | of it on Envoy's worker threads | sidecar CPU µs, plain / kvgate | added CPU per request | per 1k prompt tokens |\n\
-| --- | --- | --- | --- | --- | --- | --- |\n{rows}\n{stream_line}{cores}",
+| --- | --- | --- | --- | --- | --- | --- |\n{rows}\n{stream_line}{cores}{curve}",
         f(v, &["concurrency"]),
         f(v, &["runs"]),
     )
+}
+
+/// The filter's own work on a shape: CPU µs a request on Envoy's worker
+/// threads, `route` ("kvgate" or "baseline") minus the plain route.
+fn on_workers(s: &Value, route: &str) -> Option<f64> {
+    let cpu = |r: &str| s[r]["envoy_workers_cpu_us"].as_f64();
+    Some(cpu(route)? - cpu("plain")?)
+}
+
+/// A kind's length curve on `route`: (prompt tokens in thousands, added
+/// worker-thread µs a request), in length order.
+fn curve(shapes: &[Value], kind: Kind, route: &str) -> Vec<(f64, f64)> {
+    LENGTHS
+        .iter()
+        .filter_map(|&t| {
+            let s = shapes
+                .iter()
+                .find(|s| s["shape"] == kind.shape_name(t).as_str())?;
+            Some((t as f64 / 1000.0, on_workers(s, route)?))
+        })
+        .collect()
+}
+
+/// Least squares: the slope (µs per 1k tokens) and the intercept (µs a
+/// request whatever its length).
+fn fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return None;
+    }
+    let (mx, my) = points
+        .iter()
+        .fold((0.0, 0.0), |(a, b), (x, y)| (a + x / n, b + y / n));
+    let sxx: f64 = points.iter().map(|(x, _)| (x - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+    let slope = sxy / sxx;
+    Some((slope, my - slope * mx))
+}
+
+/// The length curve's table: per kind and length, the worker threads'
+/// added µs a request and per 1k tokens, and the line fitted through them.
+fn length_curve(shapes: &[Value]) -> String {
+    let baseline = shapes.iter().any(|s| s.get("baseline").is_some());
+    let mut rows = String::new();
+    for kind in Kind::ALL {
+        let points = curve(shapes, kind, "kvgate");
+        if points.is_empty() {
+            continue;
+        }
+        let cells: Vec<String> = points
+            .iter()
+            .map(|(k, us)| format!("{us:.0} ({:.1})", us / k))
+            .collect();
+        let line = |p: &[(f64, f64)]| match fit(p) {
+            Some((slope, fixed)) => format!("{slope:.1} µs per 1k + {fixed:.0} µs"),
+            None => "—".into(),
+        };
+        let old = if baseline {
+            format!(" | {}", line(&curve(shapes, kind, "baseline")))
+        } else {
+            String::new()
+        };
+        rows.push_str(&format!(
+            "| {} | {} | {}{old} |\n",
+            kind.label(),
+            cells.join(" | "),
+            line(&points)
+        ));
+    }
+    let sizes: Vec<String> = LENGTHS.iter().map(|t| format!("{}k", t / 1024)).collect();
+    let (old_head, old_rule) = if baseline {
+        (" | baseline build's line", " | ---")
+    } else {
+        ("", "")
+    };
+    format!(
+        "\n**Length curve.** The filter's own work grows with the prompt: CPU µs a request on Envoy's worker threads, \
+kvgate's route minus the plain one (in brackets, per 1k prompt tokens), and the line fitted through the five lengths \
+(least squares: its slope is the cost per 1k tokens, its intercept the cost of any request). \
+Token ids are 4–5 digits, as a real vocabulary's; text is four bytes a token.\n\n\
+| prompt | {} | line{old_head} |\n| --- |{} --- |{old_rule}\n{rows}\n\
+![length curve](plots/overhead_length_curve.svg)\n",
+        sizes.join(" | "),
+        " --- |".repeat(sizes.len()),
+    )
+}
+
+/// The length curve's plot, µs per 1k prompt tokens against the prompt's
+/// length: flat is linear.
+pub fn plot(v: &Value, dir: &std::path::Path) -> Result<()> {
+    let Some(shapes) = v["shapes"].as_array() else {
+        return Ok(());
+    };
+    let mut series = Vec::new();
+    for kind in Kind::ALL {
+        for (route, suffix) in [("kvgate", ""), ("baseline", ", baseline build")] {
+            let points: Vec<(f64, f64)> = curve(shapes, kind, route)
+                .into_iter()
+                .map(|(k, us)| (k, us / k))
+                .collect();
+            if !points.is_empty() {
+                series.push((format!("{}{suffix}", kind.label()), points));
+            }
+        }
+    }
+    let refs: Vec<(&str, Vec<(f64, f64)>)> = series
+        .iter()
+        .map(|(n, p)| (n.as_str(), p.clone()))
+        .collect();
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        dir.join("overhead_length_curve.svg"),
+        plot::lines(
+            "Routing on Envoy's worker threads, per 1k prompt tokens",
+            "prompt, thousands of tokens",
+            "µs per 1k tokens",
+            &refs,
+            &[("target", 10.0)],
+        ),
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_line_through_a_line_is_itself() {
+        let (slope, fixed) = fit(&[(1.0, 12.0), (2.0, 14.0), (128.0, 266.0)]).unwrap();
+        assert!((slope - 2.0).abs() < 1e-9 && (fixed - 10.0).abs() < 1e-9);
+        assert_eq!(fit(&[(1.0, 1.0)]), None);
+    }
+
+    #[test]
+    fn the_length_curve_has_a_row_per_kind_with_its_line() {
+        let shape = |kind: Kind, t: u64, kvgate: f64| {
+            json!({
+                "shape": kind.shape_name(t),
+                "plain": {"envoy_workers_cpu_us": 100.0},
+                "kvgate": {"envoy_workers_cpu_us": 100.0 + kvgate},
+            })
+        };
+        let shapes: Vec<Value> = LENGTHS
+            .iter()
+            .flat_map(|&t| {
+                let k = t as f64 / 1000.0;
+                [
+                    shape(Kind::TokenIds, t, 20.0 + 8.0 * k),
+                    shape(Kind::Chat, t, 30.0 + 4.0 * k),
+                ]
+            })
+            .collect();
+        let table = length_curve(&shapes);
+        assert!(table.contains("| token ids |"), "{table}");
+        assert!(table.contains("8.0 µs per 1k + 20 µs"), "{table}");
+        assert!(table.contains("4.0 µs per 1k + 30 µs"), "{table}");
+        assert!(
+            !table.contains("| text |"),
+            "no text rows were measured: {table}"
+        );
+        assert!(!table.contains("baseline"), "{table}");
+    }
 }
