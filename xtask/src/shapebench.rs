@@ -481,7 +481,7 @@ fn length_curve(shapes: &[Value]) -> String {
     }
     let sizes: Vec<String> = LENGTHS.iter().map(|t| format!("{}k", t / 1024)).collect();
     let (old_head, old_rule) = if baseline {
-        (" | baseline build's line", " | ---")
+        (" | baseline build's line", " --- |")
     } else {
         ("", "")
     };
@@ -572,5 +572,31 @@ mod tests {
             "no text rows were measured: {table}"
         );
         assert!(!table.contains("baseline"), "{table}");
+        let rules = table.lines().find(|l| l.starts_with("| --- |")).unwrap();
+        let header = table.lines().find(|l| l.starts_with("| prompt |")).unwrap();
+        assert_eq!(
+            rules.matches('|').count(),
+            header.matches('|').count(),
+            "{table}"
+        );
+
+        // Beside a baseline build, its line gets a column of its own.
+        let with_old: Vec<Value> = shapes
+            .into_iter()
+            .map(|mut s| {
+                s["baseline"] = json!({"envoy_workers_cpu_us": 150.0});
+                s
+            })
+            .collect();
+        let table = length_curve(&with_old);
+        let rules = table.lines().find(|l| l.starts_with("| --- |")).unwrap();
+        let header = table.lines().find(|l| l.starts_with("| prompt |")).unwrap();
+        assert!(header.contains("baseline build's line"), "{table}");
+        assert_eq!(
+            rules.matches('|').count(),
+            header.matches('|').count(),
+            "{table}"
+        );
+        assert!(table.contains("0.0 µs per 1k + 50 µs"), "{table}");
     }
 }

@@ -474,7 +474,7 @@ impl Stack {
         for task in tasks.flatten() {
             let dir = task.path();
             let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-            let cpu = cpu_seconds_of(&dir.join("stat")).unwrap_or(0.0);
+            let cpu = thread_cpu_seconds(&dir).unwrap_or(0.0);
             if comm.starts_with("wrk:") {
                 out[1] += cpu;
             } else if task.file_name().to_str() == Some(&pid.to_string()) {
@@ -973,6 +973,21 @@ pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
     cpu_seconds_of(Path::new(&format!("/proc/{pid}/stat")))
 }
 
+/// CPU seconds a thread has run, from its `/proc/PID/task/TID` folder:
+/// `schedstat`'s nanoseconds where the kernel keeps them (a request's
+/// share of a thread is tens of microseconds, the `stat` file's clock
+/// ticks are 10 ms), else `stat`. A process's total stays on `stat`,
+/// which keeps the time of its threads that have exited.
+fn thread_cpu_seconds(task: &Path) -> Option<f64> {
+    let ns = std::fs::read_to_string(task.join("schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+    match ns {
+        Some(ns) => Some(ns as f64 / 1e9),
+        None => cpu_seconds_of(&task.join("stat")),
+    }
+}
+
 /// CPU seconds (user + system) of a process's or a thread's `stat` file.
 fn cpu_seconds_of(stat_path: &Path) -> Option<f64> {
     let stat = std::fs::read_to_string(stat_path).ok()?;
@@ -996,4 +1011,27 @@ pub fn process_rss(pid: u32) -> Option<u64> {
         .parse()
         .ok()?;
     Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_threads_cpu_time_is_read_below_a_clock_tick() {
+        let me = Path::new("/proc/thread-self");
+        let before = thread_cpu_seconds(me).unwrap();
+        let spin = Instant::now();
+        let mut x = 0u64;
+        while spin.elapsed() < Duration::from_millis(30) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let after = thread_cpu_seconds(me).unwrap();
+        assert!(after > before, "{before} then {after}");
+        if me.join("schedstat").exists() {
+            // Nanoseconds: a whole number of 10 ms ticks would be chance.
+            let ticks = after * 100.0;
+            assert!((ticks - ticks.round()).abs() > 1e-9, "{after}");
+        }
+    }
 }

@@ -4,9 +4,11 @@
 //! A long prompt sent as token ids is the largest body kvgate routes, and
 //! serde_json spent some 630 fuel units a token reading it (its numbers go
 //! through a visitor a byte at a time). This reader takes the ids straight
-//! into `u32`s and leaves every other field as its raw JSON text, so the
-//! small ones can still be checked by serde_json as before and the rest
-//! cost one byte walk. It accepts exactly the JSON serde_json accepts
+//! into `u32`s, eight bytes at a time, and leaves every other field as its
+//! raw JSON text, so the small ones can still be checked by serde_json as
+//! before and the rest cost one byte walk. Only strings can hold non-ASCII
+//! bytes, so only they are checked to be UTF-8: a token list is not walked
+//! a second time. It accepts exactly the JSON serde_json accepts
 //! (RFC 8259), except that it is stricter in two places an engine would
 //! refuse anyway: invalid UTF-8 anywhere, and nesting deeper than
 //! serde_json's own bound inside fields routing skips.
