@@ -460,28 +460,51 @@ impl Stack {
         ]
     }
 
-    /// The first Envoy's CPU seconds so far, split into its main thread
-    /// (xDS, stats, the snapshot service) and its worker threads (`wrk:*`,
-    /// where requests and the filter run).
-    pub fn envoy_thread_cpu_seconds(&self) -> [f64; 2] {
+    /// The first Envoy's threads, as their `/proc/PID/task/TID` folders:
+    /// its main thread (xDS, stats, the snapshot service) and its worker
+    /// threads (`wrk:*`, where requests and the filter run).
+    fn envoy_threads(&self) -> Vec<(PathBuf, EnvoyThread)> {
         let Some(pid) = self.gateways[0].envoy.as_ref().map(Proc::pid) else {
-            return [0.0; 2];
+            return Vec::new();
         };
-        let mut out = [0.0; 2];
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-            return out;
+            return Vec::new();
         };
-        for task in tasks.flatten() {
-            let dir = task.path();
-            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-            let cpu = thread_cpu_seconds(&dir).unwrap_or(0.0);
-            if comm.starts_with("wrk:") {
-                out[1] += cpu;
-            } else if task.file_name().to_str() == Some(&pid.to_string()) {
-                out[0] += cpu;
-            }
+        tasks
+            .flatten()
+            .filter_map(|task| {
+                let dir = task.path();
+                let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+                if comm.starts_with("wrk:") {
+                    Some((dir, EnvoyThread::Worker))
+                } else if task.file_name().to_str() == Some(&pid.to_string()) {
+                    Some((dir, EnvoyThread::Main))
+                } else {
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// The first Envoy's CPU seconds so far, split into its main thread
+    /// and its worker threads.
+    pub fn envoy_thread_cpu_seconds(&self) -> [f64; 2] {
+        let mut out = [0.0; 2];
+        for (dir, thread) in self.envoy_threads() {
+            out[thread as usize] += thread_cpu_seconds(&dir).unwrap_or(0.0);
         }
         out
+    }
+
+    /// How often the first Envoy's worker threads have been preempted so
+    /// far (`nonvoluntary_ctxt_switches`): on a shared machine, what sets
+    /// most of a decision's P99.
+    pub fn envoy_worker_preemptions(&self) -> u64 {
+        self.envoy_threads()
+            .into_iter()
+            .filter(|(_, t)| *t == EnvoyThread::Worker)
+            .filter_map(|(dir, _)| preemptions_of(&dir))
+            .sum()
     }
 
     /// CPU seconds (user + system) used so far by `kvgate-extproc`; 0
@@ -973,6 +996,26 @@ pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
     cpu_seconds_of(Path::new(&format!("/proc/{pid}/stat")))
 }
 
+/// Which of Envoy's threads: the index into
+/// [`Stack::envoy_thread_cpu_seconds`]'s answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EnvoyThread {
+    Main = 0,
+    Worker = 1,
+}
+
+/// A thread's involuntary context switches so far, from its
+/// `/proc/PID/task/TID` folder.
+fn preemptions_of(task: &Path) -> Option<u64> {
+    let status = std::fs::read_to_string(task.join("status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("nonvoluntary_ctxt_switches:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// CPU seconds a thread has run, from its `/proc/PID/task/TID` folder:
 /// `schedstat`'s nanoseconds where the kernel keeps them (a request's
 /// share of a thread is tens of microseconds, the `stat` file's clock
@@ -1016,6 +1059,12 @@ pub fn process_rss(pid: u32) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_threads_preemptions_are_read() {
+        assert!(preemptions_of(Path::new("/proc/thread-self")).is_some());
+        assert_eq!(preemptions_of(Path::new("/proc/no-such-task")), None);
+    }
 
     #[test]
     fn a_threads_cpu_time_is_read_below_a_clock_tick() {
