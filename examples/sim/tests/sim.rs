@@ -6,12 +6,6 @@ use kvgate_stack::{free_block, free_ports};
 use rmpv::Value;
 use std::time::Duration;
 
-/// One port for a ZMQ endpoint, from below the ephemeral range so that no
-/// client socket of a parallel test takes it before the sim binds it.
-fn free_port() -> u16 {
-    free_ports(1).unwrap()[0]
-}
-
 async fn start(extra: &[&str]) -> (String, Args) {
     // Bound before the sim is built and held: no gap for another socket.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -84,6 +78,8 @@ fn recv_batch(s: &zmq::Socket) -> (u64, Value) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn completions_cache_prefixes_and_publish_events() {
+    // ZMQ ports from below the ephemeral range: no client socket of a
+    // parallel test takes one before the sim binds it.
     let [ev, rp] = free_ports(2).unwrap()[..] else {
         unreachable!()
     };
@@ -456,7 +452,7 @@ async fn batch_control_caps_admissions_and_evicts_without_losing_work() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn batch_control_refuses_bad_input_and_wants_its_token() {
-    let dir = std::env::temp_dir().join(format!("kvgate-sim-token-{}", free_port()));
+    let dir = std::env::temp_dir().join(format!("kvgate-sim-token-{}", std::process::id()));
     std::fs::write(&dir, "s3cret\n").unwrap();
     let (addr, _) = start(&["--admin-token-file", dir.to_str().unwrap()]).await;
     let auth = [("Authorization", "Bearer s3cret")];
