@@ -360,9 +360,7 @@ pub fn report(v: &Value) -> String {
         find("streamed response, 256 chunks"),
     ) {
         (Some(a), Some(b)) => {
-            let on_workers = |s: &Value| {
-                f(s, &["kvgate", "envoy_workers_cpu_us"]) - f(s, &["plain", "envoy_workers_cpu_us"])
-            };
+            let on_workers = |s: &Value| on_workers(s, "kvgate").unwrap_or(f64::NAN);
             format!(
                 "Streaming: on Envoy's worker threads, where the filter's callbacks run, it adds {:.0} µs to a response \
                  streamed in 256 chunks and {:.0} µs to the same response in one piece, {:+.2} µs a chunk (it releases the \
@@ -425,9 +423,8 @@ fn curve(shapes: &[Value], kind: Kind, route: &str) -> Vec<(f64, f64)> {
     LENGTHS
         .iter()
         .filter_map(|&t| {
-            let s = shapes
-                .iter()
-                .find(|s| s["shape"] == kind.shape_name(t).as_str())?;
+            let name = kind.shape_name(t);
+            let s = shapes.iter().find(|s| s["shape"] == name.as_str())?;
             Some((t as f64 / 1000.0, on_workers(s, route)?))
         })
         .collect()
