@@ -231,164 +231,221 @@ impl Snapshot {
 
     /// Decodes a snapshot, validating every length against the input.
     pub fn decode(bytes: &[u8]) -> Result<Snapshot, SnapshotError> {
+        let mut snap = Snapshot::default();
+        snap.decode_into(bytes)?;
+        Ok(snap)
+    }
+
+    /// [`Snapshot::decode`] into `self`, reusing its allocations: its
+    /// models', workers' and ranks' vectors and their strings. A router
+    /// VM under load finds a new snapshot on most requests (the sidecar
+    /// republishes as loads move), and allocating and freeing every
+    /// worker's strings was most of decoding one. Every field is written;
+    /// on an error `self` holds a mix of old and new and must be decoded
+    /// into again before it is read.
+    pub fn decode_into(&mut self, bytes: &[u8]) -> Result<(), SnapshotError> {
         let header = Header::parse(bytes)?;
         let mut r = Reader::at(bytes, HEADER_LEN);
         let model_count = r.u32()?;
         r.plausible(model_count, 4 + MODEL_FIXED, "models")?;
-        let mut models = Vec::with_capacity(model_count as usize);
-        for _ in 0..model_count {
-            let mut m = record32(&mut r, MODEL_FIXED)?;
-            let name = m.string16()?;
-            let flags = m.u8()?;
-            let decode_th = m.f64()?;
-            let prefill_th = m.u64()?;
-            let frac_th = m.f64()?;
-            let shard_count = m.u32()?;
-            let thresholds = Thresholds {
-                active_decode_blocks: (flags & TH_DECODE != 0).then_some(decode_th),
-                active_prefill_tokens: (flags & TH_PREFILL != 0).then_some(prefill_th),
-                active_prefill_tokens_frac: (flags & TH_FRAC != 0).then_some(frac_th),
-            };
-            let worker_count = m.u32()?;
-            m.plausible(worker_count, 4 + WORKER_FIXED, "workers")?;
-            let mut workers = Vec::with_capacity(worker_count as usize);
-            for _ in 0..worker_count {
-                let mut w = record32(&mut m, WORKER_FIXED)?;
-                let id = w.u64()?;
-                let endpoint = w.string16()?;
-                let block_size = w.u32()?;
-                let rank_count = w.u32()?;
-                w.plausible(rank_count, 2 + RANK_FIXED, "ranks")?;
-                let mut ranks = Vec::with_capacity(rank_count as usize);
-                for _ in 0..rank_count {
-                    let mut k = record16(&mut w, RANK_FIXED)?;
-                    ranks.push(RankLoad {
-                        rank: k.u32()?,
-                        slot: k.u16()?,
-                        active_prefill_tokens: k.u64()?,
-                        active_decode_blocks: k.u64()?,
-                        kv_used_blocks: k.u64()?,
-                        kv_total_blocks: k.u64()?,
-                        max_num_batched_tokens: k.u64()?,
-                        running: k.u32()?,
-                        waiting: k.u32()?,
-                        busy: k.u8()? & FLAG_BUSY != 0,
-                    });
-                }
-                let tenant = if w.remaining() >= 2 {
-                    w.string16()?
-                } else {
-                    DEFAULT_TENANT.to_string()
-                };
-                let (thermal, draining) = if w.remaining() >= THERMAL_LEN {
-                    let t = Thermal {
-                        state: ThermalState::from_code(w.u8()?),
-                        cap: w.u32()?,
-                        in_flight: w.u32()?,
-                        heat: unit(w.f64()?),
-                    };
-                    (t, w.u8()? & WORKER_DRAINING != 0)
-                } else {
-                    (Thermal::default(), false)
-                };
-                let role = if w.remaining() >= ROLE_LEN {
-                    Role::from_code(w.u8()?)
-                } else {
-                    Role::Both
-                };
-                let bootstrap_port = if w.remaining() >= BOOTSTRAP_PORT_LEN {
-                    w.u16()?
-                } else {
-                    DEFAULT_BOOTSTRAP_PORT
-                };
-                workers.push(WorkerState {
-                    id,
-                    endpoint,
-                    block_size,
-                    ranks,
-                    tenant,
-                    thermal,
-                    draining,
-                    role,
-                    bootstrap_port,
-                });
+        let model_count = model_count as usize;
+        self.models.truncate(model_count);
+        for i in 0..model_count {
+            let old = self
+                .models
+                .get_mut(i)
+                .map(std::mem::take)
+                .unwrap_or_default();
+            let model = decode_model(&mut record32(&mut r, MODEL_FIXED)?, old)?;
+            match self.models.get_mut(i) {
+                Some(slot) => *slot = model,
+                None => self.models.push(model),
             }
-            let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
-            let mut lora_adapters = Vec::new();
-            if m.remaining() >= 4 {
-                let count = m.u32()?;
-                m.plausible(count, 2, "lora adapters")?;
-                lora_adapters.reserve(count as usize);
-                for _ in 0..count {
-                    lora_adapters.push(m.string16()?);
-                }
-            }
-            let mut policy = Policy::default();
-            if m.remaining() >= POLICY_LEN {
-                for w in policy_weights_mut(&mut policy) {
-                    *w = m.f64()?;
-                }
-            }
-            let service_rate_per_s = if m.remaining() >= 8 {
-                Some(m.f64()?)
-                    .filter(|r| r.is_finite() && *r >= 0.0)
-                    .unwrap_or(0.0)
-            } else {
-                0.0
-            };
-            if m.remaining() >= 8 {
-                policy.thermal_weight = Some(m.f64()?)
-                    .filter(|w| w.is_finite() && *w >= 0.0)
-                    .unwrap_or(0.0);
-            }
-            let mut plan = ModelPlan::default();
-            if m.remaining() >= PLAN_LEN {
-                plan = ModelPlan {
-                    desired: m.u32()?,
-                    ready: m.u32()?,
-                    scale_up_eta_s: m.u32()?,
-                };
-            }
-            let prompt_template = if m.remaining() >= 8 { m.u64()? } else { 0 };
-            let disaggregation = if m.remaining() >= DISAGG_LEN {
-                read_disaggregation(&mut m)?
-            } else {
-                None
-            };
-            models.push(ModelState {
-                name,
-                thresholds,
-                shard_count,
-                workers,
-                retry_after_s,
-                lora_adapters,
-                policy,
-                service_rate_per_s,
-                plan,
-                prompt_template,
-                disaggregation,
-            });
         }
         // Minor 0 ends after the models.
-        let mut applied = Vec::new();
+        self.applied.clear();
         if r.remaining() > 0 {
             let count = r.u32()?;
             r.plausible(count, 16, "applied bookings")?;
-            applied.reserve(count as usize);
+            self.applied.reserve(count as usize);
             for _ in 0..count {
-                applied.push(Applied {
+                self.applied.push(Applied {
                     vm: r.u64()?,
                     seq: r.u64()?,
                 });
             }
         }
-        Ok(Snapshot {
-            version: header.version,
-            built_at_ms: header.built_at_ms,
-            models,
-            applied,
-        })
+        self.version = header.version;
+        self.built_at_ms = header.built_at_ms;
+        Ok(())
     }
+}
+
+/// `s`, copied into `buf`'s allocation.
+fn refill(mut buf: String, s: &str) -> String {
+    buf.clear();
+    buf.push_str(s);
+    buf
+}
+
+/// A model record, in `old`'s allocations.
+fn decode_model(m: &mut Reader<'_>, old: ModelState) -> Result<ModelState, SnapshotError> {
+    let ModelState {
+        name,
+        mut workers,
+        mut lora_adapters,
+        ..
+    } = old;
+    let name = refill(name, m.str16()?);
+    let flags = m.u8()?;
+    let decode_th = m.f64()?;
+    let prefill_th = m.u64()?;
+    let frac_th = m.f64()?;
+    let shard_count = m.u32()?;
+    let thresholds = Thresholds {
+        active_decode_blocks: (flags & TH_DECODE != 0).then_some(decode_th),
+        active_prefill_tokens: (flags & TH_PREFILL != 0).then_some(prefill_th),
+        active_prefill_tokens_frac: (flags & TH_FRAC != 0).then_some(frac_th),
+    };
+    let worker_count = m.u32()?;
+    m.plausible(worker_count, 4 + WORKER_FIXED, "workers")?;
+    let worker_count = worker_count as usize;
+    workers.truncate(worker_count);
+    for j in 0..worker_count {
+        let old = workers.get_mut(j).map(std::mem::take).unwrap_or_default();
+        let worker = decode_worker(&mut record32(m, WORKER_FIXED)?, old)?;
+        match workers.get_mut(j) {
+            Some(slot) => *slot = worker,
+            None => workers.push(worker),
+        }
+    }
+    let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
+    lora_adapters.clear();
+    if m.remaining() >= 4 {
+        let count = m.u32()?;
+        m.plausible(count, 2, "lora adapters")?;
+        lora_adapters.reserve(count as usize);
+        for _ in 0..count {
+            lora_adapters.push(m.string16()?);
+        }
+    }
+    let mut policy = Policy::default();
+    if m.remaining() >= POLICY_LEN {
+        for w in policy_weights_mut(&mut policy) {
+            *w = m.f64()?;
+        }
+    }
+    let service_rate_per_s = if m.remaining() >= 8 {
+        Some(m.f64()?)
+            .filter(|r| r.is_finite() && *r >= 0.0)
+            .unwrap_or(0.0)
+    } else {
+        0.0
+    };
+    if m.remaining() >= 8 {
+        policy.thermal_weight = Some(m.f64()?)
+            .filter(|w| w.is_finite() && *w >= 0.0)
+            .unwrap_or(0.0);
+    }
+    let mut plan = ModelPlan::default();
+    if m.remaining() >= PLAN_LEN {
+        plan = ModelPlan {
+            desired: m.u32()?,
+            ready: m.u32()?,
+            scale_up_eta_s: m.u32()?,
+        };
+    }
+    let prompt_template = if m.remaining() >= 8 { m.u64()? } else { 0 };
+    let disaggregation = if m.remaining() >= DISAGG_LEN {
+        read_disaggregation(m)?
+    } else {
+        None
+    };
+    Ok(ModelState {
+        name,
+        thresholds,
+        shard_count,
+        workers,
+        retry_after_s,
+        lora_adapters,
+        policy,
+        service_rate_per_s,
+        plan,
+        prompt_template,
+        disaggregation,
+    })
+}
+
+/// A worker record, in `old`'s allocations.
+fn decode_worker(w: &mut Reader<'_>, old: WorkerState) -> Result<WorkerState, SnapshotError> {
+    let WorkerState {
+        endpoint,
+        mut ranks,
+        tenant,
+        ..
+    } = old;
+    let id = w.u64()?;
+    let endpoint = refill(endpoint, w.str16()?);
+    let block_size = w.u32()?;
+    let rank_count = w.u32()?;
+    w.plausible(rank_count, 2 + RANK_FIXED, "ranks")?;
+    ranks.clear();
+    ranks.reserve(rank_count as usize);
+    for _ in 0..rank_count {
+        let mut k = record16(w, RANK_FIXED)?;
+        ranks.push(RankLoad {
+            rank: k.u32()?,
+            slot: k.u16()?,
+            active_prefill_tokens: k.u64()?,
+            active_decode_blocks: k.u64()?,
+            kv_used_blocks: k.u64()?,
+            kv_total_blocks: k.u64()?,
+            max_num_batched_tokens: k.u64()?,
+            running: k.u32()?,
+            waiting: k.u32()?,
+            busy: k.u8()? & FLAG_BUSY != 0,
+        });
+    }
+    let tenant = refill(
+        tenant,
+        if w.remaining() >= 2 {
+            w.str16()?
+        } else {
+            DEFAULT_TENANT
+        },
+    );
+    let (thermal, draining) = if w.remaining() >= THERMAL_LEN {
+        let t = Thermal {
+            state: ThermalState::from_code(w.u8()?),
+            cap: w.u32()?,
+            in_flight: w.u32()?,
+            heat: unit(w.f64()?),
+        };
+        (t, w.u8()? & WORKER_DRAINING != 0)
+    } else {
+        (Thermal::default(), false)
+    };
+    let role = if w.remaining() >= ROLE_LEN {
+        Role::from_code(w.u8()?)
+    } else {
+        Role::Both
+    };
+    let bootstrap_port = if w.remaining() >= BOOTSTRAP_PORT_LEN {
+        w.u16()?
+    } else {
+        DEFAULT_BOOTSTRAP_PORT
+    };
+    Ok(WorkerState {
+        id,
+        endpoint,
+        block_size,
+        ranks,
+        tenant,
+        thermal,
+        draining,
+        role,
+        bootstrap_port,
+    })
 }
 
 fn put_disaggregation(out: &mut Vec<u8>, d: Option<&Disaggregation>) {
@@ -887,6 +944,29 @@ mod tests {
     }
 
     #[test]
+    fn a_string_that_is_not_utf8_is_refused_whatever_it_replaces() {
+        let s = sample();
+        let mut bytes = s.encode().unwrap();
+        let endpoint = s.models[0].workers[0].endpoint.as_bytes();
+        let at = bytes
+            .windows(endpoint.len())
+            .position(|w| w == endpoint)
+            .unwrap();
+        bytes[at] = 0xff;
+        assert!(matches!(
+            Snapshot::decode(&bytes),
+            Err(SnapshotError::Wire(WireError::BadUtf8 { .. }))
+        ));
+        // Into a snapshot that held the valid endpoint, and into itself.
+        for mut into in [s.clone(), Snapshot::default()] {
+            assert!(matches!(
+                into.decode_into(&bytes),
+                Err(SnapshotError::Wire(WireError::BadUtf8 { .. }))
+            ));
+        }
+    }
+
+    #[test]
     fn workers_from_older_writers_are_in_the_default_tenant() {
         let mut s = sample();
         s.models.truncate(1);
@@ -899,6 +979,14 @@ mod tests {
         let old = Snapshot::decode(&bytes).unwrap();
         assert_eq!(old.models[0].workers[0].tenant, DEFAULT_TENANT);
         assert_eq!(old.models[0].workers[0].ranks, s.models[0].workers[0].ranks);
+        // Decoded into a newer writer's snapshot, the fields the old
+        // writer left out take their defaults, not the newer values.
+        let mut into = sample();
+        into.models[0].workers[0].tenant = "acme".into();
+        into.models[0].workers[0].thermal.cap = 9;
+        into.models[0].workers[0].draining = true;
+        into.decode_into(&bytes).unwrap();
+        assert_eq!(into, old);
     }
 
     #[test]
@@ -1118,6 +1206,28 @@ mod tests {
             let bytes = s.encode().unwrap();
             let cut = cut.min(bytes.len().saturating_sub(1));
             prop_assert!(Snapshot::decode(&bytes[..cut]).is_err());
+        }
+
+        #[test]
+        fn prop_decoding_into_an_old_snapshot_is_decoding_afresh(old in arb_snapshot(), new in arb_snapshot()) {
+            let bytes = new.encode().unwrap();
+            let mut into = old.clone();
+            into.decode_into(&bytes).unwrap();
+            prop_assert_eq!(into, new);
+        }
+
+        #[test]
+        fn prop_after_a_failed_decode_the_next_one_is_whole(
+            old in arb_snapshot(),
+            bad in arb_snapshot(),
+            cut in 0usize..4096,
+            new in arb_snapshot(),
+        ) {
+            let bad = bad.encode().unwrap();
+            let mut into = old;
+            prop_assert!(into.decode_into(&bad[..cut.min(bad.len() - 1)]).is_err());
+            into.decode_into(&new.encode().unwrap()).unwrap();
+            prop_assert_eq!(into, new);
         }
 
         #[test]

@@ -7,6 +7,10 @@ use kvgate_core::{Snapshot, SnapshotError};
 pub(crate) struct View {
     pub snapshot: Option<Snapshot>,
     pub version: u64,
+    /// The snapshot before the current one, whose allocations the next
+    /// one is decoded into ([`Snapshot::decode_into`]): under load most
+    /// requests find a new version.
+    spare: Snapshot,
 }
 
 impl View {
@@ -24,9 +28,14 @@ impl View {
         let Some(bytes) = read() else {
             return Ok(false);
         };
-        let snap = Snapshot::decode(&bytes)?;
-        self.version = snap.version;
-        self.snapshot = Some(snap);
+        // Into the spare, so that a snapshot that does not decode leaves
+        // the current one as it was.
+        self.spare.decode_into(&bytes)?;
+        self.version = self.spare.version;
+        let new = std::mem::take(&mut self.spare);
+        if let Some(old) = self.snapshot.replace(new) {
+            self.spare = old;
+        }
         Ok(true)
     }
 }
@@ -55,6 +64,45 @@ mod tests {
         assert_eq!(v.version, 5);
         assert!(v.refresh(6, || Some(vec![1, 2, 3])).is_err());
         assert_eq!(v.version, 5, "a bad snapshot keeps the old view");
-        assert!(v.snapshot.is_some());
+        assert_eq!(v.snapshot.as_ref(), Some(&s));
+    }
+
+    #[test]
+    fn each_version_decodes_whole_into_the_spare_of_the_last() {
+        let snap = |version: u64, endpoint: &str| {
+            let mut s = kvgate_core::Snapshot {
+                version,
+                ..Default::default()
+            };
+            s.models.push(kvgate_core::ModelState {
+                name: "m".into(),
+                workers: vec![kvgate_core::WorkerState {
+                    id: version,
+                    endpoint: endpoint.into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            });
+            s
+        };
+        let mut v = View::default();
+        let versions = [
+            snap(1, "10.0.0.1:8000"),
+            snap(2, "10.0.0.2:8000"),
+            snap(3, "10.0.0.3:8000"),
+            Snapshot {
+                version: 4,
+                ..Default::default()
+            },
+            snap(5, "10.0.0.5:8000"),
+        ];
+        for s in &versions {
+            let bytes = s.encode().unwrap();
+            assert_eq!(v.refresh(s.version, || Some(bytes)), Ok(true));
+            assert_eq!(v.snapshot.as_ref(), Some(s));
+            // A bad one between versions changes nothing the next sees.
+            assert!(v.refresh(s.version + 100, || Some(vec![0; 3])).is_err());
+            assert_eq!(v.snapshot.as_ref(), Some(s));
+        }
     }
 }
