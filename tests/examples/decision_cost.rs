@@ -157,13 +157,7 @@ fn shards(entries: impl IntoIterator<Item = (u64, u16)>, count: u32) -> HashMap<
 /// The update frame: the snapshot (model `m` with its template and
 /// indexes, model `a` with neither), and every shard.
 fn frame(blocks_per_worker: usize, t: &PromptTemplate) -> (Vec<u8>, usize) {
-    let mut snap: Snapshot = bench_snapshot(WORKERS, 4096);
-    snap.models[0].prompt_template = t.version();
-    let mut approx = snap.models[0].clone();
-    approx.name = "a".into();
-    approx.prompt_template = 0;
-    approx.shard_count = 0;
-    snap.models.push(approx);
+    let snap = snapshot(t, 1);
     let chains = blocks_per_worker / (CHAIN_TOKENS / 16);
     let tokens = (0..WORKERS).flat_map(|w| {
         (0..chains).flat_map(move |c| {
@@ -210,10 +204,26 @@ fn frame(blocks_per_worker: usize, t: &PromptTemplate) -> (Vec<u8>, usize) {
     (update::encode(1, 1, true, Some(&encoded), all), indexed)
 }
 
+/// The snapshot at `version`: model `m` with its template and indexes,
+/// model `a` with neither.
+fn snapshot(t: &PromptTemplate, version: u64) -> Snapshot {
+    let mut snap: Snapshot = bench_snapshot(WORKERS, 4096);
+    snap.version = version;
+    snap.models[0].prompt_template = t.version();
+    let mut approx = snap.models[0].clone();
+    approx.name = "a".into();
+    approx.prompt_template = 0;
+    approx.shard_count = 0;
+    snap.models.push(approx);
+    snap
+}
+
 /// One Envoy's worth of VMs on one build of the filter.
 struct Side {
     shared: kvgate_tests::host::SharedRef,
+    service: Vm,
     router: Vm,
+    version: u64,
 }
 
 impl Side {
@@ -234,7 +244,26 @@ impl Side {
         .expect("router VM");
         router.state_mut().fuel_clock = true;
         router.take_cost();
-        Side { shared, router }
+        Side {
+            shared,
+            service: svc,
+            router,
+            version: 1,
+        }
+    }
+
+    /// A new snapshot version, as the sidecar publishes whenever a
+    /// worker's load moves: under load, most requests find one, and the
+    /// router decodes it before deciding.
+    fn republish(&mut self, t: &PromptTemplate) {
+        self.version += 1;
+        let snap = snapshot(t, self.version).encode().expect("snapshot");
+        let update = update::encode(self.version, 1, false, Some(&snap), []);
+        let token = self.service.pending().pop().expect("poll").token;
+        self.service
+            .respond(token, 200, &[], &update)
+            .expect("update applied");
+        self.router.take_cost();
     }
 
     /// Sends one request; returns where it went, what it cost and the
@@ -392,6 +421,30 @@ fn main() {
             rows.push(row);
         }
     }
+    // What a new snapshot adds to a request that finds one.
+    let (path, b) = body(Kind::Tokens, 2048, 0);
+    let mut refresh = serde_json::Map::new();
+    for (name, side) in &mut sides {
+        let mut fuel = Vec::new();
+        for _ in 0..warm + measured {
+            side.republish(&t);
+            fuel.push(side.request(path, &b).1.total_fuel());
+        }
+        let with = median(fuel.split_off(warm));
+        let without = median(
+            (0..measured)
+                .map(|_| side.request(path, &b).1.total_fuel())
+                .collect(),
+        );
+        table.push_str(&format!(
+            "\n{name}: a 2k token-id request that finds a new snapshot (16 workers) costs {with} fuel, {without} without: the decode adds {}.\n",
+            with.saturating_sub(without)
+        ));
+        refresh.insert(
+            (*name).into(),
+            json!({"with_new_snapshot": with, "without": without}),
+        );
+    }
     eprintln!("{table}");
     println!(
         "{}",
@@ -401,6 +454,7 @@ fn main() {
             "blocks_per_worker": blocks,
             "requests_measured": measured,
             "rows": rows,
+            "new_snapshot_2k_token_ids": refresh,
         })
     );
 }
