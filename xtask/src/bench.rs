@@ -8,6 +8,10 @@
 //!   kvgate's decision through `ext_proc` (`kvgate-extproc`, the peers'
 //!   architecture); CPU per request per process, and the filter's own
 //!   decision-time histogram from Envoy.
+//! * `kv` ([`crate::kvbench`]): KV-aware routing through Envoy over a
+//!   1.6M-block index: selection and whole-decision time on 2k-token
+//!   prompts (with `--baseline`, both builds in turns, [`crate::turns`]),
+//!   freshness, memory, and the selection API. `--only kv`.
 //! * `ingest`: KV events decoded, hashed and indexed on one thread, against
 //!   a generic msgpack decode of the same bytes.
 //! * `dump`: the size of a 1.6M-block index's `GET /dump` and the cost of
@@ -62,9 +66,10 @@ pub struct Args {
     #[arg(long, value_enum)]
     pub only: Option<Only>,
     /// Builds the filter of this git revision too, and runs it beside
-    /// this tree's on a second kvgate listener of the same Envoy in the
-    /// request-shape benchmark (part of `overhead`): before and after in
-    /// one run, alternating.
+    /// this tree's on a second kvgate listener of the same Envoy: the
+    /// request shapes and length curve (part of `overhead`) and the 2k-token
+    /// decision (`kv` for token ids, `text` for chats and text), before and
+    /// after in one run, alternating.
     #[arg(long, value_name = "REV")]
     pub baseline: Option<String>,
 }
@@ -162,7 +167,7 @@ pub fn run(args: &Args) -> Result<()> {
                 )
             }
             Only::Kv => {
-                let v = crate::kvbench::run(quick, envoy_histogram)?;
+                let v = crate::kvbench::run(quick, baseline, envoy_histogram)?;
                 std::fs::write(dir.join("kv.json"), serde_json::to_vec_pretty(&v)?)?;
                 (kv_report(&v), "\n## KV-aware routing")
             }
@@ -188,7 +193,7 @@ pub fn run(args: &Args) -> Result<()> {
                 )
             }
             Only::Text => {
-                let v = crate::textbench::run(quick)?;
+                let v = crate::textbench::run(quick, baseline)?;
                 std::fs::write(dir.join("text.json"), serde_json::to_vec_pretty(&v)?)?;
                 (crate::textbench::report(&v), "\n## Text and chat prompts")
             }
@@ -241,7 +246,7 @@ pub fn run(args: &Args) -> Result<()> {
         dir.join("overhead.json"),
         serde_json::to_vec_pretty(&overhead)?,
     )?;
-    let kv = crate::kvbench::run(quick, envoy_histogram)?;
+    let kv = crate::kvbench::run(quick, baseline, envoy_histogram)?;
     std::fs::write(dir.join("kv.json"), serde_json::to_vec_pretty(&kv)?)?;
     let sync = crate::apibench::sync(quick)?;
     std::fs::write(dir.join("sync.json"), serde_json::to_vec_pretty(&sync)?)?;
@@ -260,7 +265,7 @@ pub fn run(args: &Args) -> Result<()> {
         dir.join("quality.json"),
         serde_json::to_vec_pretty(&quality)?,
     )?;
-    let text = crate::textbench::run(quick)?;
+    let text = crate::textbench::run(quick, baseline)?;
     std::fs::write(dir.join("text.json"), serde_json::to_vec_pretty(&text)?)?;
     let thermal = crate::thermalbench::run(quick)?;
     std::fs::write(
@@ -474,7 +479,7 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-fn spread(v: &[f64]) -> f64 {
+pub(crate) fn spread(v: &[f64]) -> f64 {
     let (lo, hi) = v
         .iter()
         .fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(*x), b.max(*x)));
@@ -485,12 +490,6 @@ fn spread(v: &[f64]) -> f64 {
 /// everything since Envoy started.
 pub(crate) fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
     histogram_column(stack, name, 1)
-}
-
-/// The same over Envoy's last stats flush interval (5 s) only: read while
-/// a steady load runs, it leaves out the warm-up (V8 tiering up the filter).
-pub(crate) fn envoy_histogram_interval(stack: &Stack, name: &str) -> Result<Value> {
-    histogram_column(stack, name, 0)
 }
 
 /// A filter histogram's detailed buckets (`lower`, `width`, count), all
@@ -725,11 +724,11 @@ fn overhead(quick: bool, baseline: Option<&std::path::Path>) -> Result<Value> {
 fn kv_report(kv: &Value) -> String {
     let f = |k: &str| kv[k].as_f64().unwrap_or(f64::NAN);
     let h = |k: &str, p: &str| kv[k][p].as_f64().unwrap_or(f64::NAN);
-    format!(
+    let mut md = format!(
         "\n## KV-aware routing through Envoy ({} workers, {:.2}M blocks indexed from ZMQ events)\n\n\
 | figure | value | baseline / target |\n| --- | --- | --- |\n\
 | selection (hash 2k-token prompt, read shards, cost), Envoy histogram P50 / P99 | {:.0} / {:.0} µs | target ≤ 20 µs P50 |\n\
-| whole decision (parse + select) P50 / P99 | {:.0} / {:.0} µs | — |\n\
+| whole decision (parse + select) P50 / P99, the same requests | {:.0} / {:.0} µs | — |\n\
 | requests routed to the prefix holder | {} of {} | — |\n\
 | event published → decision follows it, p50 / p99 | {:.1} / {:.1} ms | target ≤ 25 ms p99 (the sidecar publishes shards every 5 ms) |\n\
 | Envoy resident memory growth for the index | {:.1} MiB ({:.0} → {:.0} MiB) | baseline: Envoy before the index; target ≤ 64 MiB |\n\
@@ -748,7 +747,17 @@ fn kv_report(kv: &Value) -> String {
         f("envoy_rss_before_mib"),
         f("envoy_rss_after_mib"),
         f("index_build_s"),
-    )
+    );
+    if kv["decision_turns"].is_object() {
+        md.push_str(&format!(
+            "\nThe whole decision on 2k-token prompts that hit, in turns of {} requests: paced at 200 a second (the VM idle between requests) and back to back on one connection (the VM warm), {} turns of each per listener, the builds alternating in one Envoy (`crate::turns`; `--baseline REV` adds the old build's listener; the simulated workers at nice 19):\n\n{}",
+            kv["decision_turns"]["kvgate"]["paced"]["requests"].as_u64().unwrap_or(0)
+                / kv["decision_turns"]["kvgate"]["paced"]["turns"].as_u64().unwrap_or(1).max(1),
+            kv["decision_turns"]["kvgate"]["paced"]["turns"],
+            crate::turns::table(&[("token ids, 1.6M-block index".into(), &kv["decision_turns"])]),
+        ));
+    }
+    md
 }
 
 fn machine() -> String {

@@ -5,6 +5,8 @@
 //! * Envoy's resident memory before and after the 1.6M-block index arrives;
 //! * the filter's selection time on 2k-token prompts (Envoy histogram
 //!   `kvgate_selection_us`), and how many requests went to the holder;
+//! * the whole decision on those prompts in turns, beside the baseline
+//!   build's with `--baseline` ([`crate::turns`]);
 //! * freshness: from publishing a new chain to the first of three
 //!   consecutive requests that follow it.
 
@@ -117,7 +119,14 @@ fn indexed(stack: &Stack) -> f64 {
         .unwrap_or(0.0)
 }
 
-pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Result<Value> {
+/// `baseline`: another build of the filter, whose whole decision on the
+/// same 2k-token prompts is measured beside this one's, in turns
+/// ([`crate::turns`]).
+pub fn run(
+    quick: bool,
+    baseline: Option<&std::path::Path>,
+    histogram: impl Fn(&Stack, &str) -> Result<Value>,
+) -> Result<Value> {
     let chains_per_worker = BLOCKS_PER_WORKER / CHAIN_BLOCKS;
     eprintln!("xtask: bench kv ({WORKERS} workers × {BLOCKS_PER_WORKER} blocks)");
     let paths = build::release_paths()?;
@@ -140,6 +149,7 @@ pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Re
             selection_api: true,
             scrape_interval_ms: 250,
             down_after_ms: 3000,
+            baseline_wasm: baseline.map(std::path::Path::to_path_buf),
             ..StackConfig::default()
         },
     )?;
@@ -184,6 +194,25 @@ pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Re
         }
     }
     let rss_after = stack.envoy_rss().unwrap_or(0);
+    // Envoy computes histogram percentiles at its stats flush (every 5 s);
+    // read before the turns below add the baseline build's samples.
+    std::thread::sleep(Duration::from_secs(6));
+    let selection_us = histogram(&stack, "kvgate_selection_us")?;
+    let decision_us = histogram(&stack, "kvgate_decision_us")?;
+
+    // The whole decision on 2k-token prompts that hit, paced at 200 a
+    // second and back to back, this build against the baseline's.
+    let (turn, reps) = if quick { (400, 3) } else { (1000, 5) };
+    let prompts = (0..turn).map(|i| {
+        let mut tokens = chain_tokens(i % WORKERS, (i * 37) % chains_per_worker);
+        tokens.extend([7, 7, 7]);
+        json!({"model": "demo-model", "prompt": tokens, "max_tokens": 1})
+    });
+    let specs = crate::turns::paced("/v1/completions", prompts, 200.0);
+    let rt = tokio::runtime::Runtime::new()?;
+    let listeners = crate::turns::listeners(&stack, baseline.is_some());
+    stack.deprioritize_workers()?;
+    let turns = crate::turns::decision(&stack, &rt, &listeners, &specs, reps)?;
 
     // Freshness: publish a new chain on one worker, then follow it.
     let mut fresh = Vec::new();
@@ -219,7 +248,6 @@ pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Re
         .collect();
     let api = crate::apibench::selection(&stack, &prompts)?;
     let pct = |p: f64| fresh[((fresh.len() as f64 * p).ceil() as usize).clamp(1, fresh.len()) - 1];
-    std::thread::sleep(Duration::from_secs(6));
     Ok(json!({
         "name": "kv",
         "workers": WORKERS,
@@ -230,8 +258,9 @@ pub fn run(quick: bool, histogram: impl Fn(&Stack, &str) -> Result<Value>) -> Re
         "envoy_rss_growth_mib": (rss_after as f64 - rss_before as f64) / (1 << 20) as f64,
         "requests": n,
         "routed_to_prefix_holder": hits,
-        "selection_us": histogram(&stack, "kvgate_selection_us")?,
-        "decision_us": histogram(&stack, "kvgate_decision_us")?,
+        "selection_us": selection_us,
+        "decision_us": decision_us,
+        "decision_turns": turns,
         "freshness_ms_p50": pct(0.5),
         "freshness_ms_p99": pct(0.99),
         "freshness_samples": fresh.len(),

@@ -24,6 +24,7 @@ mod shedbench;
 mod stats;
 mod textbench;
 mod thermalbench;
+mod turns;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;

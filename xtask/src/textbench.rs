@@ -9,11 +9,12 @@
 //! * quality: a chat version of the shared-prefix workload and the
 //!   Mooncake trace as text, with caches small enough to evict; hit rates
 //!   next to the offline reference ([`crate::replay`]);
-//! * cost: the filter's decision time for a 2k-token chat prompt, text
-//!   index against routed-prefix index, and Envoy's and the sidecar's
-//!   memory with the tokenizer loaded.
+//! * cost: the filter's whole decision for a 2k-token chat and the same
+//!   words as a text completion, text index against routed-prefix index,
+//!   in turns beside the baseline build's with `--baseline`
+//!   ([`crate::turns`]); Envoy's and the sidecar's memory with the
+//!   tokenizer loaded.
 
-use crate::bench::{envoy_histogram, envoy_histogram_interval};
 use crate::build;
 use crate::quality::{WORKERS, dictionary, fleet_config, reset, sims, summarize, words};
 use anyhow::{Context, Result};
@@ -24,7 +25,6 @@ use kvgate_sim::tokenizer::RealText;
 use kvgate_stack::{Stack, StackConfig};
 use serde_json::{Value, json};
 use std::path::PathBuf;
-use std::time::Duration;
 
 const MODEL: &str = "demo-model";
 const POLICIES: [&str; 3] = ["approximate", "precise_text", "precise_token"];
@@ -279,46 +279,57 @@ fn quality(w: &Workload, rt: &tokio::runtime::Runtime) -> Result<Value> {
     }))
 }
 
-/// Decision time for a 2k-token chat, and memory, with and without the
-/// text index: the same requests on two otherwise equal stacks.
-fn cost(quick: bool, rt: &tokio::runtime::Runtime) -> Result<Value> {
+/// The whole decision for a 2k-token chat and the same words as a text
+/// completion, and memory, with and without the text index: the same
+/// requests on two otherwise equal stacks, each request kind in turns
+/// against the baseline build when there is one ([`crate::turns`]).
+fn cost(
+    quick: bool,
+    baseline: Option<&std::path::Path>,
+    rt: &tokio::runtime::Runtime,
+) -> Result<Value> {
     let dict = dictionary()?;
-    // At 200 requests a second: 20 s (quick) or 40 s, several flush
-    // intervals of steady state after the warm-up.
-    let n = if quick { 4000 } else { 8000 };
+    // A turn is 5 s (quick 2 s) at 200 requests a second.
+    let (n, reps) = if quick { (400, 3) } else { (1000, 5) };
     let (tok, cfg) = tokenizer_files();
     let real = RealText::load(&tok, Some(&cfg), None)?;
     let system: Vec<u32> = (0..1950u32)
         .map(|i| i.wrapping_mul(2_654_435_761) >> 7)
         .collect();
     let system = words(&system, &dict);
-    let specs: Vec<RequestSpec> = (0..n)
-        .map(|i| {
-            let body = json!({
-                "model": MODEL,
-                "messages": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": format!("question {i}: which worker holds this prefix?")},
-                ],
-                "max_tokens": 1,
-            });
-            RequestSpec {
-                path: "/v1/chat/completions".into(),
-                body: Bytes::from(body.to_string()),
-                stream: false,
-                at: Duration::from_millis(i as u64 * 5),
-                tag: "cost".into(),
-                prompt_tokens: None,
-            }
+    let chat = |i: usize| {
+        json!({
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": format!("question {i}: which worker holds this prefix?")},
+            ],
+            "max_tokens": 1,
         })
-        .collect();
-    let prompt_tokens = real
-        .chat(&serde_json::from_slice(&specs[0].body)?, 0)
-        .map_err(anyhow::Error::msg)?
-        .len();
+    };
+    let text = |i: usize| {
+        json!({
+            "model": MODEL,
+            "prompt": format!("{system} question {i}: which worker holds this prefix?"),
+            "max_tokens": 1,
+        })
+    };
+    let kinds = [
+        (
+            "chat",
+            crate::turns::paced("/v1/chat/completions", (0..n).map(chat), 200.0),
+        ),
+        (
+            "text",
+            crate::turns::paced("/v1/completions", (0..n).map(text), 200.0),
+        ),
+    ];
+    let prompt_tokens = real.chat(&chat(0), 0).map_err(anyhow::Error::msg)?.len();
     let mut out = serde_json::Map::new();
     for (name, text_index) in [("approximate", false), ("precise_text", true)] {
-        eprintln!("xtask: bench text: decision cost, {name} ({n} chats of {prompt_tokens} tokens)");
+        eprintln!(
+            "xtask: bench text: decision cost, {name} ({reps} turns of {n} requests, chat and text, {prompt_tokens} tokens)"
+        );
         let stack = Stack::start_with(
             build::release_paths()?,
             StackConfig {
@@ -327,50 +338,48 @@ fn cost(quick: bool, rt: &tokio::runtime::Runtime) -> Result<Value> {
                 sim_args: vec!["--instant".into()],
                 envoy_concurrency: 2,
                 plugin: json!({"max_body_bytes": 4 << 20}),
+                baseline_wasm: baseline.map(std::path::Path::to_path_buf),
                 ..StackConfig::default()
             }
             .with_prompt_files(&tok, &cfg, text_index),
         )?;
-        // The load runs for n × 5 ms; the steady-state window is read
-        // from Envoy's last full flush interval before it ends, after V8
-        // has tiered the filter up.
-        let target = Target::new(stack.envoy_url());
-        let (outcomes, steady) = std::thread::scope(|sc| {
-            let load = sc.spawn(|| rt.block_on(run_open_loop(&target, &specs, 1.0)));
-            std::thread::sleep(
-                Duration::from_millis(n as u64 * 5).saturating_sub(Duration::from_millis(500)),
+        let listeners = crate::turns::listeners(&stack, baseline.is_some());
+        // The workers tokenize every prompt (2k tokens: some milliseconds
+        // of CPU) on the cores Envoy runs on.
+        stack.deprioritize_workers()?;
+        let mut policy = serde_json::Map::new();
+        for (kind, specs) in &kinds {
+            policy.insert(
+                (*kind).into(),
+                crate::turns::decision(&stack, rt, &listeners, specs, reps)?,
             );
-            let steady = envoy_histogram_interval(&stack, "kvgate_decision_us");
-            (load.join(), steady)
-        });
-        let outcomes = outcomes.map_err(|_| anyhow::anyhow!("the load thread panicked"))?;
-        let steady = steady?;
-        let ok = outcomes.iter().filter(|o| o.status == 200).count();
-        // Envoy computes histogram percentiles at its stats flush (5 s).
-        std::thread::sleep(Duration::from_secs(6));
-        let h = envoy_histogram(&stack, "kvgate_decision_us")?;
-        let rendered = stack
-            .envoy_stat("kvgate_prompts_rendered_total")
-            .unwrap_or(0);
-        out.insert(
-            name.into(),
-            json!({
-                "ok": ok,
-                "sent": n,
-                "decision_us": {"p50": h["P50"], "p99": h["P99"]},
-                "steady_decision_us": {"p50": steady["P50"], "p99": steady["P99"]},
-                "rendered": rendered,
-                "envoy_rss_mb": stack.envoy_rss().map(|b| b as f64 / 1048576.0),
-                "sidecar_rss_mb": stack.sidecar_rss().map(|b| b as f64 / 1048576.0),
-            }),
+        }
+        policy.insert(
+            "rendered".into(),
+            json!(
+                stack
+                    .envoy_stat("kvgate_prompts_rendered_total")
+                    .unwrap_or(0)
+            ),
         );
+        policy.insert(
+            "envoy_rss_mb".into(),
+            json!(stack.envoy_rss().map(|b| b as f64 / 1048576.0)),
+        );
+        policy.insert(
+            "sidecar_rss_mb".into(),
+            json!(stack.sidecar_rss().map(|b| b as f64 / 1048576.0)),
+        );
+        out.insert(name.into(), Value::Object(policy));
     }
-    Ok(json!({"prompt_tokens": prompt_tokens, "requests": n, "policies": out}))
+    Ok(json!({"prompt_tokens": prompt_tokens, "requests_per_turn": n, "policies": out}))
 }
 
-pub fn run(quick: bool) -> Result<Value> {
+/// `baseline`: another build of the filter, whose decision cost is
+/// measured beside this one's.
+pub fn run(quick: bool, baseline: Option<&std::path::Path>) -> Result<Value> {
     let rt = tokio::runtime::Runtime::new()?;
-    let cost = cost(quick, &rt).context("decision cost")?;
+    let cost = cost(quick, baseline, &rt).context("decision cost")?;
     let mut out = Vec::new();
     for w in workloads(quick)? {
         out.push(quality(&w, &rt).with_context(|| w.name)?);
@@ -380,24 +389,31 @@ pub fn run(quick: bool) -> Result<Value> {
 
 pub fn report(v: &Value) -> String {
     let c = &v["cost"];
-    let p =
-        |policy: &str, k: &str, q: &str| c["policies"][policy][k][q].as_f64().unwrap_or(f64::NAN);
     let m = |policy: &str, k: &str| c["policies"][policy][k].as_f64().unwrap_or(f64::NAN);
+    let rows: Vec<(String, &Value)> = [
+        ("chat", "approximate"),
+        ("chat", "precise_text"),
+        ("text", "approximate"),
+        ("text", "precise_text"),
+    ]
+    .into_iter()
+    .map(|(kind, policy)| {
+        let index = if policy == "approximate" {
+            "approximate index"
+        } else {
+            "precise text index"
+        };
+        (format!("{kind}, {index}"), &c["policies"][policy][kind])
+    })
+    .collect();
     let mut md = format!(
         "\n## Text and chat prompts\n\nChat and text prompts matched against the engines' KV events through the text index (`precise_text`; `docs/text-routing.md`), against the routed-prefix index (`approximate`, what models without prompt files get) and against token prompts of the same requests (`precise_token`). The workers tokenize with the Llama-3-style fixture tokenizer, so their events carry the ids a vLLM would.\n\n\
-Decision cost, {} chats of {} tokens at 200 a second (Envoy histogram `kvgate_decision_us`, 2 Envoy workers), steady state (the last 5 s flush interval of the run, V8 tiered up): approximate P50 {:.0} µs / P99 {:.0} µs; precise text P50 {:.0} µs / P99 {:.0} µs (P50 {:+.0} µs). Over the whole run, warm-up included: approximate P50 {:.0} / P99 {:.0} µs, precise text {:.0} / {:.0} µs. Memory after the run: Envoy {:.0} MB with the text index, {:.0} MB without; sidecar {:.0} MB with the tokenizer's vocabulary, {:.0} MB without.\n",
-        c["requests"],
+Decision cost: a chat of {} tokens (a system prompt and a question) and the same words as a text completion, in turns of {} requests, paced at 200 a second (the VM idle between requests) and back to back on one connection (the VM warm) (Envoy histogram `kvgate_decision_us`, 2 Envoy workers, V8 tiered up by a warm-up turn; the simulated workers, which tokenize every prompt on the same two cores, at nice 19), {} turns of each per listener, medians with their spread:\n\n{}\n\
+Memory after the run: Envoy {:.0} MB with the text index, {:.0} MB without; sidecar {:.0} MB with the tokenizer's vocabulary, {:.0} MB without.\n",
         c["prompt_tokens"],
-        p("approximate", "steady_decision_us", "p50"),
-        p("approximate", "steady_decision_us", "p99"),
-        p("precise_text", "steady_decision_us", "p50"),
-        p("precise_text", "steady_decision_us", "p99"),
-        p("precise_text", "steady_decision_us", "p50")
-            - p("approximate", "steady_decision_us", "p50"),
-        p("approximate", "decision_us", "p50"),
-        p("approximate", "decision_us", "p99"),
-        p("precise_text", "decision_us", "p50"),
-        p("precise_text", "decision_us", "p99"),
+        c["requests_per_turn"],
+        c["policies"]["approximate"]["chat"]["kvgate"]["paced"]["turns"],
+        crate::turns::table(&rows),
         m("precise_text", "envoy_rss_mb"),
         m("approximate", "envoy_rss_mb"),
         m("precise_text", "sidecar_rss_mb"),
