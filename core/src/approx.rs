@@ -2,9 +2,10 @@
 //! describe: text prompts (kvgate does not tokenize) and models whose
 //! workers publish no events.
 //!
-//! The rendered prompt text is cut into fixed-size chunks, chained like
-//! block hashes, and kvgate *learns* which rank holds which chunks from its
-//! own routing decisions: after routing, the filter reports (model, slot,
+//! The prompt text is cut into fixed-size chunks, each keyed by its whole
+//! prefix ([`crate::text::prefix_keys`], as the text index keys them),
+//! and kvgate *learns* which rank holds which chunks from its own routing
+//! decisions: after routing, the filter reports (model, slot,
 //! chunk hashes); the sidecar remembers them for a TTL and publishes them as
 //! index shards under [`model_key`], which the filter reads exactly like the
 //! precise index. This is how SGLang's router and the Gateway API Inference
@@ -21,8 +22,6 @@ pub const CHUNK_BYTES: usize = 256;
 pub const CHUNK_TOKENS: u32 = (CHUNK_BYTES / 4) as u32;
 /// Shards of every model's approximate index.
 pub const SHARDS: u32 = 4096;
-/// Distinguishes chunk hashes from block hashes of the same bytes.
-const SEED: u64 = 1337 ^ 0xA99A_0C5E_ED00_0001;
 /// Chunks a request reports at most: bounds queue and index growth from
 /// very long prompts (the leading chunks carry the shared prefix anyway).
 pub const MAX_CHUNKS: usize = 256;
@@ -32,20 +31,8 @@ pub fn model_key(model: &str) -> String {
     format!("~approx~{model}")
 }
 
-/// Chained hashes of the full chunks of `text`.
-pub fn chunk_hashes(text: &str) -> Vec<u64> {
-    let mut out = Vec::with_capacity((text.len() / CHUNK_BYTES).min(MAX_CHUNKS));
-    let mut buf = [0u8; 8 + CHUNK_BYTES];
-    let mut parent = 0u64;
-    for chunk in text.as_bytes().chunks_exact(CHUNK_BYTES).take(MAX_CHUNKS) {
-        buf[..8].copy_from_slice(&parent.to_le_bytes());
-        buf[8..].copy_from_slice(chunk);
-        parent = xxh3_64_with_seed(&buf, SEED);
-        out.push(parent);
-    }
-    out
-}
-
+/// Seeds the hash that moves token chunks into a cache scope.
+const SCOPE_SEED: u64 = 1337 ^ 0xA99A_0C5E_ED00_0001;
 /// Keeps token chunks apart from text chunks of the same bytes.
 const TOKEN_SEED: u64 = 1337 ^ 0x70CE_0C5E_ED00_0002;
 
@@ -70,10 +57,11 @@ pub fn token_chunk_hashes(tokens: &[u32]) -> Vec<u64> {
     out
 }
 
-/// Moves a prompt's chunk hashes into the cache scope of its LoRA adapter
-/// and `cache_salt` (see [`crate::hash::CacheScope`]): the engine shares no
-/// KV blocks across adapters or salts, so a routed prefix must not draw a
-/// request of another scope either. The unscoped chunks are unchanged.
+/// Moves a token prompt's chunk hashes into the cache scope of its LoRA
+/// adapter and `cache_salt` (see [`crate::hash::CacheScope`]): the engine
+/// shares no KV blocks across adapters or salts, so a routed prefix must
+/// not draw a request of another scope either. The unscoped chunks are
+/// unchanged. (Text chunks are prefix keys, scoped where they start.)
 pub fn scope_chunks(chunks: &mut [u64], scope: crate::hash::CacheScope<'_>) {
     if scope.lora_name.is_none() && scope.cache_salt.is_none() {
         return;
@@ -85,7 +73,7 @@ pub fn scope_chunks(chunks: &mut [u64], scope: crate::hash::CacheScope<'_>) {
         key.extend_from_slice(&(b.len() as u64).to_le_bytes());
         key.extend_from_slice(b);
     }
-    let seed = xxh3_64_with_seed(&key, SEED);
+    let seed = xxh3_64_with_seed(&key, SCOPE_SEED);
     for c in chunks {
         *c = xxh3_64_with_seed(&c.to_le_bytes(), seed);
     }
@@ -168,10 +156,10 @@ mod tests {
     #[test]
     fn scopes_keep_routed_prefixes_apart() {
         use crate::hash::CacheScope;
-        let text = "x".repeat(CHUNK_BYTES * 3);
-        let base = chunk_hashes(&text);
+        let tokens: Vec<u32> = (0..CHUNK_TOKENS * 3).collect();
+        let base = token_chunk_hashes(&tokens);
         let scoped = |lora, salt| {
-            let mut c = chunk_hashes(&text);
+            let mut c = token_chunk_hashes(&tokens);
             scope_chunks(
                 &mut c,
                 CacheScope {
@@ -206,30 +194,8 @@ mod tests {
             .flat_map(|t| t.to_le_bytes())
             .map(char::from)
             .collect();
-        assert!(chunk_hashes(&bytes).iter().all(|h| !ha.contains(h)));
-    }
-
-    #[test]
-    fn chunks_chain_and_share_prefixes() {
-        let system = "x".repeat(CHUNK_BYTES * 3);
-        let a = chunk_hashes(&format!(
-            "{system}question one, which is long enough to fill a chunk? {}",
-            "a".repeat(300)
-        ));
-        let b = chunk_hashes(&format!(
-            "{system}question two is different {}",
-            "b".repeat(300)
-        ));
-        assert_eq!(a[..3], b[..3]);
-        assert_ne!(a[3], b[3]);
-        assert!(chunk_hashes("short").is_empty());
-        assert_eq!(
-            chunk_hashes(&"y".repeat(CHUNK_BYTES * (MAX_CHUNKS + 5))).len(),
-            MAX_CHUNKS
-        );
-        // Equal chunks at different depths hash differently (chained).
-        let c = chunk_hashes(&"z".repeat(CHUNK_BYTES * 2));
-        assert_ne!(c[0], c[1]);
+        let text = crate::text::prefix_keys(&bytes, crate::hash::CacheScope::default());
+        assert!(text.iter().all(|h| !ha.contains(h)));
     }
 
     #[test]

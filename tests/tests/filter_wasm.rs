@@ -1020,7 +1020,8 @@ fn text_prompts_are_reported_and_follow_the_learned_index() {
     // the system prompt's chunks); a new question with the same system
     // prompt follows it although worker 3 is more loaded.
     let snap = fleet(2);
-    let shared_chunks = approx::chunk_hashes(&format!("system\n{system}"));
+    let shared_chunks =
+        kvgate_core::text::prefix_keys(&format!("system\n{system}"), Default::default());
     let mut per_shard: std::collections::BTreeMap<u32, Vec<(u64, Vec<Holder>)>> =
         Default::default();
     for h in &shared_chunks {
