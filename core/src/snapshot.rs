@@ -248,20 +248,9 @@ impl Snapshot {
         let mut r = Reader::at(bytes, HEADER_LEN);
         let model_count = r.u32()?;
         r.plausible(model_count, 4 + MODEL_FIXED, "models")?;
-        let model_count = model_count as usize;
-        self.models.truncate(model_count);
-        for i in 0..model_count {
-            let old = self
-                .models
-                .get_mut(i)
-                .map(std::mem::take)
-                .unwrap_or_default();
-            let model = decode_model(&mut record32(&mut r, MODEL_FIXED)?, old)?;
-            match self.models.get_mut(i) {
-                Some(slot) => *slot = model,
-                None => self.models.push(model),
-            }
-        }
+        reuse_each(&mut self.models, model_count as usize, |old| {
+            decode_model(&mut record32(&mut r, MODEL_FIXED)?, old)
+        })?;
         // Minor 0 ends after the models.
         self.applied.clear();
         if r.remaining() > 0 {
@@ -279,6 +268,26 @@ impl Snapshot {
         self.built_at_ms = header.built_at_ms;
         Ok(())
     }
+}
+
+/// `count` items decoded into `items`, each given the one it replaces (or
+/// a default past the old end) to reuse its allocations; items past
+/// `count` are dropped.
+fn reuse_each<T: Default>(
+    items: &mut Vec<T>,
+    count: usize,
+    mut decode: impl FnMut(T) -> Result<T, SnapshotError>,
+) -> Result<(), SnapshotError> {
+    items.truncate(count);
+    for i in 0..count {
+        let old = items.get_mut(i).map(std::mem::take).unwrap_or_default();
+        let new = decode(old)?;
+        match items.get_mut(i) {
+            Some(slot) => *slot = new,
+            None => items.push(new),
+        }
+    }
+    Ok(())
 }
 
 /// `s`, copied into `buf`'s allocation.
@@ -309,16 +318,9 @@ fn decode_model(m: &mut Reader<'_>, old: ModelState) -> Result<ModelState, Snaps
     };
     let worker_count = m.u32()?;
     m.plausible(worker_count, 4 + WORKER_FIXED, "workers")?;
-    let worker_count = worker_count as usize;
-    workers.truncate(worker_count);
-    for j in 0..worker_count {
-        let old = workers.get_mut(j).map(std::mem::take).unwrap_or_default();
-        let worker = decode_worker(&mut record32(m, WORKER_FIXED)?, old)?;
-        match workers.get_mut(j) {
-            Some(slot) => *slot = worker,
-            None => workers.push(worker),
-        }
-    }
+    reuse_each(&mut workers, worker_count as usize, |old| {
+        decode_worker(&mut record32(m, WORKER_FIXED)?, old)
+    })?;
     let retry_after_s = if m.remaining() >= 4 { m.u32()? } else { 0 };
     lora_adapters.clear();
     if m.remaining() >= 4 {
