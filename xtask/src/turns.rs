@@ -65,6 +65,14 @@ impl Pace {
         }
     }
 
+    /// Its name in the report's table.
+    fn label(self) -> &'static str {
+        match self {
+            Pace::Paced => "paced",
+            Pace::BackToBack => "back to back",
+        }
+    }
+
     async fn send(self, target: &Target, specs: &[RequestSpec]) -> Vec<kvgate_load::Outcome> {
         match self {
             Pace::Paced => run_open_loop(target, specs, 1.0).await,
@@ -231,25 +239,19 @@ pub fn table(rows: &[(String, &Value)]) -> String {
     for (name, v) in rows {
         for pace in Pace::ALL {
             let this = &v["kvgate"][pace.key()];
-            let sent = match pace {
-                Pace::Paced => "paced",
-                Pace::BackToBack => "back to back",
-            };
-            md.push_str(&format!("| {name} | {sent} | {} |", cell(this)));
+            md.push_str(&format!("| {name} | {} | {} |", pace.label(), cell(this)));
             if baseline {
                 md.push_str(&format!(" {} |", cell(&v["baseline"][pace.key()])));
             }
-            let phase = |p: &str| {
-                this["phase_p50_us"][p]
-                    .as_f64()
-                    .map_or("—".to_string(), |x| format!("{x:.0}"))
-            };
-            md.push_str(&format!(
-                " {} / {} / {} |\n",
-                phase("kvgate_parse_us"),
-                phase("kvgate_gather_us"),
-                phase("kvgate_selection_us")
-            ));
+            let phases: Vec<String> = PHASES
+                .iter()
+                .map(|p| {
+                    this["phase_p50_us"][*p]
+                        .as_f64()
+                        .map_or("—".to_string(), |x| format!("{x:.0}"))
+                })
+                .collect();
+            md.push_str(&format!(" {} |\n", phases.join(" / ")));
         }
     }
     md
