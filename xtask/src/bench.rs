@@ -489,7 +489,23 @@ pub(crate) fn spread(v: &[f64]) -> f64 {
 /// Envoy's own percentiles of a filter histogram, from `/stats`, over
 /// everything since Envoy started.
 pub(crate) fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
-    histogram_column(stack, name, 1)
+    let (_, body) = http::get(
+        &stack.admin_addr(),
+        &format!("/stats?filter=wasmcustom\\.{name}$"),
+    )?;
+    let text = String::from_utf8_lossy(&body);
+    // "wasmcustom.x: P0(a,b) P25(a,b) ...": interval, then cumulative,
+    // the one taken.
+    let mut out = serde_json::Map::new();
+    for part in text.split_whitespace() {
+        if let Some((p, vals)) = part.split_once('(')
+            && let Some(v) = vals.trim_end_matches(')').split(',').nth(1)
+            && let Ok(v) = v.parse::<f64>()
+        {
+            out.insert(p.to_string(), json!(v));
+        }
+    }
+    Ok(Value::Object(out))
 }
 
 /// A filter histogram's detailed buckets (`lower`, `width`, count), all
@@ -553,25 +569,6 @@ pub(crate) fn percentiles_between(
         out.insert(format!("P{p}"), json!(value));
     }
     Value::Object(out)
-}
-
-fn histogram_column(stack: &Stack, name: &str, column: usize) -> Result<Value> {
-    let (_, body) = http::get(
-        &stack.admin_addr(),
-        &format!("/stats?filter=wasmcustom\\.{name}$"),
-    )?;
-    let text = String::from_utf8_lossy(&body);
-    // "wasmcustom.x: P0(a,b) P25(a,b) ...": interval, then cumulative.
-    let mut out = serde_json::Map::new();
-    for part in text.split_whitespace() {
-        if let Some((p, vals)) = part.split_once('(')
-            && let Some(v) = vals.trim_end_matches(')').split(',').nth(column)
-            && let Ok(v) = v.parse::<f64>()
-        {
-            out.insert(p.to_string(), json!(v));
-        }
-    }
-    Ok(Value::Object(out))
 }
 
 /// The routes `overhead` measures, in the order of even repetitions: the
@@ -750,9 +747,10 @@ fn kv_report(kv: &Value) -> String {
     );
     if kv["decision_turns"].is_object() {
         md.push_str(&format!(
-            "\nThe whole decision on 2k-token prompts that hit, in turns of {} requests: paced at 200 a second (the VM idle between requests) and back to back on one connection (the VM warm), {} turns of each per listener, the builds alternating in one Envoy (`crate::turns`; `--baseline REV` adds the old build's listener; the simulated workers at nice 19):\n\n{}",
+            "\nThe whole decision on 2k-token prompts that hit, in turns of {} requests: paced at {} a second (the VM idle between requests) and back to back on one connection (the VM warm), {} turns of each per listener, the builds alternating in one Envoy (`crate::turns`; `--baseline REV` adds the old build's listener; the simulated workers at nice 19):\n\n{}",
             kv["decision_turns"]["kvgate"]["paced"]["requests"].as_u64().unwrap_or(0)
                 / kv["decision_turns"]["kvgate"]["paced"]["turns"].as_u64().unwrap_or(1).max(1),
+            crate::turns::RATE,
             kv["decision_turns"]["kvgate"]["paced"]["turns"],
             crate::turns::table(&[("token ids, 1.6M-block index".into(), &kv["decision_turns"])]),
         ));

@@ -202,13 +202,13 @@ pub fn run(
 
     // The whole decision on 2k-token prompts that hit, paced at 200 a
     // second and back to back, this build against the baseline's.
-    let (turn, reps) = if quick { (400, 3) } else { (1000, 5) };
+    let (turn, reps) = crate::turns::size(quick);
     let prompts = (0..turn).map(|i| {
         let mut tokens = chain_tokens(i % WORKERS, (i * 37) % chains_per_worker);
         tokens.extend([7, 7, 7]);
         json!({"model": "demo-model", "prompt": tokens, "max_tokens": 1})
     });
-    let specs = crate::turns::paced("/v1/completions", prompts, 200.0);
+    let specs = crate::turns::paced("/v1/completions", prompts);
     let rt = tokio::runtime::Runtime::new()?;
     let listeners = crate::turns::listeners(&stack, baseline.is_some());
     stack.deprioritize_workers()?;

@@ -289,8 +289,7 @@ fn cost(
     rt: &tokio::runtime::Runtime,
 ) -> Result<Value> {
     let dict = dictionary()?;
-    // A turn is 5 s (quick 2 s) at 200 requests a second.
-    let (n, reps) = if quick { (400, 3) } else { (1000, 5) };
+    let (n, reps) = crate::turns::size(quick);
     let (tok, cfg) = tokenizer_files();
     let real = RealText::load(&tok, Some(&cfg), None)?;
     let system: Vec<u32> = (0..1950u32)
@@ -317,11 +316,11 @@ fn cost(
     let kinds = [
         (
             "chat",
-            crate::turns::paced("/v1/chat/completions", (0..n).map(chat), 200.0),
+            crate::turns::paced("/v1/chat/completions", (0..n).map(chat)),
         ),
         (
             "text",
-            crate::turns::paced("/v1/completions", (0..n).map(text), 200.0),
+            crate::turns::paced("/v1/completions", (0..n).map(text)),
         ),
     ];
     let prompt_tokens = real.chat(&chat(0), 0).map_err(anyhow::Error::msg)?.len();
@@ -408,10 +407,11 @@ pub fn report(v: &Value) -> String {
     .collect();
     let mut md = format!(
         "\n## Text and chat prompts\n\nChat and text prompts matched against the engines' KV events through the text index (`precise_text`; `docs/text-routing.md`), against the routed-prefix index (`approximate`, what models without prompt files get) and against token prompts of the same requests (`precise_token`). The workers tokenize with the Llama-3-style fixture tokenizer, so their events carry the ids a vLLM would.\n\n\
-Decision cost: a chat of {} tokens (a system prompt and a question) and the same words as a text completion, in turns of {} requests, paced at 200 a second (the VM idle between requests) and back to back on one connection (the VM warm) (Envoy histogram `kvgate_decision_us`, 2 Envoy workers, V8 tiered up by a warm-up turn; the simulated workers, which tokenize every prompt on the same two cores, at nice 19), {} turns of each per listener, medians with their spread:\n\n{}\n\
+Decision cost: a chat of {} tokens (a system prompt and a question) and the same words as a text completion, in turns of {} requests, paced at {} a second (the VM idle between requests) and back to back on one connection (the VM warm) (Envoy histogram `kvgate_decision_us`, 2 Envoy workers, V8 tiered up by a warm-up turn; the simulated workers, which tokenize every prompt on the same two cores, at nice 19), {} turns of each per listener, medians with their spread:\n\n{}\n\
 Memory after the run: Envoy {:.0} MB with the text index, {:.0} MB without; sidecar {:.0} MB with the tokenizer's vocabulary, {:.0} MB without.\n",
         c["prompt_tokens"],
         c["requests_per_turn"],
+        crate::turns::RATE,
         c["policies"]["approximate"]["chat"]["kvgate"]["paced"]["turns"],
         crate::turns::table(&rows),
         m("precise_text", "envoy_rss_mb"),

@@ -23,6 +23,15 @@ const FLUSH_WAIT: Duration = Duration::from_millis(5500);
 /// a turn is left out.
 const PHASES: [&str; 3] = ["kvgate_parse_us", "kvgate_gather_us", "kvgate_selection_us"];
 
+/// Requests a second in a paced turn.
+pub const RATE: f64 = 200.0;
+
+/// Requests per turn and turns per listener and pace: a paced turn is 5 s
+/// (quick 2 s).
+pub fn size(quick: bool) -> (usize, usize) {
+    if quick { (400, 3) } else { (1000, 5) }
+}
+
 /// A listener measured in turns: its name in the results, its URL.
 pub struct Listener {
     pub name: &'static str,
@@ -204,8 +213,8 @@ fn turn(
     Ok(())
 }
 
-/// `body`s at `rate` a second: the open-loop schedule of a turn.
-pub fn paced(path: &str, bodies: impl IntoIterator<Item = Value>, rate: f64) -> Vec<RequestSpec> {
+/// `body`s at [`RATE`] a second: the open-loop schedule of a turn.
+pub fn paced(path: &str, bodies: impl IntoIterator<Item = Value>) -> Vec<RequestSpec> {
     bodies
         .into_iter()
         .enumerate()
@@ -213,7 +222,7 @@ pub fn paced(path: &str, bodies: impl IntoIterator<Item = Value>, rate: f64) -> 
             path: path.into(),
             body: bytes::Bytes::from(body.to_string()),
             stream: false,
-            at: Duration::from_secs_f64(i as f64 / rate),
+            at: Duration::from_secs_f64(i as f64 / RATE),
             tag: "decision".into(),
             prompt_tokens: None,
         })
@@ -277,7 +286,7 @@ mod tests {
 
     #[test]
     fn a_paced_schedule_spaces_requests_by_the_rate() {
-        let specs = paced("/v1/completions", (0..3).map(|i| json!({"i": i})), 200.0);
+        let specs = paced("/v1/completions", (0..3).map(|i| json!({"i": i})));
         let at: Vec<u128> = specs.iter().map(|s| s.at.as_millis()).collect();
         assert_eq!(at, [0, 5, 10]);
         assert_eq!(&specs[2].body[..], br#"{"i":2}"#);
