@@ -286,6 +286,20 @@ pub fn overlaps(
                     lo = n - 1;
                 } else {
                     hi = n - 1;
+                    // The next most common case is a cached prompt with a
+                    // new last block (a short question after a shared
+                    // system prompt): one read at the block before the
+                    // last settles it, where bisecting 128 blocks takes
+                    // seven. A longer new tail pays that read on top of
+                    // the bisection.
+                    if hi - lo > 1 {
+                        fetch(n - 2, &mut memo);
+                        if holds(&memo, n - 2) {
+                            lo = n - 2;
+                        } else {
+                            hi = n - 2;
+                        }
+                    }
                 }
             }
             while hi - lo > 1 {
@@ -431,6 +445,24 @@ mod tests {
             overlaps(n, |i, v| v.extend_from_slice(&full[i]), &mut out),
             2
         );
+    }
+
+    #[test]
+    fn a_new_tail_is_found_from_the_end() {
+        let n = 128;
+        let mut out = [SlotOverlap::default(); 1];
+        // Block 0, the last (a miss), then the one before it.
+        let one = chain(n, &[(0, 127, 127)]);
+        assert_eq!(
+            overlaps(n, |i, v| v.extend_from_slice(&one[i]), &mut out),
+            3
+        );
+        assert_eq!(out[0].device, 127);
+        // A short cached prefix pays that read, then bisects 126 blocks.
+        let short = chain(n, &[(0, 5, 5)]);
+        let calls = overlaps(n, |i, v| v.extend_from_slice(&short[i]), &mut out);
+        assert_eq!(out[0].device, 5);
+        assert_eq!(calls, 3 + 7);
     }
 
     #[test]
