@@ -54,7 +54,7 @@ pub(super) fn parse_reference(endpoint: Endpoint, body: &[u8]) -> Result<Parsed,
             max_completion_tokens: raw(f.max_completion_tokens),
             cache_salt: raw(f.cache_salt),
             prompt: f.prompt,
-            messages: raw(f.messages),
+            messages: f.messages.and_then(|m| serde_json::from_str(m.get()).ok()),
             tools: raw(f.tools),
             chat_template_kwargs: raw(f.chat_template_kwargs),
             add_generation_prompt: raw(f.add_generation_prompt),
@@ -332,6 +332,14 @@ fn agree_on_chosen_bodies() {
         r#"{"model":"m" "prompt":[1]}"#,
         r#"{"model":"m","messages":[{"role":"u","content":"\u00e9"}],"tools":"\ud800"}"#,
         r#"{"model":"m","messages":[{"role":"u","content":"hi"}],"prompt":[[1],[]]}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":"\ud800"}]}"#,
+        r#"{"messages":[{"role":"u","content":"hi"}] ,"model":"m"}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":"hi"}]x}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":"hi"}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":"hi"},]}"#,
+        r#"{"model":"m","messages":nul}"#,
+        r#"{"model":"m","messages":null}"#,
+        r#"{"model":"m","messages":[],"messages":[]}"#,
         "",
         "  ",
         "[]",
@@ -374,6 +382,22 @@ fn stricter_where_no_engine_would_accept() {
     assert!(parse_reference(Endpoint::Completions, bomb.as_bytes()).is_ok());
     let e = parse(Endpoint::Completions, bomb.as_bytes()).unwrap_err().0;
     assert!(e.contains("recursion limit"), "{e}");
+
+    // A chat's messages, which serde_json parses in place, keep the
+    // bound the skipped fields have: 126 containers inside the body's.
+    let deep = |n: usize| {
+        format!(
+            r#"{{"model":"m","messages":{}1{}}}"#,
+            "[".repeat(n),
+            "]".repeat(n)
+        )
+    };
+    let e = parse(Endpoint::Chat, deep(126).as_bytes()).unwrap_err().0;
+    assert!(e.contains("messages[0] must be an object"), "{e}");
+    for n in [127, 129, 100_000] {
+        let e = parse(Endpoint::Chat, deep(n).as_bytes()).unwrap_err().0;
+        assert!(e.contains("recursion limit"), "{n}: {e}");
+    }
 }
 
 /// serde_json turned every number of a prompt item into a value, and

@@ -164,10 +164,7 @@ fn read(endpoint: Endpoint, f: scan::Fields) -> Result<Parsed, BadRequest> {
             }
         },
         Endpoint::Chat => {
-            let messages: Value = field(f.messages, String::new)
-                .ok()
-                .flatten()
-                .unwrap_or(Value::Null);
+            let messages = f.messages.unwrap_or(Value::Null);
             let (tokens, text, n) = self::messages(&messages)?;
             let tools: Option<Value> = field(f.tools, String::new).ok().flatten();
             let mut kwargs = match field::<Value>(f.chat_template_kwargs, || {
@@ -214,7 +211,13 @@ fn messages(m: &Value) -> Result<PromptParts, BadRequest> {
     if items.is_empty() {
         return bad("'messages' must not be empty");
     }
-    let mut text = String::new();
+    let mut text = String::with_capacity(
+        items
+            .iter()
+            .filter_map(|m| m.get("content").and_then(Value::as_str))
+            .map(|c| c.len() + 16)
+            .sum(),
+    );
     for (i, msg) in items.iter().enumerate() {
         let Some(obj) = msg.as_object() else {
             return bad(format!("messages[{i}] must be an object"));

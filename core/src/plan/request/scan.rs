@@ -1,20 +1,21 @@
-//! The request body's top level, read in one strict pass without
-//! serde_json.
+//! The request body's top level, read in one strict pass.
 //!
 //! A long prompt sent as token ids is the largest body kvgate routes, and
 //! serde_json spent some 630 fuel units a token reading it (its numbers go
 //! through a visitor a byte at a time). This reader takes the ids straight
-//! into `u32`s, eight bytes at a time, and leaves every other field as its
-//! raw JSON text, so the small ones can still be checked by serde_json as
-//! before and the rest cost one byte walk. Only strings can hold non-ASCII
-//! bytes, so only they are checked to be UTF-8: a token list is not walked
-//! a second time. It accepts exactly the JSON serde_json accepts
-//! (RFC 8259), except that it is stricter in two places an engine would
-//! refuse anyway: invalid UTF-8 anywhere, and nesting deeper than
-//! serde_json's own bound inside fields routing skips.
+//! into `u32`s, eight bytes at a time, has serde_json build a chat's
+//! messages where they stand (they become a tree anyway), and leaves every
+//! other field as its raw JSON text, so the small ones can still be
+//! checked by serde_json as before and the rest cost one byte walk. Only
+//! strings can hold non-ASCII bytes, so only they are checked to be UTF-8:
+//! a token list is not walked a second time. It accepts exactly the JSON
+//! serde_json accepts (RFC 8259), except that it is stricter in two places
+//! an engine would refuse anyway: invalid UTF-8 anywhere, and nesting
+//! deeper than serde_json's own bound inside fields routing skips.
 
 use super::estimate_tokens;
 use super::prompt::{NOT_TOKENS, Prompt, WRONG_TYPE};
+use serde_json::Value;
 use std::borrow::Cow;
 use thiserror::Error;
 
@@ -33,7 +34,7 @@ pub(super) enum ScanError {
 }
 
 /// The top-level fields routing reads, as their raw JSON text, except the
-/// prompt, read in the same pass.
+/// prompt and the messages, read in the same pass.
 #[derive(Debug, Default)]
 pub(super) struct Fields<'a> {
     pub model: Option<&'a str>,
@@ -43,7 +44,8 @@ pub(super) struct Fields<'a> {
     pub cache_salt: Option<&'a str>,
     /// `None` when absent or `null`.
     pub prompt: Option<Prompt>,
-    pub messages: Option<&'a str>,
+    /// A chat's messages, parsed where they stand (see [`Reader::tree`]).
+    pub messages: Option<Value>,
     pub tools: Option<&'a str>,
     pub chat_template_kwargs: Option<&'a str>,
     pub add_generation_prompt: Option<&'a str>,
@@ -64,6 +66,7 @@ const NAMES: [&str; 10] = [
     "add_generation_prompt",
 ];
 const PROMPT: usize = 5;
+const MESSAGES: usize = 6;
 
 pub(super) fn fields(body: &[u8]) -> Result<Fields<'_>, ScanError> {
     let mut r = Reader { b: body, i: 0 };
@@ -99,6 +102,10 @@ pub(super) fn fields(body: &[u8]) -> Result<Fields<'_>, ScanError> {
                     seen |= 1 << PROMPT;
                     f.prompt = r.prompt()?;
                 }
+                Some(MESSAGES) => {
+                    seen |= 1 << MESSAGES;
+                    f.messages = Some(r.tree(1)?);
+                }
                 Some(k) => {
                     seen |= 1 << k;
                     let raw = r.raw(1)?;
@@ -108,7 +115,6 @@ pub(super) fn fields(body: &[u8]) -> Result<Fields<'_>, ScanError> {
                         2 => &mut f.max_tokens,
                         3 => &mut f.max_completion_tokens,
                         4 => &mut f.cache_salt,
-                        6 => &mut f.messages,
                         7 => &mut f.tools,
                         8 => &mut f.chat_template_kwargs,
                         _ => &mut f.add_generation_prompt,
@@ -213,6 +219,16 @@ fn id8(b: &[u8], i: usize) -> Option<(u32, usize)> {
     }
 }
 
+/// Containers nested in `v`, itself included. serde_json bounds the
+/// recursion by its own limit.
+fn nesting(v: &Value) -> u32 {
+    match v {
+        Value::Array(items) => 1 + items.iter().map(nesting).max().unwrap_or(0),
+        Value::Object(m) => 1 + m.values().map(nesting).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
 /// Where the whitespace from `i` ends.
 fn ws_end(b: &[u8], mut i: usize) -> usize {
     while let Some(b' ' | b'\n' | b'\t' | b'\r') = b.get(i) {
@@ -307,6 +323,28 @@ impl<'a> Reader<'a> {
     /// be UTF-8 all the same: an engine would refuse the body.
     fn skip_checked(&mut self, depth: u32) -> Result<(), ScanError> {
         self.raw(depth).map(|_| ())
+    }
+
+    /// A value that becomes a tree anyway, a chat's messages, parsed by
+    /// serde_json where it stands: its walk is the check, where skipping
+    /// the value, checking its UTF-8 and then parsing its text took three
+    /// passes over most of a chat's body. A value serde_json does not
+    /// build (bad syntax, nesting past [`MAX_DEPTH`] with the `depth`
+    /// containers around it, a lone surrogate escape, which is JSON but
+    /// no string) is skipped as any other field: refused as before where
+    /// the skip refuses it, else read as `null`, as it was.
+    fn tree(&mut self, depth: u32) -> Result<Value, ScanError> {
+        let at = self.i;
+        let rest = self.b.get(at..).unwrap_or_default();
+        let mut values = serde_json::Deserializer::from_slice(rest).into_iter::<Value>();
+        if let Some(Ok(v)) = values.next()
+            && depth + nesting(&v) <= MAX_DEPTH
+        {
+            self.i = at + values.byte_offset();
+            return Ok(v);
+        }
+        self.skip_checked(depth)?;
+        Ok(Value::Null)
     }
 
     /// Skips a value and returns its JSON text.
