@@ -55,10 +55,12 @@ pub fn request_full(
         req.push_str(&format!("Content-Length: {}\r\n", b.len()));
     }
     req.push_str("\r\n");
-    s.write_all(req.as_bytes())?;
-    if let Some(b) = body {
-        s.write_all(b)?;
-    }
+    // One write: a filter that answers at the headers (a 503 for stale
+    // state) lets Envoy close the connection, and a body written after
+    // that draws a reset that can discard the answer before it is read.
+    let mut bytes = req.into_bytes();
+    bytes.extend_from_slice(body.unwrap_or_default());
+    s.write_all(&bytes)?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;
     parse_response(&raw)
