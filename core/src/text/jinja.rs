@@ -68,7 +68,16 @@ impl Compiled {
     /// `messages` as the template reads them: vLLM joins content parts
     /// with newlines unless the template walks them itself.
     pub(super) fn joined<'a>(&self, messages: &'a Value) -> Cow<'a, Value> {
-        if self.content_parts {
+        let has_parts = || {
+            messages
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|m| m.get("content").is_some_and(Value::is_array))
+        };
+        if self.content_parts || !has_parts() {
+            // A chat of string contents is what the template reads as it
+            // is: no copy of its messages.
             Cow::Borrowed(messages)
         } else {
             Cow::Owned(joined_text_parts(messages))
@@ -141,12 +150,6 @@ fn joined_text_parts(messages: &Value) -> Value {
     let Some(list) = messages.as_array() else {
         return messages.clone();
     };
-    if !list
-        .iter()
-        .any(|m| m.get("content").is_some_and(Value::is_array))
-    {
-        return messages.clone();
-    }
     let out = list
         .iter()
         .map(|m| {

@@ -29,7 +29,7 @@
 use super::jinja::{self, Compiled, TemplateError};
 use serde_json::{Map, Value};
 use std::collections::HashMap;
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Shapes kept per model: a conversation's shape is its role sequence, so
 /// long multi-turn traffic makes many; past this the cache starts over.
@@ -51,6 +51,26 @@ struct Skeleton {
     literal_bytes: usize,
     /// `strftime_now` calls while rendering: (format, what it gave).
     clock: Vec<(String, String)>,
+    /// The last second [`Skeleton::current`] found it current: chats come
+    /// many a second, and formatting a date is not free in Envoy's VM.
+    current_at: Option<u64>,
+}
+
+impl Skeleton {
+    /// Every `strftime_now` it recorded formats `unix_s` the same.
+    fn current(&mut self, unix_s: u64) -> bool {
+        if self.clock.is_empty() || self.current_at == Some(unix_s) {
+            return true;
+        }
+        let current = self
+            .clock
+            .iter()
+            .all(|(f, out)| jinja::strftime(f, unix_s) == *out);
+        if current {
+            self.current_at = Some(unix_s);
+        }
+        current
+    }
 }
 
 /// The strings a template tests contents against, read from its source.
@@ -321,6 +341,31 @@ impl Skeletons {
         ))
     }
 
+    /// A chat of plain (role, content) turns assembled from its shape's
+    /// skeleton, when one is built and reads the clock as it would now:
+    /// what [`Skeletons::chat`] gives a chat of such messages. `None`:
+    /// that needs the messages' tree.
+    pub(super) fn assemble_turns(
+        &mut self,
+        turns: &[(&str, &str)],
+        tools: Option<&Value>,
+        kwargs: Option<&Map<String, Value>>,
+        unix_s: u64,
+    ) -> Option<String> {
+        if tools.is_some_and(|t| !t.is_null()) || !turns.iter().all(|(_, c)| self.guards.admit(c)) {
+            return None;
+        }
+        let key = shape_key(turns.iter().map(|(role, _)| *role), kwargs);
+        let s = self.by_shape.get_mut(&key)?.as_mut()?;
+        if !s.current(unix_s) {
+            return None;
+        }
+        let contents: Vec<&str> = turns.iter().map(|(_, c)| *c).collect();
+        let text = assemble(s, &contents);
+        self.used += 1;
+        Some(text)
+    }
+
     /// The skeleton of the chat's shape, built if it is new or read the
     /// clock differently now; `None` if the shape fails the check.
     fn skeleton(
@@ -330,14 +375,16 @@ impl Skeletons {
         kwargs: Option<&Map<String, Value>>,
         unix_s: u64,
     ) -> Option<&Skeleton> {
-        let key = shape_key(messages, kwargs);
-        let stale = match self.by_shape.get(&key) {
+        let roles = messages
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|m| m.get("role").and_then(Value::as_str).unwrap_or_default());
+        let key = shape_key(roles, kwargs);
+        let stale = match self.by_shape.get_mut(&key) {
             None => true,
             Some(None) => return None,
-            Some(Some(s)) => !s
-                .clock
-                .iter()
-                .all(|(f, out)| jinja::strftime(f, unix_s) == *out),
+            Some(Some(s)) => !s.current(unix_s),
         };
         if stale {
             if self.by_shape.len() >= MAX_SHAPES {
@@ -372,19 +419,19 @@ impl Skeletons {
 }
 
 /// Roles in order and the template's arguments: what a skeleton depends on.
-fn shape_key(messages: &Value, kwargs: Option<&Map<String, Value>>) -> u64 {
-    let mut h = Xxh3::new();
-    for m in messages.as_array().into_iter().flatten() {
-        let role = m.get("role").and_then(Value::as_str).unwrap_or_default();
-        h.update(&(role.len() as u64).to_le_bytes());
-        h.update(role.as_bytes());
-    }
-    h.update(&[0xff]);
+fn shape_key<'a>(roles: impl Iterator<Item = &'a str>, kwargs: Option<&Map<String, Value>>) -> u64 {
+    // Each role hashed on the hash before it: XXH3 takes each one's
+    // length in, so the roles cannot run into each other, and one-shot
+    // hashes of a few bytes are a fraction of a streaming hasher's code.
+    let mut h = roles.fold(SHAPE_SEED, |h, role| xxh3_64_with_seed(role.as_bytes(), h));
+    h = xxh3_64_with_seed(&[0xff], h);
     if let Some(k) = kwargs {
-        h.update(Value::Object(k.clone()).to_string().as_bytes());
+        h = xxh3_64_with_seed(serde_json::to_string(k).unwrap_or_default().as_bytes(), h);
     }
-    h.digest()
+    h
 }
+
+const SHAPE_SEED: u64 = 0x5348_4150_455f_4b45;
 
 fn with_contents(messages: &Value, sentinel: impl Fn(usize) -> String) -> Value {
     let list = messages.as_array().cloned().unwrap_or_default();
@@ -434,6 +481,7 @@ fn build(
         parts,
         literal_bytes,
         clock,
+        current_at: None,
     };
     let longs: Vec<String> = (0..n).map(long).collect();
     let filled = assemble(&s, &longs.iter().map(String::as_str).collect::<Vec<_>>());

@@ -156,6 +156,26 @@ impl Renderer {
             .chat(&self.compiled, messages, tools, kwargs, unix_s)
     }
 
+    /// [`Renderer::chat_cached`] for a chat given as its plain `turns`
+    /// (role, content) where every message is one: assembled without a
+    /// tree of the messages once its shape's skeleton is built. The tree
+    /// comes from `messages` when the template must run.
+    pub fn chat_turns(
+        &mut self,
+        turns: Option<&[(&str, &str)]>,
+        messages: impl FnOnce() -> Result<Value, TemplateError>,
+        tools: Option<&Value>,
+        kwargs: Option<&Map<String, Value>>,
+        unix_s: u64,
+    ) -> Result<(String, Path), TemplateError> {
+        if let Some(text) =
+            turns.and_then(|t| self.skeletons.assemble_turns(t, tools, kwargs, unix_s))
+        {
+            return Ok((text, Path::Skeleton));
+        }
+        self.chat_cached(&messages()?, tools, kwargs, unix_s)
+    }
+
     /// Skeletons built and chats assembled from one, so far.
     pub fn skeleton_counts(&self) -> (u64, u64) {
         self.skeletons.counts()

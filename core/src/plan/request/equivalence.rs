@@ -54,12 +54,69 @@ pub(super) fn parse_reference(endpoint: Endpoint, body: &[u8]) -> Result<Parsed,
             max_completion_tokens: raw(f.max_completion_tokens),
             cache_salt: raw(f.cache_salt),
             prompt: f.prompt,
-            messages: f.messages.and_then(|m| serde_json::from_str(m.get()).ok()),
+            messages: f.messages.map(|m| joined_from_tree(m.get())),
             tools: raw(f.tools),
             chat_template_kwargs: raw(f.chat_template_kwargs),
             add_generation_prompt: raw(f.add_generation_prompt),
         },
     )
+}
+
+/// The messages as serde_json builds them, joined from the tree: what
+/// the body reader's own join replaced.
+fn joined_from_tree(json: &str) -> scan::Messages<'_> {
+    let refused = |why: String| scan::Messages::Refused(why);
+    let Ok(Value::Array(items)) = serde_json::from_str::<Value>(json) else {
+        return refused(scan::NOT_A_LIST.into());
+    };
+    if items.is_empty() {
+        return refused("'messages' must not be empty".into());
+    }
+    let mut joined = String::new();
+    let mut turns = Some(Vec::new());
+    for (i, msg) in items.iter().enumerate() {
+        let Some(obj) = msg.as_object() else {
+            return refused(format!("messages[{i}] must be an object"));
+        };
+        let Some(role) = obj.get("role").and_then(Value::as_str) else {
+            return refused(format!("messages[{i}].role is required"));
+        };
+        let role_at = joined.len();
+        joined.push_str(role);
+        joined.push('\n');
+        let content_at = joined.len();
+        let plain = obj.len() == 2 && obj.get("content").is_some_and(Value::is_string);
+        match obj.get("content") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) => joined.push_str(s),
+            Some(Value::Array(parts)) => {
+                for p in parts {
+                    if let Some(t) = p.get("text").and_then(Value::as_str) {
+                        joined.push_str(t);
+                    }
+                }
+            }
+            Some(_) => {
+                return refused(format!(
+                    "messages[{i}].content must be a string or a list of parts"
+                ));
+            }
+        }
+        let turn = Turn {
+            role: role_at..content_at - 1,
+            content: content_at..joined.len(),
+        };
+        match turns.as_mut() {
+            Some(all) if plain => all.push(turn),
+            _ => turns = None,
+        }
+        joined.push('\n');
+    }
+    scan::Messages::Read {
+        json: json.as_bytes(),
+        joined,
+        turns,
+    }
 }
 
 /// What an error is about: the body as a whole (its messages carry the
@@ -166,11 +223,40 @@ fn prompt() -> impl Strategy<Value = String> {
     ]
 }
 
+/// Chat messages: members in any order, given twice or not at all, their
+/// names sometimes escaped; contents as strings, part lists or anything.
 fn messages() -> impl Strategy<Value = String> {
-    let message = (string(), prop_oneof![string(), value()])
-        .prop_map(|(role, content)| format!(r#"{{"role":{role},"content":{content}}}"#));
+    let part = prop_oneof![
+        3 => prop::collection::vec(
+            (prop::sample::select(vec![r#""text""#, r#""t\u0065xt""#, r#""type""#]),
+             prop_oneof![3 => string(), 1 => value()]),
+            0..3,
+        )
+        .prop_map(|m| {
+            let m: Vec<String> = m.into_iter().map(|(k, v)| format!("{k}:{v}")).collect();
+            format!("{{{}}}", m.join(","))
+        }),
+        1 => value(),
+    ];
+    let content = prop_oneof![
+        3 => string(),
+        2 => prop::collection::vec(part, 0..3).prop_map(|p| format!("[{}]", p.join(","))),
+        1 => Just("null".to_owned()),
+        1 => value(),
+    ];
+    let member = prop_oneof![
+        3 => string().prop_map(|r| format!(r#""role":{r}"#)),
+        1 => value().prop_map(|r| format!(r#""r\u006fle":{r}"#)),
+        3 => content.prop_map(|c| format!(r#""content":{c}"#)),
+        1 => (string(), value()).prop_map(|(k, v)| format!("{k}:{v}")),
+    ];
+    let message = prop_oneof![
+        6 => (prop::collection::vec(member, 0..4), ws())
+            .prop_map(|(m, w)| format!("{{{w}{}{w}}}", m.join(&format!("{w},{w}")))),
+        1 => value(),
+    ];
     prop_oneof![
-        3 => prop::collection::vec(message, 0..3).prop_map(|v| format!("[{}]", v.join(","))),
+        3 => (prop::collection::vec(message, 0..4), ws()).prop_map(|(v, w)| list(v, w)),
         1 => value(),
     ]
 }
@@ -340,6 +426,19 @@ fn agree_on_chosen_bodies() {
         r#"{"model":"m","messages":nul}"#,
         r#"{"model":"m","messages":null}"#,
         r#"{"model":"m","messages":[],"messages":[]}"#,
+        r#"{"model":"m","messages":[{"role":"a","content":"x","role":"b","content":null}]}"#,
+        r#"{"model":"m","messages":[{"content":"x","role":"a","role":7}]}"#,
+        r#"{"model":"m","messages":[{"content":[{"text":"a","text":"b"},{"text":1},"c",{"x":{"text":"d"}},{"text":"e","text":null}],"role":"u"}]}"#,
+        r#"{"model":"m","messages":[{"r\u006fle":"u","c\u006fntent":"\u00e9\ud83d\ude00"}]}"#,
+        r#"{"model":"m","messages":[3,{"role":"u","content":"\udc00"}]}"#,
+        r#"{"model":"m","messages":[3,{"role":"u","content":"x","n":1e400}]}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":"x","n":[1e308,-1e-400,123456789012345678901234567890]}]}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":"x","\ud800":1}]}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":{"text":"x"}}]}"#,
+        r#"{"model":"m","messages":[{"role":"u"},{"content":"x"}]}"#,
+        r#"{"model":"m","messages":[ { "role" : "u" , "content" : [ ] } ] }"#,
+        r#"{"model":"m","messages":"\ud800"}"#,
+        r#"{"model":"m","messages":[{"role":"u","content":"x"},nul]}"#,
         "",
         "  ",
         "[]",

@@ -8,9 +8,10 @@ mod scan;
 use crate::text::skeleton::Path;
 use crate::text::template::{Renderer, TemplateError};
 use prompt::Prompt;
-use scan::ScanError;
+use scan::{Messages, NOT_A_LIST, ScanError};
 use serde::Deserialize;
 use serde_json::{Map, Value};
+use std::ops::Range;
 
 /// The two inference endpoints kvgate routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,10 +62,24 @@ pub struct Parsed {
 /// The parts of a chat body its template reads.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatInput {
-    pub messages: Value,
+    /// The messages' JSON, checked to build: a tree of them is made only
+    /// when the template must run.
+    pub messages: Vec<u8>,
+    /// Where each message's role and content stand in the joined text,
+    /// when every message is a plain `{role, content}` of strings: what a
+    /// chat assembled from its shape's skeleton reads.
+    pub turns: Option<Vec<Turn>>,
     pub tools: Option<Value>,
     /// vLLM's `chat_template_kwargs` (`enable_thinking` and the like).
     pub kwargs: Option<Map<String, Value>>,
+}
+
+/// A plain message's role and content, as byte ranges of a chat's joined
+/// text ([`Parsed::text`] before rendering).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Turn {
+    pub role: Range<usize>,
+    pub content: Range<usize>,
 }
 
 impl Parsed {
@@ -76,12 +91,38 @@ impl Parsed {
     /// Returns how a chat was rendered (`None` for a completion prompt).
     pub fn render(&mut self, r: &mut Renderer, unix_s: u64) -> Result<Option<Path>, TemplateError> {
         let (text, path) = match (&self.chat, &self.text) {
-            (Some(c), _) => {
-                let (text, path) =
-                    r.chat_cached(&c.messages, c.tools.as_ref(), c.kwargs.as_ref(), unix_s)?;
+            (Some(c), joined) => {
+                let joined = joined.as_deref().unwrap_or_default();
+                // Once rendered, the text is no longer what the turns index.
+                let turns = c.turns.as_ref().filter(|_| !self.rendered);
+                let turns: Option<Vec<(&str, &str)>> = turns.and_then(|turns| {
+                    turns
+                        .iter()
+                        .map(|t| {
+                            Some((joined.get(t.role.clone())?, joined.get(t.content.clone())?))
+                        })
+                        .collect()
+                });
+                let messages = || {
+                    serde_json::from_slice(&c.messages)
+                        .map_err(|e| TemplateError::Render(format!("messages: {e}")))
+                };
+                let (text, path) = r.chat_turns(
+                    turns.as_deref(),
+                    messages,
+                    c.tools.as_ref(),
+                    c.kwargs.as_ref(),
+                    unix_s,
+                )?;
                 (text, Some(path))
             }
-            (None, Some(t)) => (r.completion(t), None),
+            (None, Some(_)) => {
+                // In place: the prompt was read with room for the prefix,
+                // so no second buffer of its size is touched.
+                let mut text = self.text.take().unwrap_or_default();
+                text.insert_str(0, &r.template().completion_prefix);
+                (text, None)
+            }
             (None, None) => return Ok(None),
         };
         self.isl_tokens = estimate_tokens(&text);
@@ -164,8 +205,16 @@ fn read(endpoint: Endpoint, f: scan::Fields) -> Result<Parsed, BadRequest> {
             }
         },
         Endpoint::Chat => {
-            let messages = f.messages.unwrap_or(Value::Null);
-            let (tokens, text, n) = self::messages(&messages)?;
+            let (messages, text, turns) = match f.messages {
+                Some(Messages::Read {
+                    json,
+                    joined,
+                    turns,
+                }) => (json.to_vec(), joined, turns),
+                Some(Messages::Refused(why)) => return bad(why),
+                None => return bad(NOT_A_LIST),
+            };
+            let n = estimate_tokens(&text);
             let tools: Option<Value> = field(f.tools, String::new).ok().flatten();
             let mut kwargs = match field::<Value>(f.chat_template_kwargs, || {
                 "'chat_template_kwargs' must be an object".into()
@@ -182,10 +231,11 @@ fn read(endpoint: Endpoint, f: scan::Fields) -> Result<Parsed, BadRequest> {
             }
             let chat = ChatInput {
                 messages,
+                turns,
                 tools,
                 kwargs,
             };
-            (tokens, text, n, Some(chat))
+            (None, Some(text), n, Some(chat))
         }
     };
     Ok(Parsed {
@@ -200,53 +250,6 @@ fn read(endpoint: Endpoint, f: scan::Fields) -> Result<Parsed, BadRequest> {
         max_tokens,
         cache_salt,
     })
-}
-
-type PromptParts = (Option<Vec<u32>>, Option<String>, u64);
-
-fn messages(m: &Value) -> Result<PromptParts, BadRequest> {
-    let Value::Array(items) = m else {
-        return bad("'messages' is required for /v1/chat/completions and must be a list");
-    };
-    if items.is_empty() {
-        return bad("'messages' must not be empty");
-    }
-    let mut text = String::with_capacity(
-        items
-            .iter()
-            .filter_map(|m| m.get("content").and_then(Value::as_str))
-            .map(|c| c.len() + 16)
-            .sum(),
-    );
-    for (i, msg) in items.iter().enumerate() {
-        let Some(obj) = msg.as_object() else {
-            return bad(format!("messages[{i}] must be an object"));
-        };
-        let Some(role) = obj.get("role").and_then(Value::as_str) else {
-            return bad(format!("messages[{i}].role is required"));
-        };
-        text.push_str(role);
-        text.push('\n');
-        match obj.get("content") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) => text.push_str(s),
-            Some(Value::Array(parts)) => {
-                for p in parts {
-                    if let Some(t) = p.get("text").and_then(Value::as_str) {
-                        text.push_str(t);
-                    }
-                }
-            }
-            Some(_) => {
-                return bad(format!(
-                    "messages[{i}].content must be a string or a list of parts"
-                ));
-            }
-        }
-        text.push('\n');
-    }
-    let n = estimate_tokens(&text);
-    Ok((None, Some(text), n))
 }
 
 #[cfg(test)]
@@ -313,7 +316,8 @@ mod tests {
                 "chat_template_kwargs":{"enable_thinking":false},"add_generation_prompt":false}"#,
         );
         let c = p.chat.unwrap();
-        assert_eq!(c.messages[0]["content"], "hi");
+        let messages: Value = serde_json::from_slice(&c.messages).unwrap();
+        assert_eq!(messages[0]["content"], "hi");
         assert_eq!(c.tools.unwrap()[0]["type"], "function");
         let kw = c.kwargs.unwrap();
         assert_eq!(kw["enable_thinking"], false);
@@ -352,6 +356,87 @@ mod tests {
         let mut p = ok(Endpoint::Completions, r#"{"model":"m","prompt":[1,2]}"#);
         p.render(&mut r, 0).unwrap();
         assert!(!p.rendered, "token prompts are left alone");
+    }
+
+    /// A chat of plain messages is assembled from its turns once its
+    /// shape's skeleton is built, without a tree of its messages: the same
+    /// text the template gives. Any other chat runs the template.
+    #[test]
+    fn plain_chats_are_assembled_from_their_turns() {
+        use crate::text::skeleton::Path;
+        use crate::text::template::PromptTemplate;
+        let mut r = Renderer::new(PromptTemplate {
+            chat_template: "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                .into(),
+            ..Default::default()
+        })
+        .unwrap();
+        // The messages' JSON spoiled: a render that needs their tree fails.
+        let render = |r: &mut Renderer, body: &str, spoil: bool| {
+            let mut p = ok(Endpoint::Chat, body);
+            let chat = p.chat.as_mut().unwrap();
+            if spoil {
+                chat.messages = b"[".to_vec();
+            }
+            let turns = chat.turns.as_ref().map(Vec::len);
+            let path = p.render(r, 0).map_err(|e| e.to_string())?;
+            Ok::<_, String>((p.text.unwrap(), turns, path))
+        };
+        let plain = |q: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"be brief"}},{{"content":"{q}","role":"user"}}]}}"#
+            )
+        };
+        // The first of a shape builds its skeleton from the tree.
+        assert!(
+            render(&mut r, &plain("hi"), true)
+                .unwrap_err()
+                .contains("messages")
+        );
+        let (text, turns, _) = render(&mut r, &plain("hi"), false).unwrap();
+        assert_eq!(
+            (text.as_str(), turns),
+            ("<system>be brief\n<user>hi\n", Some(2))
+        );
+        // A key given twice is one member: still plain.
+        let (text, _, path) = render(
+            &mut r,
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"x","role":"user","content":"why \"so\"?"}]}"#,
+            true,
+        )
+        .unwrap();
+        assert_eq!(text, "<system>be brief\n<user>why \"so\"?\n");
+        assert_eq!(path, Some(Path::Skeleton));
+        // Another member, or parts (which this template reads joined, so
+        // its skeleton takes them): the tree is read.
+        for (body, want, by) in [
+            (
+                r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi","name":"x"}]}"#,
+                "<system>be brief\n<user>hi\n",
+                Path::Template,
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"text":"b"}]}]}"#,
+                "<system>be brief\n<user>a\nb\n",
+                Path::Skeleton,
+            ),
+        ] {
+            assert!(render(&mut r, body, true).is_err(), "{body}");
+            let (text, turns, path) = render(&mut r, body, false).unwrap();
+            assert_eq!(
+                (text.as_str(), turns, path),
+                (want, None, Some(by)),
+                "{body}"
+            );
+        }
+        assert_eq!(r.skeleton_counts(), (1, 3));
+        // Rendered again, a chat gives the same text: its turns indexed
+        // the joined text, which rendering replaced.
+        let mut p = ok(Endpoint::Chat, &plain("again"));
+        p.render(&mut r, 0).unwrap();
+        let once = p.text.clone();
+        p.render(&mut r, 0).unwrap();
+        assert_eq!(p.text, once);
     }
 
     #[test]

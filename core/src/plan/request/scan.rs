@@ -3,19 +3,21 @@
 //! A long prompt sent as token ids is the largest body kvgate routes, and
 //! serde_json spent some 630 fuel units a token reading it (its numbers go
 //! through a visitor a byte at a time). This reader takes the ids straight
-//! into `u32`s, eight bytes at a time, has serde_json build a chat's
-//! messages where they stand (they become a tree anyway), and leaves every
-//! other field as its raw JSON text, so the small ones can still be
-//! checked by serde_json as before and the rest cost one byte walk. Only
+//! into `u32`s, eight bytes at a time, joins a chat's messages into its
+//! text where they stand (`messages`), and leaves every other field as
+//! its raw JSON text, so the small ones can still be checked by
+//! serde_json as before and the rest cost one byte walk. Only
 //! strings can hold non-ASCII bytes, so only they are checked to be UTF-8:
 //! a token list is not walked a second time. It accepts exactly the JSON
 //! serde_json accepts (RFC 8259), except that it is stricter in two places
 //! an engine would refuse anyway: invalid UTF-8 anywhere, and nesting
 //! deeper than serde_json's own bound inside fields routing skips.
 
+mod messages;
+
 use super::estimate_tokens;
 use super::prompt::{NOT_TOKENS, Prompt, WRONG_TYPE};
-use serde_json::Value;
+pub(super) use messages::{Messages, NOT_A_LIST};
 use std::borrow::Cow;
 use thiserror::Error;
 
@@ -44,8 +46,8 @@ pub(super) struct Fields<'a> {
     pub cache_salt: Option<&'a str>,
     /// `None` when absent or `null`.
     pub prompt: Option<Prompt>,
-    /// A chat's messages, parsed where they stand (see [`Reader::tree`]).
-    pub messages: Option<Value>,
+    /// A chat's messages, read where they stand.
+    pub messages: Option<Messages<'a>>,
     pub tools: Option<&'a str>,
     pub chat_template_kwargs: Option<&'a str>,
     pub add_generation_prompt: Option<&'a str>,
@@ -104,7 +106,7 @@ pub(super) fn fields(body: &[u8]) -> Result<Fields<'_>, ScanError> {
                 }
                 Some(MESSAGES) => {
                     seen |= 1 << MESSAGES;
-                    f.messages = Some(r.tree(1)?);
+                    f.messages = Some(r.messages(1)?);
                 }
                 Some(k) => {
                     seen |= 1 << k;
@@ -219,13 +221,19 @@ fn id8(b: &[u8], i: usize) -> Option<(u32, usize)> {
     }
 }
 
-/// Containers nested in `v`, itself included. serde_json bounds the
-/// recursion by its own limit.
-fn nesting(v: &Value) -> u32 {
-    match v {
-        Value::Array(items) => 1 + items.iter().map(nesting).max().unwrap_or(0),
-        Value::Object(m) => 1 + m.values().map(nesting).max().unwrap_or(0),
-        _ => 0,
+/// Bytes kept free in front of a text prompt's copy: a template's
+/// completion prefix (`<|begin_of_text|>`) goes in without a new buffer.
+const PREFIX_ROOM: usize = 32;
+
+/// A text prompt, owned, with [`PREFIX_ROOM`] to spare.
+fn with_room(s: Cow<'_, str>) -> String {
+    match s {
+        Cow::Borrowed(b) => {
+            let mut owned = String::with_capacity(b.len() + PREFIX_ROOM);
+            owned.push_str(b);
+            owned
+        }
+        Cow::Owned(o) => o,
     }
 }
 
@@ -323,28 +331,6 @@ impl<'a> Reader<'a> {
     /// be UTF-8 all the same: an engine would refuse the body.
     fn skip_checked(&mut self, depth: u32) -> Result<(), ScanError> {
         self.raw(depth).map(|_| ())
-    }
-
-    /// A value that becomes a tree anyway, a chat's messages, parsed by
-    /// serde_json where it stands: its walk is the check, where skipping
-    /// the value, checking its UTF-8 and then parsing its text took three
-    /// passes over most of a chat's body. A value serde_json does not
-    /// build (bad syntax, nesting past [`MAX_DEPTH`] with the `depth`
-    /// containers around it, a lone surrogate escape, which is JSON but
-    /// no string) is skipped as any other field: refused as before where
-    /// the skip refuses it, else read as `null`, as it was.
-    fn tree(&mut self, depth: u32) -> Result<Value, ScanError> {
-        let at = self.i;
-        let rest = self.b.get(at..).unwrap_or_default();
-        let mut values = serde_json::Deserializer::from_slice(rest).into_iter::<Value>();
-        if let Some(Ok(v)) = values.next()
-            && depth + nesting(&v) <= MAX_DEPTH
-        {
-            self.i = at + values.byte_offset();
-            return Ok(v);
-        }
-        self.skip_checked(depth)?;
-        Ok(Value::Null)
     }
 
     /// Skips a value and returns its JSON text.
@@ -535,6 +521,13 @@ impl<'a> Reader<'a> {
     /// Skips one value of any kind, checking its syntax, without
     /// recursion: `depth` containers are open around it.
     fn skip(&mut self, depth: u32) -> Result<(), ScanError> {
+        self.walk::<false>(depth)
+    }
+
+    /// [`Reader::skip`], or with `DECODE`, refusing what serde_json would
+    /// not build a value from, as well: a string or key that does not
+    /// decode (a lone surrogate) and a number past f64's range.
+    fn walk<const DECODE: bool>(&mut self, depth: u32) -> Result<(), ScanError> {
         // Which open container is an object, one bit each, innermost
         // lowest; MAX_DEPTH keeps them within the u128.
         let mut objects: u128 = 0;
@@ -553,7 +546,7 @@ impl<'a> Reader<'a> {
                     let close = if c == b'{' { b'}' } else { b']' };
                     if self.peek() != Some(close) {
                         if c == b'{' {
-                            self.key()?;
+                            self.key::<DECODE>()?;
                         }
                         continue;
                     }
@@ -561,7 +554,11 @@ impl<'a> Reader<'a> {
                     open -= 1;
                     objects >>= 1;
                 }
+                Some(b'"') if DECODE => {
+                    self.string()?;
+                }
                 Some(b'"') => self.skip_string()?,
+                Some(b'-' | b'0'..=b'9') if DECODE => self.number_in_range()?,
                 Some(b'-' | b'0'..=b'9') => {
                     self.number()?;
                 }
@@ -582,7 +579,7 @@ impl<'a> Reader<'a> {
                     Some(b',') => {
                         if object {
                             self.ws();
-                            self.key()?;
+                            self.key::<DECODE>()?;
                         }
                         break;
                     }
@@ -597,14 +594,35 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// Skips an object's key and its colon.
-    fn key(&mut self) -> Result<(), ScanError> {
+    /// Skips an object's key, decoded with `DECODE`, and its colon.
+    fn key<const DECODE: bool>(&mut self) -> Result<(), ScanError> {
         if self.peek() != Some(b'"') {
             return Err(self.err("key must be a string"));
         }
-        self.skip_string()?;
+        if DECODE {
+            self.string()?;
+        } else {
+            self.skip_string()?;
+        }
         self.ws();
         self.expect(b':')
+    }
+
+    /// A number, checked against JSON's grammar and, as serde_json builds
+    /// a value, against f64's range. Its own reader judges the rare one
+    /// that could be out of range, so the bound is exactly serde_json's.
+    fn number_in_range(&mut self) -> Result<(), ScanError> {
+        let from = self.i;
+        self.number()?;
+        let text = self.b.get(from..self.i).unwrap_or_default();
+        // Eighteen characters without an exponent are below 1e18.
+        if text.len() > 18 || text.iter().any(|c| matches!(c, b'e' | b'E')) {
+            serde_json::from_slice::<f64>(text).map_err(|_| ScanError::Syntax {
+                what: "number out of range",
+                at: from,
+            })?;
+        }
+        Ok(())
     }
 
     /// Skips an object in a prompt, decoding its keys (so refusing one
@@ -665,7 +683,7 @@ impl<'a> Reader<'a> {
                 let s = self.string()?;
                 Prompt::Text {
                     isl_tokens: estimate_tokens(&s),
-                    first: s.into_owned(),
+                    first: with_room(s),
                 }
             }
             Some(b'[') => self.prompt_list()?,
