@@ -213,7 +213,10 @@ impl Exchange {
                 let unix_s = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs());
-                let r = self.shared.templates.render(sc, version, &mut req, unix_s);
+                let r = self
+                    .shared
+                    .templates
+                    .render(sc, version, &mut req, &b.body, unix_s);
                 if r != Rendered::Yes {
                     tracing::debug!(model = req.model, outcome = ?r, "prompt not rendered");
                 }

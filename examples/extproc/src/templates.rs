@@ -27,13 +27,15 @@ pub enum Rendered {
 }
 
 impl Templates {
-    /// Renders `req` with `model`'s template `version`, as the filter does
-    /// (a request keeps its approximate text when rendering fails).
+    /// Renders `req`, parsed from `body`, with `model`'s template
+    /// `version`, as the filter does (a request keeps its approximate text
+    /// when rendering fails).
     pub fn render(
         &self,
         sc: &Sidecar,
         version: u64,
         req: &mut kvgate_core::plan::request::Parsed,
+        body: &[u8],
         unix_s: u64,
     ) -> Rendered {
         let model = req.model.clone();
@@ -60,7 +62,7 @@ impl Templates {
             }
         }
         match by_model.get_mut(model).and_then(|(_, r)| r.as_mut()) {
-            Some(r) => match req.render(r, unix_s) {
+            Some(r) => match req.render(r, body, unix_s) {
                 Ok(_) => Rendered::Yes,
                 Err(_) => Rendered::Failed,
             },

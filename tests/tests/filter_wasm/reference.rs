@@ -318,7 +318,7 @@ fn every_decision_equals_the_reference_plan() {
                 .model(&req.model)
                 .is_some_and(|m| m.prompt_template != 0)
         {
-            req.render(&mut renderer, now_s).unwrap();
+            req.render(&mut renderer, body.as_bytes(), now_s).unwrap();
         }
         let shared = e.shared.clone();
         let mut read = |k: &str| shared.lock().unwrap().get(k).map(<[u8]>::to_vec);

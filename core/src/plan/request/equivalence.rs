@@ -54,7 +54,7 @@ pub(super) fn parse_reference(endpoint: Endpoint, body: &[u8]) -> Result<Parsed,
             max_completion_tokens: raw(f.max_completion_tokens),
             cache_salt: raw(f.cache_salt),
             prompt: f.prompt,
-            messages: f.messages.map(|m| joined_from_tree(m.get())),
+            messages: f.messages.map(|m| joined_from_tree(body, m.get())),
             tools: raw(f.tools),
             chat_template_kwargs: raw(f.chat_template_kwargs),
             add_generation_prompt: raw(f.add_generation_prompt),
@@ -64,7 +64,9 @@ pub(super) fn parse_reference(endpoint: Endpoint, body: &[u8]) -> Result<Parsed,
 
 /// The messages as serde_json builds them, joined from the tree: what
 /// the body reader's own join replaced.
-fn joined_from_tree(json: &str) -> scan::Messages<'_> {
+fn joined_from_tree(body: &[u8], json: &str) -> scan::Messages {
+    // Where serde_json found them in the body.
+    let at = json.as_ptr() as usize - body.as_ptr() as usize;
     let refused = |why: String| scan::Messages::Refused(why);
     let Ok(Value::Array(items)) = serde_json::from_str::<Value>(json) else {
         return refused(scan::NOT_A_LIST.into());
@@ -113,7 +115,7 @@ fn joined_from_tree(json: &str) -> scan::Messages<'_> {
         joined.push('\n');
     }
     scan::Messages::Read {
-        json: json.as_bytes(),
+        json: at..at + json.len(),
         joined,
         turns,
     }

@@ -62,9 +62,10 @@ pub struct Parsed {
 /// The parts of a chat body its template reads.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatInput {
-    /// The messages' JSON, checked to build: a tree of them is made only
-    /// when the template must run.
-    pub messages: Vec<u8>,
+    /// Where the messages' JSON stands in the body, checked to build: a
+    /// tree of them is made only when the template must run, and nothing
+    /// of them is copied before.
+    pub messages: Range<usize>,
     /// Where each message's role and content stand in the joined text,
     /// when every message is a plain `{role, content}` of strings: what a
     /// chat assembled from its shape's skeleton reads.
@@ -84,12 +85,18 @@ pub struct Turn {
 
 impl Parsed {
     /// Replaces the approximate text with the prompt the engine will
-    /// tokenize: the chat rendered with the model's template, or a text
+    /// tokenize: the chat rendered with the model's template (from `body`,
+    /// the one parsed, when the template must run), or a text
     /// completion behind the tokens its tokenizer adds. On an error the
     /// request keeps its approximate text (the engine will likely refuse
     /// it, but that is for the engine to say).
     /// Returns how a chat was rendered (`None` for a completion prompt).
-    pub fn render(&mut self, r: &mut Renderer, unix_s: u64) -> Result<Option<Path>, TemplateError> {
+    pub fn render(
+        &mut self,
+        r: &mut Renderer,
+        body: &[u8],
+        unix_s: u64,
+    ) -> Result<Option<Path>, TemplateError> {
         let (text, path) = match (&self.chat, &self.text) {
             (Some(c), joined) => {
                 let joined = joined.as_deref().unwrap_or_default();
@@ -104,7 +111,7 @@ impl Parsed {
                         .collect()
                 });
                 let messages = || {
-                    serde_json::from_slice(&c.messages)
+                    serde_json::from_slice(body.get(c.messages.clone()).unwrap_or_default())
                         .map_err(|e| TemplateError::Render(format!("messages: {e}")))
                 };
                 let (text, path) = r.chat_turns(
@@ -210,7 +217,7 @@ fn read(endpoint: Endpoint, f: scan::Fields) -> Result<Parsed, BadRequest> {
                     json,
                     joined,
                     turns,
-                }) => (json.to_vec(), joined, turns),
+                }) => (json, joined, turns),
                 Some(Messages::Refused(why)) => return bad(why),
                 None => return bad(NOT_A_LIST),
             };
@@ -310,13 +317,11 @@ mod tests {
 
     #[test]
     fn chat_keeps_what_its_template_reads() {
-        let p = ok(
-            Endpoint::Chat,
-            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}],
-                "chat_template_kwargs":{"enable_thinking":false},"add_generation_prompt":false}"#,
-        );
-        let c = p.chat.unwrap();
-        let messages: Value = serde_json::from_slice(&c.messages).unwrap();
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function"}],
+                "chat_template_kwargs":{"enable_thinking":false},"add_generation_prompt":false}"#;
+        let p = ok(Endpoint::Chat, body);
+        let c = p.chat.clone().unwrap();
+        let messages: Value = serde_json::from_str(&body[c.messages]).unwrap();
         assert_eq!(messages[0]["content"], "hi");
         assert_eq!(c.tools.unwrap()[0]["type"], "function");
         let kw = c.kwargs.unwrap();
@@ -344,17 +349,17 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
-        let mut p = ok(
-            Endpoint::Chat,
-            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
-        );
-        p.render(&mut r, 0).unwrap();
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        let mut p = ok(Endpoint::Chat, body);
+        p.render(&mut r, body.as_bytes(), 0).unwrap();
         assert_eq!((p.text.as_deref(), p.rendered), (Some("[user]hi"), true));
-        let mut p = ok(Endpoint::Completions, r#"{"model":"m","prompt":"abc"}"#);
-        p.render(&mut r, 0).unwrap();
+        let body = r#"{"model":"m","prompt":"abc"}"#;
+        let mut p = ok(Endpoint::Completions, body);
+        p.render(&mut r, body.as_bytes(), 0).unwrap();
         assert_eq!(p.text.as_deref(), Some("<s>abc"));
-        let mut p = ok(Endpoint::Completions, r#"{"model":"m","prompt":[1,2]}"#);
-        p.render(&mut r, 0).unwrap();
+        let body = r#"{"model":"m","prompt":[1,2]}"#;
+        let mut p = ok(Endpoint::Completions, body);
+        p.render(&mut r, body.as_bytes(), 0).unwrap();
         assert!(!p.rendered, "token prompts are left alone");
     }
 
@@ -376,10 +381,10 @@ mod tests {
             let mut p = ok(Endpoint::Chat, body);
             let chat = p.chat.as_mut().unwrap();
             if spoil {
-                chat.messages = b"[".to_vec();
+                chat.messages = 0..1;
             }
             let turns = chat.turns.as_ref().map(Vec::len);
-            let path = p.render(r, 0).map_err(|e| e.to_string())?;
+            let path = p.render(r, body.as_bytes(), 0).map_err(|e| e.to_string())?;
             Ok::<_, String>((p.text.unwrap(), turns, path))
         };
         let plain = |q: &str| {
@@ -432,10 +437,11 @@ mod tests {
         assert_eq!(r.skeleton_counts(), (1, 3));
         // Rendered again, a chat gives the same text: its turns indexed
         // the joined text, which rendering replaced.
-        let mut p = ok(Endpoint::Chat, &plain("again"));
-        p.render(&mut r, 0).unwrap();
+        let again = plain("again");
+        let mut p = ok(Endpoint::Chat, &again);
+        p.render(&mut r, again.as_bytes(), 0).unwrap();
         let once = p.text.clone();
-        p.render(&mut r, 0).unwrap();
+        p.render(&mut r, again.as_bytes(), 0).unwrap();
         assert_eq!(p.text, once);
     }
 

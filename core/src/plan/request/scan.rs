@@ -47,7 +47,7 @@ pub(super) struct Fields<'a> {
     /// `None` when absent or `null`.
     pub prompt: Option<Prompt>,
     /// A chat's messages, read where they stand.
-    pub messages: Option<Messages<'a>>,
+    pub messages: Option<Messages>,
     pub tools: Option<&'a str>,
     pub chat_template_kwargs: Option<&'a str>,
     pub add_generation_prompt: Option<&'a str>,

@@ -123,8 +123,14 @@ impl Target {
 
 /// Brings the VM's view up to the manifest's snapshot version, settles
 /// the VM's own bookings into a new snapshot, and renders a text prompt
-/// with its model's template. `None`: no snapshot to decide from.
-pub(super) fn prepare(st: &mut RouterState, req: &mut Parsed, version: u64) -> Option<()> {
+/// (parsed from `body`) with its model's template. `None`: no snapshot to
+/// decide from.
+pub(super) fn prepare(
+    st: &mut RouterState,
+    req: &mut Parsed,
+    body: &[u8],
+    version: u64,
+) -> Option<()> {
     match st
         .view
         .refresh(version, || host::get_shared(manifest::SNAPSHOT_KEY))
@@ -152,7 +158,7 @@ pub(super) fn prepare(st: &mut RouterState, req: &mut Parsed, version: u64) -> O
         let rendered = st
             .templates
             .get(&m.name, m.prompt_template)
-            .map(|r| req.render(r, host::now_ms() / 1000));
+            .map(|r| req.render(r, body, host::now_ms() / 1000));
         match rendered {
             Some(Ok(path)) => {
                 inc(st.metrics.rendered);

@@ -9,17 +9,17 @@
 use super::{MAX_DEPTH, Reader, ScanError};
 use crate::plan::request::Turn;
 use std::borrow::Cow;
+use std::ops::Range;
 
 pub(in crate::plan::request) const NOT_A_LIST: &str =
     "'messages' is required for /v1/chat/completions and must be a list";
 
 /// A chat's messages as routing reads them.
 #[derive(Debug, Clone, PartialEq)]
-pub(in crate::plan::request) enum Messages<'a> {
+pub(in crate::plan::request) enum Messages {
     Read {
-        /// The messages' JSON, as the body has it: its strings are checked
-        /// to be UTF-8, its grammar is ASCII.
-        json: &'a [u8],
+        /// Where the messages' JSON stands in the body.
+        json: Range<usize>,
         /// Each message's role and content, a newline after each.
         joined: String,
         /// Where each message's role and content stand in `joined`, when
@@ -49,7 +49,7 @@ impl<'a> Reader<'a> {
     /// serde_json would not build (a lone surrogate, a number past f64's
     /// range, nesting past [`MAX_DEPTH`]) is skipped as any other field:
     /// refused where the skip refuses it, else not a list, as `null` is.
-    pub(super) fn messages(&mut self, depth: u32) -> Result<Messages<'a>, ScanError> {
+    pub(super) fn messages(&mut self, depth: u32) -> Result<Messages, ScanError> {
         let at = self.i;
         if self.peek() != Some(b'[') {
             self.skip_checked(depth)?;
@@ -116,7 +116,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn message_list(&mut self, depth: u32) -> Result<Messages<'a>, ScanError> {
+    fn message_list(&mut self, depth: u32) -> Result<Messages, ScanError> {
         let at = self.i;
         self.open(depth)?;
         if self.peek() == Some(b']') {
@@ -140,7 +140,7 @@ impl<'a> Reader<'a> {
                 break;
             }
         }
-        let json = self.b.get(at..self.i).unwrap_or_default();
+        let json = at..self.i;
         Ok(match wrong {
             Some(why) => Messages::Refused(why),
             None => Messages::Read {
