@@ -190,6 +190,12 @@ impl Renderer {
         s.push_str(prompt);
         s
     }
+
+    /// [`Renderer::completion`] in place: no second buffer of the
+    /// prompt's size when `prompt` has room for the prefix.
+    pub fn complete_in_place(&self, prompt: &mut String) {
+        prompt.insert_str(0, &self.template.completion_prefix);
+    }
 }
 
 #[cfg(test)]

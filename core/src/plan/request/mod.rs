@@ -127,7 +127,7 @@ impl Parsed {
                 // In place: the prompt was read with room for the prefix,
                 // so no second buffer of its size is touched.
                 let mut text = self.text.take().unwrap_or_default();
-                text.insert_str(0, &r.template().completion_prefix);
+                r.complete_in_place(&mut text);
                 (text, None)
             }
             (None, None) => return Ok(None),
