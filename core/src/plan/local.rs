@@ -20,7 +20,7 @@
 
 use crate::busy::rank_busy;
 use crate::state::Snapshot;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
@@ -67,7 +67,10 @@ type Place = (usize, usize, usize);
 #[derive(Debug, Default)]
 pub struct LocalBookings {
     entries: Vec<Entry>,
-    released: Vec<Released>,
+    /// Oldest first: when full, the oldest goes, in constant time (a
+    /// sidecar that stopped publishing leaves it full, and every release
+    /// then drops one).
+    released: VecDeque<Released>,
     places: HashMap<u16, Place>,
 }
 
@@ -101,7 +104,7 @@ impl LocalBookings {
             .retain(|e| e.seq > applied && now_ms.saturating_sub(e.at_ms) <= max_age_ms);
         self.released
             .retain(|r| r.fence > applied && now_ms.saturating_sub(r.at_ms) <= max_age_ms);
-        for e in self.entries.clone() {
+        for e in &self.entries {
             self.add(snap, e.slot, e.prefill as i64, e.decode as i64, 1);
         }
         // Only where the snapshot counts the booking but not yet its
@@ -111,7 +114,7 @@ impl LocalBookings {
         // already counts the end is unknown until the fence, and a thermal
         // cap must not be overfilled by counting an end twice. Counting it
         // once too long costs the worker a place for one round trip.
-        for r in self.released.clone() {
+        for r in &self.released {
             if r.seq <= applied {
                 self.add(snap, r.slot, -(r.prefill as i64), -(r.decode as i64), 0);
             }
@@ -153,9 +156,9 @@ impl LocalBookings {
             // Only a sidecar that stopped publishing leaves these unpruned;
             // the oldest matter least.
             if self.released.len() >= MAX_RELEASED {
-                self.released.remove(0);
+                self.released.pop_front();
             }
-            self.released.push(Released {
+            self.released.push_back(Released {
                 seq: r.seq,
                 slot: r.slot,
                 prefill: r.prefill,
@@ -322,6 +325,25 @@ mod tests {
         assert_eq!(load(&after, 0), (0, 7, false));
         assert_eq!(load(&after, 1), (0, 0, false));
         assert!(f.released.is_empty());
+    }
+
+    #[test]
+    fn a_sidecar_that_stops_publishing_leaves_the_newest_releases() {
+        let mut f = LocalBookings::default();
+        let mut s = snap(0);
+        f.settle(&mut s, 9, 0, u64::MAX);
+        let extra = 3;
+        for seq in 1..=(MAX_RELEASED + extra) as u64 {
+            f.book(&mut s, seq, 5, 0, 1, 0);
+            f.release(Some(&mut s), done(seq, 5, 0, 1, seq + 1), 0);
+        }
+        assert_eq!(f.released.len(), MAX_RELEASED);
+        assert_eq!(f.released.front().map(|r| r.seq), Some(extra as u64 + 1));
+        assert_eq!(
+            f.released.back().map(|r| r.seq),
+            Some((MAX_RELEASED + extra) as u64)
+        );
+        assert_eq!(load(&s, 1), (0, 0, false));
     }
 
     #[test]
