@@ -343,8 +343,9 @@ fn cost(
             .with_prompt_files(&tok, &cfg, text_index),
         )?;
         let listeners = crate::turns::listeners(&stack, baseline.is_some());
-        // The workers tokenize every prompt (2k tokens: some milliseconds
-        // of CPU) on the cores Envoy runs on.
+        // The workers tokenize each prompt once (2k tokens: milliseconds
+        // of CPU on the cores Envoy runs on), then answer from their memo:
+        // the turns send the same prompts again.
         stack.deprioritize_workers()?;
         let mut policy = serde_json::Map::new();
         for (kind, specs) in &kinds {
@@ -407,7 +408,7 @@ pub fn report(v: &Value) -> String {
     .collect();
     let mut md = format!(
         "\n## Text and chat prompts\n\nChat and text prompts matched against the engines' KV events through the text index (`precise_text`; `docs/text-routing.md`), against the routed-prefix index (`approximate`, what models without prompt files get) and against token prompts of the same requests (`precise_token`). The workers tokenize with the Llama-3-style fixture tokenizer, so their events carry the ids a vLLM would.\n\n\
-Decision cost: a chat of {} tokens (a system prompt and a question) and the same words as a text completion, in turns of {} requests, paced at {} a second (the VM idle between requests) and back to back on one connection (the VM warm) (Envoy histogram `kvgate_decision_us`, 2 Envoy workers, V8 tiered up by a warm-up turn; the simulated workers, which tokenize every prompt on the same two cores, at nice 19), {} turns of each per listener, medians with their spread:\n\n{}\n\
+Decision cost: a chat of {} tokens (a system prompt and a question) and the same words as a text completion, in turns of {} requests, paced at {} a second (the VM idle between requests) and back to back on one connection (the VM warm) (Envoy histogram `kvgate_decision_us`, 2 Envoy workers, V8 tiered up by a warm-up turn; the simulated workers, on the same two cores at nice 19, tokenize each prompt once and then answer from a memo), {} turns of each per listener, medians with their spread:\n\n{}\n\
 Memory after the run: Envoy {:.0} MB with the text index, {:.0} MB without; sidecar {:.0} MB with the tokenizer's vocabulary, {:.0} MB without.\n",
         c["prompt_tokens"],
         c["requests_per_turn"],
