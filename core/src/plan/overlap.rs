@@ -18,17 +18,12 @@ use std::collections::HashMap;
 
 /// Where index shards come from: shared data in the filter, the sidecar's
 /// own published shards in its selection API. A shard is named by its
-/// shared-data key ([`shard_key`]); `None` is an empty shard. A source
-/// that keeps shards across requests hands out shared bytes, not copies.
+/// shared-data key ([`shard_key`]); `None` is an empty shard.
 pub trait ShardSource {
-    type Bytes: AsRef<[u8]>;
-
-    fn read(&mut self, key: &str) -> Option<Self::Bytes>;
+    fn read(&mut self, key: &str) -> Option<Vec<u8>>;
 }
 
 impl<F: FnMut(&str) -> Option<Vec<u8>>> ShardSource for F {
-    type Bytes = Vec<u8>;
-
     fn read(&mut self, key: &str) -> Option<Vec<u8>> {
         self(key)
     }
@@ -182,11 +177,11 @@ pub fn gather(
 /// and salt the request names), in blocks per tier. `read` fetches a
 /// shard's bytes by key. Returns the overlap table (indexed by slot) and
 /// the number of shards read.
-fn compute<B: AsRef<[u8]>>(
+fn compute(
     model: &ModelState,
     tokens: &[u32],
     scope: CacheScope<'_>,
-    mut read: impl FnMut(&str) -> Option<B>,
+    mut read: impl FnMut(&str) -> Option<Vec<u8>>,
 ) -> (Vec<SlotOverlap>, usize) {
     let Some(slots) = slot_count(model).filter(|_| model.shard_count > 0) else {
         return (Vec::new(), 0);
@@ -220,10 +215,10 @@ fn compute<B: AsRef<[u8]>>(
 
 /// Overlap of every slot of `model` with a text prompt's chunks, from the
 /// approximate index learned from routing decisions.
-fn approximate<B: AsRef<[u8]>>(
+fn approximate(
     model: &ModelState,
     chunks: &[u64],
-    mut read: impl FnMut(&str) -> Option<B>,
+    mut read: impl FnMut(&str) -> Option<Vec<u8>>,
 ) -> Vec<SlotOverlap> {
     let Some(slots) = slot_count(model) else {
         return Vec::new();
@@ -263,13 +258,13 @@ fn slot_count(model: &ModelState) -> Option<usize> {
 
 /// Searches one chain of hashes through a namespace's shards, reading each
 /// shard from shared data at most once per request.
-fn search<B: AsRef<[u8]>>(
+fn search(
     namespace: &str,
     shard_count: u32,
     seq: &[u64],
     slots: usize,
-    shards: &mut HashMap<u32, Option<B>>,
-    read: &mut impl FnMut(&str) -> Option<B>,
+    shards: &mut HashMap<u32, Option<Vec<u8>>>,
+    read: &mut impl FnMut(&str) -> Option<Vec<u8>>,
 ) -> Vec<SlotOverlap> {
     let mut out = vec![SlotOverlap::default(); slots];
     overlaps(
@@ -280,10 +275,7 @@ fn search<B: AsRef<[u8]>>(
             let bytes = shards
                 .entry(shard)
                 .or_insert_with(|| read(&shard_key(namespace, shard)));
-            if let Some(view) = bytes
-                .as_ref()
-                .and_then(|b| ShardView::parse(b.as_ref()).ok())
-            {
+            if let Some(view) = bytes.as_deref().and_then(|b| ShardView::parse(b).ok()) {
                 holders.extend(view.holders(h));
             }
         },
@@ -592,12 +584,9 @@ mod tests {
 
     #[test]
     fn no_index_no_reads() {
-        let (t, reads) = compute(
-            &model(0),
-            &[1, 2, 3, 4],
-            CacheScope::default(),
-            |_| -> Option<Vec<u8>> { panic!("no shard should be read") },
-        );
+        let (t, reads) = compute(&model(0), &[1, 2, 3, 4], CacheScope::default(), |_| {
+            panic!("no shard should be read")
+        });
         assert!(t.is_empty());
         assert_eq!(reads, 0);
     }

@@ -16,7 +16,6 @@
 mod outbox;
 mod request;
 mod retry;
-mod shards;
 mod templates;
 
 use crate::config::Config;
@@ -50,8 +49,6 @@ pub struct RouterState {
     /// Bookings, their releases and local replies.
     bookings: Outbox,
     local: LocalBookings,
-    /// Index shards read since the last update, for the next requests.
-    shards: shards::Shards,
     templates: templates::Templates,
 }
 
@@ -72,7 +69,6 @@ impl RouterState {
             next_room: host::random_u64(),
             bookings: Outbox::new(immediate),
             local: LocalBookings::default(),
-            shards: shards::Shards::default(),
             templates: templates::Templates::default(),
         }
     }
