@@ -12,6 +12,11 @@
 //! by kind, and bytes copied into the VM by kind. These do not move with
 //! the machine's load, so two builds compare exactly.
 //!
+//! Every measured request follows an update of the index, so it reads its
+//! shards; a VM keeps a shard read twice until the next update, and what
+//! a request saves when earlier ones of the same update read its shards
+//! is measured on its own (`shards_held_2k`).
+//!
 //! `--baseline PATH` runs another build of the filter on the same requests
 //! beside it and checks every request went to the same workers;
 //! `--quick` builds a smaller index and measures fewer requests. Prints
@@ -266,6 +271,19 @@ impl Side {
         self.router.take_cost();
     }
 
+    /// A new update that changes nothing, as the sidecar sends when only
+    /// shards of other prompts changed: a VM keeps the shards it read
+    /// only while the update version stands still.
+    fn touch(&mut self) {
+        self.version += 1;
+        let update = update::encode(self.version, 1, false, None, []);
+        let token = self.service.pending().pop().expect("poll").token;
+        self.service
+            .respond(token, 200, &[], &update)
+            .expect("update applied");
+        self.router.take_cost();
+    }
+
     /// Sends one request; returns where it went, what it cost and the
     /// filter's phase histograms' samples (thousands of fuel units).
     fn request(&mut self, path: &str, body: &str) -> (String, Cost, Value) {
@@ -371,6 +389,9 @@ fn main() {
                 let mut phases = Vec::new();
                 let mut went = Vec::new();
                 for (i, (path, b)) in reqs.iter().enumerate() {
+                    // Each request reads its shards, as the first after an
+                    // update does; held shards are measured below.
+                    side.touch();
                     let (dest, cost, ph) = side.request(path, b);
                     went.push(dest);
                     if i >= warm {
@@ -445,6 +466,38 @@ fn main() {
             json!({"with_new_snapshot": with, "without": without}),
         );
     }
+    // What a request saves when earlier requests of the same update read
+    // its shards.
+    let mut held = serde_json::Map::new();
+    for kind in [Kind::Tokens, Kind::Chat] {
+        let (path, b) = body(kind, 2048, 0);
+        for (name, side) in &mut sides {
+            let (mut read, mut kept) = (Vec::new(), Vec::new());
+            for _ in 0..warm + measured {
+                side.touch();
+                read.push(side.request(path, &b).1);
+                // A VM keeps a shard from its second read in an update.
+                side.request(path, &b);
+                kept.push(side.request(path, &b).1);
+            }
+            let (read, kept) = (read.split_off(warm), kept.split_off(warm));
+            let fuel = |c: &[Cost]| median(c.iter().map(Cost::total_fuel).collect());
+            let calls = |c: &[Cost]| median(c.iter().map(Cost::total_calls).collect());
+            table.push_str(&format!(
+                "{name}: a 2k {} request whose shards it reads costs {} fuel and {} host calls; with its shards held from earlier requests of the same update, {} and {}.\n",
+                kind.name(),
+                fuel(&read),
+                calls(&read),
+                fuel(&kept),
+                calls(&kept),
+            ));
+            held.insert(
+                format!("{name} {}", kind.name()),
+                json!({"read": {"fuel": fuel(&read), "host_calls": calls(&read)},
+                       "held": {"fuel": fuel(&kept), "host_calls": calls(&kept)}}),
+            );
+        }
+    }
     eprintln!("{table}");
     println!(
         "{}",
@@ -455,6 +508,7 @@ fn main() {
             "requests_measured": measured,
             "rows": rows,
             "new_snapshot_2k_token_ids": refresh,
+            "shards_held_2k": held,
         })
     );
 }

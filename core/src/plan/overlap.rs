@@ -18,12 +18,17 @@ use std::collections::HashMap;
 
 /// Where index shards come from: shared data in the filter, the sidecar's
 /// own published shards in its selection API. A shard is named by its
-/// shared-data key ([`shard_key`]); `None` is an empty shard.
+/// shared-data key ([`shard_key`]); `None` is an empty shard. A source
+/// that keeps shards across requests hands out shared bytes, not copies.
 pub trait ShardSource {
-    fn read(&mut self, key: &str) -> Option<Vec<u8>>;
+    type Bytes: AsRef<[u8]>;
+
+    fn read(&mut self, key: &str) -> Option<Self::Bytes>;
 }
 
 impl<F: FnMut(&str) -> Option<Vec<u8>>> ShardSource for F {
+    type Bytes = Vec<u8>;
+
     fn read(&mut self, key: &str) -> Option<Vec<u8>> {
         self(key)
     }
@@ -177,11 +182,11 @@ pub fn gather(
 /// and salt the request names), in blocks per tier. `read` fetches a
 /// shard's bytes by key. Returns the overlap table (indexed by slot) and
 /// the number of shards read.
-fn compute(
+fn compute<B: AsRef<[u8]>>(
     model: &ModelState,
     tokens: &[u32],
     scope: CacheScope<'_>,
-    mut read: impl FnMut(&str) -> Option<Vec<u8>>,
+    mut read: impl FnMut(&str) -> Option<B>,
 ) -> (Vec<SlotOverlap>, usize) {
     let Some(slots) = slot_count(model).filter(|_| model.shard_count > 0) else {
         return (Vec::new(), 0);
@@ -215,10 +220,10 @@ fn compute(
 
 /// Overlap of every slot of `model` with a text prompt's chunks, from the
 /// approximate index learned from routing decisions.
-fn approximate(
+fn approximate<B: AsRef<[u8]>>(
     model: &ModelState,
     chunks: &[u64],
-    mut read: impl FnMut(&str) -> Option<Vec<u8>>,
+    mut read: impl FnMut(&str) -> Option<B>,
 ) -> Vec<SlotOverlap> {
     let Some(slots) = slot_count(model) else {
         return Vec::new();
@@ -258,13 +263,13 @@ fn slot_count(model: &ModelState) -> Option<usize> {
 
 /// Searches one chain of hashes through a namespace's shards, reading each
 /// shard from shared data at most once per request.
-fn search(
+fn search<B: AsRef<[u8]>>(
     namespace: &str,
     shard_count: u32,
     seq: &[u64],
     slots: usize,
-    shards: &mut HashMap<u32, Option<Vec<u8>>>,
-    read: &mut impl FnMut(&str) -> Option<Vec<u8>>,
+    shards: &mut HashMap<u32, Option<B>>,
+    read: &mut impl FnMut(&str) -> Option<B>,
 ) -> Vec<SlotOverlap> {
     let mut out = vec![SlotOverlap::default(); slots];
     overlaps(
@@ -275,7 +280,10 @@ fn search(
             let bytes = shards
                 .entry(shard)
                 .or_insert_with(|| read(&shard_key(namespace, shard)));
-            if let Some(view) = bytes.as_deref().and_then(|b| ShardView::parse(b).ok()) {
+            if let Some(view) = bytes
+                .as_ref()
+                .and_then(|b| ShardView::parse(b.as_ref()).ok())
+            {
                 holders.extend(view.holders(h));
             }
         },
@@ -584,9 +592,12 @@ mod tests {
 
     #[test]
     fn no_index_no_reads() {
-        let (t, reads) = compute(&model(0), &[1, 2, 3, 4], CacheScope::default(), |_| {
-            panic!("no shard should be read")
-        });
+        let (t, reads) = compute(
+            &model(0),
+            &[1, 2, 3, 4],
+            CacheScope::default(),
+            |_| -> Option<Vec<u8>> { panic!("no shard should be read") },
+        );
         assert!(t.is_empty());
         assert_eq!(reads, 0);
     }

@@ -16,6 +16,7 @@
 mod outbox;
 mod request;
 mod retry;
+mod shards;
 mod templates;
 
 use crate::config::Config;
@@ -49,6 +50,8 @@ pub struct RouterState {
     /// Bookings, their releases and local replies.
     bookings: Outbox,
     local: LocalBookings,
+    /// Index shards read since the last update, for the next requests.
+    shards: shards::Shards,
     templates: templates::Templates,
 }
 
@@ -69,6 +72,7 @@ impl RouterState {
             next_room: host::random_u64(),
             bookings: Outbox::new(immediate),
             local: LocalBookings::default(),
+            shards: shards::Shards::default(),
             templates: templates::Templates::default(),
         }
     }

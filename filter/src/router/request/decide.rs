@@ -8,7 +8,7 @@ use super::super::RouterState;
 use super::super::retry as router_retry;
 use crate::config::ms;
 use crate::host;
-use crate::manifest;
+use crate::manifest::{self, Manifest};
 use crate::metrics::{inc, record};
 use crate::reply::Reply;
 use kvgate_core::approx::Routed;
@@ -175,9 +175,15 @@ pub(super) fn prepare(
 /// Gathers the prompt's overlap from the index shards once, and places
 /// it: again, with the retry headroom, when every worker is busy and the
 /// request holds a due ticket. `body` names the ticket, and is what a
-/// disaggregated request's legs are made from. Call after [`prepare`]
-/// found a snapshot.
-pub(super) fn decide(st: &mut RouterState, req: &Parsed, tenant: &str, body: &[u8]) -> Decision {
+/// disaggregated request's legs are made from; `manifest` is what the
+/// request read at its headers. Call after [`prepare`] found a snapshot.
+pub(super) fn decide(
+    st: &mut RouterState,
+    req: &Parsed,
+    tenant: &str,
+    body: &[u8],
+    manifest: &Manifest,
+) -> Decision {
     st.tie_break = st.tie_break.wrapping_add(1);
     let mut ask = Ask {
         tie_break: st.tie_break,
@@ -187,7 +193,8 @@ pub(super) fn decide(st: &mut RouterState, req: &Parsed, tenant: &str, body: &[u
         return Decision::Reply(Reply::stale());
     };
     let selecting = host::now_us();
-    let gathered = plan::gather(snap, req, tenant, &mut host::get_shared);
+    let mut shards = st.shards.source(manifest, host::get_shared);
+    let gathered = plan::gather(snap, req, tenant, &mut shards);
     record(
         st.metrics.gather_us,
         host::now_us().saturating_sub(selecting),

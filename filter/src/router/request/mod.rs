@@ -149,7 +149,7 @@ impl Request {
                 return self.reply(&Reply::stale());
             }
             record(st.metrics.parse_us, host::now_us().saturating_sub(started));
-            decide::decide(&mut st, &req, &self.tenant, &body)
+            decide::decide(&mut st, &req, &self.tenant, &body, &self.manifest)
         };
         let action = self.apply(decision, &body);
         let st = self.state.borrow();
