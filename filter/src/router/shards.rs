@@ -54,7 +54,7 @@ impl Default for Shards {
     }
 }
 
-/// A multiply per eight bytes of a key. The keys are the filter's own
+/// A multiply per eight bytes of a key, folded at the end. The keys are the filter's own
 /// (`kvgate.idx.<model>.<shard>`), at most a few hundred a VM holds
 /// between two updates, so SipHash's defence against chosen keys buys
 /// nothing here; it was half of what the cache added to a 2k prompt's
@@ -72,8 +72,12 @@ impl Hasher for KeyHasher {
         }
     }
 
+    /// The map takes its buckets from the low bits, which a multiply
+    /// leaves depending on the low bits of the key alone: the high bits,
+    /// where a key's shard number lands, are folded down first.
     fn finish(&self) -> u64 {
-        self.0
+        let x = (self.0 ^ (self.0 >> 31)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        x ^ (x >> 29)
     }
 }
 
@@ -190,6 +194,18 @@ mod tests {
         s.source(m, |k: &str| shared.read(k))
             .read(key)
             .map(|b| b.as_ref().to_vec())
+    }
+
+    #[test]
+    fn shard_keys_spread_over_the_low_bits() {
+        let buckets: std::collections::HashSet<u64> = (0..1024u32)
+            .map(|n| {
+                let mut h = KeyHasher::default();
+                h.write(format!("kvgate.idx.~text~m.{n}").as_bytes());
+                h.finish() & 1023
+            })
+            .collect();
+        assert!(buckets.len() > 512, "{} of 1024 buckets", buckets.len());
     }
 
     #[test]
