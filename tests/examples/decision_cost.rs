@@ -261,22 +261,22 @@ impl Side {
     /// worker's load moves: under load, most requests find one, and the
     /// router decodes it before deciding.
     fn republish(&mut self, t: &PromptTemplate) {
-        self.version += 1;
-        let snap = snapshot(t, self.version).encode().expect("snapshot");
-        let update = update::encode(self.version, 1, false, Some(&snap), []);
-        let token = self.service.pending().pop().expect("poll").token;
-        self.service
-            .respond(token, 200, &[], &update)
-            .expect("update applied");
-        self.router.take_cost();
+        let snap = snapshot(t, self.version + 1).encode().expect("snapshot");
+        self.update(Some(&snap));
     }
 
     /// A new update that changes nothing, as the sidecar sends when only
     /// shards of other prompts changed: a VM keeps the shards it read
-    /// only while the update version stands still.
+    /// twice only while the update version stands still.
     fn touch(&mut self) {
+        self.update(None);
+    }
+
+    /// The service's next poll answered with an update of the next
+    /// version, carrying `snap` and no shards.
+    fn update(&mut self, snap: Option<&[u8]>) {
         self.version += 1;
-        let update = update::encode(self.version, 1, false, None, []);
+        let update = update::encode(self.version, 1, false, snap, []);
         let token = self.service.pending().pop().expect("poll").token;
         self.service
             .respond(token, 200, &[], &update)
