@@ -342,12 +342,15 @@ fn token_list() -> impl Strategy<Value = String> {
         .prop_map(str::to_owned),
     ];
     (
-        prop::collection::vec((id, ws()), 1..40),
+        prop::collection::vec((ws(), id, ws()), 1..40),
         ws(),
         prop::sample::select(vec!["}", ",\"stream\":true}", ",\"n\":[1, 2]}"]),
     )
         .prop_map(|(ids, w, tail)| {
-            let items: Vec<String> = ids.into_iter().map(|(id, w)| id + w).collect();
+            let items: Vec<String> = ids
+                .into_iter()
+                .map(|(before, id, after)| format!("{before}{id}{after}"))
+                .collect();
             format!(
                 "{{\"model\":\"m\",\"prompt\":[{w}{}]{tail}",
                 items.join(",")

@@ -177,31 +177,18 @@ fn plain_end(b: &[u8], mut i: usize) -> usize {
     i
 }
 
-/// A token id at `i`, read eight bytes at a time: its value and its
-/// length, when the bytes from `i` hold an integer of one to ten digits
-/// that fits a `u32`, then a byte that ends it. Anything else (a float, a
-/// leading zero, a larger number, an id in the body's last eight bytes)
-/// is `None`, left to [`Reader::number`], which also says what is wrong
-/// with it. Read a byte at a time, a token list cost some 50 fuel units a
-/// byte, five times a string.
-fn id8(b: &[u8], i: usize) -> Option<(u32, usize)> {
-    // Digits become their values, 0 to 9; every other byte 10 or more
-    // (its high bit set when it is not ASCII).
-    let t = word(b, i)? ^ (ONES * u64::from(b'0'));
-    // Each byte of 10 or more to its high bit. Only a byte of 0x8A or
-    // more carries into the next, which comes after it and is not read.
-    let other = (t.wrapping_add(ONES * 0x76) | t) & (ONES * 0x80);
-    let n = (other.trailing_zeros() / 8) as usize;
+/// The token id whose first eight bytes from `i` are the word whose
+/// [`digits`] are `t`, `n` of them digits: its value and its length, when
+/// the bytes hold an integer of one to ten digits that fits a `u32`, then
+/// a byte that ends it. Anything else (a float, a leading zero, a larger
+/// number) is `None`, left to [`Reader::number`], which also says what is
+/// wrong with it. Read a byte at a time, a token list cost some 50 fuel
+/// units a byte, five times a string.
+fn id8(b: &[u8], i: usize, t: u64, n: usize) -> Option<(u32, usize)> {
     if n == 0 || (n > 1 && t & 0xFF == 0) {
         return None;
     }
-    // Little-endian, the first digit is the lowest byte: shifted up, the
-    // digits have zeros below them, an eight-digit number's leading
-    // zeros, and its pairs, quads and halves are summed in place.
-    let d = t.checked_shl(8 * (8 - n as u32)).unwrap_or(0);
-    let d = (d.wrapping_mul(10) + (d >> 8)) & 0x00FF_00FF_00FF_00FF;
-    let d = (d.wrapping_mul(100) + (d >> 16)) & 0x0000_FFFF_0000_FFFF;
-    let mut v = (d.wrapping_mul(10_000) + (d >> 32)) & 0xFFFF_FFFF;
+    let mut v = value(t, n);
     let mut end = i + n;
     if n == 8 {
         // u32's ids run to ten digits; an eleventh is too many.
@@ -219,6 +206,31 @@ fn id8(b: &[u8], i: usize) -> Option<(u32, usize)> {
         None | Some(b'.' | b'e' | b'E' | b'0'..=b'9') => None,
         Some(_) => Some((u32::try_from(v).ok()?, end - i)),
     }
+}
+
+/// A word's digits as their values, 0 to 9; every other byte 10 or more
+/// (its high bit set when it is not ASCII).
+fn digits(w: u64) -> u64 {
+    w ^ (ONES * u64::from(b'0'))
+}
+
+/// How many of [`digits`]'s bytes, from the lowest, are digits: 0 to 8.
+fn digit_count(t: u64) -> usize {
+    // Each byte of 10 or more to its high bit. Only a byte of 0x8A or
+    // more carries into the next, which comes after it and is not read.
+    let other = (t.wrapping_add(ONES * 0x76) | t) & (ONES * 0x80);
+    (other.trailing_zeros() / 8) as usize
+}
+
+/// The value of [`digits`]'s first `n` bytes (1 to 8).
+fn value(t: u64, n: usize) -> u64 {
+    // Little-endian, the first digit is the lowest byte: shifted up, the
+    // digits have zeros below them, an eight-digit number's leading
+    // zeros, and its pairs, quads and halves are summed in place.
+    let d = t << (8 * (8 - n));
+    let d = (d.wrapping_mul(10) + (d >> 8)) & 0x00FF_00FF_00FF_00FF;
+    let d = (d.wrapping_mul(100) + (d >> 16)) & 0x0000_FFFF_0000_FFFF;
+    (d.wrapping_mul(10_000) + (d >> 32)) & 0xFFFF_FFFF
 }
 
 /// Bytes kept free in front of a text prompt's copy: a template's
@@ -245,21 +257,44 @@ fn ws_end(b: &[u8], mut i: usize) -> usize {
     i
 }
 
-/// The hot loop of a token list, from an element at `i`: ids read by
-/// [`id8`], each with the comma after it and the whitespace after that,
-/// in locals rather than the reader's fields. Returns where it stopped,
-/// and whether just after an id (which no comma follows): otherwise at an
-/// element `id8` cannot read, for the general reader to judge.
+/// The hot loop of a token list, from an element at `i`: ids with the
+/// comma after them and the whitespace after that, eight bytes at a time
+/// and in locals rather than the reader's fields. Returns where it
+/// stopped, and whether just after an id (which no comma follows):
+/// otherwise at an element it cannot read (or one in the body's last
+/// eight bytes), for the general reader to judge.
 fn id_run(b: &[u8], mut i: usize, ids: &mut Vec<u32>) -> (usize, bool) {
-    while let Some((t, len)) = id8(b, i) {
-        ids.push(t);
+    loop {
+        let Some(w) = word(b, i) else {
+            return (ws_end(b, i), false);
+        };
+        let t = digits(w);
+        let n = digit_count(t);
+        if n == 0 {
+            let next = ws_end(b, i);
+            if next == i {
+                return (i, false);
+            }
+            i = next;
+            continue;
+        }
+        // Most ids are one to seven digits with their comma in the same
+        // word: no byte is read apart, and seven digits always fit.
+        if n < 8 && (w >> (8 * n)) as u8 == b',' && (n == 1 || t & 0xFF != 0) {
+            ids.push(value(t, n) as u32);
+            i += n + 1;
+            continue;
+        }
+        let Some((id, len)) = id8(b, i, t, n) else {
+            return (i, false);
+        };
+        ids.push(id);
         i += len;
         if b.get(i) != Some(&b',') {
             return (i, true);
         }
-        i = ws_end(b, i + 1);
+        i += 1;
     }
-    (i, false)
 }
 
 /// One element of a prompt list.
