@@ -154,7 +154,7 @@ impl Cursor {
         let mut b = [0u8; 16];
         b[..8].copy_from_slice(&self.state.to_le_bytes());
         b[8..].copy_from_slice(&self.offset.to_le_bytes());
-        xxh3_64_with_seed(&b, SEED)
+        crate::hash::xxh3(&b, SEED)
     }
 }
 

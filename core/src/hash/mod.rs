@@ -8,10 +8,25 @@
 //! mean equal prefixes. Matching Dynamo bit for bit lets block and sequence
 //! hashes flow between kvgate's selection API and Dynamo-speaking clients.
 
+#[cfg(any(test, target_arch = "wasm32"))]
+mod narrow;
+
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// The seed Dynamo uses for every kv-router hash.
 pub const XXH3_SEED: u64 = 1337;
+
+/// XXH3-64 of `bytes` with `seed`. In the filter a block or a chain link
+/// is hashed without 128-bit multiplies, which WebAssembly lacks.
+pub(crate) fn xxh3(bytes: &[u8], seed: u64) -> u64 {
+    #[cfg(target_arch = "wasm32")]
+    match bytes.len() {
+        16 => return narrow::sixteen(bytes, seed),
+        17..=128 => return narrow::upto128(bytes, seed),
+        _ => {}
+    }
+    xxh3_64_with_seed(bytes, seed)
+}
 
 /// Seed for a LoRA adapter's blocks: the base seed shifted by the adapter
 /// name's hash, so identical tokens under different adapters never collide.
@@ -74,7 +89,7 @@ pub fn block_hash_with_seed(tokens: &[u32], seed: u64) -> u64 {
     // line of event ingest and of per-request hashing.
     #[cfg(target_endian = "little")]
     {
-        xxh3_64_with_seed(bytemuck::cast_slice(tokens), seed)
+        xxh3(bytemuck::cast_slice(tokens), seed)
     }
     #[cfg(not(target_endian = "little"))]
     {
@@ -82,7 +97,7 @@ pub fn block_hash_with_seed(tokens: &[u32], seed: u64) -> u64 {
         for t in tokens {
             bytes.extend_from_slice(&t.to_le_bytes());
         }
-        xxh3_64_with_seed(&bytes, seed)
+        xxh3(&bytes, seed)
     }
 }
 
@@ -113,7 +128,7 @@ pub fn chain(parent: Option<u64>, local: u64) -> u64 {
             let mut buf = [0u8; 16];
             buf[..8].copy_from_slice(&parent.to_le_bytes());
             buf[8..].copy_from_slice(&local.to_le_bytes());
-            xxh3_64_with_seed(&buf, XXH3_SEED)
+            xxh3(&buf, XXH3_SEED)
         }
     }
 }
