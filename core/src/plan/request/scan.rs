@@ -185,7 +185,7 @@ fn plain_end(b: &[u8], mut i: usize) -> usize {
 /// wrong with it. Read a byte at a time, a token list cost some 50 fuel
 /// units a byte, five times a string.
 fn id8(b: &[u8], i: usize, t: u64, n: usize) -> Option<(u32, usize)> {
-    if n == 0 || (n > 1 && t & 0xFF == 0) {
+    if n == 0 || leading_zero(t, n) {
         return None;
     }
     let mut v = value(t, n);
@@ -220,6 +220,12 @@ fn digit_count(t: u64) -> usize {
     // more carries into the next, which comes after it and is not read.
     let other = (t.wrapping_add(ONES * 0x76) | t) & (ONES * 0x80);
     (other.trailing_zeros() / 8) as usize
+}
+
+/// Whether [`digits`]'s first `n` bytes are a number JSON refuses: more
+/// than one digit, the first a zero.
+fn leading_zero(t: u64, n: usize) -> bool {
+    n > 1 && t & 0xFF == 0
 }
 
 /// The value of [`digits`]'s first `n` bytes (1 to 8).
@@ -280,7 +286,7 @@ fn id_run(b: &[u8], mut i: usize, ids: &mut Vec<u32>) -> (usize, bool) {
         }
         // Most ids are one to seven digits with their comma in the same
         // word: no byte is read apart, and seven digits always fit.
-        if n < 8 && (w >> (8 * n)) as u8 == b',' && (n == 1 || t & 0xFF != 0) {
+        if n < 8 && (w >> (8 * n)) as u8 == b',' && !leading_zero(t, n) {
             ids.push(value(t, n) as u32);
             i += n + 1;
             continue;
