@@ -73,6 +73,9 @@ pub struct Config {
     pub retry_headroom_pct: u32,
     /// The longest `Retry-After` a shed request is given.
     pub max_retry_after_s: u32,
+    /// Times the decision's phases on one request in this many (1: every
+    /// request; 0: none). The decision itself is timed on every request.
+    pub phase_timing_every: u64,
     pub poller: PollerMode,
     /// How long a lease holder that stops renewing keeps the lease;
     /// absent: [`Config::lease_term`] derives it from `stale_after_ms`.
@@ -108,6 +111,7 @@ impl Default for Config {
             retry_after_s: 1,
             retry_headroom_pct: 50,
             max_retry_after_s: 30,
+            phase_timing_every: 8,
             poller: PollerMode::Singleton,
             lease: None,
             lease_drill_stop_after_ms: None,

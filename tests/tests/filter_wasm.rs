@@ -1143,6 +1143,31 @@ fn garbage_never_traps_and_bursts_spread() {
     assert!(h >= 40, "decision latency recorded per routed request");
 }
 
+/// Every decision is timed; its phases on one request in
+/// `phase_timing_every` of a VM's, after the decision's own sample.
+#[test]
+fn every_decision_is_timed_and_its_phases_on_a_sample() {
+    for (config, every) in [
+        ("", 8),
+        (r#"{"phase_timing_every": 1}"#, 1),
+        (r#"{"phase_timing_every": 3}"#, 3),
+        (r#"{"phase_timing_every": 0}"#, 0),
+    ] {
+        let mut e = Envoy::ready(config);
+        for _ in 0..24 {
+            let ex = e.routers[0].request(&CHAT, &[&chat("m")]);
+            assert!(ex.continued, "{config}: routed");
+        }
+        let shared = e.shared.lock().unwrap();
+        let samples = |name: &str| shared.metric(name).map_or(0, |m| m.samples.len());
+        assert_eq!(samples("kvgate_decision_us"), 24, "{config}");
+        let sampled = 24_usize.checked_div(every).unwrap_or(0);
+        for phase in ["kvgate_parse_us", "kvgate_gather_us", "kvgate_selection_us"] {
+            assert_eq!(samples(phase), sampled, "{config}: {phase}");
+        }
+    }
+}
+
 fn path_of(c: &kvgate_tests::host::Callout) -> &str {
     c.headers
         .iter()

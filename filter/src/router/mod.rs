@@ -40,6 +40,8 @@ pub struct RouterState {
     view: View,
     metrics: RouterMetrics,
     tie_break: u64,
+    /// Counts the VM's decisions: one in a few has its phases timed.
+    decisions: u64,
     /// Names this VM's bookings; random so that VMs of several Envoys
     /// sharing a sidecar never collide.
     vm_tag: u64,
@@ -67,6 +69,7 @@ impl RouterState {
             // Each worker thread's VM starts at a different point, so two
             // VMs' first requests on an idle fleet do not pick the same rank.
             tie_break: host::now_us().wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            decisions: 0,
             vm_tag: host::random_u64(),
             next_seq: 0,
             next_room: host::random_u64(),

@@ -6,10 +6,11 @@
 
 use super::super::RouterState;
 use super::super::retry as router_retry;
+use super::stopwatch::{Phase, Stopwatch};
 use crate::config::ms;
 use crate::host;
 use crate::manifest::{self, Manifest};
-use crate::metrics::{inc, record};
+use crate::metrics::inc;
 use crate::reply::Reply;
 use kvgate_core::approx::Routed;
 use kvgate_core::plan::request::Parsed;
@@ -183,6 +184,7 @@ pub(super) fn decide(
     tenant: &str,
     body: &[u8],
     manifest: &Manifest,
+    clock: &mut Stopwatch,
 ) -> Decision {
     st.tie_break = st.tie_break.wrapping_add(1);
     let mut ask = Ask {
@@ -192,13 +194,9 @@ pub(super) fn decide(
     let Some(snap) = st.view.snapshot.as_ref() else {
         return Decision::Reply(Reply::stale());
     };
-    let selecting = host::now_us();
     let mut shards = st.shards.source(manifest, host::get_shared);
     let gathered = plan::gather(snap, req, tenant, &mut shards);
-    record(
-        st.metrics.gather_us,
-        host::now_us().saturating_sub(selecting),
-    );
+    clock.mark(Phase::Gathered);
     let place = |ask: &Ask| match &gathered {
         Ok(g) => g.place(req, tenant, ask, &[]),
         Err(r) => Plan::Reject(*r),
@@ -220,10 +218,7 @@ pub(super) fn decide(
         }
         ticket = Some(hash);
     }
-    record(
-        st.metrics.selection_us,
-        host::now_us().saturating_sub(selecting),
-    );
+    clock.mark(Phase::Selected);
     match planned {
         Plan::Route(route) => {
             let routing = Routing {

@@ -18,12 +18,13 @@
 mod decide;
 mod legs;
 mod prefill;
+mod stopwatch;
 
 use super::{Booking, RouterState};
 use crate::config::{OnStale, ms};
 use crate::host;
 use crate::manifest::{self, Manifest};
-use crate::metrics::{inc, record};
+use crate::metrics::inc;
 use crate::reply::Reply;
 use decide::{Decision, Routing, Target};
 use kvgate_core::DEFAULT_TENANT;
@@ -37,6 +38,7 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
 use std::rc::Rc;
+use stopwatch::{Phase, Stopwatch};
 
 /// Where a request is in its life; the callbacks move it on.
 #[derive(Debug, Default)]
@@ -132,9 +134,13 @@ impl Request {
 
     /// Decides where the whole buffered body goes, and applies it.
     fn route(&mut self, body_size: usize) -> Action {
-        let started = host::now_us();
         let Some(endpoint) = self.endpoint else {
             return Action::Continue;
+        };
+        let mut clock = {
+            let mut st = self.state.borrow_mut();
+            st.decisions = st.decisions.wrapping_add(1);
+            Stopwatch::start(st.decisions, st.config.phase_timing_every)
         };
         let body = host::request_body(body_size).unwrap_or_default();
         let mut req = match parse(endpoint, &body) {
@@ -148,15 +154,18 @@ impl Request {
                 drop(st);
                 return self.reply(&Reply::stale());
             }
-            record(st.metrics.parse_us, host::now_us().saturating_sub(started));
-            decide::decide(&mut st, &req, &self.tenant, &body, &self.manifest)
+            clock.mark(Phase::Parsed);
+            decide::decide(
+                &mut st,
+                &req,
+                &self.tenant,
+                &body,
+                &self.manifest,
+                &mut clock,
+            )
         };
         let action = self.apply(decision, &body);
-        let st = self.state.borrow();
-        record(
-            st.metrics.decision_us,
-            host::now_us().saturating_sub(started),
-        );
+        clock.finish(&self.state.borrow().metrics);
         action
     }
 
