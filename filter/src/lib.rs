@@ -141,6 +141,7 @@ impl RootContext for Root {
             Root::Router(state, standby) => {
                 if let Ok(mut st) = state.try_borrow_mut() {
                     st.flush();
+                    st.look_ahead();
                 }
                 if let Some(standby) = standby {
                     standby.on_tick();

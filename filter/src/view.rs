@@ -7,6 +7,9 @@ use kvgate_core::{Snapshot, SnapshotError};
 pub(crate) struct View {
     pub snapshot: Option<Snapshot>,
     pub version: u64,
+    /// The sidecar epoch the version is of: a restarted sidecar numbers
+    /// its snapshots anew.
+    epoch: u64,
     /// The snapshot before the current one, whose allocations the next
     /// one is decoded into ([`Snapshot::decode_into`]): under load most
     /// requests find a new version.
@@ -14,15 +17,17 @@ pub(crate) struct View {
 }
 
 impl View {
-    /// Decodes the snapshot `read` returns when `version` differs from the
-    /// cached one. Returns whether the view changed; a snapshot that does
-    /// not decode leaves the old view in place.
+    /// Decodes the snapshot `read` returns unless the view already holds
+    /// `version` of `epoch`, or a later one (the root's tick may have read
+    /// ahead of a request's manifest). Returns whether the view changed; a
+    /// snapshot that does not decode leaves the old view in place.
     pub fn refresh(
         &mut self,
+        epoch: u64,
         version: u64,
         read: impl FnOnce() -> Option<Vec<u8>>,
     ) -> Result<bool, SnapshotError> {
-        if version == self.version && self.snapshot.is_some() {
+        if self.snapshot.is_some() && epoch == self.epoch && version <= self.version {
             return Ok(false);
         }
         let Some(bytes) = read() else {
@@ -32,6 +37,7 @@ impl View {
         // the current one as it was.
         self.spare.decode_into(&bytes)?;
         self.version = self.spare.version;
+        self.epoch = epoch;
         let new = std::mem::take(&mut self.spare);
         if let Some(old) = self.snapshot.replace(new) {
             self.spare = old;
@@ -54,7 +60,7 @@ mod tests {
         let mut v = View::default();
         let mut reads = 0;
         for _ in 0..2 {
-            v.refresh(5, || {
+            v.refresh(1, 5, || {
                 reads += 1;
                 Some(bytes.clone())
             })
@@ -62,9 +68,29 @@ mod tests {
         }
         assert_eq!(reads, 1);
         assert_eq!(v.version, 5);
-        assert!(v.refresh(6, || Some(vec![1, 2, 3])).is_err());
+        assert!(v.refresh(1, 6, || Some(vec![1, 2, 3])).is_err());
         assert_eq!(v.version, 5, "a bad snapshot keeps the old view");
         assert_eq!(v.snapshot.as_ref(), Some(&s));
+    }
+
+    #[test]
+    fn an_older_version_keeps_a_newer_view_until_the_epoch_changes() {
+        let bytes = |version| {
+            Snapshot {
+                version,
+                ..Default::default()
+            }
+            .encode()
+            .unwrap()
+        };
+        let mut v = View::default();
+        assert_eq!(v.refresh(1, 7, || Some(bytes(7))), Ok(true));
+        let unread = || -> Option<Vec<u8>> { panic!("read again") };
+        assert_eq!(v.refresh(1, 6, unread), Ok(false), "an older manifest");
+        assert_eq!(v.refresh(1, 7, unread), Ok(false));
+        // A restarted sidecar's versions start over.
+        assert_eq!(v.refresh(2, 1, || Some(bytes(1))), Ok(true));
+        assert_eq!(v.version, 1);
     }
 
     #[test]
@@ -98,10 +124,10 @@ mod tests {
         ];
         for s in &versions {
             let bytes = s.encode().unwrap();
-            assert_eq!(v.refresh(s.version, || Some(bytes)), Ok(true));
+            assert_eq!(v.refresh(1, s.version, || Some(bytes)), Ok(true));
             assert_eq!(v.snapshot.as_ref(), Some(s));
             // A bad one between versions changes nothing the next sees.
-            assert!(v.refresh(s.version + 100, || Some(vec![0; 3])).is_err());
+            assert!(v.refresh(1, s.version + 100, || Some(vec![0; 3])).is_err());
             assert_eq!(v.snapshot.as_ref(), Some(s));
         }
     }

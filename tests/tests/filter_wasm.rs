@@ -690,6 +690,27 @@ fn new_versions_are_picked_up_and_the_snapshot_read_once_per_version() {
         "worker 2 went busy"
     );
     assert_eq!(e.shared.lock().unwrap().reads["kvgate.snapshot"], 2);
+
+    // The root's tick decodes a new version between requests: the next
+    // request finds its view current, and one that read an older manifest
+    // decides from the newer view without reading the snapshot again.
+    let mut third = fleet(3);
+    third.models[0].workers[2].ranks[0].busy = true;
+    let (_, stale) = e.routers[0].begin(&CHAT, false);
+    e.publish(&third, false);
+    e.routers[0].tick().unwrap();
+    assert_eq!(
+        e.shared.lock().unwrap().reads["kvgate.snapshot"],
+        3,
+        "read on the tick"
+    );
+    let fresh = e.routers[0].request(&CHAT, &[&chat("m")]);
+    let older = e.routers[0].body(stale, &chat("m"), true);
+    e.routers[0].finish(stale);
+    for ex in [fresh, older] {
+        assert_eq!(ex.destination(), Some("10.0.0.2:8000"), "workers 2 and 3 busy");
+    }
+    assert_eq!(e.shared.lock().unwrap().reads["kvgate.snapshot"], 3);
 }
 
 #[test]

@@ -7,9 +7,8 @@
 use super::super::RouterState;
 use super::super::retry as router_retry;
 use super::stopwatch::{Phase, Stopwatch};
-use crate::config::ms;
 use crate::host;
-use crate::manifest::{self, Manifest};
+use crate::manifest::Manifest;
 use crate::metrics::inc;
 use crate::reply::Reply;
 use kvgate_core::approx::Routed;
@@ -17,7 +16,6 @@ use kvgate_core::plan::request::Parsed;
 use kvgate_core::plan::{self, Ask, Placement, Plan, Prefill, Rejection, retry};
 use kvgate_core::state::{OnPrefillFailure, Protocol, Role};
 use kvgate_core::text::skeleton::Path;
-use proxy_wasm::types::LogLevel;
 
 /// What the router does with a request.
 #[derive(Debug)]
@@ -122,35 +120,16 @@ impl Target {
     }
 }
 
-/// Brings the VM's view up to the manifest's snapshot version, settles
-/// the VM's own bookings into a new snapshot, and renders a text prompt
-/// (parsed from `body`) with its model's template. `None`: no snapshot to
-/// decide from.
+/// Brings the VM's view up to the manifest's snapshot version (the
+/// root's tick usually has), and renders a text prompt (parsed from
+/// `body`) with its model's template. `None`: no snapshot to decide from.
 pub(super) fn prepare(
     st: &mut RouterState,
     req: &mut Parsed,
     body: &[u8],
-    version: u64,
+    manifest: &Manifest,
 ) -> Option<()> {
-    match st
-        .view
-        .refresh(version, || host::get_shared(manifest::SNAPSHOT_KEY))
-    {
-        Ok(true) => {
-            if let Some(snap) = st.view.snapshot.as_mut() {
-                st.local
-                    .settle(snap, st.vm_tag, host::now_ms(), ms(st.config.stale_after));
-            }
-        }
-        Ok(false) => {}
-        Err(e) => {
-            inc(st.metrics.snapshot_decode_errors);
-            host::log(
-                LogLevel::Error,
-                &format!("kvgate: snapshot {version} does not decode: {e}"),
-            );
-        }
-    }
+    st.refresh_view(manifest);
     let snap = st.view.snapshot.as_ref()?;
     if req.tokens.is_none()
         && let Some(m) = snap.model(&req.model)

@@ -150,7 +150,7 @@ impl Request {
         self.model.clone_from(&req.model);
         let decision = {
             let mut st = self.state.borrow_mut();
-            if decide::prepare(&mut st, &mut req, &body, self.manifest.snapshot_version).is_none() {
+            if decide::prepare(&mut st, &mut req, &body, &self.manifest).is_none() {
                 drop(st);
                 return self.reply(&Reply::stale());
             }
