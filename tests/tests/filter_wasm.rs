@@ -708,7 +708,11 @@ fn new_versions_are_picked_up_and_the_snapshot_read_once_per_version() {
     let older = e.routers[0].body(stale, &chat("m"), true);
     e.routers[0].finish(stale);
     for ex in [fresh, older] {
-        assert_eq!(ex.destination(), Some("10.0.0.2:8000"), "workers 2 and 3 busy");
+        assert_eq!(
+            ex.destination(),
+            Some("10.0.0.2:8000"),
+            "worker 3 went busy"
+        );
     }
     assert_eq!(e.shared.lock().unwrap().reads["kvgate.snapshot"], 3);
 }

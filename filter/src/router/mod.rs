@@ -112,9 +112,9 @@ impl RouterState {
 
     /// Decodes a new snapshot on the root's tick, between requests, so
     /// that the next request usually finds its view current: under load
-    /// the sidecar republishes as loads move, and reading and decoding a
-    /// snapshot was 1 to 3 µs of a 2k-token decision, more when paced.
-    /// Costs a manifest read a tick.
+    /// the sidecar republishes as loads move, and reading and decoding
+    /// new snapshots cost 2k-token decisions 1 to 3 µs each on average
+    /// (docs/text-routing.md). Costs a manifest read a tick.
     pub fn look_ahead(&mut self) {
         let Some(m) = host::get_shared(manifest::KEY).and_then(|b| Manifest::decode(&b)) else {
             return;
