@@ -19,6 +19,11 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// The manifest in shared data; `None` when absent or not a manifest.
+    pub fn read() -> Option<Manifest> {
+        crate::host::get_shared(KEY).and_then(|b| Manifest::decode(&b))
+    }
+
     pub fn encode(&self) -> [u8; LEN] {
         let mut b = [0u8; LEN];
         for (i, v) in [

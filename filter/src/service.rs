@@ -87,9 +87,7 @@ impl Service {
     /// from the manifest it left, and registers the queues again so that
     /// their notifications now wake this root.
     pub fn take_over(config: Config) -> Service {
-        let manifest = host::get_shared(crate::manifest::KEY)
-            .and_then(|b| crate::manifest::Manifest::decode(&b))
-            .unwrap_or_default();
+        let manifest = crate::manifest::Manifest::read().unwrap_or_default();
         Self::with_poller(config, Poller::resume(manifest), true)
     }
 

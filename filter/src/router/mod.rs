@@ -116,7 +116,7 @@ impl RouterState {
     /// new snapshots cost 2k-token decisions 1 to 3 µs each on average
     /// (docs/text-routing.md). Costs a manifest read a tick.
     pub fn look_ahead(&mut self) {
-        let Some(m) = host::get_shared(manifest::KEY).and_then(|b| Manifest::decode(&b)) else {
+        let Some(m) = Manifest::read() else {
             return;
         };
         if m.is_fresh(host::now_ms(), ms(self.config.stale_after)) {

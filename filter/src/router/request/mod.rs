@@ -23,7 +23,7 @@ mod stopwatch;
 use super::{Booking, RouterState};
 use crate::config::{OnStale, ms};
 use crate::host;
-use crate::manifest::{self, Manifest};
+use crate::manifest::Manifest;
 use crate::metrics::inc;
 use crate::reply::Reply;
 use decide::{Decision, Routing, Target};
@@ -418,9 +418,7 @@ impl HttpContext for Request {
         self.tenant = host::request_header(&cfg_tenant)
             .filter(|t| !t.is_empty())
             .unwrap_or_else(|| DEFAULT_TENANT.to_string());
-        self.manifest = host::get_shared(manifest::KEY)
-            .and_then(|b| Manifest::decode(&b))
-            .unwrap_or_default();
+        self.manifest = Manifest::read().unwrap_or_default();
         if !self.manifest.is_fresh(host::now_ms(), stale_after) {
             return match on_stale {
                 OnStale::FailClosed => self.reply(&Reply::stale()),
