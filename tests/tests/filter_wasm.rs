@@ -903,6 +903,96 @@ fn a_redeemed_retry_reads_the_index_once() {
     assert_eq!(shard_reads(&e, &before), one_decision);
 }
 
+/// A VM keeps the shards a prompt reads twice across updates that leave
+/// them alone (the service's change log says which it rewrote), and reads
+/// them again after an update that rewrote them: the next decision
+/// follows the new holder.
+#[test]
+fn kept_shards_outlive_updates_that_leave_them_alone() {
+    use kvgate_core::hash::{XXH3_SEED, block_hashes, sequence_hashes};
+    let mut e = Envoy::start("");
+    let tokens: Vec<u32> = (0..600).map(|t| 11_000 + t).collect();
+    let seq = sequence_hashes(&block_hashes(&tokens, 16, XXH3_SEED));
+    serve_index(&mut e, &[(0, seq.clone())], Vec::new());
+    let body = json!({"model": "m", "prompt": tokens}).to_string();
+    let completion = [(":method", "POST"), (":path", "/v1/completions")];
+    let route = |e: &mut Envoy| {
+        let ex = e.routers[0].request(&completion, &[body.as_bytes()]);
+        assert!(ex.continued, "{:?}", ex.reply);
+        ex.destination().map(str::to_string)
+    };
+    let before = e.shared.lock().unwrap().reads.clone();
+    assert_eq!(route(&mut e).as_deref(), Some("10.0.0.1:8000"));
+    let read = shard_reads(&e, &before);
+    assert!(!read.is_empty());
+    route(&mut e);
+    let reads_of = |e: &Envoy, key: &str| e.shared.lock().unwrap().reads.get(key).copied();
+    let log_reads = reads_of(&e, "kvgate.changes");
+
+    // Update 2 rewrites a shard this prompt does not read, as it was;
+    // update 3 carries a snapshot only.
+    let all = shards_holding(&[(0, seq.clone())], 8);
+    let (other, bytes) = (0..8u32)
+        .find(|s| !read.contains_key(&format!("kvgate.idx.m.{s}")))
+        .map(|s| {
+            (
+                s,
+                all.iter()
+                    .find(|(n, _)| *n == s)
+                    .map_or(Vec::new(), |(_, b)| b.clone()),
+            )
+        })
+        .expect("a shard the prompt does not read");
+    let next = |e: &mut Envoy, frame: Vec<u8>| {
+        let c = e.service.pending().pop().expect("a poll in flight");
+        e.service.respond(c.token, 200, &[], &frame).unwrap();
+    };
+    next(
+        &mut e,
+        update::encode(2, EPOCH, false, None, [("m", other, &bytes[..])]),
+    );
+    let mut snap = fleet(2);
+    snap.models[0].shard_count = 8;
+    for (i, w) in snap.models[0].workers.iter_mut().enumerate() {
+        w.ranks[0].slot = i as u16;
+    }
+    next(
+        &mut e,
+        update::encode(3, EPOCH, false, Some(&snap.encode().unwrap()), []),
+    );
+    let before = e.shared.lock().unwrap().reads.clone();
+    assert_eq!(route(&mut e).as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(
+        shard_reads(&e, &before),
+        Default::default(),
+        "every shard held"
+    );
+    assert_eq!(
+        reads_of(&e, "kvgate.changes"),
+        Some(log_reads.unwrap_or(0) + 1),
+        "the change log read once for the two updates"
+    );
+
+    // Update 4 moves the prompt to worker 3 (slot 2): credit for 37
+    // cached blocks outweighs its 20 more decode blocks than worker 2.
+    let moved = shards_holding(&[(2, seq)], 8);
+    let frame = update::encode(
+        4,
+        EPOCH,
+        false,
+        None,
+        moved.iter().map(|(s, b)| ("m", *s, b.as_slice())),
+    );
+    next(&mut e, frame);
+    let before = e.shared.lock().unwrap().reads.clone();
+    assert_eq!(route(&mut e).as_deref(), Some("10.0.0.3:8000"));
+    assert_eq!(
+        shard_reads(&e, &before),
+        read,
+        "the rewritten shards read again"
+    );
+}
+
 /// The KV events of a LoRA adapter and of a salted prompt are indexed
 /// under their own hashes (the sidecar's rule, `kvgate_core::hash`); the
 /// filter must hash a request the same way: an adapter request finds the

@@ -264,23 +264,44 @@ fn churn(rng: &mut Rng, idx: &mut Index, f: &Families, snap: &Snapshot, r: &Rend
     }
 }
 
-/// Answers the service's poll with `snap` (if any) and the whole index.
-fn publish(e: &mut Envoy, version: u64, snap: Option<&Snapshot>, idx: &Index, extra: &[u8]) {
+/// What the sidecar last published of each shard, by (namespace, shard).
+type Published = HashMap<(String, u32), Vec<u8>>;
+
+/// Answers the service's poll with `snap` (if any) and, as the sidecar
+/// does, only the shards that changed since `last` (a shard that lost
+/// every entry written empty). The router VMs keep the others.
+fn publish(
+    e: &mut Envoy,
+    version: u64,
+    snap: Option<&Snapshot>,
+    idx: &Index,
+    last: &mut Published,
+    extra: &[u8],
+) {
     let bytes = snap.map(|s| s.encode().unwrap());
-    let shards = idx.shards();
-    let template_ns = text::template_key("m");
-    let frame = update::encode(
-        version,
-        EPOCH,
-        false,
-        bytes.as_deref(),
-        shards
-            .iter()
-            .map(|(ns, s, b)| (ns.as_str(), *s, b.as_slice()))
-            .chain((!extra.is_empty()).then_some((template_ns.as_str(), 0, extra))),
+    let now: Published = idx
+        .shards()
+        .into_iter()
+        .map(|(ns, s, b)| ((ns, s), b))
+        .collect();
+    let mut changed: Vec<(&str, u32, &[u8])> = now
+        .iter()
+        .filter(|(k, b)| last.get(*k) != Some(*b))
+        .map(|((ns, s), b)| (ns.as_str(), *s, b.as_slice()))
+        .collect();
+    changed.extend(
+        last.keys()
+            .filter(|k| !now.contains_key(*k))
+            .map(|(ns, s)| (ns.as_str(), *s, &[][..])),
     );
+    let template_ns = text::template_key("m");
+    if !extra.is_empty() {
+        changed.push((template_ns.as_str(), 0, extra));
+    }
+    let frame = update::encode(version, EPOCH, false, bytes.as_deref(), changed);
     let c = e.service.pending().pop().expect("a poll in flight");
     e.service.respond(c.token, 200, &[], &frame).unwrap();
+    *last = now;
 }
 
 #[test]
@@ -293,7 +314,8 @@ fn every_decision_equals_the_reference_plan() {
     let mut snap = fleet(1, &mut rng, t.version());
     let mut idx = Index::default();
     churn(&mut rng, &mut idx, &families, &snap, &renderer);
-    publish(&mut e, 1, Some(&snap), &idx, &t.encode());
+    let mut last = Published::new();
+    publish(&mut e, 1, Some(&snap), &idx, &mut last, &t.encode());
     let mut version = 1;
     let (mut routed, mut rejected) = (0, 0);
     for i in 0..300 {
@@ -304,7 +326,8 @@ fn every_decision_equals_the_reference_plan() {
                 snap = fleet(version, &mut rng, t.version());
             }
             churn(&mut rng, &mut idx, &families, &snap, &renderer);
-            publish(&mut e, version, new_snapshot.then_some(&snap), &idx, &[]);
+            let snap = new_snapshot.then_some(&snap);
+            publish(&mut e, version, snap, &idx, &mut last, &[]);
         }
         let (path, body) = request(&mut rng, &families);
         let vm = rng.below(2);
