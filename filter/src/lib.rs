@@ -14,7 +14,7 @@
 //!
 //! The decision itself is `kvgate_core::plan`, shared with the sidecar's
 //! selection API. What is left here is host-agnostic and tested natively
-//! ([`config`], [`poller`], [`changes`], [`manifest`]) or thin glue over host calls
+//! ([`config`], [`poller`], [`manifest`]) or thin glue over host calls
 //! ([`host`], [`router`], [`service`]). The replies it sends itself
 //! ([`reply`]) are core's, shared with the ext_proc server.
 #![forbid(unsafe_code)]
@@ -23,7 +23,6 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-mod changes;
 mod config;
 mod host;
 mod lease;

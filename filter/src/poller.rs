@@ -3,11 +3,10 @@
 //! Exactly one poll is in flight. A 200 carries an update frame: it is
 //! validated whole (snapshot and every shard) before anything is written,
 //! then turned into shared-data writes in a safe order — shards and
-//! snapshot first, then the change log ([`crate::changes`]), the manifest
-//! last — so a reader that sees a new manifest finds the data it names. A 204 only refreshes freshness. Failures back
+//! snapshot first, the manifest last — so a reader that sees a new manifest
+//! finds the data it names. A 204 only refreshes freshness. Failures back
 //! off exponentially.
 
-use crate::changes::{self, ChangeLog};
 use crate::manifest::{self, Manifest};
 use kvgate_core::Snapshot;
 use kvgate_core::shard::ShardView;
@@ -25,8 +24,6 @@ pub struct Poller {
     retry_at_ms: u64,
     /// Shard keys written non-empty, to clear on a reset.
     held: BTreeSet<String>,
-    /// Which shards the last updates rewrote, for the router VMs' caches.
-    log: ChangeLog,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -43,9 +40,6 @@ impl Poller {
     pub fn resume(manifest: Manifest) -> Poller {
         Poller {
             manifest,
-            // What the last holder changed is not known here: VMs that
-            // saw an older update forget their shards.
-            log: ChangeLog::starting_at(manifest.epoch, manifest.update_version),
             ..Poller::default()
         }
     }
@@ -147,15 +141,6 @@ impl Poller {
             writes.push((manifest::SNAPSHOT_KEY.to_string(), b.to_vec()));
             self.manifest.snapshot_version = v;
         }
-        // A reset starts the log over, so the shards it empties need no
-        // listing: every VM that saw an older update forgets them all.
-        self.log.record(
-            u.epoch,
-            u.version,
-            u.reset,
-            written.iter().map(String::as_str),
-        );
-        writes.push((changes::KEY.to_string(), self.log.encode()));
         self.manifest.update_version = u.version;
         self.manifest.epoch = u.epoch;
         self.succeeded(now_ms);
@@ -202,15 +187,10 @@ mod tests {
         let keys: Vec<&str> = w.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(
             keys,
-            [
-                "kvgate.idx.m.2",
-                "kvgate.snapshot",
-                "kvgate.changes",
-                "kvgate.manifest"
-            ],
-            "the change log after the shards, the manifest last"
+            ["kvgate.idx.m.2", "kvgate.snapshot", "kvgate.manifest"],
+            "manifest last"
         );
-        let m = Manifest::decode(&w[3].1).unwrap();
+        let m = Manifest::decode(&w[2].1).unwrap();
         assert_eq!(
             (m.snapshot_version, m.update_version, m.epoch, m.fresh_at_ms),
             (3, 4, 77, 100)
@@ -244,50 +224,6 @@ mod tests {
             .unwrap();
         assert!(w.contains(&("kvgate.idx.m.1".to_string(), Vec::new())));
         assert!(!w.iter().any(|(k, v)| k == "kvgate.idx.m.2" && v.is_empty()));
-    }
-
-    #[test]
-    fn the_change_log_lists_the_shards_each_update_rewrote() {
-        use crate::changes::{Changes, key_hash};
-        let mut p = Poller::default();
-        let sh = shard();
-        let log_of = |w: &[(String, Vec<u8>)]| {
-            w.iter()
-                .find(|(k, _)| k == changes::KEY)
-                .map(|(_, v)| v.clone())
-                .expect("the log is written with every update")
-        };
-        let w = p
-            .changed(
-                1,
-                &update::encode(5, 9, true, Some(&snap(1)), [("m", 1, &sh[..])]),
-            )
-            .unwrap();
-        let log = log_of(&w);
-        let c = Changes::decode(&log).unwrap();
-        assert_eq!((c.epoch, c.from, c.newest), (9, 5, 5), "a reset starts it");
-        let w = p
-            .changed(2, &update::encode(6, 9, false, None, [("m", 2, &sh[..])]))
-            .unwrap();
-        let w = [
-            w,
-            p.changed(3, &update::encode(8, 9, false, Some(&snap(2)), []))
-                .unwrap(),
-        ];
-        let log = log_of(&w[1]);
-        let c = Changes::decode(&log).unwrap();
-        assert_eq!((c.from, c.newest), (5, 8));
-        assert_eq!(c.since(5).collect::<Vec<_>>(), [key_hash("kvgate.idx.m.2")]);
-        assert_eq!(c.since(6).count(), 0, "update 8 carried a snapshot only");
-        // A poller that takes over lists nothing from before it.
-        let mut p = Poller::resume(p.manifest());
-        let w = p
-            .changed(4, &update::encode(9, 9, false, None, [("m", 3, &sh[..])]))
-            .unwrap();
-        let log = log_of(&w);
-        let c = Changes::decode(&log).unwrap();
-        assert_eq!((c.from, c.newest), (8, 9));
-        assert_eq!(c.since(8).collect::<Vec<_>>(), [key_hash("kvgate.idx.m.3")]);
     }
 
     #[test]

@@ -12,10 +12,10 @@
 //! by kind, and bytes copied into the VM by kind. These do not move with
 //! the machine's load, so two builds compare exactly.
 //!
-//! Every measured request follows an update that rewrote every index
-//! shard, so it reads its shards; a VM keeps a shard read twice until an
-//! update rewrites it, and what a request saves when earlier ones read its
-//! shards is measured on its own (`shards_held_2k`).
+//! Every measured request follows an update of the index, so it reads its
+//! shards; a VM keeps a shard read twice until the next update, and what
+//! a request saves when earlier ones of the same update read its shards
+//! is measured on its own (`shards_held_2k`).
 //!
 //! `--baseline PATH` runs another build of the filter on the same requests
 //! beside it and checks every request went to the same workers;
@@ -159,88 +159,54 @@ fn shards(entries: impl IntoIterator<Item = (u64, u16)>, count: u32) -> HashMap<
         .collect()
 }
 
-/// What the service is sent: the snapshot (model `m` with its template
-/// and indexes, model `a` with neither), every index shard, and the
-/// template blob.
-struct Index {
-    snapshot: Vec<u8>,
-    /// (namespace, shard, bytes) of the token and text indexes.
-    shards: Vec<(String, u32, Vec<u8>)>,
-    template: Vec<u8>,
-}
-
-impl Index {
-    fn build(blocks_per_worker: usize, t: &PromptTemplate) -> Index {
-        let snap = snapshot(t, 1);
-        let chains = blocks_per_worker / (CHAIN_TOKENS / 16);
-        let tokens = (0..WORKERS).flat_map(|w| {
-            (0..chains).flat_map(move |c| {
-                sequence_hashes(&block_hashes(&chain(w, c), 16, XXH3_SEED))
-                    .into_iter()
-                    .map(move |h| (h, w))
-            })
-        });
-        let token_shards = shards(tokens, 4096);
-        // The text index: each worker holds its system prompt, as a chat's
-        // first message and as a completion's prompt.
-        let r = Renderer::new(t.clone()).expect("template compiles");
-        let mut keys = Vec::new();
-        for w in 0..WORKERS {
-            let sys = system(w);
-            let messages = json!([{"role": "system", "content": sys.trim_end()}]);
-            let kwargs = json!({"date_string": KWARGS});
-            let rendered = r
-                .chat(&messages, None, kwargs.as_object(), 0)
-                .expect("renders");
-            let end = rendered.find(sys.trim_end()).expect("content") + sys.trim_end().len();
-            for k in prefix_keys(&rendered[..end], CacheScope::default()) {
-                keys.push((k, w));
-            }
-            for k in prefix_keys(&r.completion(&sys), CacheScope::default()) {
-                keys.push((k, w));
-            }
+/// The update frame: the snapshot (model `m` with its template and
+/// indexes, model `a` with neither), and every shard.
+fn frame(blocks_per_worker: usize, t: &PromptTemplate) -> (Vec<u8>, usize) {
+    let snap = snapshot(t, 1);
+    let chains = blocks_per_worker / (CHAIN_TOKENS / 16);
+    let tokens = (0..WORKERS).flat_map(|w| {
+        (0..chains).flat_map(move |c| {
+            sequence_hashes(&block_hashes(&chain(w, c), 16, XXH3_SEED))
+                .into_iter()
+                .map(move |h| (h, w))
+        })
+    });
+    let token_shards = shards(tokens, 4096);
+    let indexed = token_shards.len();
+    // The text index: each worker holds its system prompt, as a chat's
+    // first message and as a completion's prompt.
+    let r = Renderer::new(t.clone()).expect("template compiles");
+    let mut keys = Vec::new();
+    for w in 0..WORKERS {
+        let sys = system(w);
+        let messages = json!([{"role": "system", "content": sys.trim_end()}]);
+        let kwargs = json!({"date_string": KWARGS});
+        let rendered = r
+            .chat(&messages, None, kwargs.as_object(), 0)
+            .expect("renders");
+        let end = rendered.find(sys.trim_end()).expect("content") + sys.trim_end().len();
+        for k in prefix_keys(&rendered[..end], CacheScope::default()) {
+            keys.push((k, w));
         }
-        let text_ns = text::index_key("m");
-        let shards = token_shards
-            .into_iter()
-            .map(|(s, b)| ("m".to_string(), s, b))
-            .chain(
-                shards(keys, text::SHARDS)
-                    .into_iter()
-                    .map(|(s, b)| (text_ns.clone(), s, b)),
-            )
-            .collect();
-        Index {
-            snapshot: snap.encode().expect("snapshot"),
-            shards,
-            template: t.encode(),
+        for k in prefix_keys(&r.completion(&sys), CacheScope::default()) {
+            keys.push((k, w));
         }
     }
-
-    /// The first frame: everything, as a reset.
-    fn reset(&self) -> Vec<u8> {
-        let template_ns = text::template_key("m");
-        let all = self
-            .shards
-            .iter()
-            .map(|(ns, s, b)| (ns.as_str(), *s, b.as_slice()))
-            .chain(std::iter::once((
-                template_ns.as_str(),
-                0,
-                self.template.as_slice(),
-            )));
-        update::encode(1, 1, true, Some(&self.snapshot), all)
-    }
-
-    /// Update `version`, in which every index shard was rewritten as it
-    /// was: a VM forgets every shard it keeps.
-    fn rewritten(&self, version: u64) -> Vec<u8> {
-        let all = self
-            .shards
-            .iter()
-            .map(|(ns, s, b)| (ns.as_str(), *s, b.as_slice()));
-        update::encode(version, 1, false, None, all)
-    }
+    let text_shards = shards(keys, text::SHARDS);
+    let text_ns = text::index_key("m");
+    let template_ns = text::template_key("m");
+    let blob = t.encode();
+    let encoded = snap.encode().expect("snapshot");
+    let all = token_shards
+        .iter()
+        .map(|(s, b)| ("m", *s, b.as_slice()))
+        .chain(
+            text_shards
+                .iter()
+                .map(|(s, b)| (text_ns.as_str(), *s, b.as_slice())),
+        )
+        .chain(std::iter::once((template_ns.as_str(), 0, blob.as_slice())));
+    (update::encode(1, 1, true, Some(&encoded), all), indexed)
 }
 
 /// The snapshot at `version`: model `m` with its template and indexes,
@@ -258,23 +224,21 @@ fn snapshot(t: &PromptTemplate, version: u64) -> Snapshot {
 }
 
 /// One Envoy's worth of VMs on one build of the filter.
-struct Side<'i> {
+struct Side {
     shared: kvgate_tests::host::SharedRef,
     service: Vm,
     router: Vm,
     version: u64,
-    index: &'i Index,
 }
 
-impl<'i> Side<'i> {
-    fn start(wasm: &std::path::Path, index: &'i Index) -> Side<'i> {
+impl Side {
+    fn start(wasm: &std::path::Path, frame: &[u8]) -> Side {
         let filter = Filter::load_metered(wasm).expect("filter module");
         let shared = Shared::new();
         let mut svc = Vm::start(&filter, &shared, "kvgate", "kvgate_snapshot_service", "")
             .expect("service VM");
         let token = svc.pending().pop().expect("poll").token;
-        svc.respond(token, 200, &[], &index.reset())
-            .expect("update applied");
+        svc.respond(token, 200, &[], frame).expect("update applied");
         // Every request's phases are timed; a build from before the key
         // refuses it, and timed every request's.
         let router = |config: &str| Vm::start(&filter, &shared, "kvgate", "kvgate_router", config);
@@ -291,7 +255,6 @@ impl<'i> Side<'i> {
             service: svc,
             router,
             version: 1,
-            index,
         }
     }
 
@@ -303,25 +266,21 @@ impl<'i> Side<'i> {
         self.update(Some(&snap));
     }
 
-    /// An update that rewrote every shard: the VM forgets the shards it
-    /// keeps, and the next request reads its own.
+    /// A new update that changes nothing, as the sidecar sends when only
+    /// shards of other prompts changed: a VM keeps the shards it read
+    /// twice only while the update version stands still.
     fn touch(&mut self) {
-        self.version += 1;
-        let frame = self.index.rewritten(self.version);
-        self.apply(&frame);
+        self.update(None);
     }
 
     /// The service's next poll answered with an update of the next
     /// version, carrying `snap` and no shards.
     fn update(&mut self, snap: Option<&[u8]>) {
         self.version += 1;
-        self.apply(&update::encode(self.version, 1, false, snap, []));
-    }
-
-    fn apply(&mut self, update: &[u8]) {
+        let update = update::encode(self.version, 1, false, snap, []);
         let token = self.service.pending().pop().expect("poll").token;
         self.service
-            .respond(token, 200, &[], update)
+            .respond(token, 200, &[], &update)
             .expect("update applied");
         self.router.take_cost();
     }
@@ -403,13 +362,13 @@ fn main() {
         (100_000, 2, 5)
     };
     let t = template();
-    let index = Index::build(blocks, &t);
+    let (frame, _) = frame(blocks, &t);
     let mut sides = vec![(
         "candidate",
-        Side::start(&kvgate_tests::filter_wasm(), &index),
+        Side::start(&kvgate_tests::filter_wasm(), &frame),
     )];
     if let Some(b) = &baseline {
-        sides.push(("baseline", Side::start(b, &index)));
+        sides.push(("baseline", Side::start(b, &frame)));
     }
     let mut rows = Vec::new();
     let mut table = String::from(
@@ -508,7 +467,7 @@ fn main() {
             json!({"with_new_snapshot": with, "without": without}),
         );
     }
-    // What a request saves when earlier requests read its shards since
+    // What a request saves when earlier requests of the same update read
     // its shards.
     let mut held = serde_json::Map::new();
     for kind in [Kind::Tokens, Kind::Chat] {
@@ -526,7 +485,7 @@ fn main() {
             let fuel = |c: &[Cost]| median(c.iter().map(Cost::total_fuel).collect());
             let calls = |c: &[Cost]| median(c.iter().map(Cost::total_calls).collect());
             table.push_str(&format!(
-                "{name}: a 2k {} request whose shards it reads costs {} fuel and {} host calls; with its shards held from earlier requests, {} and {}.\n",
+                "{name}: a 2k {} request whose shards it reads costs {} fuel and {} host calls; with its shards held from earlier requests of the same update, {} and {}.\n",
                 kind.name(),
                 fuel(&read),
                 calls(&read),

@@ -54,7 +54,7 @@ pub struct RouterState {
     /// Bookings, their releases and local replies.
     bookings: Outbox,
     local: LocalBookings,
-    /// Index shards read twice, kept until an update rewrites them.
+    /// Index shards read since the last update, for the next requests.
     shards: shards::Shards,
     templates: templates::Templates,
 }
@@ -110,20 +110,17 @@ impl RouterState {
         }
     }
 
-    /// Decodes a new snapshot, and brings the kept shards up to the new
-    /// update, on the root's tick, between requests, so that the next
-    /// request usually finds both current: under load the sidecar
-    /// republishes as loads move, and reading and decoding new snapshots
-    /// cost 2k-token decisions 1 to 3 µs each on average
-    /// (docs/text-routing.md). Costs a manifest read a tick, and a change
-    /// log read an update while the VM keeps shards.
+    /// Decodes a new snapshot on the root's tick, between requests, so
+    /// that the next request usually finds its view current: under load
+    /// the sidecar republishes as loads move, and reading and decoding
+    /// new snapshots cost 2k-token decisions 1 to 3 µs each on average
+    /// (docs/text-routing.md). Costs a manifest read a tick.
     pub fn look_ahead(&mut self) {
         let Some(m) = Manifest::read() else {
             return;
         };
         if m.is_fresh(host::now_ms(), ms(self.config.stale_after)) {
             self.refresh_view(&m);
-            self.shards.sync(&m, &mut host::get_shared);
         }
     }
 

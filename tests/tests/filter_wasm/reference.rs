@@ -269,7 +269,8 @@ type Published = HashMap<(String, u32), Vec<u8>>;
 
 /// Answers the service's poll with `snap` (if any) and, as the sidecar
 /// does, only the shards that changed since `last` (a shard that lost
-/// every entry written empty). The router VMs keep the others.
+/// every entry written empty): the others stay in shared data as they
+/// were, beside the rewritten ones.
 fn publish(
     e: &mut Envoy,
     version: u64,
