@@ -119,8 +119,8 @@ impl Index {
         }
     }
 
-    /// Every shard of every namespace, encoded (empty shards included, so
-    /// a cleared shard is written as cleared).
+    /// Every shard of every namespace that holds an entry, encoded; one
+    /// that holds none is left out ([`publish`] writes it empty).
     fn shards(&self) -> Vec<(String, u32, Vec<u8>)> {
         let mut out = Vec::new();
         for (ns, m) in &self.0 {
