@@ -42,17 +42,27 @@ const SIZES: [usize; 5] = [1024, 2048, 8192, 32_768, 131_072];
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     Tokens,
+    /// As Python's `json.dumps` writes them, a space after each comma: what
+    /// the OpenAI client and most Python benches send.
+    TokensSpaced,
     Text,
     Chat,
     ChatApproximate,
 }
 
 impl Kind {
-    const ALL: [Kind; 4] = [Kind::Tokens, Kind::Text, Kind::Chat, Kind::ChatApproximate];
+    const ALL: [Kind; 5] = [
+        Kind::Tokens,
+        Kind::TokensSpaced,
+        Kind::Text,
+        Kind::Chat,
+        Kind::ChatApproximate,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Kind::Tokens => "token ids",
+            Kind::TokensSpaced => "token ids, spaced",
             Kind::Text => "text",
             Kind::Chat => "chat, precise",
             Kind::ChatApproximate => "chat, approximate",
@@ -107,12 +117,16 @@ const KWARGS: &str = "26 Jul 2024";
 fn body(kind: Kind, n: usize, i: usize) -> (&'static str, String) {
     let w = (i % WORKERS as usize) as u16;
     match kind {
-        Kind::Tokens => {
+        Kind::Tokens | Kind::TokensSpaced => {
             let mut t = chain(w, i % 50);
             t.truncate(n);
             t.extend((t.len()..n).map(|k| (3_000_000 + (k as u32).wrapping_mul(7919)) ^ i as u32));
-            let b = json!({"model": "m", "prompt": t, "max_tokens": 1});
-            ("/v1/completions", b.to_string())
+            let b = json!({"model": "m", "prompt": t, "max_tokens": 1}).to_string();
+            if matches!(kind, Kind::TokensSpaced) {
+                ("/v1/completions", b.replace(',', ", ").replace(':', ": "))
+            } else {
+                ("/v1/completions", b)
+            }
         }
         Kind::Text => {
             let mut p = system(w);

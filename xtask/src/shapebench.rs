@@ -129,6 +129,18 @@ fn token_ids(i: usize, n: u64) -> RequestSpec {
     )
 }
 
+/// [`token_ids`] laid out as Python's `json.dumps` writes them (", " and
+/// ": "), as the OpenAI client and most Python benches send them.
+fn token_ids_spaced(i: usize, n: u64) -> RequestSpec {
+    let mut r = token_ids(i, n);
+    // No string of the body holds a comma or a colon.
+    let spaced = String::from_utf8_lossy(&r.body)
+        .replace(',', ", ")
+        .replace(':', ": ");
+    r.body = Bytes::from(spaced);
+    r
+}
+
 /// About `n` tokens of words (four bytes a token), distinct per request
 /// from its first word.
 fn words(i: usize, n: u64) -> String {
@@ -183,6 +195,12 @@ fn shapes(quick: bool) -> Vec<Shape> {
             spec: |_, _| short_chat(true),
         },
     ];
+    shapes.push(Shape {
+        name: "2k token ids, spaced (Python's json.dumps)".into(),
+        tokens: 2048,
+        requests: Kind::TokenIds.requests(2048, quick),
+        spec: token_ids_spaced,
+    });
     for kind in Kind::ALL {
         for tokens in LENGTHS {
             shapes.push(Shape {
