@@ -43,7 +43,7 @@ const SIZES: [usize; 5] = [1024, 2048, 8192, 32_768, 131_072];
 enum Kind {
     Tokens,
     /// As Python's `json.dumps` writes them, a space after each comma: what
-    /// the OpenAI client and most Python benches send.
+    /// `requests` and `aiohttp` send.
     TokensSpaced,
     Text,
     Chat,

@@ -130,7 +130,7 @@ fn token_ids(i: usize, n: u64) -> RequestSpec {
 }
 
 /// [`token_ids`] laid out as Python's `json.dumps` writes them (", " and
-/// ": "), as the OpenAI client and most Python benches send them.
+/// ": "), as `requests` and `aiohttp` send them.
 fn token_ids_spaced(i: usize, n: u64) -> RequestSpec {
     let mut r = token_ids(i, n);
     // No string of the body holds a comma or a colon.
