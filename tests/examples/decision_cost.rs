@@ -46,15 +46,19 @@ enum Kind {
     /// `requests` and `aiohttp` send.
     TokensSpaced,
     Text,
+    /// Chinese text, each character escaped as Python's `json.dumps`
+    /// writes it (`\u4f60`): no worker holds it.
+    TextEscaped,
     Chat,
     ChatApproximate,
 }
 
 impl Kind {
-    const ALL: [Kind; 5] = [
+    const ALL: [Kind; 6] = [
         Kind::Tokens,
         Kind::TokensSpaced,
         Kind::Text,
+        Kind::TextEscaped,
         Kind::Chat,
         Kind::ChatApproximate,
     ];
@@ -64,6 +68,7 @@ impl Kind {
             Kind::Tokens => "token ids",
             Kind::TokensSpaced => "token ids, spaced",
             Kind::Text => "text",
+            Kind::TextEscaped => "Chinese text, escaped",
             Kind::Chat => "chat, precise",
             Kind::ChatApproximate => "chat, approximate",
         }
@@ -135,6 +140,14 @@ fn body(kind: Kind, n: usize, i: usize) -> (&'static str, String) {
             p.push_str(&filler(i, rest));
             let b = json!({"model": "m", "prompt": p, "max_tokens": 1});
             ("/v1/completions", b.to_string())
+        }
+        Kind::TextEscaped => {
+            // About a token a character; the body writes six bytes each.
+            let p: String = (0..n)
+                .map(|k| format!("\\u{:04x}", 0x4e00 + (k * 7919 + i * 31) % 20_000))
+                .collect();
+            let b = format!(r#"{{"model":"m","prompt":"{p}","max_tokens":1}}"#);
+            ("/v1/completions", b)
         }
         Kind::Chat | Kind::ChatApproximate => {
             let model = if matches!(kind, Kind::Chat) { "m" } else { "a" };

@@ -156,6 +156,20 @@ fn words(i: usize, n: u64) -> String {
     text
 }
 
+/// A completion whose prompt is `n` Chinese characters (about a token
+/// each), escaped as Python's `json.dumps` writes anything past ASCII
+/// (`\u4f60`).
+fn chinese_text_escaped(i: usize, n: u64) -> RequestSpec {
+    let prompt: String = (0..n as usize)
+        .map(|k| format!("\\u{:04x}", 0x4e00 + (k * 7919 + i * 31) % 20_000))
+        .collect();
+    let mut r = text(i, n);
+    r.body = Bytes::from(format!(
+        r#"{{"model": "demo-model", "max_tokens": 1, "prompt": "{prompt}"}}"#
+    ));
+    r
+}
+
 /// A completion whose prompt is about `n` tokens of text.
 fn text(i: usize, n: u64) -> RequestSpec {
     spec(
@@ -200,6 +214,12 @@ fn shapes(quick: bool) -> Vec<Shape> {
         tokens: 2048,
         requests: Kind::TokenIds.requests(2048, quick),
         spec: token_ids_spaced,
+    });
+    shapes.push(Shape {
+        name: "2k-token Chinese text, escaped (Python's json.dumps)".into(),
+        tokens: 2048,
+        requests: Kind::Text.requests(2048, quick),
+        spec: chinese_text_escaped,
     });
     for kind in Kind::ALL {
         for tokens in LENGTHS {

@@ -158,6 +158,14 @@ fn string() -> impl Strategy<Value = String> {
             "\\ud800\\n", "\\ud800\\u0041",
         ])
         .prop_map(str::to_owned),
+        // Runs of escapes, as Python's `json.dumps` writes text past ASCII,
+        // and broken off.
+        1 => prop::sample::select(vec![
+            "\\u4f60\\u597D\\u0000\\uFFFF\\u0022",
+            "\\u4f60\\ud83d\\ude00\\u597d",
+            "\\u4f6", "\\u4f", "\\u", "\\u4f6g", "\\u4f60\\", "\\u4f60\\u",
+        ])
+        .prop_map(str::to_owned),
     ];
     prop::collection::vec(piece, 0..6).prop_map(|p| format!("\"{}\"", p.concat()))
 }

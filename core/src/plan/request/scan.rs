@@ -242,6 +242,41 @@ fn value(t: u64, n: usize) -> u64 {
     (d.wrapping_mul(10_000) + (d >> 32)) & 0xFFFF_FFFF
 }
 
+/// Each byte's value as a hex digit, 16 or more when it is none.
+const HEX: [u8; 256] = {
+    let mut t = [0xFF; 256];
+    let mut c = 0;
+    while c < 256 {
+        t[c] = match c as u8 {
+            d @ b'0'..=b'9' => d - b'0',
+            d @ b'a'..=b'f' => d - b'a' + 10,
+            d @ b'A'..=b'F' => d - b'A' + 10,
+            _ => 0xFF,
+        };
+        c += 1;
+    }
+    t
+};
+
+/// The character of a `\uXXXX` escape at `i` (its backslash), when it
+/// stands alone: not half of a surrogate pair. Anything else, pairs and
+/// errors included, is left to [`Reader::escape`].
+fn bmp_escape(b: &[u8], i: usize) -> Option<char> {
+    let [b'\\', b'u', h @ ..] = b.get(i..i + 6)? else {
+        return None;
+    };
+    let mut code = 0u32;
+    for &c in h {
+        let d = HEX[usize::from(c)];
+        if d > 15 {
+            return None;
+        }
+        code = code << 4 | u32::from(d);
+    }
+    // None for a surrogate.
+    char::from_u32(code)
+}
+
 /// Bytes kept free in front of a text prompt's copy: a template's
 /// completion prefix (`<|begin_of_text|>`) goes in without a new buffer.
 const PREFIX_ROOM: usize = 32;
@@ -440,6 +475,16 @@ impl<'a> Reader<'a> {
             let run = self.i;
             self.i = plain_end(self.b, self.i);
             out.push_str(self.slice(run)?);
+            // Python's `json.dumps` escapes every character past ASCII: a
+            // prompt in Chinese is one `\uXXXX` after another.
+            let escapes = self.i;
+            while let Some(c) = bmp_escape(self.b, self.i) {
+                out.push(c);
+                self.i += 6;
+            }
+            if self.i != escapes {
+                continue;
+            }
             match self.next() {
                 Some(b'"') => return Ok(Cow::Owned(out)),
                 Some(b'\\') => out.push(self.escape()?),
