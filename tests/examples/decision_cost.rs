@@ -50,16 +50,20 @@ enum Kind {
     /// writes it (`\u4f60`): no worker holds it.
     TextEscaped,
     Chat,
+    /// The same chat, each content a list of one text part, as agent
+    /// frameworks send it.
+    ChatParts,
     ChatApproximate,
 }
 
 impl Kind {
-    const ALL: [Kind; 6] = [
+    const ALL: [Kind; 7] = [
         Kind::Tokens,
         Kind::TokensSpaced,
         Kind::Text,
         Kind::TextEscaped,
         Kind::Chat,
+        Kind::ChatParts,
         Kind::ChatApproximate,
     ];
 
@@ -70,6 +74,7 @@ impl Kind {
             Kind::Text => "text",
             Kind::TextEscaped => "Chinese text, escaped",
             Kind::Chat => "chat, precise",
+            Kind::ChatParts => "chat of text parts, precise",
             Kind::ChatApproximate => "chat, approximate",
         }
     }
@@ -149,16 +154,24 @@ fn body(kind: Kind, n: usize, i: usize) -> (&'static str, String) {
             let b = format!(r#"{{"model":"m","prompt":"{p}","max_tokens":1}}"#);
             ("/v1/completions", b)
         }
-        Kind::Chat | Kind::ChatApproximate => {
-            let model = if matches!(kind, Kind::Chat) { "m" } else { "a" };
+        Kind::Chat | Kind::ChatParts | Kind::ChatApproximate => {
+            let model = if matches!(kind, Kind::ChatApproximate) {
+                "a"
+            } else {
+                "m"
+            };
             let mut sys = system(w);
             sys.truncate(n * 4);
             let user = filler(i, (n * 4 - sys.len()).max(32));
+            let content = |t: &str| match kind {
+                Kind::ChatParts => json!([{"type": "text", "text": t}]),
+                _ => json!(t),
+            };
             let b = json!({
                 "model": model,
                 "messages": [
-                    {"role": "system", "content": sys.trim_end()},
-                    {"role": "user", "content": user.trim_end()},
+                    {"role": "system", "content": content(sys.trim_end())},
+                    {"role": "user", "content": content(user.trim_end())},
                 ],
                 "max_tokens": 1,
                 "chat_template_kwargs": {"date_string": KWARGS},
