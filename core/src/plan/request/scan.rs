@@ -242,7 +242,8 @@ fn value(t: u64, n: usize) -> u64 {
     (d.wrapping_mul(10_000) + (d >> 32)) & 0xFFFF_FFFF
 }
 
-/// Each byte's value as a hex digit, 16 or more when it is none.
+/// Each byte's value as a hex digit, 16 or more when it is none: what
+/// [`bmp_escape`] and [`Reader::hex4`] read escapes with.
 const HEX: [u8; 256] = {
     let mut t = [0xFF; 256];
     let mut c = 0;
@@ -533,13 +534,13 @@ impl<'a> Reader<'a> {
     fn hex4(&mut self) -> Result<u16, ScanError> {
         let mut n = 0u16;
         for _ in 0..4 {
-            let d = match self.next() {
-                Some(c @ b'0'..=b'9') => c - b'0',
-                Some(c @ b'a'..=b'f') => c - b'a' + 10,
-                Some(c @ b'A'..=b'F') => c - b'A' + 10,
-                Some(_) => return Err(self.err_before("invalid escape")),
-                None => return Err(self.err("EOF while parsing a string")),
+            let Some(c) = self.next() else {
+                return Err(self.err("EOF while parsing a string"));
             };
+            let d = HEX[usize::from(c)];
+            if d > 15 {
+                return Err(self.err_before("invalid escape"));
+            }
             n = (n << 4) | u16::from(d);
         }
         Ok(n)
