@@ -9,7 +9,9 @@
 //! Envoy (`envoy --mode validate`, which also starts the filter's VMs) with
 //! the `.wasm` from the filter image's layer.
 //! The Kubernetes kinds' schemas are checked by `cargo xtask test`
-//! (kubernetes-validate).
+//! (kubernetes-validate). What reaches a worker (the allow-list of paths,
+//! path normalization, the inference listener's buffer) is checked on the
+//! four templates themselves, `envoy/envoy.yaml` included.
 
 use kvgate_sidecar::config::Config;
 use kvgate_stack::Paths;
@@ -316,7 +318,16 @@ fn platforms_route_to_the_catalog_by_the_destination_header() {
         str_at(&btp, "/spec/targetRefs/0/name"),
         str_at(&route, "/metadata/name")
     );
-    for rule in route["spec"]["rules"].as_array().unwrap() {
+    // Every rule that forwards forwards there (the others answer
+    // themselves: see
+    // `envoy_gateway_routes_only_the_allowed_paths_and_normalizes_them`).
+    let rules = route["spec"]["rules"].as_array().unwrap();
+    let forwarding: Vec<&Value> = rules
+        .iter()
+        .filter(|r| r.get("backendRefs").is_some())
+        .collect();
+    assert!(!forwarding.is_empty());
+    for rule in forwarding {
         assert_eq!(rule["backendRefs"][0]["kind"], "Backend");
         assert_eq!(rule["backendRefs"][0]["name"], backend["metadata"]["name"]);
     }
@@ -727,6 +738,530 @@ fn istio_patches_and_filter_load_in_envoy() {
         .collect();
     let config = loadable(filter, ROUTER_ROOT, &platform_plugin_configs()[1]);
     filters.push(wasm_http_filter("llm.kvgate", &config));
-    listeners.push(listener("gateway", filters, &name));
+    let mut gateway = listener("gateway", filters, &name);
+    // The merges on the gateway's listener and connection manager.
+    for p in istio_patches("LISTENER")
+        .iter()
+        .filter(|p| p["patch"]["operation"] == "MERGE")
+    {
+        merge_patch(&mut gateway, &p["patch"]["value"]);
+    }
+    for p in istio_patches("NETWORK_FILTER") {
+        assert_eq!(p["patch"]["operation"], "MERGE");
+        merge_patch(
+            &mut gateway["filter_chains"][0]["filters"][0],
+            &p["patch"]["value"],
+        );
+    }
+    listeners.push(gateway);
     envoy_validates("istio.json", &bootstrap(clusters, listeners));
+}
+
+/// `patch` merged into `into`, as an EnvoyFilter MERGE does for these
+/// fields: objects key by key, anything else replaced.
+fn merge_patch(into: &mut Value, patch: &Value) {
+    match (into, patch) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                merge_patch(a.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (a, b) => *a = b.clone(),
+    }
+}
+
+// What reaches a worker, on the templates themselves (`envoy/envoy.yaml`,
+// and under `deploy/` before rendering, which only fills in images): the
+// allow-list of docs/fleet.md ("Paths"), the path normalization in front
+// of it, and the inference listener's buffer against the filter's body
+// limit. tests/tests/paths.rs sends the paths through real Envoy.
+
+/// The methods and paths that reach a worker, in every template.
+const ALLOWED: [(&str, &str); 4] = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+    ("GET", "/health"),
+];
+const PROBE_METHODS: [&str; 7] = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"];
+/// Paths as they are once normalized (what routes match on).
+const PROBE_PATHS: [&str; 18] = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/v1/completions?stream=true",
+    "/invocations",
+    "/generate",
+    "/v1/completions/x",
+    "/v1/completions/",
+    "/v1/completion",
+    "/v1/chat/completions/x",
+    "/v1/embeddings",
+    "/v1/models/demo-model",
+    "/metrics",
+    "/tokenize",
+    "/V1/completions",
+    "/health/x",
+    "/",
+];
+/// The filter's `max_body_bytes` when its configuration sets none
+/// (filter/src/config.rs, docs/configuration.md).
+const FILTER_DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
+/// The largest `max_body_bytes` the project's own runs give the local
+/// stack's envoy.yaml (the benchmarks'); the stack's default sets none.
+const LOCAL_STACK_MAX_BODY_BYTES: u64 = 4 << 20;
+
+/// Every probe: (method, path).
+fn probes() -> impl Iterator<Item = (&'static str, &'static str)> {
+    PROBE_METHODS
+        .into_iter()
+        .flat_map(|m| PROBE_PATHS.into_iter().map(move |p| (m, p)))
+}
+
+fn allowed(method: &str, path: &str) -> bool {
+    let path = path.split('?').next().unwrap();
+    ALLOWED.contains(&(method, path))
+}
+
+/// Every document of the templates under deploy/ (not rendered).
+fn template_objects() -> Vec<(PathBuf, Value)> {
+    let mut files = Vec::new();
+    for dir in ["deploy/kubernetes", "deploy/envoy-gateway", "deploy/istio"] {
+        yaml_files(&repo().join(dir), &mut files);
+    }
+    files.sort();
+    let mut docs = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for d in serde_norway::Deserializer::from_str(&text) {
+            let v: Value = serde::Deserialize::deserialize(d)
+                .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+            if !v.is_null() {
+                docs.push((f.clone(), v));
+            }
+        }
+    }
+    docs
+}
+
+fn template(kind: &str) -> Value {
+    let all: Vec<Value> = template_objects()
+        .into_iter()
+        .filter(|(_, v)| v["kind"] == kind)
+        .map(|(_, v)| v)
+        .collect();
+    assert_eq!(
+        all.len(),
+        1,
+        "expected one {kind} in deploy/, found {}",
+        all.len()
+    );
+    all.into_iter().next().unwrap()
+}
+
+/// `envoy/envoy.yaml` with its placeholders filled in as the local stack
+/// does (no `max_body_bytes` in the plugin configuration).
+fn local_stack_envoy() -> Value {
+    let mut text = std::fs::read_to_string(repo().join("envoy/envoy.yaml"))
+        .unwrap()
+        .replace("${FALLBACK_ENDPOINTS}\n", "");
+    for (name, value) in [
+        ("ADMIN_PORT", "1"),
+        ("LISTEN_PORT", "2"),
+        ("PLAIN_PORT", "3"),
+        ("SIDECAR_PORT", "4"),
+        ("CONTROL_PORT", "5"),
+        ("WASM_PATH", "x.wasm"),
+        ("PLUGIN_CONFIG", "{}"),
+        ("TENANT_JWKS", "{}"),
+    ] {
+        text = text.replace(&format!("${{{name}}}"), value);
+    }
+    assert!(
+        !text.contains("${"),
+        "envoy/envoy.yaml has a new placeholder"
+    );
+    serde_norway::from_str(&text).unwrap()
+}
+
+/// The plain Deployment's Envoy configuration, from the template.
+fn kubernetes_envoy() -> Value {
+    let cm = template_objects()
+        .into_iter()
+        .map(|(_, v)| v)
+        .find(|v| v["kind"] == "ConfigMap" && v["metadata"]["name"] == "kvgate-envoy-config")
+        .expect("the kvgate-envoy-config ConfigMap");
+    serde_norway::from_str(str_at(&cm, "/data/envoy.yaml")).unwrap()
+}
+
+/// The inference listener of an Envoy bootstrap, and its HTTP connection
+/// manager's configuration.
+fn inference_listener(envoy: &Value) -> (&Value, &Value) {
+    let l = envoy["static_resources"]["listeners"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "kvgate_inference")
+        .expect("the kvgate_inference listener");
+    let hcm = l
+        .pointer("/filter_chains/0/filters/0/typed_config")
+        .unwrap();
+    assert_eq!(
+        hcm["@type"],
+        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+    );
+    (l, hcm)
+}
+
+/// Where an Envoy route table sends `method path`: `Ok(cluster)`, or
+/// `Err(status)` of a direct response (404 when no route matches). Only
+/// the match and action kinds the templates use are understood; anything
+/// else fails the test rather than be misjudged.
+fn envoy_route(routes: &Value, method: &str, path: &str, headers: &[&str]) -> Result<String, u64> {
+    let path = path.split('?').next().unwrap();
+    for r in routes.as_array().unwrap() {
+        let m = r["match"].as_object().unwrap();
+        let mut hit = true;
+        for (k, v) in m {
+            hit &= match k.as_str() {
+                "path" => v.as_str().unwrap() == path,
+                "prefix" => path.starts_with(v.as_str().unwrap()),
+                "headers" => v.as_array().unwrap().iter().all(|h| {
+                    let name = h["name"].as_str().unwrap();
+                    if name == ":method" {
+                        let exact = h.pointer("/string_match/exact").and_then(Value::as_str);
+                        exact.expect("a :method match is exact") == method
+                    } else if h["present_match"] == true {
+                        headers.contains(&name)
+                    } else {
+                        panic!("header match {h} is not understood here")
+                    }
+                }),
+                other => panic!("route match {other} is not understood here: {r}"),
+            };
+        }
+        if !hit {
+            continue;
+        }
+        if let Some(c) = r.pointer("/route/cluster").and_then(Value::as_str) {
+            return Ok(c.to_string());
+        }
+        if let Some(status) = r.pointer("/direct_response/status").and_then(Value::as_u64) {
+            return Err(status);
+        }
+        panic!("route action not understood here: {r}");
+    }
+    Err(404)
+}
+
+/// The plain templates' allow-list: the inference paths' POSTs to the
+/// routed cluster (or, marked by the filter as failed open, to the
+/// fallback), the reads to the fallback, everything else 404 from Envoy,
+/// whatever the client's headers.
+fn check_envoy_allow_list(name: &str, envoy: &Value) {
+    let (_, hcm) = inference_listener(envoy);
+    let routes = hcm
+        .pointer("/route_config/virtual_hosts/0/routes")
+        .unwrap_or_else(|| panic!("{name}: no inline routes"));
+    assert_eq!(
+        hcm["route_config"]["virtual_hosts"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1,
+        "{name}: one virtual host"
+    );
+    for (method, path) in probes() {
+        for marked in [false, true] {
+            let headers: &[&str] = if marked { &["x-kvgate-fallback"] } else { &[] };
+            let got = envoy_route(routes, method, path, headers);
+            let want = match (method, path.split('?').next().unwrap()) {
+                ("POST", "/v1/completions" | "/v1/chat/completions") if marked => {
+                    Ok("kvgate_fallback".to_string())
+                }
+                ("POST", "/v1/completions" | "/v1/chat/completions") => {
+                    Ok("kvgate_workers".to_string())
+                }
+                ("GET", "/v1/models" | "/health") => Ok("kvgate_fallback".to_string()),
+                _ => Err(404),
+            };
+            assert_eq!(
+                got, want,
+                "{name}: {method} {path} (fail-open mark: {marked})"
+            );
+        }
+    }
+}
+
+/// The HTTP connection manager makes one path of what the client sent
+/// before any route is matched, and never forwards an escaped slash.
+fn check_hcm_normalizes(name: &str, hcm: &Value) {
+    assert_eq!(hcm["normalize_path"], true, "{name}: normalize_path");
+    assert_eq!(hcm["merge_slashes"], true, "{name}: merge_slashes");
+    let action = hcm["path_with_escaped_slashes_action"]
+        .as_str()
+        .unwrap_or("");
+    assert!(
+        ["REJECT_REQUEST", "UNESCAPE_AND_REDIRECT"].contains(&action),
+        "{name}: path_with_escaped_slashes_action is {action:?}"
+    );
+}
+
+/// `max_body_bytes` of a plugin configuration (JSON text or object).
+fn max_body_bytes(config: &Value) -> u64 {
+    let config = match config {
+        Value::String(s) => serde_json::from_str(s).unwrap(),
+        v => v.clone(),
+    };
+    config
+        .get("max_body_bytes")
+        .map_or(FILTER_DEFAULT_MAX_BODY_BYTES, |v| v.as_u64().unwrap())
+}
+
+fn check_buffer(name: &str, buffer: u64, max_body: u64) {
+    let want = max_body + kvgate_core::disagg::DECODE_HEADROOM_BYTES as u64;
+    assert!(
+        buffer >= want,
+        "{name}: the inference listener buffers {buffer} bytes, under max_body_bytes ({max_body}) plus the decode headroom: {want}"
+    );
+}
+
+/// The router filter's plugin configuration in an Envoy listener.
+fn router_plugin_config(hcm: &Value) -> Value {
+    hcm["http_filters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["typed_config"]["config"]["root_id"] == ROUTER_ROOT)
+        .map(|f| f["typed_config"]["config"]["configuration"]["value"].clone())
+        .expect("the kvgate router filter")
+}
+
+/// A Kubernetes quantity of bytes (`4Mi`, `2097152`).
+fn quantity(v: &Value) -> u64 {
+    if let Some(n) = v.as_u64() {
+        return n;
+    }
+    let s = v.as_str().unwrap();
+    let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = digits.parse().unwrap();
+    n * match unit {
+        "" => 1,
+        "k" => 1000,
+        "Ki" => 1 << 10,
+        "M" => 1_000_000,
+        "Mi" => 1 << 20,
+        "G" => 1_000_000_000,
+        "Gi" => 1 << 30,
+        other => panic!("quantity unit {other}"),
+    }
+}
+
+#[test]
+fn plain_envoy_templates_route_only_the_allowed_paths_and_normalize_them() {
+    for (name, envoy, max_body) in [
+        (
+            "envoy/envoy.yaml",
+            local_stack_envoy(),
+            LOCAL_STACK_MAX_BODY_BYTES,
+        ),
+        ("deploy/kubernetes/envoy-config.yaml", kubernetes_envoy(), 0),
+    ] {
+        check_envoy_allow_list(name, &envoy);
+        let (listener, hcm) = inference_listener(&envoy);
+        check_hcm_normalizes(name, hcm);
+        let configured = max_body_bytes(&router_plugin_config(hcm));
+        let buffer = listener["per_connection_buffer_limit_bytes"]
+            .as_u64()
+            .unwrap_or(1 << 20);
+        check_buffer(name, buffer, configured.max(max_body));
+    }
+}
+
+/// Which rule of an HTTPRoute takes `method path`, by Gateway API's
+/// precedence (exact path over prefix, longer prefix first, a method
+/// match over none); `None` when none matches.
+fn gateway_api_rule<'a>(route: &'a Value, method: &str, path: &str) -> Option<&'a Value> {
+    let path = path.split('?').next().unwrap();
+    let mut best: Option<((u8, usize, u8), &Value)> = None;
+    for rule in route["spec"]["rules"].as_array().unwrap() {
+        for m in rule["matches"].as_array().unwrap() {
+            for k in m.as_object().unwrap().keys() {
+                assert!(
+                    ["path", "method"].contains(&k.as_str()),
+                    "match {k} is not understood here"
+                );
+            }
+            let value = str_at(m, "/path/value");
+            let (hit, kind) = match str_at(m, "/path/type") {
+                "Exact" => (path == value, 2),
+                "PathPrefix" => {
+                    let v = value.trim_end_matches('/');
+                    (
+                        v.is_empty() || path == v || path.starts_with(&format!("{v}/")),
+                        1,
+                    )
+                }
+                other => panic!("path match {other} is not understood here"),
+            };
+            let by_method = m.get("method").map(|x| x.as_str().unwrap());
+            if !hit || by_method.is_some_and(|x| x != method) {
+                continue;
+            }
+            let key = (kind, value.len(), u8::from(by_method.is_some()));
+            if best.is_none_or(|(k, _)| key > k) {
+                best = Some((key, rule));
+            }
+        }
+    }
+    best.map(|(_, r)| r)
+}
+
+#[test]
+fn envoy_gateway_routes_only_the_allowed_paths_and_normalizes_them() {
+    let route = template("HTTPRoute");
+    let not_found = template("HTTPRouteFilter");
+    for (method, path) in probes() {
+        let rule = gateway_api_rule(&route, method, path);
+        let forwarded = rule.is_some_and(|r| r.get("backendRefs").is_some());
+        assert_eq!(
+            forwarded,
+            allowed(method, path),
+            "Envoy Gateway: {method} {path}"
+        );
+        if let Some(rule) = rule.filter(|_| !forwarded) {
+            // Answered by Envoy: the direct response filter, 404.
+            let f = &rule["filters"][0];
+            assert_eq!(f["type"], "ExtensionRef", "{method} {path}: {rule}");
+            assert_eq!(f["extensionRef"]["kind"], "HTTPRouteFilter");
+            assert_eq!(f["extensionRef"]["name"], not_found["metadata"]["name"]);
+        }
+    }
+    let direct = &not_found["spec"]["directResponse"];
+    assert_eq!(direct["statusCode"], 404);
+    let body: Value = serde_json::from_str(str_at(direct, "/body/inline")).unwrap();
+    assert!(
+        body["error"]["message"].is_string(),
+        "an OpenAI-shaped error"
+    );
+
+    // One ClientTrafficPolicy on the Gateway (Envoy Gateway applies the
+    // oldest of several): merged slashes, escaped slashes never forwarded
+    // (Envoy Gateway always sets normalize_path), and a buffer for the
+    // filter's body limit plus the decode headroom.
+    let ctp = template("ClientTrafficPolicy");
+    assert_eq!(ctp["spec"]["targetRefs"][0]["kind"], "Gateway");
+    assert_ne!(ctp["spec"]["path"]["disableMergeSlashes"], true);
+    let action = str_at(&ctp, "/spec/path/escapedSlashesAction");
+    assert!(
+        ["RejectRequest", "UnescapeAndRedirect"].contains(&action),
+        "{action}"
+    );
+    let config = &template("EnvoyExtensionPolicy")["spec"]["wasm"][0]["config"];
+    check_buffer(
+        "deploy/envoy-gateway",
+        quantity(&ctp["spec"]["connection"]["bufferLimit"]),
+        max_body_bytes(config),
+    );
+}
+
+/// Where an Istio VirtualService sends `method path`: `Ok(host)`, or
+/// `Err(status)` of a direct response (404 when no route matches).
+fn istio_route(vs: &Value, method: &str, path: &str) -> Result<String, u64> {
+    let path = path.split('?').next().unwrap();
+    for r in vs["spec"]["http"].as_array().unwrap() {
+        let matches = r.get("match").and_then(Value::as_array);
+        let hit = matches.is_none_or(|ms| {
+            ms.iter().any(|m| {
+                m.as_object()
+                    .unwrap()
+                    .iter()
+                    .all(|(k, v)| match k.as_str() {
+                        "uri" => match (v.get("exact"), v.get("prefix")) {
+                            (Some(e), None) => e == path,
+                            (None, Some(p)) => path.starts_with(p.as_str().unwrap()),
+                            _ => panic!("uri match {v} is not understood here"),
+                        },
+                        "method" => v["exact"].as_str().expect("an exact method") == method,
+                        other => panic!("match {other} is not understood here"),
+                    })
+            })
+        });
+        if !hit {
+            continue;
+        }
+        if let Some(host) = r
+            .pointer("/route/0/destination/host")
+            .and_then(Value::as_str)
+        {
+            return Ok(host.to_string());
+        }
+        if let Some(status) = r.pointer("/directResponse/status").and_then(Value::as_u64) {
+            return Err(status);
+        }
+        panic!("route action not understood here: {r}");
+    }
+    Err(404)
+}
+
+#[test]
+fn istio_routes_only_the_allowed_paths_and_normalizes_them() {
+    let vs = template("VirtualService");
+    let host = str_at(&template("ServiceEntry"), "/spec/hosts/0").to_string();
+    for (method, path) in probes() {
+        let want = if allowed(method, path) {
+            Ok(host.clone())
+        } else {
+            Err(404)
+        };
+        assert_eq!(
+            istio_route(&vs, method, path),
+            want,
+            "Istio: {method} {path}"
+        );
+    }
+    let last = vs["spec"]["http"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    let body: Value = serde_json::from_str(str_at(&last, "/directResponse/body/string")).unwrap();
+    assert!(
+        body["error"]["message"].is_string(),
+        "an OpenAI-shaped error"
+    );
+
+    // The EnvoyFilter patches the gateway's connection manager and
+    // listener on the Gateway's port.
+    let gateway = template_objects()
+        .into_iter()
+        .map(|(_, v)| v)
+        .find(|v| v["kind"] == "Gateway" && v["apiVersion"] == "networking.istio.io/v1")
+        .expect("Istio's Gateway");
+    let port = gateway["spec"]["servers"][0]["port"]["number"].clone();
+    let filter = template("EnvoyFilter");
+    let patches = filter["spec"]["configPatches"].as_array().unwrap();
+    let on_port = |apply_to: &str| -> Value {
+        let found: Vec<&Value> = patches
+            .iter()
+            .filter(|p| p["applyTo"] == apply_to && p["match"]["listener"]["portNumber"] == port)
+            .collect();
+        assert_eq!(found.len(), 1, "one {apply_to} patch on port {port}");
+        assert_eq!(found[0]["match"]["context"], "GATEWAY");
+        assert_eq!(found[0]["patch"]["operation"], "MERGE");
+        found[0]["patch"]["value"].clone()
+    };
+    let hcm = on_port("NETWORK_FILTER");
+    check_hcm_normalizes("deploy/istio", &hcm["typed_config"]);
+    let listener = on_port("LISTENER");
+    let config = &template("WasmPlugin")["spec"]["pluginConfig"];
+    check_buffer(
+        "deploy/istio",
+        listener["per_connection_buffer_limit_bytes"]
+            .as_u64()
+            .unwrap(),
+        max_body_bytes(config),
+    );
 }
