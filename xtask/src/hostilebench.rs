@@ -1,9 +1,9 @@
 //! `cargo xtask bench --only hostile`: the attacks of the third hardening
 //! round, each on a fresh sidecar, scaled to about a minute. For each one
 //! the sidecar is measured idle, then under the attack, side by side: its
-//! peak resident memory (sampled every 100 ms) and the latency of `/select`
+//! peak resident memory (sampled every 100 ms), the latency of `/select`
 //! from a client that keeps its connection open, as Envoy and a selection
-//! client do. The attack's own outcome (what was refused, what held) comes
+//! client do, and that of `/health` probes. The attack's own outcome (what was refused, what held) comes
 //! from the sidecar's counters.
 //!
 //! * `replay_flood`: a worker whose replay ROUTER answers every request
@@ -20,7 +20,18 @@
 //!   sidecar is measured on);
 //! * `oversized_sync_frames`: a registered replica-sync peer sending 2 MiB
 //!   frames between small ones;
-//! * `wrapping_loads`: reservations of 2^63 prefill tokens.
+//! * `wrapping_loads`: reservations of 2^63 prefill tokens;
+//! * `slow_bodies`: 1,024 connections each posting `/select` with a
+//!   declared 2,000,000-byte body at 32 KiB a second, reopened when cut;
+//!   the sidecar's memory is read again once they are gone;
+//! * `reconnect_flood`: 2,000 silent sockets on each listener (twice its
+//!   cap), each reopened as soon as the sidecar closes it;
+//! * `spaced_readers`: eight whole-index readers 2 s apart, each reading
+//!   at 64 KiB a second: `/dump` with the token and reset frames of
+//!   `/v1/snapshot` without it, in turn.
+//!
+//! Besides `/select`, `/health` on the main port is called every 100 ms
+//! on a fresh connection with a 1 s timeout, as the kubelet probes.
 
 use crate::build;
 use crate::kvbench::{Publisher, chain_tokens};
@@ -83,16 +94,25 @@ struct Bench {
 
 pub fn run(quick: bool) -> Result<Value> {
     let phases = Phases::of(quick);
-    let attacks: [(&str, Attack); 6] = [
+    let attacks: [(&str, Attack); 9] = [
         ("replay_flood", replay_flood),
         ("slow_dump_readers", slow_dump_readers),
         ("idle_and_slowloris", idle_and_slowloris),
         ("admission_flood", admission_flood),
         ("oversized_sync_frames", oversized_sync_frames),
         ("wrapping_loads", wrapping_loads),
+        ("slow_bodies", slow_bodies),
+        ("reconnect_flood", reconnect_flood),
+        ("spaced_readers", spaced_readers),
     ];
+    // KVGATE_HOSTILE_ONLY=a,b runs only those attacks, to try one.
+    let only = std::env::var("KVGATE_HOSTILE_ONLY").ok();
+    let chosen = |name: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|n| n.trim() == name))
+    };
     let mut results = Vec::new();
-    for (name, attack) in attacks {
+    for (name, attack) in attacks.into_iter().filter(|(n, _)| chosen(n)) {
         eprintln!("xtask: bench hostile: {name}");
         let v = one(name, attack, &phases).with_context(|| format!("attack {name}"))?;
         eprintln!("{v}");
@@ -157,6 +177,7 @@ fn one(name: &str, attack: Attack, phases: &Phases) -> Result<Value> {
         "under_attack": under,
         "rss_ratio": ratio(&under["rss_peak_mib"], &idle["rss_peak_mib"]),
         "select_p99_ratio": ratio(&under["select_p99_us"], &idle["select_p99_us"]),
+        "health_p99_ratio": ratio(&under["health_p99_us"], &idle["health_p99_us"]),
         "outcome": outcome,
         "counters": counters,
     }))
@@ -231,6 +252,21 @@ fn measure(stack: &Stack, bench: &Bench, how_long: Duration) -> Result<Value> {
             peak
         })
     };
+    let prober = {
+        let (done, addr) = (done.clone(), stack.sidecar_addr());
+        std::thread::spawn(move || {
+            let (mut lat, mut failed) = (Vec::new(), 0u64);
+            while !done.load(Ordering::Relaxed) {
+                let t0 = Instant::now();
+                match probe(&addr, "/health") {
+                    Some(200) => lat.push(t0.elapsed().as_micros() as u64),
+                    _ => failed += 1,
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            (lat, failed)
+        })
+    };
     let mut conn = KeepAlive::connect(&addr)?;
     let mut lat = Vec::new();
     let (mut failed, mut reconnects) = (0u64, 0u64);
@@ -258,15 +294,36 @@ fn measure(stack: &Stack, bench: &Bench, how_long: Duration) -> Result<Value> {
     let peak = sampler
         .join()
         .map_err(|_| anyhow::anyhow!("sampler panicked"))?;
+    let (mut health, health_failed) = prober
+        .join()
+        .map_err(|_| anyhow::anyhow!("prober panicked"))?;
+    health.sort_unstable();
     lat.sort_unstable();
     Ok(json!({
         "rss_peak_mib": peak as f64 / MIB,
+        "health_calls": health.len(),
+        "health_failed": health_failed,
+        "health_p99_us": percentile(&health, 99.0),
         "select_calls": lat.len(),
         "select_failed": failed,
         "select_reconnects": reconnects,
         "select_p50_us": percentile(&lat, 50.0),
         "select_p99_us": percentile(&lat, 99.0),
     }))
+}
+
+/// A GET on a fresh connection within a second, as the kubelet probes;
+/// the status, `None` when refused, closed or late.
+fn probe(addr: &str, path: &str) -> Option<u16> {
+    let sa = addr.parse().ok()?;
+    let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(1)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    read_response(&mut s).ok()
 }
 
 /// A client connection that stays open between requests.
@@ -386,6 +443,10 @@ fn counters(stack: &Stack) -> Result<Value> {
         "kvgate_sidecar_full_read_copies_total",
         "kvgate_sidecar_replica_peer_refused_admissions_total",
         "kvgate_sidecar_unauthorized_total",
+        "kvgate_sidecar_connections_evicted_total",
+        "kvgate_sidecar_requests_refused_total",
+        "kvgate_sidecar_request_body_bytes",
+        "kvgate_sidecar_full_read_copies_alive",
     ];
     Ok(names
         .iter()
@@ -497,7 +558,7 @@ fn slow_dump_readers(
                 let (addr, stop, statuses) = (addr.clone(), stop.clone(), statuses.clone());
                 std::thread::spawn(move || {
                     while !stop.load(Ordering::Relaxed) {
-                        let status = slow_get(&addr, "/dump", &stop).unwrap_or(0);
+                        let status = slow_get(&addr, "/dump", true, &stop).unwrap_or(0);
                         statuses.count(status);
                         if status != 200 {
                             std::thread::sleep(Duration::from_millis(500));
@@ -532,13 +593,19 @@ impl Counts {
     }
 }
 
-/// A GET whose answer is read at 64 KiB a second; its status.
-fn slow_get(addr: &str, path: &str, stop: &AtomicBool) -> Result<u16> {
+/// A GET whose answer is read at 64 KiB a second, with the control token
+/// when `authorized`; its status.
+fn slow_get(addr: &str, path: &str, authorized: bool, stop: &AtomicBool) -> Result<u16> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let auth = if authorized {
+        format!("authorization: Bearer {TOKEN}\r\n")
+    } else {
+        String::new()
+    };
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nauthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n"
     )?;
     let mut chunk = vec![0u8; 8 << 10];
     let mut head = Vec::new();
@@ -825,6 +892,210 @@ fn wrapping_loads(
     }))
 }
 
+/// 1,024 connections on the selection listener, each posting `/select`
+/// with a declared 2,000,000-byte body sent at 32 KiB a second, reopened
+/// when the sidecar answers or closes; then, once they are gone, what the
+/// sidecar still holds.
+fn slow_bodies(
+    stack: &Stack,
+    _bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    const THREADS: usize = 16;
+    const CONNECTIONS: usize = 1024;
+    let addr = stack.gateways[0].selection_addr();
+    let pid = stack.gateways[0]
+        .sidecar_pid()
+        .context("the sidecar is not running")?;
+    Ok(std::thread::spawn(move || {
+        let statuses = Arc::new(Counts::default());
+        let opened = Arc::new(AtomicU64::new(0));
+        let threads: Vec<_> = (0..THREADS)
+            .map(|_| {
+                let (addr, stop, statuses, opened) =
+                    (addr.clone(), stop.clone(), statuses.clone(), opened.clone());
+                std::thread::spawn(move || {
+                    post_slowly(&addr, CONNECTIONS / THREADS, &stop, &statuses, &opened)
+                })
+            })
+            .collect();
+        for t in threads {
+            let _ = t.join();
+        }
+        // The clients are gone: what stays is what the sidecar kept.
+        std::thread::sleep(Duration::from_secs(3));
+        let after = kvgate_stack::process_rss(pid).unwrap_or(0);
+        Ok(json!({
+            "connections": CONNECTIONS,
+            "declared_bytes": SLOW_BODY_BYTES,
+            "bytes_per_s": 32 << 10,
+            "connections_opened": opened.load(Ordering::Relaxed),
+            "answers": statuses.view(),
+            "rss_after_clients_left_mib": after as f64 / MIB,
+        }))
+    }))
+}
+
+const SLOW_BODY_BYTES: usize = 2_000_000;
+
+/// Holds `n` slow `/select` posts open, each sending 3,277 bytes every
+/// 100 ms, and counts the answers (0: closed without one).
+fn post_slowly(addr: &str, n: usize, stop: &AtomicBool, statuses: &Counts, opened: &AtomicU64) {
+    struct Post {
+        s: TcpStream,
+        sent: usize,
+        answer: Vec<u8>,
+    }
+    let head = format!(
+        "POST /select HTTP/1.1\r\nHost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {SLOW_BODY_BYTES}\r\n\r\n"
+    );
+    let piece = vec![b' '; 3277];
+    let status_of = |answer: &[u8]| -> u16 {
+        String::from_utf8_lossy(answer)
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    };
+    let mut posts: Vec<Post> = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        while posts.len() < n && !stop.load(Ordering::Relaxed) {
+            let Ok(mut s) = TcpStream::connect(addr) else {
+                break;
+            };
+            if s.write_all(head.as_bytes()).is_err() || s.set_nonblocking(true).is_err() {
+                continue;
+            }
+            opened.fetch_add(1, Ordering::Relaxed);
+            posts.push(Post {
+                s,
+                sent: 0,
+                answer: Vec::new(),
+            });
+        }
+        posts.retain_mut(|p| {
+            let mut b = [0u8; 1024];
+            match p.s.read(&mut b) {
+                Ok(0) => {
+                    statuses.count(status_of(&p.answer));
+                    return false;
+                }
+                Ok(k) => {
+                    p.answer.extend_from_slice(&b[..k]);
+                    if p.answer.len() >= 12 {
+                        statuses.count(status_of(&p.answer));
+                        return false;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => {
+                    statuses.count(status_of(&p.answer));
+                    return false;
+                }
+            }
+            let k = piece.len().min(SLOW_BODY_BYTES - p.sent);
+            match p.s.write(&piece[..k]) {
+                Ok(w) => p.sent += w,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => {
+                    statuses.count(status_of(&p.answer));
+                    return false;
+                }
+            }
+            true
+        });
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// 2,000 silent sockets on each listener, twice its cap, each reopened as
+/// soon as the sidecar closes it.
+fn reconnect_flood(
+    stack: &Stack,
+    _bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let targets = [stack.sidecar_addr(), stack.gateways[0].selection_addr()];
+    Ok(std::thread::spawn(move || {
+        let opened = Arc::new(AtomicU64::new(0));
+        let closed = Arc::new(AtomicU64::new(0));
+        let mut threads = Vec::new();
+        for addr in &targets {
+            for _ in 0..10 {
+                let (addr, stop, opened, closed) =
+                    (addr.clone(), stop.clone(), opened.clone(), closed.clone());
+                threads.push(std::thread::spawn(move || {
+                    hold(&addr, 200, false, &stop, &opened, &closed)
+                }));
+            }
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        Ok(json!({
+            "sockets_per_listener": 2_000,
+            "connections_opened": opened.load(Ordering::Relaxed),
+            "connections_closed_by_the_sidecar": closed.load(Ordering::Relaxed),
+        }))
+    }))
+}
+
+/// Eight whole-index readers started 2 s apart, each reading at 64 KiB a
+/// second: `/dump` with the token and a reset frame of `/v1/snapshot`
+/// without it, in turn. The peak of copies alive, from `/metrics` every
+/// 500 ms.
+fn spaced_readers(
+    stack: &Stack,
+    _bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let addr = stack.sidecar_addr();
+    Ok(std::thread::spawn(move || {
+        let statuses = Arc::new(Counts::default());
+        let sampler = {
+            let (addr, stop) = (addr.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut peak = 0.0f64;
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok((200, body)) = http::get(&addr, "/metrics") {
+                        let alive: f64 = String::from_utf8_lossy(&body)
+                            .lines()
+                            .filter(|l| l.starts_with("kvgate_sidecar_full_read_copies_alive"))
+                            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                            .sum();
+                        peak = peak.max(alive);
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                peak
+            })
+        };
+        let mut readers = Vec::new();
+        for i in 0..8 {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            let (addr, stop, statuses) = (addr.clone(), stop.clone(), statuses.clone());
+            readers.push(std::thread::spawn(move || {
+                let status = if i % 2 == 0 {
+                    slow_get(&addr, "/dump", true, &stop)
+                } else {
+                    slow_get(&addr, "/v1/snapshot?after=0&epoch=0", false, &stop)
+                };
+                statuses.count(status.unwrap_or(0));
+            }));
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        for r in readers {
+            let _ = r.join();
+        }
+        let peak = sampler
+            .join()
+            .map_err(|_| anyhow::anyhow!("sampler panicked"))?;
+        Ok(json!({"readers": 8, "answers": statuses.view(), "copies_alive_peak": peak}))
+    }))
+}
+
 /// The section of `bench/report.md`.
 pub fn report(v: &Value) -> String {
     let mut s = String::from("\n## Hostile inputs\n\n");
@@ -833,8 +1104,9 @@ pub fn report(v: &Value) -> String {
          holding a {}-block index, measured idle for {} s and then under the \
          attack for {} s. `/select` is called about 200 times a second on one \
          kept-alive connection (as Envoy and selection clients hold theirs); \
-         resident memory is sampled every 100 ms. Targets: peak RSS within 2× \
-         idle plus the configured bounds, `/select` p99 within 5× idle.\n\n",
+         resident memory is sampled every 100 ms, and `/health` probed on a \
+         fresh connection every 100 ms (1 s timeout). Targets: peak RSS within \
+         2× idle plus the configured bounds, `/select` p99 within 5× idle.\n\n",
         if v["quick"].as_bool() == Some(true) {
             " (quick)"
         } else {
@@ -845,8 +1117,8 @@ pub fn report(v: &Value) -> String {
         v["attack_s"],
     ));
     s.push_str(
-        "| attack | RSS idle → peak (MiB) | ratio | `/select` p99 idle → attack (µs) | ratio | calls failed | what the sidecar did |\n\
-         | --- | --- | --- | --- | --- | --- | --- |\n",
+        "| attack | RSS idle → peak (MiB) | ratio | `/select` p99 idle → attack (µs) | ratio | calls failed | `/health` p99 idle → attack (µs), failed | what the sidecar did |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     let f = |x: &Value| x.as_f64().map_or("–".to_string(), |x| format!("{x:.0}"));
     let r = |x: &Value| x.as_f64().map_or("–".to_string(), |x| format!("{x:.2}×"));
@@ -870,7 +1142,7 @@ pub fn report(v: &Value) -> String {
             })
             .collect();
         s.push_str(&format!(
-            "| {} | {} → {} | {} | {} → {} | {} | {} | {} |\n",
+            "| {} | {} → {} | {} | {} → {} | {} | {} | {} → {}, {} | {} |\n",
             a["attack"].as_str().unwrap_or("?"),
             f(&a["idle"]["rss_peak_mib"]),
             f(&a["under_attack"]["rss_peak_mib"]),
@@ -879,6 +1151,9 @@ pub fn report(v: &Value) -> String {
             f(&a["under_attack"]["select_p99_us"]),
             r(&a["select_p99_ratio"]),
             a["under_attack"]["select_failed"],
+            f(&a["idle"]["health_p99_us"]),
+            f(&a["under_attack"]["health_p99_us"]),
+            a["under_attack"]["health_failed"],
             if nonzero.is_empty() {
                 "–".to_string()
             } else {

@@ -41,9 +41,15 @@ pub(super) async fn require_token(
 /// Whether the request carries the configured control token; false when
 /// none is configured.
 pub(super) fn holds_token(sc: &dyn Backend, headers: &HeaderMap) -> bool {
-    let Some(token) = sc.config().control.token.as_deref() else {
-        return false;
-    };
+    sc.config()
+        .control
+        .token
+        .as_deref()
+        .is_some_and(|token| bears(token, headers))
+}
+
+/// Whether the request carries `token` as its bearer token.
+pub(super) fn bears(token: &str, headers: &HeaderMap) -> bool {
     let given = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())

@@ -28,8 +28,8 @@ pub(super) async fn dump(State(sc): State<Arc<dyn Backend>>, headers: HeaderMap)
         Ok(p) => p,
         Err(busy) => return busy.into_response(),
     };
-    match reads.copy(Whole::Dump, || encode(&*sc)).await {
-        Ok(bytes) => reads.respond(Whole::Dump, place, bytes),
+    match reads.copy(&place, || encode(&*sc)).await {
+        Ok(bytes) => reads.respond(place, bytes),
         Err(r) => r,
     }
 }

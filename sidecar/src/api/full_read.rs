@@ -9,11 +9,15 @@
 //! `server.full_read_reuse_ms` (under ingest the index changes every few
 //! milliseconds, so one copy per version would share nothing), and
 //! readers arriving while one is built wait for it. Readers are capped at
-//! `server.max_full_reads` at once: a reader may still hold a copy the
-//! cache has replaced, so the cap is what bounds the copies alive. Readers
-//! with the control token (Envoy's polls, recovering peers) have a cap of
-//! the same size to themselves, so that anyone else filling theirs cannot
-//! lock the gateway out. One over a cap is answered 503 with
+//! `server.max_full_reads` at once, and so are the copies they hold:
+//! readers spaced wider than the reuse age each used to get a copy of
+//! their own, so once `server.max_full_read_copies` are alive a new
+//! reader is sent the newest of them, however old (it catches up as from
+//! any reused copy), instead of a new one. Readers with the control token
+//! (Envoy's polls, recovering peers) have caps of the same size, and
+//! copies, to themselves, so that anyone else filling theirs, or holding
+//! an old copy by reading it slowly, can neither lock the gateway out nor
+//! keep it on stale state. One reader over a cap is answered 503 with
 //! `Retry-After`, counted, and logged the first time.
 
 use super::error;
@@ -29,8 +33,8 @@ use prometheus::{IntCounter, IntGauge};
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
@@ -70,26 +74,68 @@ impl Whole {
     }
 }
 
-/// The latest copy of one kind, and when the state it holds was taken.
+/// The latest copy of one kind for one class of readers, and when the
+/// state it holds was taken.
 struct Latest {
     taken: Instant,
     generation: u64,
-    bytes: Bytes,
+    copy: Arc<Copy>,
 }
 
-/// One kind's latest copy and series.
+/// One encoded copy of the index; the gauge of copies alive counts it
+/// until the last reader and the cache let go.
+struct Copy {
+    bytes: Bytes,
+    alive: IntGauge,
+}
+
+impl Drop for Copy {
+    fn drop(&mut self) {
+        self.alive.dec();
+    }
+}
+
+/// What a reader is sent: the copy's bytes, holding the copy alive as
+/// long as any slice of them is.
+struct Held(Arc<Copy>);
+
+impl AsRef<[u8]> for Held {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.bytes
+    }
+}
+
+impl Copy {
+    fn handle(self: &Arc<Copy>) -> Bytes {
+        Bytes::from_owner(Held(self.clone()))
+    }
+}
+
+/// One class of readers' copies of one kind.
+#[derive(Default)]
+struct Copies {
+    latest: Option<Latest>,
+    /// Every copy made for the class, oldest first, while it lives.
+    alive: Vec<Weak<Copy>>,
+}
+
+/// One kind's copies, per class of readers (without the control token,
+/// with it), and its series.
 struct Slot {
-    latest: Mutex<Option<Latest>>,
+    classes: [Mutex<Copies>; 2],
     generations: AtomicU64,
     open: IntGauge,
     refused: IntCounter,
     copies: IntCounter,
+    alive: IntGauge,
 }
 
-/// Shares whole-index copies between readers and caps the readers.
+/// Shares whole-index copies between readers and caps the readers and
+/// the copies.
 pub struct FullReads {
     reuse: Duration,
     max_readers: u32,
+    max_copies: usize,
     /// Places for readers without the control token, and for those with it.
     readers: [Arc<Semaphore>; 2],
     slots: [Arc<Slot>; 2],
@@ -99,6 +145,8 @@ pub struct FullReads {
 /// A reader's place among those its cap counts, given back when its
 /// answer is sent or dropped.
 pub(super) struct Place {
+    what: Whole,
+    class: usize,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -121,16 +169,20 @@ impl FullReads {
     pub fn new(server: &Server, metrics: &ListenerMetrics) -> FullReads {
         let slot = |w: Whole| {
             Arc::new(Slot {
-                latest: Mutex::new(None),
+                classes: Default::default(),
                 generations: AtomicU64::new(0),
                 open: metrics.full_reads_open.with_label_values(&[w.label()]),
                 refused: metrics.full_reads_refused.with_label_values(&[w.label()]),
                 copies: metrics.full_read_copies.with_label_values(&[w.label()]),
+                alive: metrics
+                    .full_read_copies_alive
+                    .with_label_values(&[w.label()]),
             })
         };
         FullReads {
             reuse: server.full_read_reuse,
             max_readers: server.max_full_reads,
+            max_copies: server.max_full_read_copies.max(1) as usize,
             readers: [(); 2].map(|()| Arc::new(Semaphore::new(server.max_full_reads as usize))),
             slots: Whole::ALL.map(slot),
             warned: AtomicBool::new(false),
@@ -144,9 +196,13 @@ impl FullReads {
     /// A place for a reader, before anything is built for it, under the
     /// cap of readers with the control token when it holds it.
     pub(super) fn admit(&self, what: Whole, holds_token: bool) -> Result<Place, Busy> {
-        let pool = &self.readers[usize::from(holds_token)];
-        match pool.clone().try_acquire_owned() {
-            Ok(permit) => Ok(Place { _permit: permit }),
+        let class = usize::from(holds_token);
+        match self.readers[class].clone().try_acquire_owned() {
+            Ok(permit) => Ok(Place {
+                what,
+                class,
+                _permit: permit,
+            }),
             Err(_) => {
                 self.slot(what).refused.inc();
                 if !self.warned.swap(true, Ordering::Relaxed) {
@@ -164,53 +220,71 @@ impl FullReads {
         }
     }
 
-    /// The latest copy when it is young enough, else the one `build`
-    /// makes. One build at a time per kind; callers that arrive during
-    /// it wait and share its copy when it is young enough for them.
+    /// The latest copy of the reader's class when it is young enough,
+    /// else the newest alive when the class has `max_copies` alive, else
+    /// the one `build` makes. One build at a time per kind and class;
+    /// callers that arrive during it wait and share its copy when it is
+    /// young enough for them.
     pub(super) async fn copy<E, F>(
         &self,
-        what: Whole,
+        place: &Place,
         build: impl FnOnce() -> F,
     ) -> Result<Bytes, E>
     where
         F: Future<Output = Result<Bytes, E>>,
     {
         let asked = Instant::now();
-        let slot = self.slot(what);
-        let mut latest = slot.latest.lock().await;
-        if let Some(l) = latest.as_ref()
+        let slot = self.slot(place.what);
+        let mut copies = slot.classes[place.class].lock().await;
+        if let Some(l) = copies.latest.as_ref()
             && l.taken + self.reuse >= asked
         {
-            return Ok(l.bytes.clone());
+            return Ok(l.copy.handle());
+        }
+        copies.alive.retain(|c| c.strong_count() > 0);
+        if copies.alive.len() >= self.max_copies
+            && let Some(newest) = copies.alive.iter().rev().find_map(Weak::upgrade)
+        {
+            return Ok(newest.handle());
         }
         let taken = Instant::now();
         let bytes = build().await?;
         slot.copies.inc();
-        *latest = None;
+        slot.alive.inc();
+        let copy = Arc::new(Copy {
+            bytes,
+            alive: slot.alive.clone(),
+        });
+        copies.alive.push(Arc::downgrade(&copy));
+        copies.latest = None;
         if !self.reuse.is_zero() {
             let generation = slot.generations.fetch_add(1, Ordering::Relaxed);
-            *latest = Some(Latest {
+            copies.latest = Some(Latest {
                 taken,
                 generation,
-                bytes: bytes.clone(),
+                copy: copy.clone(),
             });
             // The cache lets go once the copy is too old to serve, so an
             // idle sidecar keeps no copy; readers still sending hold it.
-            let (slot, age) = (slot.clone(), self.reuse);
+            let (slot, class, age) = (slot.clone(), place.class, self.reuse);
             tokio::spawn(async move {
                 tokio::time::sleep_until(taken + age).await;
-                let mut latest = slot.latest.lock().await;
-                if latest.as_ref().is_some_and(|l| l.generation == generation) {
-                    *latest = None;
+                let mut copies = slot.classes[class].lock().await;
+                if copies
+                    .latest
+                    .as_ref()
+                    .is_some_and(|l| l.generation == generation)
+                {
+                    copies.latest = None;
                 }
             });
         }
-        Ok(bytes)
+        Ok(copy.handle())
     }
 
     /// The answer sending `bytes` to a reader holding `place`.
-    pub(super) fn respond(&self, what: Whole, place: Place, bytes: Bytes) -> Response {
-        let open = self.slot(what).open.clone();
+    pub(super) fn respond(&self, place: Place, bytes: Bytes) -> Response {
+        let open = self.slot(place.what).open.clone();
         open.inc();
         let body = Shared {
             rest: bytes,

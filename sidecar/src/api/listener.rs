@@ -3,30 +3,46 @@
 //! slowloris sockets used to take every file descriptor, starving the
 //! sidecar's own scrapes, GPU readings and sockets.
 //!
-//! Each listener holds at most `max_connections`; one more is accepted and
-//! closed at once (counted, logged now and then), so the descriptors
-//! inbound clients hold stay bounded. A per-connection watchdog closes a
-//! connection whose request head is late (`header_read_timeout`), one kept
-//! alive with no request, or one with a request in flight and no byte
-//! moving either way (`idle_timeout`, longer than any long poll).
+//! Each listener holds at most `max_connections`. At the cap a new
+//! connection takes the slot of the one that has waited longest for a
+//! request head, or is closed at once when every connection has a request
+//! in flight (counted, logged now and then), so the descriptors inbound
+//! clients hold stay bounded and a flood of silent sockets cannot shut
+//! out new clients. The last `reserved_connections` slots serve only
+//! probes and token holders ([`slots`]). A per-connection watchdog closes
+//! a connection whose request head is late (`header_read_timeout`), one
+//! kept alive with no request, or one with a request in flight and no
+//! byte moving either way (`idle_timeout`, longer than any long poll).
+//! Request bodies are read under the listener's byte budget and
+//! `body_timeout` ([`body`]).
 
+mod activity;
+mod body;
+mod slots;
+
+use super::auth::bears;
+use super::error;
 use crate::config::ListenerLimits;
 use crate::metrics::ListenerSeries;
+use activity::{Activity, Expiry, InFlight};
 use axum::Router;
+use axum::http::header::{CONNECTION, RETRY_AFTER};
+use axum::http::{HeaderValue, StatusCode};
+use body::BodyBudget;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
+use slots::{Slot, Slots};
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// A refusal is logged at most this often; the counter has the rest.
@@ -34,20 +50,36 @@ const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
 /// Pause after a failed accept (out of descriptors, mostly), so the loop
 /// does not spin while the condition lasts.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// What the kubelet and Prometheus call: served on the reserved share.
+const PROBES: [&str; 3] = ["/health", "/ready", "/metrics"];
 
 /// Serves `app` on `listener` within `limits` until `shutdown` resolves,
 /// then lets the open connections finish. `name` labels its series and
-/// logs.
+/// logs; `token` is the control token, whose holders are served on the
+/// reserved share of the cap and read bodies under a budget of their own.
 pub async fn serve(
     listener: TcpListener,
     name: &'static str,
     app: Router,
     limits: ListenerLimits,
+    token: Option<String>,
     series: ListenerSeries,
     shutdown: impl Future<Output = ()> + Send,
 ) {
-    let cap = limits.max_connections.max(1);
-    let permits = Arc::new(Semaphore::new(cap as usize));
+    let slots = Arc::new(Slots::new(&limits, series.clone()));
+    let gate = Arc::new(Gate {
+        token,
+        bodies: BodyBudget::new(limits.body_budget_bytes, limits.body_timeout, &series),
+        limits,
+        series: series.clone(),
+    });
+    tracing::debug!(
+        listener = name,
+        max_connections = limits.max_connections,
+        reserved = slots.reserved(),
+        body_budget_bytes = limits.body_budget_bytes,
+        "listener slots"
+    );
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut refusals = RefusalLog::default();
     let mut accept_errors = RefusalLog::default();
@@ -67,7 +99,8 @@ pub async fn serve(
                 }
             },
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
+        let activity = Arc::new(Activity::new());
+        let Some(slot) = slots.admit(activity.clone()) else {
             // Dropping the stream closes it: the descriptor is back at once.
             drop(stream);
             series.refused.inc();
@@ -75,9 +108,9 @@ pub async fn serve(
                 tracing::warn!(
                     listener = name,
                     %peer,
-                    max_connections = cap,
+                    max_connections = limits.max_connections,
                     refused = n,
-                    "connection refused: the listener is at max_connections"
+                    "connection refused: the listener is at max_connections, each with a request in flight"
                 );
             }
             continue;
@@ -87,39 +120,80 @@ pub async fn serve(
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
         }
-        series.open.inc();
-        let (app, series, stop) = (app.clone(), series.clone(), stop_rx.clone());
+        let (app, gate, stop) = (app.clone(), gate.clone(), stop_rx.clone());
         tokio::spawn(async move {
-            connection(stream, app, limits, &series, stop).await;
-            series.open.dec();
-            drop(permit);
+            connection(stream, app, activity, &slot, gate, stop).await;
+            drop(slot);
         });
     }
     let _ = stop_tx.send(true);
-    // Every connection holds a permit until it ends.
-    let _ = permits.acquire_many(cap).await;
+    slots.drained().await;
 }
 
-/// Serves one connection until it ends, times out or the listener stops.
+/// What every connection and request on a listener is held to.
+struct Gate {
+    token: Option<String>,
+    bodies: BodyBudget,
+    limits: ListenerLimits,
+    series: ListenerSeries,
+}
+
+impl Gate {
+    fn holds_token(&self, req: &hyper::Request<Incoming>) -> bool {
+        self.token
+            .as_deref()
+            .is_some_and(|t| bears(t, req.headers()))
+    }
+}
+
+/// The answer to a request on a reserved slot that is neither a probe nor
+/// a token holder's.
+fn reserved_only() -> axum::response::Response {
+    let mut r = error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the listener is at max_connections but for the slots kept for probes and the control token's holders; retry shortly",
+    );
+    r.headers_mut().insert(RETRY_AFTER, 1.into());
+    r.headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+/// Serves one connection until it ends, times out, is evicted or the
+/// listener stops.
 async fn connection(
     stream: TcpStream,
     app: TowerToHyperService<Router>,
-    limits: ListenerLimits,
-    series: &ListenerSeries,
+    activity: Arc<Activity>,
+    slot: &Slot,
+    gate: Arc<Gate>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let activity = Arc::new(Activity::new());
+    let (limits, series) = (gate.limits, gate.series.clone());
     let io = TokioIo::new(Tracked {
         inner: stream,
         activity: activity.clone(),
     });
+    let reserved = slot.reserved;
     let svc = {
         let activity = activity.clone();
         hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
             let guard = InFlight::begin(activity.clone());
-            let fut = hyper::service::Service::call(&app, req);
+            let holds_token = gate.holds_token(&req);
+            let refused = reserved && !holds_token && !PROBES.contains(&req.uri().path());
+            let gate = gate.clone();
+            let app = app.clone();
             async move {
-                let resp = fut.await?;
+                let resp = if refused {
+                    gate.series.refused_reserved.inc();
+                    reserved_only()
+                } else {
+                    let (parts, body) = req.into_parts();
+                    let (body, verdict) = gate.bodies.wrap(body, holds_token);
+                    let req = hyper::Request::from_parts(parts, axum::body::Body::new(body));
+                    let resp = hyper::service::Service::call(&app, req).await?;
+                    verdict.answer(resp)
+                };
                 Ok::<_, Infallible>(resp.map(|body| GuardedBody {
                     body,
                     _guard: guard,
@@ -154,6 +228,8 @@ async fn connection(
                 // slow gets no graceful goodbye.
                 return;
             }
+            // Its slot is a newer connection's already (counted there).
+            () = activity.evicted() => return,
             r = stop.changed(), if !stopping => {
                 stopping = true;
                 if r.is_ok() {
@@ -161,107 +237,6 @@ async fn connection(
                 }
             }
         }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Expiry {
-    Header,
-    Idle,
-}
-
-const NEVER: u64 = u64::MAX;
-
-/// What a connection has been doing, in milliseconds since it opened:
-/// written by its I/O and its requests, read by its watchdog.
-struct Activity {
-    opened: Instant,
-    /// The last read or write that moved bytes.
-    last_io: AtomicU64,
-    /// Requests in flight (HTTP/2 may have several).
-    in_flight: AtomicU64,
-    /// Requests begun since the connection opened.
-    requests: AtomicU64,
-    /// When the last request ended: the connection waits from then.
-    waiting_since: AtomicU64,
-    /// The first byte read since then: a request head has started.
-    head_started: AtomicU64,
-}
-
-impl Activity {
-    fn new() -> Activity {
-        Activity {
-            opened: Instant::now(),
-            last_io: AtomicU64::new(0),
-            in_flight: AtomicU64::new(0),
-            requests: AtomicU64::new(0),
-            waiting_since: AtomicU64::new(0),
-            head_started: AtomicU64::new(NEVER),
-        }
-    }
-
-    fn now(&self) -> u64 {
-        u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(NEVER - 1)
-    }
-
-    fn read(&self) {
-        let now = self.now();
-        self.last_io.store(now, Ordering::Relaxed);
-        let _ =
-            self.head_started
-                .compare_exchange(NEVER, now, Ordering::Relaxed, Ordering::Relaxed);
-    }
-
-    fn wrote(&self) {
-        self.last_io.store(self.now(), Ordering::Relaxed);
-    }
-
-    fn expired(&self, limits: &ListenerLimits) -> Option<Expiry> {
-        self.expired_at(self.now(), limits)
-    }
-
-    fn expired_at(&self, now: u64, limits: &ListenerLimits) -> Option<Expiry> {
-        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(NEVER);
-        let past = |since: u64, d: Duration| now.saturating_sub(since) >= ms(d);
-        if self.in_flight.load(Ordering::Relaxed) > 0 {
-            // A long poll writes nothing until it answers; the idle
-            // timeout outlasts the longest (validated).
-            let last = self.last_io.load(Ordering::Relaxed);
-            return past(last, limits.idle_timeout).then_some(Expiry::Idle);
-        }
-        let waiting = self.waiting_since.load(Ordering::Relaxed);
-        // A fresh connection owes its first request head from the start,
-        // as nginx's client_header_timeout: connecting and saying nothing
-        // is how idle sockets hoard the cap.
-        if self.requests.load(Ordering::Relaxed) == 0 {
-            return past(waiting, limits.header_read_timeout).then_some(Expiry::Header);
-        }
-        match self.head_started.load(Ordering::Relaxed) {
-            NEVER => past(waiting, limits.idle_timeout).then_some(Expiry::Idle),
-            started => past(started, limits.header_read_timeout).then_some(Expiry::Header),
-        }
-    }
-}
-
-/// A request in flight on its connection, until its response body is done.
-struct InFlight(Arc<Activity>);
-
-impl InFlight {
-    fn begin(a: Arc<Activity>) -> InFlight {
-        a.requests.fetch_add(1, Ordering::Relaxed);
-        a.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(a)
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let a = &self.0;
-        let now = a.now();
-        a.waiting_since.store(now, Ordering::Relaxed);
-        a.head_started.store(NEVER, Ordering::Relaxed);
-        a.last_io.store(now, Ordering::Relaxed);
-        a.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -400,44 +375,6 @@ pub fn cap_for_file_limit(configured: u32, nofile: Option<u64>) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn limits() -> ListenerLimits {
-        ListenerLimits {
-            header_read_timeout: Duration::from_millis(100),
-            idle_timeout: Duration::from_millis(1000),
-            max_connections: 8,
-        }
-    }
-
-    #[test]
-    fn a_fresh_connection_owes_its_head_within_the_header_timeout() {
-        let a = Activity::new();
-        assert_eq!(a.expired_at(99, &limits()), None);
-        assert_eq!(a.expired_at(100, &limits()), Some(Expiry::Header));
-    }
-
-    #[test]
-    fn a_request_in_flight_is_closed_only_when_nothing_moves_for_the_idle_timeout() {
-        let a = Arc::new(Activity::new());
-        let g = InFlight::begin(a.clone());
-        assert_eq!(a.expired_at(999, &limits()), None);
-        assert_eq!(a.expired_at(1000, &limits()), Some(Expiry::Idle));
-        a.last_io.store(900, Ordering::Relaxed);
-        assert_eq!(a.expired_at(1500, &limits()), None);
-        drop(g);
-    }
-
-    #[test]
-    fn a_kept_alive_connection_idles_until_a_head_starts() {
-        let a = Arc::new(Activity::new());
-        drop(InFlight::begin(a.clone()));
-        let ended = a.waiting_since.load(Ordering::Relaxed);
-        assert_eq!(a.expired_at(ended + 999, &limits()), None);
-        assert_eq!(a.expired_at(ended + 1000, &limits()), Some(Expiry::Idle));
-        a.head_started.store(ended + 10, Ordering::Relaxed);
-        assert_eq!(a.expired_at(ended + 109, &limits()), None);
-        assert_eq!(a.expired_at(ended + 110, &limits()), Some(Expiry::Header));
-    }
 
     #[test]
     fn the_cap_is_a_quarter_of_the_file_limit_at_most() {

@@ -104,10 +104,10 @@ async fn reset(sc: Arc<dyn Backend>, headers: &HeaderMap) -> Response {
             .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, e))
         }
     };
-    match reads.copy(Whole::SnapshotReset, build).await {
+    match reads.copy(&place, build).await {
         Ok(frame) => {
             answered(&*sc);
-            let mut r = reads.respond(Whole::SnapshotReset, place, frame);
+            let mut r = reads.respond(place, frame);
             version_headers(&mut r, &*sc);
             r
         }

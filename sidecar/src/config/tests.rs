@@ -230,10 +230,14 @@ fn listener_limits_have_safe_defaults_and_are_checked() {
         assert_eq!(l.header_read_timeout, ms(10_000));
         assert_eq!(l.idle_timeout, ms(60_000));
         assert_eq!(l.max_connections, 1024);
+        assert_eq!(l.reserved_connections, 64);
+        assert_eq!(l.body_budget_bytes, 64 << 20);
+        assert_eq!(l.body_timeout, ms(10_000));
         assert!(l.idle_timeout > LONGEST_LONG_POLL);
     }
     let c = Config::parse(
         "[server]\nheader_read_timeout_ms = 2000\nidle_timeout_ms = 45000\nmax_connections = 64\n\
+         reserved_connections = 8\nbody_budget_bytes = 65536\nbody_timeout_ms = 500\n\
          [selection]\nlisten = \"127.0.0.1:9192\"\nmax_connections = 16",
     )
     .unwrap();
@@ -242,7 +246,10 @@ fn listener_limits_have_safe_defaults_and_are_checked() {
         ListenerLimits {
             header_read_timeout: ms(2000),
             idle_timeout: ms(45_000),
-            max_connections: 64
+            max_connections: 64,
+            reserved_connections: 8,
+            body_budget_bytes: 65536,
+            body_timeout: ms(500),
         }
     );
     assert_eq!(c.selection.limits().max_connections, 16);
@@ -252,12 +259,15 @@ fn listener_limits_have_safe_defaults_and_are_checked() {
     assert!(err("[selection]\nidle_timeout_ms = 1000").contains("selection.idle_timeout_ms"));
     assert!(err("[selection]\nmax_connections = 0").contains("selection.max_connections"));
     assert!(err("[server]\nmax_connections = -1").contains("max_connections"));
+    assert!(err("[server]\nbody_budget_bytes = 0").contains("server.body_budget_bytes"));
+    assert!(err("[selection]\nbody_timeout_ms = 0").contains("selection.body_timeout_ms"));
 }
 
 #[test]
 fn whole_index_reads_are_capped_and_reused_by_default() {
     let d = Config::parse("").unwrap();
     assert_eq!(d.server.max_full_reads, 4);
+    assert_eq!(d.server.max_full_read_copies, 1);
     assert_eq!(d.server.full_read_reuse, Duration::from_millis(1000));
     let c = Config::parse("[server]\nmax_full_reads = 1\nfull_read_reuse_ms = 0").unwrap();
     assert_eq!(
@@ -267,6 +277,7 @@ fn whole_index_reads_are_capped_and_reused_by_default() {
     assert!(err("[server]\nmax_full_reads = 0").contains("server.max_full_reads"));
     assert!(err("[server]\nmax_full_reads = 1025").contains("server.max_full_reads"));
     assert!(err("[server]\nfull_read_reuse_ms = 60001").contains("server.full_read_reuse_ms"));
+    assert!(err("[server]\nmax_full_read_copies = 0").contains("server.max_full_read_copies"));
 }
 
 #[test]

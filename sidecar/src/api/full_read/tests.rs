@@ -4,13 +4,41 @@ use http_body_util::BodyExt;
 use std::sync::atomic::AtomicUsize;
 
 fn full_reads(max_full_reads: u32, reuse_ms: u64) -> (FullReads, Metrics) {
+    full_reads_with(max_full_reads, reuse_ms, max_full_reads)
+}
+
+fn full_reads_with(max_full_reads: u32, reuse_ms: u64, copies: u32) -> (FullReads, Metrics) {
     let metrics = Metrics::new().unwrap();
     let server = Server {
         max_full_reads,
+        max_full_read_copies: copies,
         full_read_reuse: Duration::from_millis(reuse_ms),
         ..Server::default()
     };
     (FullReads::new(&server, &metrics.listener), metrics)
+}
+
+/// A copy for a reader of `what` (with the token or not), as the routes
+/// get one.
+async fn read<E, F>(
+    reads: &FullReads,
+    what: Whole,
+    holds_token: bool,
+    build: impl FnOnce() -> F,
+) -> Result<Bytes, E>
+where
+    F: Future<Output = Result<Bytes, E>>,
+{
+    let place = reads.admit(what, holds_token).expect("a place");
+    reads.copy(&place, build).await
+}
+
+fn alive(metrics: &Metrics, what: &str) -> i64 {
+    metrics
+        .listener
+        .full_read_copies_alive
+        .with_label_values(&[what])
+        .get()
 }
 
 /// A build that counts itself and makes a new allocation each time.
@@ -28,7 +56,7 @@ async fn readers_share_one_copy_while_it_is_young() {
     let tasks: Vec<_> = (0..8)
         .map(|_| {
             let (reads, builds) = (reads.clone(), builds.clone());
-            tokio::spawn(async move { reads.copy(Whole::Dump, || build(&builds)).await })
+            tokio::spawn(async move { read(&reads, Whole::Dump, false, || build(&builds)).await })
         })
         .collect();
     let mut copies = Vec::new();
@@ -49,8 +77,7 @@ async fn readers_share_one_copy_while_it_is_young() {
         1
     );
     // The other kind is its own copy.
-    reads
-        .copy(Whole::SnapshotReset, || build(&builds))
+    read(&reads, Whole::SnapshotReset, false, || build(&builds))
         .await
         .unwrap();
     assert_eq!(builds.load(Ordering::SeqCst), 2);
@@ -58,39 +85,48 @@ async fn readers_share_one_copy_while_it_is_young() {
 
 #[tokio::test]
 async fn a_copy_is_not_reused_past_its_age_nor_kept() {
-    let (reads, _m) = full_reads(8, 0);
+    let (reads, _m) = full_reads_with(8, 0, 8);
     let builds = AtomicUsize::new(0);
-    let a = reads.copy(Whole::Dump, || build(&builds)).await.unwrap();
-    let b = reads.copy(Whole::Dump, || build(&builds)).await.unwrap();
+    let a = read(&reads, Whole::Dump, false, || build(&builds))
+        .await
+        .unwrap();
+    let b = read(&reads, Whole::Dump, false, || build(&builds))
+        .await
+        .unwrap();
     assert_eq!(
         builds.load(Ordering::SeqCst),
         2,
         "reuse 0: each read encodes"
     );
     assert_ne!(a.as_ptr(), b.as_ptr());
-    assert!(reads.slot(Whole::Dump).latest.lock().await.is_none());
+    assert!(latest_is_none(&reads).await);
 
     let (reads, _m) = full_reads(8, 20);
-    reads.copy(Whole::Dump, || build(&builds)).await.unwrap();
+    read(&reads, Whole::Dump, false, || build(&builds))
+        .await
+        .unwrap();
     // The cache lets go of the copy once it is too old to serve.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while reads.slot(Whole::Dump).latest.lock().await.is_some() {
+    while !latest_is_none(&reads).await {
         assert!(std::time::Instant::now() < deadline, "the copy was kept");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    reads.copy(Whole::Dump, || build(&builds)).await.unwrap();
+    read(&reads, Whole::Dump, false, || build(&builds))
+        .await
+        .unwrap();
     assert_eq!(builds.load(Ordering::SeqCst), 4);
 }
 
 #[tokio::test]
 async fn a_failed_build_is_not_kept() {
     let (reads, _m) = full_reads(8, 60_000);
-    let r: Result<Bytes, &str> = reads
-        .copy(Whole::Dump, || async { Err("recovering") })
-        .await;
+    let r: Result<Bytes, &str> =
+        read(&reads, Whole::Dump, false, || async { Err("recovering") }).await;
     assert_eq!(r, Err("recovering"));
     let builds = AtomicUsize::new(0);
-    reads.copy(Whole::Dump, || build(&builds)).await.unwrap();
+    read(&reads, Whole::Dump, false, || build(&builds))
+        .await
+        .unwrap();
     assert_eq!(builds.load(Ordering::SeqCst), 1);
 }
 
@@ -106,13 +142,8 @@ async fn readers_over_the_cap_are_refused_until_one_is_done() {
             .get()
     };
     // Two answers nobody reads yet: their places are held.
-    let first = reads.respond(
-        Whole::Dump,
-        reads.admit(Whole::Dump, false).unwrap(),
-        bytes.clone(),
-    );
+    let first = reads.respond(reads.admit(Whole::Dump, false).unwrap(), bytes.clone());
     let second = reads.respond(
-        Whole::SnapshotReset,
         reads.admit(Whole::SnapshotReset, false).unwrap(),
         bytes.clone(),
     );
@@ -158,11 +189,7 @@ async fn readers_over_the_cap_are_refused_until_one_is_done() {
 async fn a_body_is_slices_of_the_shared_copy_with_its_length() {
     let (reads, _m) = full_reads(2, 60_000);
     let bytes = Bytes::from((0..3 * CHUNK + 5).map(|i| i as u8).collect::<Vec<_>>());
-    let r = reads.respond(
-        Whole::Dump,
-        reads.admit(Whole::Dump, true).unwrap(),
-        bytes.clone(),
-    );
+    let r = reads.respond(reads.admit(Whole::Dump, true).unwrap(), bytes.clone());
     let mut body = r.into_body();
     assert_eq!(body.size_hint().exact(), Some(bytes.len() as u64));
     let mut at = 0;
@@ -174,4 +201,51 @@ async fn a_body_is_slices_of_the_shared_copy_with_its_length() {
         at += data.len();
     }
     assert_eq!(at, bytes.len());
+}
+
+async fn latest_is_none(reads: &FullReads) -> bool {
+    reads.slot(Whole::Dump).classes[0]
+        .lock()
+        .await
+        .latest
+        .is_none()
+}
+
+#[tokio::test]
+async fn past_the_copies_cap_a_reader_gets_the_newest_copy_alive_however_old() {
+    // No reuse by age: only the cap makes readers share.
+    let (reads, metrics) = full_reads_with(8, 0, 2);
+    let builds = AtomicUsize::new(0);
+    let a = read(&reads, Whole::Dump, false, || build(&builds))
+        .await
+        .unwrap();
+    let b = read(&reads, Whole::Dump, false, || build(&builds))
+        .await
+        .unwrap();
+    assert_eq!(alive(&metrics, "dump"), 2);
+    // Readers spaced out, each still reading: the newest copy, not a third.
+    for _ in 0..4 {
+        let c = read(&reads, Whole::Dump, false, || build(&builds))
+            .await
+            .unwrap();
+        assert_eq!(c.as_ptr(), b.as_ptr());
+    }
+    assert_eq!(builds.load(Ordering::SeqCst), 2);
+    assert_eq!(alive(&metrics, "dump"), 2);
+    // Readers with the token have copies of their own: a slow reader
+    // without it cannot keep them on an old copy.
+    let t = read(&reads, Whole::Dump, true, || build(&builds))
+        .await
+        .unwrap();
+    assert_ne!(t.as_ptr(), b.as_ptr());
+    assert_eq!(alive(&metrics, "dump"), 3);
+    // Once a reader lets go, a new copy is made again.
+    drop(a);
+    let d = read(&reads, Whole::Dump, false, || build(&builds))
+        .await
+        .unwrap();
+    assert_ne!(d.as_ptr(), b.as_ptr());
+    assert_eq!(builds.load(Ordering::SeqCst), 4);
+    drop((b, d, t));
+    assert_eq!(alive(&metrics, "dump"), 0, "every copy is gone");
 }
