@@ -1,5 +1,6 @@
 //! `kvgate-sidecar --config FILE`: runs the sidecar.
-//! `kvgate-sidecar status [--url URL]`: prints a running sidecar's fleet.
+//! `kvgate-sidecar status [--url URL]`: prints a running sidecar's fleet
+//! (and, with `KVGATE_CONTROL_TOKEN` set, the planner's reasons).
 //! `kvgate-sidecar agent [--listen ADDR]`: serves this GPU node's NVML
 //! readings under dcgm-exporter's metric names.
 //! `kvgate-sidecar check --config FILE`: validates a configuration file.
@@ -142,11 +143,24 @@ async fn print_status(url: &str) -> anyhow::Result<()> {
         .with_context(|| format!("{uri} did not answer the state as JSON"))?;
     print!("{}", status::render(&state));
     // The planner's reasons sit behind the control token, when one is set.
+    // Without a token in hand they are not asked for: a sidecar that has
+    // one would answer 401 and count it in
+    // kvgate_sidecar_unauthorized_total, the series operators watch for a
+    // filter whose token does not match.
+    let token = std::env::var("KVGATE_CONTROL_TOKEN")
+        .ok()
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty());
+    let Some(token) = token else {
+        if state.models.iter().any(|m| m.plan.is_some()) {
+            println!(
+                "\nthe planner's reasons: run with KVGATE_CONTROL_TOKEN set (the sidecar's token, any value if it has none)"
+            );
+        }
+        return Ok(());
+    };
     let uri: hyper::Uri = format!("{}/v1/planner", url.trim_end_matches('/')).parse()?;
-    let mut req = hyper::Request::get(uri);
-    if let Ok(t) = std::env::var("KVGATE_CONTROL_TOKEN") {
-        req = req.header("authorization", format!("Bearer {}", t.trim()));
-    }
+    let req = hyper::Request::get(uri).header("authorization", format!("Bearer {token}"));
     if let Ok(req) = req.body(http_body_util::Empty::new())
         && let Ok(resp) = client.request(req).await
         && resp.status().is_success()
@@ -190,7 +204,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let selection = config.selection.listen;
     let (api_limits, selection_limits) =
         fd_bounded(config.server.limits(), config.selection.limits());
-    let guarded = config.control.token.is_some();
+    let token = config.control.token.clone();
+    let guarded = token.is_some();
     let sc = Sidecar::start(config)?;
     let api_listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, workers = sc.worker_count(), control_token = guarded, "kvgate-sidecar serving");
@@ -206,6 +221,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             "selection",
             app,
             selection_limits,
+            token.clone(),
             series,
             std::future::pending(),
         ));
@@ -217,6 +233,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         "api",
         api::router(sc),
         api_limits,
+        token,
         series,
         shutdown,
     )

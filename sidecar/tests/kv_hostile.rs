@@ -131,6 +131,40 @@ async fn an_implausible_batch_is_counted_and_ingest_goes_on() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_flood_of_malformed_batches_is_counted_in_full_and_logged_once() {
+    let ctx = zmq::Context::new();
+    let mut p = Publisher::bind(&ctx);
+    let sc = sidecar(&p.endpoint, "");
+    publish_until_indexed(&mut p, &sc, &stored(&[100]), 1).await;
+
+    // One publisher, many malformed batches at once: before, a WARN line
+    // each (572,000 lines in ten seconds from one engine).
+    for _ in 0..500 {
+        p.publish(&hostile_batch());
+    }
+    wait_until("every malformed batch counted", async || {
+        plane_stats(&sc).await.malformed_batches == 500
+    })
+    .await;
+    wait_until("kvgate_sidecar_kv_malformed_batches", async || {
+        metric(&sc, "kvgate_sidecar_kv_malformed_batches") == 500.0
+    })
+    .await;
+    assert_eq!(
+        plane_stats(&sc).await.malformed_batches_logged,
+        1,
+        "the first is logged, the rest wait a minute"
+    );
+
+    // Ingest goes on.
+    p.publish(&stored(&[100, 200]));
+    wait_until("the next batch indexed", async || {
+        indexed_blocks(&sc).await == 2
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn an_oversized_message_drops_the_connection_which_comes_back() {
     let ctx = zmq::Context::new();
     let mut p = Publisher::bind(&ctx);

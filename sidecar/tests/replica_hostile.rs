@@ -219,6 +219,15 @@ async fn a_recorded_admission_sent_again_after_its_free_books_nothing() {
     let (a_base, a) = sidecar_from(&sync_config(&w, &[]), Some(TOKEN)).await;
     let a_api = selection_api(&a).await;
     wait_until("A's worker up", async || workers_up(&a_base).await == 1).await;
+    // The selection API reads the published snapshot, a publish behind the
+    // catalog: a reservation before it sees the worker is answered 404.
+    wait_until("A's selection API sees the worker", async || {
+        let pinned = json!({"model_name": "m", "token_ids": [1],
+                            "pinned_worker": {"worker_id": 1, "dp_rank": 0}});
+        let (status, v) = json_of("POST", &format!("{a_api}/select"), Some(pinned)).await;
+        status == 200 && v["worker_id"].as_u64() == Some(1)
+    })
+    .await;
 
     // Someone reading A's sync port records an admission and its free,
     // signed as they are.
@@ -380,4 +389,69 @@ async fn late_frees_apply_restarted_origins_are_heard_and_old_versions_are_refus
     })
     .await;
     assert_eq!(held(), 2, "its free did not apply either");
+}
+
+/// The peer's entry in `/replica_sync/peers`.
+async fn peer_named(base: &str, endpoint: &str) -> Value {
+    let (status, v) = json_of("GET", &format!("{base}/replica_sync/peers"), None).await;
+    assert_eq!(status, 200);
+    v["state"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["endpoint"] == endpoint)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_holder_forging_another_peers_origin_cannot_mute_it() {
+    let ctx = zmq::Context::new();
+    let (honest, b) = publisher(&ctx);
+    let (forger, a) = publisher(&ctx);
+    let toml = format!(
+        "[replica_sync]\nlisten = \"127.0.0.1:0\"\npeers = [\"{a}\", \"{b}\"]\n\
+         [[models]]\nname = \"m\"\n\
+         [[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"127.0.0.1:9\"\n"
+    );
+    let (base, sc) = sidecar_from(&toml, Some(TOKEN)).await;
+    let held = || sc.active_bookings();
+    const B: u64 = 0xb0b;
+
+    // B's first admission, until its subscription is up.
+    send_until(
+        &honest,
+        &signed(B, 1, 0, &[admit("b1", 10, 1)]),
+        "B's first admission never arrived",
+        || held() == 1,
+    )
+    .await;
+    // A holds the token too: it signs a message under B's origin, numbered
+    // far past anything B will send.
+    send_until(
+        &forger,
+        &signed(B, 1 << 40, 0, &[admit("forged", 10, 1)]),
+        "the forged message never arrived",
+        || held() == 2,
+    )
+    .await;
+
+    // B's next admissions are its own, numbered on from its first.
+    for seq in 2..=4 {
+        honest
+            .send(signed(B, seq, 0, &[admit(&format!("b{seq}"), 10, 1)]), 0)
+            .unwrap();
+    }
+    wait_until("B's later admissions booked", async || held() == 5).await;
+    let state = peer_named(&base, &b).await;
+    assert_eq!(state["admissions_replayed"], 0, "{state}");
+    assert_eq!(
+        metric(
+            &sc,
+            &format!(
+                "kvgate_sidecar_replica_peer_refused_admissions_total{{peer=\"{b}\",reason=\"replayed\"}}"
+            )
+        ),
+        0.0
+    );
 }

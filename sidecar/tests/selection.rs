@@ -368,6 +368,89 @@ async fn a_booking_past_max_prompt_tokens_is_refused_and_loads_stay() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn an_oversized_expected_output_tokens_is_refused_naming_the_field_and_its_bound() {
+    let (_, api, sc) = two_workers_up().await;
+    let idle = vec![((1, 0), (0, 0)), ((2, 0), (0, 0))];
+    let bodies = |tokens: &str| {
+        [
+            (
+                "/select_and_reserve",
+                format!(
+                    r#"{{"model_name": "m", "reservation_id": "r", "token_ids": [1], "expected_output_tokens": {tokens}}}"#
+                ),
+            ),
+            (
+                "/select",
+                format!(
+                    r#"{{"model_name": "m", "token_ids": [1], "expected_output_tokens": {tokens}}}"#
+                ),
+            ),
+            (
+                "/reservations",
+                format!(
+                    r#"{{"model_name": "m", "worker_id": 1, "isl_tokens": 16, "expected_output_tokens": {tokens}}}"#
+                ),
+            ),
+        ]
+    };
+    // Past u32, past u64, and a float past u64: each over the model's
+    // bound (2^24 by default), which the answer names with the field.
+    let oversized = ["4294967296", "18446744073709551616", "1e30"];
+    for tokens in oversized {
+        for (path, body) in bodies(tokens) {
+            let (status, _, b) = call_raw(
+                "POST",
+                &format!("{api}{path}"),
+                &[("content-type", "application/json")],
+                body.into_bytes(),
+            )
+            .await;
+            let v: Value = serde_json::from_slice(&b).unwrap();
+            assert_eq!(status, 400, "{path} {tokens}: {v}");
+            let m = v["error"].as_str().unwrap_or("");
+            assert!(
+                m.contains("expected_output_tokens") && m.contains("max_prompt_tokens 16777216"),
+                "{path} {tokens}: {v}"
+            );
+        }
+    }
+    // Not a count of tokens at all: named too.
+    for tokens in ["-1", "2.5", "\"many\""] {
+        for (path, body) in bodies(tokens) {
+            let (status, _, b) = call_raw(
+                "POST",
+                &format!("{api}{path}"),
+                &[("content-type", "application/json")],
+                body.into_bytes(),
+            )
+            .await;
+            let v: Value = serde_json::from_slice(&b).unwrap();
+            assert_eq!(status, 400, "{path} {tokens}: {v}");
+            let m = v["error"].as_str().unwrap_or("");
+            assert!(m.contains("expected_output_tokens"), "{path} {tokens}: {v}");
+        }
+    }
+    assert_eq!(loads(&api).await, idle, "nothing was booked");
+    assert_eq!(
+        metric(
+            &sc,
+            "kvgate_sidecar_bookings_refused_total{reason=\"out_of_bound\",source=\"api\"}"
+        ),
+        9.0,
+        "each oversized one counted"
+    );
+    // Within the bound, as before: 17 tokens are two blocks of 16.
+    let (status, v) = json_of(
+        "POST",
+        &format!("{api}/reservations"),
+        Some(json!({"model_name": "m", "worker_id": 1, "isl_tokens": 16,
+                    "expected_output_tokens": 17, "reservation_id": "ok"})),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn writes_need_the_token_and_reads_do_not() {
     let (a, _) = fake_worker().await;
     let (_, sc) = sidecar_with(&[&a], Some("s3cret")).await;

@@ -25,12 +25,12 @@ pub(crate) fn within_bound(
     snap: &Snapshot,
     model: &str,
     isl_tokens: Option<u64>,
-    expected_output_tokens: Option<u32>,
+    expected_output_tokens: Option<u64>,
 ) -> Result<(), String> {
     // An adapter's requests are booked as its base model's.
     let name = snap.model(model).map_or(model, |m| m.name.as_str());
     let max = sc.fleet().booking_bound(name).prefill_tokens;
-    let over = match (isl_tokens, expected_output_tokens.map(u64::from)) {
+    let over = match (isl_tokens, expected_output_tokens) {
         (Some(n), _) if n > max => Some(("isl_tokens", n)),
         (_, Some(n)) if n > max => Some(("expected_output_tokens", n)),
         _ => None,

@@ -153,8 +153,8 @@ fn restrict(model: &mut ModelState, req: &SelectRequest) {
 }
 
 /// Blocks an expected output adds to a request's decode load.
-pub(super) fn output_blocks(expected_output_tokens: Option<u32>, block_size: u32) -> u64 {
-    expected_output_tokens.map_or(0, |t| u64::from(t).div_ceil(u64::from(block_size.max(1))))
+pub(super) fn output_blocks(expected_output_tokens: Option<u64>, block_size: u32) -> u64 {
+    expected_output_tokens.map_or(0, |t| t.div_ceil(u64::from(block_size.max(1))))
 }
 
 /// A reservation id for a client that gave none: random, so that ids

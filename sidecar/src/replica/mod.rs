@@ -275,7 +275,7 @@ impl ReplicaSync {
                 token: token.clone(),
                 inbound,
                 stats: stats.clone(),
-                guard: ReplayGuard::new(max_age),
+                max_age,
                 warned: BTreeSet::new(),
             },
             peers: Vec::new(),
@@ -468,7 +468,8 @@ struct Sink {
     token: Option<String>,
     inbound: tokio::sync::mpsc::Sender<Inbound>,
     stats: SyncStats,
-    guard: ReplayGuard,
+    /// Each peer's replay guard is made with it.
+    max_age: Duration,
     /// Refusal reasons logged already: the first of each is, the
     /// counters tell the rest.
     warned: BTreeSet<&'static str>,
@@ -489,6 +490,13 @@ struct Peer {
     monitor: Option<Monitor>,
     state: Arc<PeerState>,
     series: PeerSeries,
+    /// The message numbers heard from this peer, per origin. Keyed by the
+    /// peer as well as the origin a message names: the origin is only what
+    /// the sender wrote, so with one window per origin a token holder could
+    /// sign a message under another peer's origin with a number far ahead,
+    /// and that peer's own messages would then read as replays until it
+    /// restarted. Here it can only move the windows of its own connection.
+    guard: ReplayGuard,
     /// A lost connection waiting to be started over, and when.
     reconnect_at: Option<Instant>,
     /// Losses since the last handshake done: the backoff's exponent.
@@ -527,6 +535,7 @@ impl Receiving {
             monitor,
             state,
             series,
+            guard: ReplayGuard::new(self.sink.max_age),
             reconnect_at: None,
             failures: 0,
             last_reconnect: None,
@@ -611,7 +620,7 @@ impl Peer {
                 Ok((stamp, _)) if stamp.origin == sink.origin => {}
                 Ok((stamp, mut events)) => {
                     sink.stats.received.inc_by(events.len() as u64);
-                    let verdict = sink
+                    let verdict = self
                         .guard
                         .check(&stamp, crate::clock::now_ms(), Instant::now());
                     if verdict != Verdict::Fresh {

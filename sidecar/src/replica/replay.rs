@@ -10,6 +10,10 @@
 //! of the [`WINDOW`] numbers below it, so messages reordered by less than
 //! that are still fresh. Only a fresh message's admissions are booked.
 //!
+//! Each peer connection has a guard of its own: a message's origin is
+//! whatever its signer wrote, and a far-ahead number under another peer's
+//! origin must not slide that peer's window past its real numbers.
+//!
 //! What only lowers load (a free, a prefill completion) applies from any
 //! authenticated message: a late free must never be lost, and it can do
 //! nothing to a holder that is gone.
@@ -26,9 +30,10 @@ use std::time::{Duration, Instant};
 /// message further behind is treated as seen.
 pub(super) const WINDOW: u64 = 1024;
 const WORDS: usize = (WINDOW / 64) as usize;
-/// Origins remembered at once: far more than a fleet's sidecars restart
-/// within the age, and a few hundred KiB.
-const MAX_ORIGINS: usize = 4096;
+/// Origins remembered at once, per peer: a peer's process draws one origin
+/// per start, so this is far more than one restarts within twice the age,
+/// and about 40 KiB. A flood of origins from one peer evicts only its own.
+const MAX_ORIGINS: usize = 256;
 
 /// What a message's admissions may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

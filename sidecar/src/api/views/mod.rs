@@ -243,9 +243,13 @@ pub struct SelectRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pinned_worker: Option<PinnedWorker>,
     /// Dynamo's: the output it expects; `/select_and_reserve` books its
-    /// blocks as decode load.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub expected_output_tokens: Option<u32>,
+    /// blocks as decode load. At most the model's `max_prompt_tokens`.
+    #[serde(
+        default,
+        deserialize_with = "output_tokens",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub expected_output_tokens: Option<u64>,
     /// Dynamo's scheduler knobs, accepted so its clients work unchanged,
     /// and not used: kvgate's cost is the model's `[models.policy]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -321,6 +325,61 @@ impl WithPrompt for ReservationRequest {
     fn unknown(&self) -> &Unknown {
         &self.unknown
     }
+}
+
+/// Reads `expected_output_tokens` as any whole number of tokens, so that
+/// one too large to book is refused by the model's bound, which names the
+/// field and the bound (`within_bound`). Read as a `u32`, a larger number
+/// failed in the decoder, whose errors inside a flattened body name
+/// neither. Past `u64` (which JSON parsers read as a float) it saturates;
+/// a negative or fractional count is refused here, naming the field.
+fn output_tokens<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    use serde::de::{Error, Visitor};
+
+    struct Tokens;
+
+    impl<'de> Visitor<'de> for Tokens {
+        type Value = Option<u64>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("expected_output_tokens as a whole number of tokens")
+        }
+
+        fn visit_none<E: Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_unit<E: Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(self)
+        }
+
+        fn visit_u64<E: Error>(self, v: u64) -> Result<Self::Value, E> {
+            Ok(Some(v))
+        }
+
+        fn visit_i64<E: Error>(self, v: i64) -> Result<Self::Value, E> {
+            u64::try_from(v)
+                .map(Some)
+                .map_err(|_| E::custom(format!("expected_output_tokens {v} is negative")))
+        }
+
+        fn visit_f64<E: Error>(self, v: f64) -> Result<Self::Value, E> {
+            if v >= 0.0 && v.fract() == 0.0 {
+                // `as` saturates at u64::MAX, which the bound then refuses.
+                Ok(Some(v as u64))
+            } else {
+                Err(E::custom(format!(
+                    "expected_output_tokens {v} is not a whole number of tokens"
+                )))
+            }
+        }
+    }
+
+    d.deserialize_option(Tokens)
 }
 
 /// Parses a selection-API body, refusing fields its type does not have
@@ -426,9 +485,14 @@ pub struct ReservationRequest {
     /// Authoritative when given (`/select`'s answer); at most the ISL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub effective_prefill_tokens: Option<u64>,
-    /// Dynamo's: its blocks are booked as decode load.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub expected_output_tokens: Option<u32>,
+    /// Dynamo's: its blocks are booked as decode load. At most the
+    /// model's `max_prompt_tokens`.
+    #[serde(
+        default,
+        deserialize_with = "output_tokens",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub expected_output_tokens: Option<u64>,
     /// Refused by [`parse`]; declared after the flattened prompt, so it
     /// holds only what that did not take.
     #[serde(flatten)]

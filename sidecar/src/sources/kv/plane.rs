@@ -89,6 +89,9 @@ pub struct PlaneStats {
     /// Blocks indexed as unmatchable, per slot and reason (running totals).
     pub unmatchable: Vec<(u16, Unmatchable, u64)>,
     pub malformed_batches: u64,
+    /// Log lines written about them: each slot's first, then at most one
+    /// a minute per slot (running total).
+    pub malformed_batches_logged: u64,
     pub resyncs: Vec<(u16, ResyncReason)>,
     /// Per slot: stored events whose block size is not the slot's (running
     /// total), the last such size, and the slot's.
@@ -267,6 +270,36 @@ struct State {
     cleared: Arc<Mutex<Vec<u16>>>,
     /// Batches wait until a recovery restores or releases, or this passes.
     hold_until: Option<Instant>,
+    /// Per slot, when its malformed batches were last logged.
+    malformed_log: HashMap<u16, LogEvery>,
+}
+
+/// How often one slot's malformed batches are logged at most, as the
+/// listeners' refusals and replica sync's lost connections are: a broken
+/// or hostile publisher sends tens of thousands a second (96 MB of log in
+/// ten seconds before this), and each is counted in
+/// `kvgate_sidecar_kv_malformed_batches` whether logged or not.
+const MALFORMED_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// Logs the first event, then at most once per period, with the count of
+/// events since the last line.
+#[derive(Debug, Default)]
+struct LogEvery {
+    last: Option<Instant>,
+    since: u64,
+}
+
+impl LogEvery {
+    /// Counts an event at `now`; when a line is due, the events it
+    /// stands for (this one and those left unlogged before it).
+    fn due(&mut self, now: Instant, every: Duration) -> Option<u64> {
+        self.since += 1;
+        if self.last.is_some_and(|t| now.duration_since(t) < every) {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.since))
+    }
 }
 
 impl State {
@@ -322,6 +355,7 @@ impl State {
                     idx.remove_slot(slot);
                 }
                 self.slot_model.remove(&slot);
+                self.malformed_log.remove(&slot);
                 self.stats.block_size_mismatch.remove(&slot);
                 self.stats.event_lag.remove(&slot);
             }
@@ -391,8 +425,20 @@ impl State {
                     }
                     Err(e) => {
                         self.stats.malformed_batches += 1;
-                        // The sequence number finds the batch in the engine's log.
-                        tracing::warn!(slot, seq, error = %e, "skipping malformed KV event batch");
+                        let log = self.malformed_log.entry(slot).or_default();
+                        if let Some(batches) = log.due(Instant::now(), MALFORMED_LOG_EVERY) {
+                            self.stats.malformed_batches_logged += 1;
+                            // The sequence number finds the batch in the
+                            // engine's log; `batches` says how many this
+                            // line stands for.
+                            tracing::warn!(
+                                slot,
+                                seq,
+                                batches,
+                                error = %e,
+                                "skipping malformed KV event batches (logged once a minute at most per rank; batches: skipped since the last line, this one included)"
+                            );
+                        }
                     }
                 }
             }
@@ -487,6 +533,7 @@ fn run(
         stats: PlaneStats::default(),
         cleared,
         hold_until: config.hold.map(|d| Instant::now() + d),
+        malformed_log: HashMap::new(),
     };
     let mut last_publish = Instant::now();
     let mut interval = config.publish_interval;

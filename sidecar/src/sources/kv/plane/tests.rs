@@ -167,6 +167,55 @@ fn malformed_batches_are_counted_and_the_index_kept() {
 }
 
 #[test]
+fn a_flood_of_malformed_batches_is_counted_in_full_and_logged_once() {
+    let (plane, _log) = start(PlaneConfig::default());
+    plane.add_slot(0, "m", rank(0), 4, 0);
+    plane.add_slot(1, "m", rank(1), 4, 0);
+    let tx = plane.sender();
+    for seq in 0..1000 {
+        tx.send(Ingest::Batch {
+            slot: 0,
+            seq,
+            payload: vec![0x93, 0xc1],
+        })
+        .unwrap();
+    }
+    // Another rank's first malformed batch has a line of its own.
+    tx.send(Ingest::Batch {
+        slot: 1,
+        seq: 0,
+        payload: vec![0x93, 0xc1],
+    })
+    .unwrap();
+    let mut stats = plane.stats().unwrap();
+    for _ in 0..200 {
+        if stats.malformed_batches == 1001 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        stats = plane.stats().unwrap();
+    }
+    assert_eq!(stats.malformed_batches, 1001);
+    assert_eq!(stats.malformed_batches_logged, 2);
+}
+
+#[test]
+fn a_rate_limited_log_writes_the_first_then_one_a_period_with_the_count() {
+    let every = Duration::from_secs(60);
+    let t0 = Instant::now();
+    let mut l = LogEvery::default();
+    assert_eq!(l.due(t0, every), Some(1));
+    assert_eq!(l.due(t0 + Duration::from_secs(1), every), None);
+    assert_eq!(l.due(t0 + Duration::from_secs(59), every), None);
+    assert_eq!(
+        l.due(t0 + every, every),
+        Some(3),
+        "this one and two unlogged"
+    );
+    assert_eq!(l.due(t0 + every, every), None);
+}
+
+#[test]
 fn events_of_another_block_size_are_counted_per_slot() {
     let (plane, _log) = start(PlaneConfig::default());
     plane.add_slot(0, "m", rank(0), 4, 0);
