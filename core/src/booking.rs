@@ -53,6 +53,10 @@ pub enum Event {
     Done { key: Key, timing: Option<Timing> },
     /// Answered locally, for `reason`.
     Rejected { model: String, reason: Reason },
+    /// The VM is alive, sent about once a second while its root ticks:
+    /// a VM that goes silent (it trapped and was reloaded, or its Envoy
+    /// went away) has its bookings ended long before their expiry.
+    Alive { vm: u64 },
 }
 
 const TAG_BOOK: u8 = 1;
@@ -65,6 +69,10 @@ const TAG_DONE: u8 = 3;
 const TAG_REJECTED_NAME: u8 = 4;
 const TAG_DONE_TIMED: u8 = 5;
 const TAG_REJECTED_CODE: u8 = 6;
+/// Read by sidecars since the release that added it; a filter that
+/// sends it needs such a sidecar (upgrade sidecars first): an older one
+/// refuses the whole batch for the unknown tag.
+const TAG_ALIVE: u8 = 7;
 
 /// How a routed request went, as its gateway saw it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -133,6 +141,10 @@ impl Event {
                 put_str(out, model);
                 out.push(reason.code());
             }
+            Event::Alive { vm } => {
+                out.push(TAG_ALIVE);
+                out.extend_from_slice(&vm.to_le_bytes());
+            }
         }
     }
 
@@ -196,6 +208,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<Event>, BookingError> {
                     reason: reason.ok_or(BookingError::UnknownReason { at })?,
                 }
             }
+            TAG_ALIVE => Event::Alive { vm: r.u64()? },
             tag => return Err(BookingError::UnknownTag { tag, at }),
         };
         out.push(ev);
@@ -261,6 +274,7 @@ mod tests {
                     output_tokens: 64,
                 }),
             },
+            Event::Alive { vm: 0xfeed },
         ];
         let mut bytes = Vec::new();
         for e in &events {

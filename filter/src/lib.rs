@@ -17,7 +17,8 @@
 //! ([`config`], [`poller`], [`manifest`]) or thin glue over host calls
 //! ([`host`], [`router`], [`service`]). The replies it sends itself
 //! ([`reply`]) are core's, shared with the ext_proc server.
-#![forbid(unsafe_code)]
+// Unsafe code only where the ABI is called directly (`host::abi`).
+#![deny(unsafe_code)]
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
@@ -140,6 +141,8 @@ impl RootContext for Root {
             }
             Root::Router(state, standby) => {
                 if let Ok(mut st) = state.try_borrow_mut() {
+                    st.release_orphans(host::now_us());
+                    st.beat();
                     st.flush();
                     st.look_ahead();
                 }

@@ -2,23 +2,23 @@
 //! of a local reply is part of the name; Envoy's `/stats/prometheus` drops
 //! the `wasmcustom.` prefix, so these appear exactly as named here.
 
+use crate::host;
 use crate::reply::Reason;
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
-    hostcalls::define_metric(kind, name).ok()
+    host::define_metric(kind as u32, name)
 }
 
 pub fn inc(id: Option<u32>) {
     if let Some(id) = id {
-        let _ = hostcalls::increment_metric(id, 1);
+        host::increment_metric(id, 1);
     }
 }
 
 pub fn record(id: Option<u32>, value: u64) {
     if let Some(id) = id {
-        let _ = hostcalls::record_metric(id, value);
+        host::record_metric(id, value);
     }
 }
 
@@ -70,6 +70,11 @@ pub struct RouterMetrics {
     pub prefill_client_errors: Option<u32>,
     /// Prefill legs' time from the callout to its answer (µs).
     pub prefill_us: Option<u32>,
+    /// Requests that ended with trailers (HTTP/2), decided at them.
+    pub trailers: Option<u32>,
+    /// Prefill legs whose client left before the answer: their booking
+    /// is kept until the leg's deadline, when Envoy has ended the call.
+    pub prefill_orphaned: Option<u32>,
 }
 
 impl RouterMetrics {
@@ -112,6 +117,8 @@ impl RouterMetrics {
                 "kvgate_prefill_client_errors_total",
             ),
             prefill_us: define(MetricType::Histogram, "kvgate_prefill_us"),
+            trailers: define(MetricType::Counter, "kvgate_requests_with_trailers_total"),
+            prefill_orphaned: define(MetricType::Counter, "kvgate_prefill_orphaned_total"),
         }
     }
 

@@ -187,7 +187,7 @@ impl Service {
         queue: u32,
         limit: usize,
         path: &str,
-    ) -> Option<Result<u32, proxy_wasm::types::Status>> {
+    ) -> Option<Result<u32, host::Fault>> {
         let mut body = Vec::new();
         while body.len() < limit {
             match host::dequeue(queue) {

@@ -7,7 +7,7 @@ use crate::host;
 use crate::lease::{self, Lease, Step};
 use crate::metrics::{inc, lease_takeovers};
 use crate::service::Service;
-use proxy_wasm::types::{LogLevel, Status};
+use proxy_wasm::types::LogLevel;
 
 pub struct Standby {
     config: Config,
@@ -72,7 +72,7 @@ impl Standby {
                             .and_then(|b| lease::Record::decode(&b))
                             .is_some_and(|r| r.holder == self.lease.me)
                 }
-                Err(Status::CasMismatch) => false,
+                Err(host::Fault::CAS_MISMATCH) => false,
                 Err(s) => {
                     host::log(
                         LogLevel::Warn,

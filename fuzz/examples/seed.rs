@@ -391,6 +391,7 @@ fn bookings() -> Vec<(&'static str, Vec<u8>)> {
             model: "llama-3-8b".into(),
             reason: kvgate_core::reply::Reason::AllWorkersBusy,
         },
+        Event::Alive { vm: 0xabcd },
     ];
     let mut batch = Vec::new();
     for e in &all {

@@ -34,6 +34,7 @@ const CAS_MISMATCH: i32 = 8;
 const INTERNAL_FAILURE: i32 = 10;
 const UNIMPLEMENTED: i32 = 12;
 const MAP_REQUEST_HEADERS: i32 = 0;
+const MAP_REQUEST_TRAILERS: i32 = 1;
 const MAP_CALL_RESPONSE_HEADERS: i32 = 6;
 const BUF_REQUEST_BODY: i32 = 0;
 const STREAM_REQUEST: i32 = 0;
@@ -174,6 +175,11 @@ pub struct Stream {
     /// The request callback running now, if any.
     in_headers: bool,
     pub foreign_calls: Vec<String>,
+    /// Request trailers, once the client sent them (HTTP/2).
+    pub trailers: Vec<(String, String)>,
+    /// Header values that are not UTF-8, as a client may send them: a
+    /// read of one of these names gets these bytes.
+    pub raw_headers: Vec<(String, Vec<u8>)>,
 }
 
 impl Stream {
@@ -275,7 +281,9 @@ pub struct HostState {
     /// The context host calls act on: the one whose callback runs, or the
     /// one `proxy_set_effective_context` named.
     current: i32,
-    call_headers: Vec<(String, String)>,
+    /// The answer's headers; `None` for an answer without any (a reset,
+    /// a timeout), whose header map Envoy reports as `BadArgument`.
+    call_headers: Option<Vec<(String, String)>>,
     call_body: Vec<u8>,
     pub callouts: Vec<Callout>,
     next_token: u32,
@@ -287,6 +295,9 @@ pub struct HostState {
     registered_queues: Vec<u32>,
     /// Clusters that exist; a callout elsewhere gets BadArgument.
     pub clusters: Vec<String>,
+    /// Header values that are not UTF-8, for the next stream opened (see
+    /// [`Stream::raw_headers`]).
+    pub next_raw_headers: Vec<(String, Vec<u8>)>,
     /// Hosts the prefill cluster does not hold: a callout naming one in
     /// `x-kvgate-prefill-host` fails at once with InternalFailure, as
     /// Envoy's override-host balancer with no fallback fails it.
@@ -440,7 +451,8 @@ impl HostState {
 fn map_mut(st: &mut HostState, map: i32) -> Option<&mut Vec<(String, String)>> {
     match map {
         MAP_REQUEST_HEADERS => st.stream_mut().map(|s| &mut s.headers),
-        MAP_CALL_RESPONSE_HEADERS => Some(&mut st.call_headers),
+        MAP_REQUEST_TRAILERS => st.stream_mut().map(|s| &mut s.trailers),
+        MAP_CALL_RESPONSE_HEADERS => st.call_headers.as_mut(),
         _ => None,
     }
 }
@@ -658,6 +670,18 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          -> Result<i32> {
             tally(&mut c, "proxy_get_header_map_value");
             let key = read_str(&mut c, kp, kl)?;
+            let raw = match (map, c.data_mut().stream_mut()) {
+                (MAP_REQUEST_HEADERS, Some(s)) => s
+                    .raw_headers
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, v)| v.clone()),
+                _ => None,
+            };
+            if let Some(raw) = raw {
+                give(&mut c, "header", &raw, po, lo)?;
+                return Ok(OK);
+            }
             let v = match map_mut(c.data_mut(), map) {
                 Some(m) => m.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone()),
                 None => return Ok(BAD_ARGUMENT),
@@ -1317,7 +1341,7 @@ impl Vm {
             plugin_config: config.as_bytes().to_vec(),
             streams: HashMap::new(),
             current: ROOT_CONTEXT,
-            call_headers: Vec::new(),
+            call_headers: None,
             call_body: Vec::new(),
             callouts: Vec::new(),
             next_token: 0,
@@ -1328,6 +1352,7 @@ impl Vm {
             registered_queues: Vec::new(),
             clusters: vec!["kvgate_sidecar".into(), "kvgate_prefill".into()],
             unlisted_hosts: Vec::new(),
+            next_raw_headers: Vec::new(),
         };
         let mut store = Store::new(&filter.engine, state);
         if filter.metered {
@@ -1463,21 +1488,41 @@ impl Vm {
         let headers = std::iter::once((":status".to_string(), status.to_string()))
             .chain(headers.iter().map(|(k, v)| (k.to_string(), v.to_string())))
             .collect();
-        self.answer(token, headers, body.to_vec())
+        self.answer(token, Some(headers), body.to_vec())
     }
 
-    /// Fails a callout the way Envoy reports a reset: no headers, no body.
+    /// Fails a callout the way Envoy reports a reset, a timeout or an
+    /// answer past its buffer: no headers (the header map cannot be read:
+    /// `BadArgument`), no body.
     pub fn fail(&mut self, token: u32) -> Result<()> {
-        self.answer(token, Vec::new(), Vec::new())
+        self.answer(token, None, Vec::new())
     }
 
-    fn answer(&mut self, token: u32, headers: Vec<(String, String)>, body: Vec<u8>) -> Result<()> {
+    /// Answers a callout with the worker's headers, as given (`:status`
+    /// included or not), and its body.
+    pub fn respond_raw(&mut self, token: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<()> {
+        let headers = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.answer(token, Some(headers), body.to_vec())
+    }
+
+    fn answer(
+        &mut self,
+        token: u32,
+        headers: Option<Vec<(String, String)>>,
+        body: Vec<u8>,
+    ) -> Result<()> {
         let st = self.state_mut();
         let Some(i) = st.callouts.iter().position(|c| c.token == token) else {
             bail!("callout {token} is not pending");
         };
         st.callouts.remove(i);
-        let (n, size) = (headers.len() as i32, body.len() as i32);
+        let (n, size) = (
+            headers.as_ref().map_or(0, Vec::len) as i32,
+            body.len() as i32,
+        );
         st.call_headers = headers;
         st.call_body = body;
         let root = self.root;
@@ -1525,6 +1570,7 @@ impl Vm {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            raw_headers: std::mem::take(&mut self.state_mut().next_raw_headers),
             ..Stream::default()
         };
         self.state_mut().streams.insert(ctx, stream);
@@ -1570,6 +1616,29 @@ impl Vm {
             "proxy_on_request_body",
             (ctx, total, i32::from(last)),
         );
+        self.exchange(ctx, result)
+    }
+
+    /// Ends stream `ctx`'s request with trailers after its body, as an
+    /// HTTP/2 client may: the last body callback did not end the stream,
+    /// this one does.
+    pub fn trailers(&mut self, ctx: i32, trailers: &[(&str, &str)]) -> Exchange {
+        let n = match self.state_mut().streams.get_mut(&ctx) {
+            Some(s) => {
+                s.trailers = trailers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+                s.trailers.len() as i32
+            }
+            None => {
+                return Exchange {
+                    trapped: Some(format!("stream {ctx} is not open")),
+                    ..Exchange::default()
+                };
+            }
+        };
+        let result = self.call_on::<(i32, i32), i32>(ctx, "proxy_on_request_trailers", (ctx, n));
         self.exchange(ctx, result)
     }
 

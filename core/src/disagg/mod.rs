@@ -15,23 +15,61 @@ pub mod sglang;
 
 use std::borrow::Cow;
 
+/// What a decode body may grow past `max_body_bytes` by: the transfer
+/// parameters kvgate splices into the client's body (vLLM's
+/// `kv_transfer_params`, SGLang's bootstrap fields). Envoy's buffer
+/// limit on the inference listener must be at least `max_body_bytes`
+/// plus this: a body set from a callout's callback over that limit makes
+/// Envoy answer 413 from inside the callback, which aborts the process.
+pub const DECODE_HEADROOM_BYTES: usize = 1 << 20;
+
+/// What the transfer parameters are expected to add to a prompt of
+/// `isl_tokens`: a fixed part (engine id, host, port, flags) and a block
+/// id per 16 tokens (vLLM's smallest usual block), each up to seven
+/// digits and a comma. A decode body that would not fit
+/// `max_body_bytes` plus [`DECODE_HEADROOM_BYTES`] by this estimate is
+/// not worth a prefill leg: it is computed where it is decoded.
+pub fn decode_growth(isl_tokens: u64) -> usize {
+    const FIXED: u64 = 1024;
+    const PER_BLOCK: u64 = 8;
+    let blocks = isl_tokens.div_ceil(16);
+    usize::try_from(FIXED.saturating_add(blocks.saturating_mul(PER_BLOCK))).unwrap_or(usize::MAX)
+}
+
 /// Fields of a client's body that only kvgate may set on a request of a
-/// disaggregated model: each names where KV blocks come from.
-const TRANSFER_FIELDS: [&str; 4] = [
+/// disaggregated model: each names where KV blocks come from, or (the
+/// request id) which transfer a worker matches them to.
+const TRANSFER_FIELDS: [&str; 5] = [
     nixl::PARAMS,
     sglang::FIELDS[0],
     sglang::FIELDS[1],
     sglang::FIELDS[2],
+    REQUEST_ID,
 ];
+
+/// vLLM's body field for its request id (the `x-request-id` header, which
+/// kvgate sets, takes precedence in vLLM; the field is dropped all the
+/// same, so no engine can key a transfer by a client's id).
+const REQUEST_ID: &str = "request_id";
+
+/// vLLM's extra arguments: it takes `kv_transfer_params` from them when
+/// the body has none at the top level.
+const XARGS: &str = "vllm_xargs";
 
 /// The body a worker of a disaggregated model gets when it computes the
 /// prompt itself (no transfer): the client's own bytes, or, when the
-/// client sent transfer fields of its own (`kv_transfer_params`,
-/// `bootstrap_host`, `bootstrap_port`, `bootstrap_room`), the body
-/// without them, its other values verbatim.
+/// client sent transfer fields of its own (`kv_transfer_params`, also
+/// inside `vllm_xargs`, `bootstrap_host`, `bootstrap_port`,
+/// `bootstrap_room`, `request_id`), the body without them, its other
+/// values verbatim.
 pub fn whole_body(client: &[u8]) -> Result<Cow<'_, [u8]>, nixl::BodyError> {
     let fields = nixl::Fields::parse(client)?;
-    if !TRANSFER_FIELDS.iter().any(|f| fields.get(f).is_some()) {
+    // vLLM reads `vllm_xargs` only as an object; anything else it refuses.
+    let xargs = fields
+        .get(XARGS)
+        .and_then(|v| nixl::Fields::parse(v.get().as_bytes()).ok())
+        .filter(|x| x.get(nixl::PARAMS).is_some());
+    if xargs.is_none() && !TRANSFER_FIELDS.iter().any(|f| fields.get(f).is_some()) {
         return Ok(Cow::Borrowed(client));
     }
     let mut out = Vec::with_capacity(client.len());
@@ -45,7 +83,21 @@ pub fn whole_body(client: &[u8]) -> Result<Cow<'_, [u8]>, nixl::BodyError> {
             out.push(b',');
         }
         nixl::push_key(&mut out, k);
-        out.extend_from_slice(v.get().as_bytes());
+        match (&xargs, k.as_ref()) {
+            (Some(x), XARGS) => {
+                out.push(b'{');
+                let start = out.len();
+                for (xk, xv) in x.0.iter().filter(|(xk, _)| xk != nixl::PARAMS) {
+                    if out.len() > start {
+                        out.push(b',');
+                    }
+                    nixl::push_key(&mut out, xk);
+                    out.extend_from_slice(xv.get().as_bytes());
+                }
+                out.push(b'}');
+            }
+            _ => out.extend_from_slice(v.get().as_bytes()),
+        }
     }
     out.push(b'}');
     Ok(Cow::Owned(out))
@@ -98,6 +150,31 @@ mod tests {
         .unwrap();
         assert_eq!(&*out, br#"{"model":"m","temperature":0.10}"#);
         assert!(whole_body(b"[1]").is_err());
+    }
+
+    #[test]
+    fn a_whole_body_drops_transfer_params_inside_vllm_xargs_and_the_clients_request_id() {
+        let out = whole_body(
+            br#"{"model":"m","vllm_xargs":{"a":1,"kv_transfer_params":{"remote_host":"evil"},"b":"x"},"request_id":"victim"}"#,
+        )
+        .unwrap();
+        assert_eq!(&*out, br#"{"model":"m","vllm_xargs":{"a":1,"b":"x"}}"#);
+        // Extra arguments without transfer parameters stay as they came.
+        let plain = br#"{"model":"m","vllm_xargs":{"a": 1}}"#;
+        assert!(matches!(whole_body(plain).unwrap(), Cow::Borrowed(_)));
+        // Not an object: vLLM refuses it; kvgate passes it on untouched.
+        let odd = br#"{"model":"m","vllm_xargs":[1]}"#;
+        assert!(matches!(whole_body(odd).unwrap(), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn the_decode_growth_estimate_covers_a_million_token_prompt_within_the_headroom() {
+        assert_eq!(decode_growth(0), 1024);
+        assert_eq!(decode_growth(16), 1032);
+        assert_eq!(decode_growth(17), 1040);
+        assert!(decode_growth(1 << 20) < DECODE_HEADROOM_BYTES);
+        assert!(decode_growth(1 << 22) > DECODE_HEADROOM_BYTES);
+        assert!(decode_growth(u64::MAX) > DECODE_HEADROOM_BYTES);
     }
 
     #[test]

@@ -1,24 +1,28 @@
 //! Host calls, wrapped so that every failure is a value.
 //!
-//! The SDK's trait methods unwrap host-call results and would trap the VM
-//! on an unexpected status; these wrappers call `proxy_wasm::hostcalls`
-//! directly and hand back `Option`/`Result`, and the callers decide what a
-//! failure means (usually: log, count, take the safe path).
+//! Every call but one goes through [`abi`], which never panics: a status
+//! the SDK would trap on (Envoy returns some in ordinary operation, e.g.
+//! `BadArgument` for the headers of a callout answer that has none) and a
+//! value that is not UTF-8 are errors here, and the callers decide what a
+//! failure means (usually: log, count, take the safe path). The one call
+//! left to the SDK is [`dispatch`]: only the SDK can register a callout
+//! with its dispatcher, which routes the answer to the context that made
+//! it; it panics only on a status Envoy's `httpCall` never returns.
+
+mod abi;
 
 use crate::reply::Reply;
+pub use abi::Fault;
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, LogLevel, MapType, Status};
-use std::time::{Duration, UNIX_EPOCH};
+use proxy_wasm::types::LogLevel;
+use std::time::Duration;
 
 pub fn log(level: LogLevel, msg: &str) {
-    let _ = hostcalls::log(level, msg);
+    let _ = abi::log(level as u32, msg);
 }
 
 fn now() -> Duration {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .unwrap_or_default()
+    Duration::from_nanos(abi::now_ns().unwrap_or_default())
 }
 
 pub fn now_ms() -> u64 {
@@ -30,21 +34,24 @@ pub fn now_us() -> u64 {
 }
 
 pub fn get_shared(key: &str) -> Option<Vec<u8>> {
-    hostcalls::get_shared_data(key).ok().and_then(|(v, _)| v)
+    abi::get_shared_data(key).ok().and_then(|(v, _)| v)
 }
 
-pub fn set_shared(key: &str, value: &[u8]) -> Result<(), Status> {
-    hostcalls::set_shared_data(key, Some(value), None)
+pub fn set_shared(key: &str, value: &[u8]) -> Result<(), Fault> {
+    abi::set_shared_data(key, value, 0)
 }
 
 /// A shared-data value with its compare-and-swap token.
 pub fn get_shared_cas(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-    hostcalls::get_shared_data(key).unwrap_or((None, None))
+    match abi::get_shared_data(key) {
+        Ok((value, cas)) => (value, (cas != 0).then_some(cas)),
+        Err(_) => (None, None),
+    }
 }
 
 /// Writes `value` unless the key changed since `cas` was read.
-pub fn set_shared_cas(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
-    hostcalls::set_shared_data(key, Some(value), cas)
+pub fn set_shared_cas(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Fault> {
+    abi::set_shared_data(key, value, cas.unwrap_or(0))
 }
 
 /// Rewrites a shared-data value that other VMs may be rewriting too:
@@ -53,89 +60,90 @@ pub fn set_shared_cas(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), S
 /// Returns whether a write went through.
 pub fn update_shared(key: &str, mut f: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>) -> bool {
     for _ in 0..4 {
-        let (value, cas) = hostcalls::get_shared_data(key).unwrap_or((None, None));
+        let (value, cas) = get_shared_cas(key);
         let Some(new) = f(value.as_deref()) else {
             return false;
         };
-        match hostcalls::set_shared_data(key, Some(&new), cas) {
+        match set_shared_cas(key, &new, cas) {
             Ok(()) => return true,
-            Err(Status::CasMismatch) => continue,
+            Err(Fault::CAS_MISMATCH) => continue,
             Err(_) => return false,
         }
     }
     false
 }
 
-pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+/// A header's value; `None` when absent, unreadable (no such map now:
+/// a callout answer without headers) or not UTF-8.
+fn header(map: u32, name: &str) -> Option<String> {
+    abi::get_map_value(map, name)
         .ok()
         .flatten()
+        .and_then(|v| String::from_utf8(v).ok())
 }
 
-pub fn set_request_header(name: &str, value: &str) -> Result<(), Status> {
-    hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value))
+pub fn request_header(name: &str) -> Option<String> {
+    header(abi::MAP_REQUEST_HEADERS, name)
+}
+
+pub fn set_request_header(name: &str, value: &str) -> Result<(), Fault> {
+    abi::set_map_value(abi::MAP_REQUEST_HEADERS, name, value)
 }
 
 pub fn response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
-        .ok()
-        .flatten()
+    header(abi::MAP_RESPONSE_HEADERS, name)
 }
 
-pub fn set_response_header(name: &str, value: &str) -> Result<(), Status> {
-    hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value))
+pub fn set_response_header(name: &str, value: &str) -> Result<(), Fault> {
+    abi::set_map_value(abi::MAP_RESPONSE_HEADERS, name, value)
 }
 
-pub fn remove_request_header(name: &str) -> Result<(), Status> {
-    hostcalls::remove_map_value(MapType::HttpRequestHeaders, name)
+pub fn remove_request_header(name: &str) -> Result<(), Fault> {
+    abi::remove_map_value(abi::MAP_REQUEST_HEADERS, name)
 }
 
 pub fn request_body(size: usize) -> Option<Vec<u8>> {
-    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+    abi::get_buffer(abi::BUFFER_REQUEST_BODY, 0, size)
         .ok()
         .flatten()
 }
 
 /// Replaces the whole buffered request body (Envoy drains the buffer and
 /// writes `body` when the range starts at 0 and is not empty). The caller
-/// sets `content-length` to match. The SDK traps on any status but `Ok`;
-/// a range from 0 of a buffered body is always `Ok`.
-pub fn set_request_body(body: &[u8]) -> Result<(), Status> {
-    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, usize::MAX, body)
+/// sets `content-length` to match.
+pub fn set_request_body(body: &[u8]) -> Result<(), Fault> {
+    abi::set_buffer(abi::BUFFER_REQUEST_BODY, 0, usize::MAX, body)
 }
 
 /// Lets a request paused in a request callback go on to the upstream.
-pub fn resume_request() -> Result<(), Status> {
-    hostcalls::resume_http_request()
+pub fn resume_request() -> Result<(), Fault> {
+    abi::continue_request()
 }
 
 pub fn plugin_configuration() -> Option<Vec<u8>> {
-    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+    abi::get_buffer(abi::BUFFER_PLUGIN_CONFIGURATION, 0, usize::MAX)
         .ok()
         .flatten()
 }
 
 pub fn property(path: &[&str]) -> Option<Vec<u8>> {
-    hostcalls::get_property(path.to_vec()).ok().flatten()
+    abi::get_property(path).ok().flatten()
 }
 
 /// Answers the client with a worker's answer, as it came.
-pub fn send_response(status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), Status> {
-    hostcalls::send_http_response(u32::from(status), headers.to_vec(), Some(body))
+pub fn send_response(status: u16, headers: &[(&str, &str)], body: &[u8]) -> Result<(), Fault> {
+    abi::send_local_response(u32::from(status), headers, body)
 }
 
-pub fn send_reply(r: &Reply) -> Result<(), Status> {
+pub fn send_reply(r: &Reply) -> Result<(), Fault> {
     let headers = r.headers();
-    hostcalls::send_http_response(
-        u32::from(r.status),
-        headers.iter().map(|(k, v)| (*k, v.as_str())).collect(),
-        Some(r.body.as_bytes()),
-    )
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    abi::send_local_response(u32::from(r.status), &headers, r.body.as_bytes())
 }
 
 /// Makes Envoy match the route again after routing headers changed.
-pub fn clear_route_cache() -> Result<(), Status> {
-    hostcalls::call_foreign_function("clear_route_cache", None).map(|_| ())
+pub fn clear_route_cache() -> Result<(), Fault> {
+    abi::call_foreign_function("clear_route_cache", &[]).map(|_| ())
 }
 
 /// Calls `cluster` from the current context: the answer goes to that
@@ -146,8 +154,9 @@ pub fn dispatch(
     headers: Vec<(&str, &str)>,
     body: Option<&[u8]>,
     timeout: Duration,
-) -> Result<u32, Status> {
+) -> Result<u32, Fault> {
     hostcalls::dispatch_http_call(cluster, headers, body, vec![], timeout)
+        .map_err(|s| Fault(s as u32))
 }
 
 /// Gets `path`; `authorization` is a whole header value.
@@ -157,7 +166,7 @@ pub fn dispatch_get(
     path: &str,
     authorization: Option<&str>,
     timeout: Duration,
-) -> Result<u32, Status> {
+) -> Result<u32, Fault> {
     let mut headers = vec![
         (":method", "GET"),
         (":path", path),
@@ -177,7 +186,7 @@ pub fn dispatch_post(
     authorization: Option<&str>,
     body: &[u8],
     timeout: Duration,
-) -> Result<u32, Status> {
+) -> Result<u32, Fault> {
     let mut headers = vec![
         (":method", "POST"),
         (":path", path),
@@ -196,15 +205,18 @@ pub const ROUTED_QUEUE: &str = "kvgate.routed";
 /// The queue load bookings (and local replies) travel through.
 pub const BOOKINGS_QUEUE: &str = "kvgate.bookings";
 
-pub fn register_queue(name: &str) -> Result<u32, Status> {
-    hostcalls::register_shared_queue(name)
+pub fn register_queue(name: &str) -> Result<u32, Fault> {
+    abi::register_shared_queue(name)
 }
 
 pub fn resolve_queue(vm_id: &str, name: &str) -> Option<u32> {
-    hostcalls::resolve_shared_queue(vm_id, name).ok().flatten()
+    abi::resolve_shared_queue(vm_id, name).ok()
 }
 
-/// A random number, drawn once per VM (WASI `random_get` seeds std's hasher).
+/// A number no one outside the VM can predict: std's `RandomState` keys
+/// SipHash from WASI `random_get` once per thread and steps one key per
+/// call, so each call is a keyed hash under a secret key; distinct
+/// calls give unrelated numbers.
 pub fn random_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -212,26 +224,39 @@ pub fn random_u64() -> u64 {
     h.finish()
 }
 
-pub fn enqueue(queue: u32, data: &[u8]) -> Result<(), Status> {
-    hostcalls::enqueue_shared_queue(queue, Some(data))
+pub fn enqueue(queue: u32, data: &[u8]) -> Result<(), Fault> {
+    abi::enqueue_shared_queue(queue, data)
 }
 
 pub fn dequeue(queue: u32) -> Option<Vec<u8>> {
-    hostcalls::dequeue_shared_queue(queue).ok().flatten()
+    abi::dequeue_shared_queue(queue).ok().flatten()
 }
 
+/// A callout answer's header; `None` also for an answer without headers
+/// (a reset, a timeout, an answer past Envoy's buffer), which callers
+/// take as a reset.
 pub fn call_response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name)
-        .ok()
-        .flatten()
+    header(abi::MAP_CALL_RESPONSE_HEADERS, name)
 }
 
 pub fn call_response_body(size: usize) -> Option<Vec<u8>> {
-    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
+    abi::get_buffer(abi::BUFFER_CALL_RESPONSE_BODY, 0, size)
         .ok()
         .flatten()
 }
 
-pub fn set_tick_period(period: Duration) -> Result<(), Status> {
-    hostcalls::set_tick_period(period)
+pub fn set_tick_period(period: Duration) -> Result<(), Fault> {
+    abi::set_tick_period_ms(u32::try_from(period.as_millis()).unwrap_or(u32::MAX))
+}
+
+pub fn define_metric(kind: u32, name: &str) -> Option<u32> {
+    abi::define_metric(kind, name).ok()
+}
+
+pub fn increment_metric(id: u32, offset: i64) {
+    let _ = abi::increment_metric(id, offset);
+}
+
+pub fn record_metric(id: u32, value: u64) {
+    let _ = abi::record_metric(id, value);
 }

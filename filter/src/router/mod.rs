@@ -26,7 +26,7 @@ use crate::metrics::{RouterMetrics, inc};
 use crate::view::View;
 use kvgate_core::approx::Routed;
 use kvgate_core::booking::{Event, Key};
-use kvgate_core::plan::local::LocalBookings;
+use kvgate_core::plan::local::{LocalBookings, Release};
 use outbox::Outbox;
 use proxy_wasm::types::LogLevel;
 
@@ -57,7 +57,18 @@ pub struct RouterState {
     /// Index shards read since the last update, for the next requests.
     shards: shards::Shards,
     templates: templates::Templates,
+    /// Prefill legs whose client left while they ran, and when each
+    /// leg's deadline passes (µs): Envoy cancels no callout, and the SDK
+    /// drops an answer whose context is gone, so the worker's load is
+    /// booked until Envoy must have ended the call.
+    orphans: Vec<(Booking, u64)>,
+    /// When this VM last told the sidecar it is alive (ms).
+    alive_at_ms: u64,
 }
+
+/// How often a ticking router VM says it is alive: the sidecar ends the
+/// bookings of a VM it has not heard from for several of these.
+const ALIVE_EVERY_MS: u64 = 1000;
 
 impl RouterState {
     pub fn new(config: Config, vm_id: String) -> RouterState {
@@ -79,7 +90,63 @@ impl RouterState {
             local: LocalBookings::default(),
             shards: shards::Shards::default(),
             templates: templates::Templates::default(),
+            orphans: Vec::new(),
+            alive_at_ms: 0,
         }
+    }
+
+    /// Tells the sidecar this VM is alive, once a second at most: on the
+    /// root's tick, so a VM that died (a trap kills it and Envoy reloads
+    /// a new one under a new tag) goes silent.
+    pub fn beat(&mut self) {
+        let now = host::now_ms();
+        if now.saturating_sub(self.alive_at_ms) < ALIVE_EVERY_MS {
+            return;
+        }
+        self.alive_at_ms = now;
+        let vm = self.vm_tag;
+        self.send(&Event::Alive { vm });
+    }
+
+    /// Keeps a departed client's prefill booking until `until_us`.
+    fn orphan(&mut self, b: Booking, until_us: u64) {
+        inc(self.metrics.prefill_orphaned);
+        self.orphans.push((b, until_us));
+    }
+
+    /// Ends the orphaned legs whose deadline has passed: on the root's
+    /// tick, and at each request in case the root does not tick.
+    pub fn release_orphans(&mut self, now_us: u64) {
+        if self.orphans.iter().all(|(_, until)| *until > now_us) {
+            return;
+        }
+        let (due, kept) = std::mem::take(&mut self.orphans)
+            .into_iter()
+            .partition(|(_, until)| *until <= now_us);
+        self.orphans = kept;
+        for (b, _) in due {
+            self.end_leg(b);
+        }
+    }
+
+    /// Releases a prefill leg's whole booking and tells the sidecar it
+    /// ended: exactly once per leg.
+    fn end_leg(&mut self, b: Booking) {
+        let release = Release {
+            seq: b.seq,
+            slot: b.slot,
+            prefill: b.prefill,
+            decode: b.decode,
+            done: true,
+            fence: self.next_seq + 1,
+        };
+        self.local
+            .release(self.view.snapshot.as_mut(), release, host::now_ms());
+        let key = Key {
+            vm: self.vm_tag,
+            seq: b.seq,
+        };
+        self.send(&Event::Done { key, timing: None });
     }
 
     /// Brings the view up to `manifest`'s snapshot, and settles this VM's

@@ -38,6 +38,24 @@ pub struct Server {
     /// Connections open at once; one more is accepted and closed at once.
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
+    /// Of `max_connections`, the last ones, kept for probes and requests
+    /// with the control token, so that a flood of other clients cannot
+    /// shut out the kubelet or Envoy.
+    #[serde(default = "default_reserved_connections")]
+    pub reserved_connections: u32,
+    /// Request-body bytes held at once across the listener's connections,
+    /// for requests without the control token, and as many for those with
+    /// it; one more is answered 503.
+    #[serde(default = "default_body_budget")]
+    pub body_budget_bytes: u64,
+    /// A request's body must arrive whole within this of its head, so a
+    /// slow body holds its bytes for this long at most.
+    #[serde(
+        rename = "body_timeout_ms",
+        default = "default_body_timeout",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub body_timeout: Duration,
     /// Whole-index reads (`GET /dump`, a reset frame of `/v1/snapshot`)
     /// served at once, on both listeners together, to readers without the
     /// control token, and as many to readers with it; one more is answered
@@ -45,6 +63,12 @@ pub struct Server {
     /// long as its client reads.
     #[serde(default = "default_max_full_reads")]
     pub max_full_reads: u32,
+    /// Whole-index copies of one kind alive at once for readers without
+    /// the control token, and as many for those with it: past it a new
+    /// reader is sent the newest copy alive, however old, rather than a
+    /// new one. Readers spaced out can otherwise each hold a copy.
+    #[serde(default = "default_max_full_read_copies")]
+    pub max_full_read_copies: u32,
     /// A whole-index copy encoded less than this long ago is served again
     /// rather than encoded anew: under ingest the index changes every few
     /// milliseconds, so readers would otherwise share nothing.
@@ -64,7 +88,11 @@ impl Default for Server {
             header_read_timeout: default_header_read_timeout(),
             idle_timeout: default_idle_timeout(),
             max_connections: default_max_connections(),
+            reserved_connections: default_reserved_connections(),
+            body_budget_bytes: default_body_budget(),
+            body_timeout: default_body_timeout(),
             max_full_reads: default_max_full_reads(),
+            max_full_read_copies: default_max_full_read_copies(),
             full_read_reuse: default_full_read_reuse(),
         }
     }
@@ -82,6 +110,9 @@ impl Server {
             header_read_timeout: self.header_read_timeout,
             idle_timeout: self.idle_timeout,
             max_connections: self.max_connections,
+            reserved_connections: self.reserved_connections,
+            body_budget_bytes: self.body_budget_bytes,
+            body_timeout: self.body_timeout,
         }
     }
 
@@ -91,6 +122,12 @@ impl Server {
             return Err(format!(
                 "server.max_full_reads must be within [1, {MAX_FULL_READS}], got {}",
                 self.max_full_reads
+            ));
+        }
+        if !(1..=MAX_FULL_READS).contains(&self.max_full_read_copies) {
+            return Err(format!(
+                "server.max_full_read_copies must be within [1, {MAX_FULL_READS}], got {}",
+                self.max_full_read_copies
             ));
         }
         if self.full_read_reuse > MAX_FULL_READ_REUSE {
@@ -117,6 +154,14 @@ pub struct ListenerLimits {
     pub header_read_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_connections: u32,
+    /// Of `max_connections`, kept for probes and token holders; at most
+    /// half the cap is (the listener lowers it).
+    pub reserved_connections: u32,
+    /// Request-body bytes held at once, per class of request (with the
+    /// control token, without).
+    pub body_budget_bytes: u64,
+    /// From a request's head to its body's last byte.
+    pub body_timeout: Duration,
 }
 
 impl ListenerLimits {
@@ -138,6 +183,21 @@ impl ListenerLimits {
                 self.max_connections
             ));
         }
+        if self.reserved_connections > MAX_CONNECTIONS {
+            return Err(format!(
+                "{section}.reserved_connections must be at most {MAX_CONNECTIONS}, got {}",
+                self.reserved_connections
+            ));
+        }
+        if !(1..=MAX_BODY_BUDGET).contains(&self.body_budget_bytes) {
+            return Err(format!(
+                "{section}.body_budget_bytes must be within [1, {MAX_BODY_BUDGET}], got {}",
+                self.body_budget_bytes
+            ));
+        }
+        if self.body_timeout.is_zero() {
+            return Err(format!("{section}.body_timeout_ms must be above 0"));
+        }
         Ok(())
     }
 }
@@ -145,6 +205,8 @@ impl ListenerLimits {
 /// Far above any file limit a sidecar runs under; the start-up clamps the
 /// caps to the actual limit anyway.
 const MAX_CONNECTIONS: u32 = 1 << 20;
+/// Far above any sidecar's memory.
+const MAX_BODY_BUDGET: u64 = 1 << 40;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -271,6 +333,15 @@ pub struct Load {
     /// drains under its threshold, capped at this.
     #[serde(default = "default_max_retry_after")]
     pub max_retry_after_s: u32,
+    /// A gateway VM that says it is alive (once a second) and then goes
+    /// silent this long is gone: its bookings end then, not after
+    /// `booking_ttl_ms`.
+    #[serde(
+        rename = "vm_silence_ms",
+        default = "default_vm_silence",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub vm_silence: Duration,
     /// `[load.caps]`: the most holders the ledger keeps.
     #[serde(default)]
     pub caps: super::LedgerCaps,
@@ -281,6 +352,7 @@ impl Default for Load {
         Load {
             booking_ttl: default_booking_ttl(),
             max_retry_after_s: default_max_retry_after(),
+            vm_silence: default_vm_silence(),
             caps: super::LedgerCaps::default(),
         }
     }
@@ -325,6 +397,19 @@ pub struct Selection {
     /// As `server.max_connections`, for this listener.
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
+    /// As `server.reserved_connections`, for this listener.
+    #[serde(default = "default_reserved_connections")]
+    pub reserved_connections: u32,
+    /// As `server.body_budget_bytes`, for this listener.
+    #[serde(default = "default_body_budget")]
+    pub body_budget_bytes: u64,
+    /// As `server.body_timeout_ms`, for this listener.
+    #[serde(
+        rename = "body_timeout_ms",
+        default = "default_body_timeout",
+        deserialize_with = "millis::deserialize"
+    )]
+    pub body_timeout: Duration,
 }
 
 impl Default for Selection {
@@ -334,6 +419,9 @@ impl Default for Selection {
             header_read_timeout: default_header_read_timeout(),
             idle_timeout: default_idle_timeout(),
             max_connections: default_max_connections(),
+            reserved_connections: default_reserved_connections(),
+            body_budget_bytes: default_body_budget(),
+            body_timeout: default_body_timeout(),
         }
     }
 }
@@ -344,6 +432,9 @@ impl Selection {
             header_read_timeout: self.header_read_timeout,
             idle_timeout: self.idle_timeout,
             max_connections: self.max_connections,
+            reserved_connections: self.reserved_connections,
+            body_budget_bytes: self.body_budget_bytes,
+            body_timeout: self.body_timeout,
         }
     }
 }
@@ -474,6 +565,10 @@ fn default_max_dump_bytes() -> usize {
     1 << 30
 }
 
+fn default_vm_silence() -> Duration {
+    crate::sources::bookings::DEFAULT_VM_SILENCE
+}
+
 fn default_booking_ttl() -> Duration {
     Duration::from_millis(300_000)
 }
@@ -497,11 +592,31 @@ fn default_idle_timeout() -> Duration {
 fn default_max_connections() -> u32 {
     1024
 }
+/// Room for the kubelet's probes, a Prometheus scrape and Envoy's long
+/// polls and booking connections, whatever else holds the cap.
+fn default_reserved_connections() -> u32 {
+    64
+}
+/// Thirty-two bodies of the largest size (2 MiB) at once; selections and
+/// bookings are a few KiB.
+fn default_body_budget() -> u64 {
+    64 << 20
+}
+/// As the header timeout: a 2 MiB body within it is 200 KiB a second,
+/// far under any network a sidecar is reached over.
+fn default_body_timeout() -> Duration {
+    Duration::from_millis(10_000)
+}
 
 /// A few peers recovering at once; at 16 bytes a block, four copies of a
 /// 12M-block index are 0.8 GB.
 fn default_max_full_reads() -> u32 {
     4
+}
+/// One copy per kind and class: readers of a class share it until the
+/// last of them is done.
+fn default_max_full_read_copies() -> u32 {
+    1
 }
 /// Longer than encoding a large index takes, so that readers arriving
 /// during a burst share one copy; short enough that a reader catches up

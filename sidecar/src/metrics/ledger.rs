@@ -9,6 +9,7 @@ pub struct LedgerMetrics {
     pub rank_active_decode: IntGaugeVec,
     pub bookings_active: IntGaugeVec,
     pub bookings_expired: IntCounter,
+    pub bookings_silenced: IntCounter,
     pub holders: IntGaugeVec,
     pub capacity: IntGauge,
     pub sweep_entries: IntCounterVec,
@@ -65,6 +66,11 @@ impl LedgerMetrics {
                 r,
                 "kvgate_sidecar_bookings_expired_total",
                 "Bookings dropped by the expiry because their end was never reported.",
+            )?,
+            bookings_silenced: plain_counter(
+                r,
+                "kvgate_sidecar_bookings_silenced_total",
+                "Bookings ended because the Envoy VM that made them stopped saying it is alive (load.vm_silence_ms): it trapped and was reloaded, or its Envoy went away.",
             )?,
             booking_batches: counter(
                 r,

@@ -126,7 +126,7 @@ impl Sidecar {
                         t[2] = t[2].saturating_add(isl.saturating_sub(*uncached));
                     }
                 }
-                Effect::Released | Effect::Unknown => {}
+                Effect::Released | Effect::Unknown | Effect::Alive => {}
             }
             if let Some(ev) = copy.and_then(|ev| gateway_sync(ev, &effect, &owners)) {
                 self.announce(|| ev);

@@ -130,7 +130,10 @@ impl Sidecar {
                 config.kv.approx_ttl,
                 config.kv.inflight_ttl,
             )),
-            bookings: Mutex::new(Bookings::new(config.load.booking_ttl, config.load.caps)),
+            bookings: Mutex::new(
+                Bookings::new(config.load.booking_ttl, config.load.caps)
+                    .with_vm_silence(config.load.vm_silence),
+            ),
             last_poll_ms: AtomicU64::new(now_ms()),
             client: scrape::client(),
             workers,
@@ -272,6 +275,9 @@ impl Sidecar {
                 let expired = sweep.expired;
                 tracing::warn!(expired, "bookings expired without their end being reported");
                 ledger.bookings_expired.inc_by(expired as u64);
+            }
+            if sweep.silenced > 0 {
+                ledger.bookings_silenced.inc_by(sweep.silenced as u64);
             }
             for (work, n) in [("expiry", sweep.visited), ("rebuild", sweep.rebuilt)] {
                 if n > 0 {

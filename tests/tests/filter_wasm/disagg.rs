@@ -17,7 +17,7 @@ pub(super) const COMPLETIONS: [(&str, &str); 3] = [
 
 /// Prefill workers 11 (idle) and 12 (loaded), decode workers 13 (lightly
 /// loaded) and 14: the first choice of each leg is 11 and 13.
-fn pd_fleet(on_prefill_failure: OnPrefillFailure) -> Snapshot {
+pub(super) fn pd_fleet(on_prefill_failure: OnPrefillFailure) -> Snapshot {
     let w = |id: u64, role: Role, prefill: u64, decode: u64| {
         let mut r = rank(0, decode, false);
         r.active_prefill_tokens = prefill;
@@ -65,7 +65,7 @@ pub(super) fn prompt(n: u32, extra: Value) -> Vec<u8> {
 }
 
 /// A prefill answer as vLLM gives it, its transfer naming `tag`.
-fn answer(tag: u32) -> Vec<u8> {
+pub(super) fn answer(tag: u32) -> Vec<u8> {
     json!({
         "id": "cmpl-1", "object": "text_completion",
         "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
@@ -243,11 +243,13 @@ fn two_paused_requests_answered_out_of_order_each_get_their_own_transfer() {
 }
 
 #[test]
-fn a_client_gone_during_the_prefill_leg_releases_both_bookings_and_sends_no_decode() {
+fn a_client_gone_during_the_prefill_leg_sends_no_decode_and_every_booking_ends() {
     let mut e = ready(OnPrefillFailure::Local);
     let (_, ctx) = e.routers[0].open(&COMPLETIONS, &[&prompt(3000, json!({}))]);
     let call = only_callout(&e);
     e.routers[0].finish(ctx);
+    // The prefill leg's booking lasts until its deadline (2 s).
+    e.shared.lock().unwrap().advance_ms(2500);
     let (booked, mut done) = ledger(&bookings(&mut e));
     done.sort_unstable();
     let mut seqs: Vec<u64> = booked.iter().map(|b| b.0).collect();

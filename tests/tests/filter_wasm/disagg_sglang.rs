@@ -12,7 +12,7 @@ use serde_json::json;
 /// Prefill workers 11 (3 ranks, rank 1 idle; bootstrap port 9101) and
 /// 12 (loaded; SGLang's default port), decode workers 13 (4 ranks, rank 2
 /// the lightest) and 14 (loaded). `busy` makes every prefill rank busy.
-fn sglang_fleet(prefill_busy: bool) -> Snapshot {
+pub(super) fn sglang_fleet(prefill_busy: bool) -> Snapshot {
     let prefill = |id: u64, loads: &[u64], port: u16| {
         let ranks = loads
             .iter()
@@ -186,22 +186,24 @@ fn the_prefill_booking_ends_with_its_answer_or_the_request_whichever_first() {
     assert_eq!(done, vec![decode]);
     assert_eq!(e.counter("kvgate_prefill_failed_total"), 0);
 
-    // The request's end first (Envoy does not cancel the callout), then
-    // the answer, which finds nothing left to release.
+    // The request's end first (Envoy does not cancel the callout): the
+    // decode booking ends with it, the prefill's at the leg's deadline
+    // (2 s); the answer finds nothing left to release.
     let mut e = ready(false);
     let (_, ctx) = e.routers[0].open(&COMPLETIONS, &[&prompt(3000, json!({}))]);
     let call = only_callout(&e);
     e.routers[0].finish(ctx);
-    let (booked, mut done) = ledger(&bookings(&mut e));
-    done.sort_unstable();
-    let mut seqs: Vec<u64> = booked.iter().map(|b| b.0).collect();
-    seqs.sort_unstable();
-    assert_eq!((booked.len(), done), (2, seqs), "both released at the end");
+    let (booked, done) = ledger(&bookings(&mut e));
+    let prefill = booked.iter().find(|b| b.1 == 45).unwrap().0;
+    let decode = booked.iter().find(|b| b.1 == 54).unwrap().0;
+    assert_eq!(done, vec![decode]);
     e.routers[0]
         .respond(call.token, 200, &[], br#"{"choices":[]}"#)
         .unwrap();
     assert_eq!(e.routers[0].trapped, None);
     assert!(bookings(&mut e).is_empty());
+    e.shared.lock().unwrap().advance_ms(2500);
+    assert_eq!(ledger(&bookings(&mut e)).1, vec![prefill]);
 }
 
 #[test]

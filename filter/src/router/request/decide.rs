@@ -42,8 +42,9 @@ pub(super) struct Routing {
     pub report: Option<Routed>,
     pub isl_tokens: u32,
     pub output_tokens: u32,
-    /// The model splits prefill from decode: the body the worker gets
-    /// must carry no transfer parameters but kvgate's.
+    /// The model has disaggregation settings (split now or not): the
+    /// body the worker gets carries no transfer parameters but kvgate's,
+    /// and the request id is kvgate's.
     pub disaggregated: bool,
 }
 
@@ -210,7 +211,10 @@ pub(super) fn decide(
                 output_tokens: req
                     .max_tokens
                     .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
-                disaggregated: route.prefill.is_some(),
+                // The model's settings decide, not the live split: with
+                // its prefill pool down a disaggregated model is served
+                // whole, and a client's transfer fields must not ride on.
+                disaggregated: route.model.disaggregation.is_some(),
             };
             let settings = route.model.disaggregation;
             match (route.prefill, settings) {
@@ -231,12 +235,18 @@ pub(super) fn decide(
                 // An SGLang decode worker cannot compute a prompt itself:
                 // a request without the bootstrap room that only a prefill
                 // leg sent beside it provides trips an assertion in the
-                // engine. A `both` worker may take it whole.
-                (Some(Prefill::Local(why)), Some(d)) if d.protocol == Protocol::Sglang => {
+                // engine. A `both` worker may take it whole. This holds
+                // whether the plan chose not to split (`Local`) or could
+                // not (`None`: no prefill worker is up).
+                (prefill, Some(d)) if d.protocol == Protocol::Sglang => {
+                    let why = match prefill {
+                        Some(Prefill::Local(why)) => why.as_str(),
+                        _ => "no prefill worker is up",
+                    };
                     if routing.first.role == Role::Decode {
+                        inc(st.metrics.prefill_failed);
                         Decision::Reply(Reply::prefill_failed(&format!(
-                            "no prefill worker is free for an SGLang decode worker ({})",
-                            why.as_str()
+                            "no prefill worker is free for an SGLang decode worker ({why})"
                         )))
                     } else {
                         inc(st.metrics.prefill_local);

@@ -9,10 +9,8 @@ use super::{Request, Stage};
 use crate::host;
 use crate::metrics::{inc, record};
 use crate::reply::Reply;
-use kvgate_core::booking::{Event, Key};
 use kvgate_core::disagg::{self, nixl, sglang};
 use kvgate_core::header;
-use kvgate_core::plan::local::Release;
 use kvgate_core::state::OnPrefillFailure;
 use proxy_wasm::types::{Action, LogLevel};
 use std::borrow::Cow;
@@ -49,6 +47,8 @@ pub(super) struct Draining {
     request_id: String,
     room: u64,
     sent_us: u64,
+    /// When Envoy ends the callout if the worker has not answered.
+    deadline_us: u64,
 }
 
 impl Request {
@@ -59,6 +59,7 @@ impl Request {
         let Split {
             decode, prefill, ..
         } = s;
+        let growth = disagg::decode_growth(u64::from(decode.isl_tokens));
         self.route_to(decode);
         let path = host::request_header(":path").unwrap_or_default();
         let authorization = host::request_header("authorization");
@@ -75,17 +76,21 @@ impl Request {
             sent_us: now,
             retried: false,
         };
+        // A decode body that would pass the buffer Envoy is configured
+        // for is not worth a prefill leg (nor two, with the runner-up).
+        let limit = self.state.borrow().config.max_body_bytes;
+        if body.len().saturating_add(growth) > limit.saturating_add(disagg::DECODE_HEADROOM_BYTES) {
+            return self.no_room(leg);
+        }
         self.send_prefill(leg)
     }
 
-    /// The id both legs carry, set on the request for the decode worker:
-    /// the engines key the KV handoff by it, so kvgate chooses it. A
-    /// client's own is logged beside it, never passed on.
-    fn mint_request_id(&mut self) -> String {
-        let request_id = {
-            let st = self.state.borrow();
-            prefill::request_id(st.vm_tag, st.next_seq)
-        };
+    /// The id both legs carry, set on the request for the decode worker,
+    /// and on every other request to a disaggregated model's workers: the
+    /// engines key the KV handoff by it, so kvgate chooses it. A client's
+    /// own is logged beside it, never passed on.
+    pub(super) fn mint_request_id(&mut self) -> String {
+        let request_id = prefill::request_id(host::random_u64);
         if let Some(client_id) = host::request_header(header::REQUEST_ID) {
             host::log(
                 LogLevel::Debug,
@@ -148,9 +153,10 @@ impl Request {
                     "the request body cannot be rewritten",
                 ));
             };
-            if both.len() > self.state.borrow().config.max_body_bytes {
+            let limit = self.state.borrow().config.max_body_bytes;
+            if both.len() > limit.saturating_add(disagg::DECODE_HEADROOM_BYTES) {
                 return self.reply(&Reply::prefill_failed(
-                    "the body with its bootstrap fields exceeds max_body_bytes",
+                    "the body with its bootstrap fields exceeds max_body_bytes and its headroom",
                 ));
             }
             let timeout = Duration::from_millis(prefill.timeout_ms.max(1));
@@ -163,12 +169,15 @@ impl Request {
                 timeout,
             ) {
                 Ok(token) => {
+                    let sent_us = host::now_us();
                     self.draining = Some(Draining {
                         token,
                         endpoint: at.endpoint.clone(),
                         request_id,
                         room: room.room,
-                        sent_us: host::now_us(),
+                        sent_us,
+                        deadline_us: sent_us
+                            .saturating_add(prefill.timeout_ms.max(1).saturating_mul(1000)),
                     });
                     self.replace_body(&both);
                     return Action::Continue;
@@ -205,7 +214,7 @@ impl Request {
         authorization: Option<&str>,
         body: &[u8],
         timeout: Duration,
-    ) -> Result<u32, proxy_wasm::types::Status> {
+    ) -> Result<u32, host::Fault> {
         let (cluster, host_header, rank_header) = {
             let mut st = self.state.borrow_mut();
             self.prefill_booking = Some(st.book(&self.model, at.slot, at.prefill_tokens, 0));
@@ -320,10 +329,20 @@ impl Request {
             Verdict::Transfer(body) => {
                 let limit = self.state.borrow().config.max_body_bytes;
                 // Envoy must not be handed a body over its buffer limit
-                // (docs/envoy-callouts.md): the transfer is lost, the
-                // prompt is not.
-                if body.len() > limit {
-                    return self.prefill_failed(leg, "the decode body exceeds max_body_bytes");
+                // (docs/envoy-callouts.md): from this callback a 413 of
+                // Envoy's own aborts the process. The transfer is lost,
+                // the prompt is not; another prefill would make a body
+                // as large, so none is tried.
+                if body.len() > limit.saturating_add(disagg::DECODE_HEADROOM_BYTES) {
+                    host::log(
+                        LogLevel::Warn,
+                        &format!(
+                            "kvgate: the decode body of {} ({} bytes) exceeds max_body_bytes and its headroom",
+                            leg.request_id,
+                            body.len()
+                        ),
+                    );
+                    return self.no_room(leg);
                 }
                 self.replace_body(&body);
                 Action::Continue
@@ -384,6 +403,24 @@ impl Request {
         }
     }
 
+    /// The decode body would not fit: the decode worker computes the
+    /// prompt itself at once, never after another try; where the model
+    /// allows no local prefill, the client's body is too large.
+    fn no_room(&mut self, leg: Leg) -> Action {
+        inc(self.state.borrow().metrics.prefill_failed);
+        match leg.plan.on_failure {
+            OnPrefillFailure::Local => {
+                self.book_local_prefill(leg.plan.local_prefill_tokens);
+                self.send_whole(&leg.client);
+                Action::Continue
+            }
+            OnPrefillFailure::Fail => {
+                let limit = self.state.borrow().config.max_body_bytes;
+                self.reply(&Reply::too_large(limit))
+            }
+        }
+    }
+
     /// Adds the prompt the decode worker now computes to its booking.
     fn book_local_prefill(&mut self, tokens: u64) {
         let Some(b) = self.booking else {
@@ -422,31 +459,36 @@ impl Request {
         }
     }
 
-    /// Releases the prefill leg's booking, all of it: the leg answered, or
-    /// the request ended without waiting for it.
+    /// Releases the prefill leg's booking, all of it: the leg answered,
+    /// or was never sent.
     pub(super) fn release_prefill(&mut self) {
         let Some(b) = self.prefill_booking else {
             return;
         };
-        let Ok(mut guard) = self.state.try_borrow_mut() else {
+        let Ok(mut st) = self.state.try_borrow_mut() else {
             return;
         };
         self.prefill_booking = None;
-        let st = &mut *guard;
-        let release = Release {
-            seq: b.seq,
-            slot: b.slot,
-            prefill: b.prefill,
-            decode: b.decode,
-            done: true,
-            fence: st.next_seq + 1,
+        st.end_leg(b);
+    }
+
+    /// The client is gone: a prefill leg still in flight keeps running on
+    /// its worker (Envoy cancels no callout), so its booking is handed to
+    /// the VM until the leg's deadline instead of ending now.
+    pub(super) fn orphan_prefill(&mut self) {
+        let until_us = match (&self.stage, &self.draining) {
+            (Stage::Prefilling { leg, .. }, _) => leg.deadline_us,
+            (_, Some(d)) => d.deadline_us,
+            _ => return,
         };
-        st.local
-            .release(st.view.snapshot.as_mut(), release, host::now_ms());
-        let key = Key {
-            vm: st.vm_tag,
-            seq: b.seq,
+        let Some(b) = self.prefill_booking else {
+            return;
         };
-        st.send(&Event::Done { key, timing: None });
+        let Ok(mut st) = self.state.try_borrow_mut() else {
+            return;
+        };
+        self.prefill_booking = None;
+        self.draining = None;
+        st.orphan(b, until_us);
     }
 }

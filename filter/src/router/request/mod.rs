@@ -74,6 +74,13 @@ pub struct Request {
     served_by: Option<String>,
     /// When it was routed and first answered, for the planner.
     clock: Option<Clock>,
+    /// The request body's size so far, as the last body callback said:
+    /// an HTTP/2 request that ends with trailers is decided at them.
+    body_seen: usize,
+    /// Failed open (no fresh state): not decided, but its body is still
+    /// read whole and scrubbed of transfer fields before Envoy's own
+    /// balancing sends it on.
+    failed_open: bool,
 }
 
 /// A routed request's timing, sent with its end.
@@ -112,6 +119,8 @@ impl Request {
             fallback: None,
             served_by: None,
             clock: None,
+            body_seen: 0,
+            failed_open: false,
         }
     }
 
@@ -178,6 +187,7 @@ impl Request {
                 let scrub = r.disaggregated;
                 self.route_to(r);
                 if scrub {
+                    self.mint_request_id();
                     self.send_whole(body);
                 }
                 Action::Continue
@@ -238,6 +248,20 @@ impl Request {
             output_tokens,
         });
         self.fallback = fallback;
+    }
+}
+
+impl Request {
+    /// The whole body is in: decided, or (failed open) scrubbed and let
+    /// through to Envoy's own balancing.
+    fn complete(&mut self, body_size: usize) -> Action {
+        if !self.failed_open {
+            return self.route(body_size);
+        }
+        self.stage = Stage::Routed;
+        let body = host::request_body(body_size).unwrap_or_default();
+        self.send_whole(&body);
+        Action::Continue
     }
 }
 
@@ -373,6 +397,7 @@ impl Drop for Request {
     /// The backstop: a context Envoy deletes without a log callback still
     /// releases what it booked.
     fn drop(&mut self) {
+        self.orphan_prefill();
         self.release_prefill();
         self.release(true);
     }
@@ -404,6 +429,9 @@ impl HttpContext for Request {
             return Action::Continue;
         };
         self.endpoint = Some(endpoint);
+        if let Ok(mut st) = self.state.try_borrow_mut() {
+            st.release_orphans(host::now_us());
+        }
         let (cfg_fallback, cfg_tenant, stale_after, on_stale) = {
             let st = self.state.borrow();
             inc(st.metrics.requests);
@@ -424,7 +452,7 @@ impl HttpContext for Request {
                 OnStale::FailClosed => self.reply(&Reply::stale()),
                 OnStale::FailOpen => {
                     inc(self.state.borrow().metrics.failed_open);
-                    self.endpoint = None;
+                    self.failed_open = true;
                     let _ = host::set_request_header(&cfg_fallback, "stale");
                     if let Err(s) = host::clear_route_cache() {
                         host::log(
@@ -432,7 +460,14 @@ impl HttpContext for Request {
                             &format!("kvgate: clear_route_cache failed: {s:?}"),
                         );
                     }
-                    Action::Continue
+                    // The body is read whole all the same: without state
+                    // the filter cannot tell a disaggregated model, so it
+                    // scrubs every body of transfer fields.
+                    if end_of_stream {
+                        Action::Continue
+                    } else {
+                        Action::Pause
+                    }
                 }
             };
         }
@@ -470,8 +505,9 @@ impl HttpContext for Request {
             self.count_upstream_failure();
         }
         // A client gone during the prefill leg: its answer will find no
-        // context (Envoy does not cancel the callout), so both legs'
-        // bookings end here.
+        // context (Envoy does not cancel the callout), so the decode
+        // booking ends here and the prefill's at the leg's deadline.
+        self.orphan_prefill();
         self.release_prefill();
         self.release(true);
     }
@@ -484,9 +520,21 @@ impl HttpContext for Request {
         if body_size > limit {
             return self.reply(&Reply::too_large(limit));
         }
+        self.body_seen = body_size;
         if !end_of_stream {
             return Action::Pause;
         }
-        self.route(body_size)
+        self.complete(body_size)
+    }
+
+    /// HTTP/2 trailers end a request whose last body callback did not:
+    /// without this the SDK's default would let Envoy forward the
+    /// buffered body undecided. The body read so far is all of it.
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.endpoint.is_none() || !matches!(self.stage, Stage::Reading) {
+            return Action::Continue;
+        }
+        inc(self.state.borrow().metrics.trailers);
+        self.complete(self.body_seen)
     }
 }

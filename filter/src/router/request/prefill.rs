@@ -51,10 +51,11 @@ pub(super) fn judge(status: Option<u16>, answer: &[u8], client: &[u8]) -> Verdic
 }
 
 /// The id both legs carry: vLLM keys the KV handoff by it, so kvgate
-/// chooses it, never a client. Unique per VM (its random tag) and per
-/// request (the booking sequence).
-pub(super) fn request_id(vm_tag: u64, seq: u64) -> String {
-    format!("kvgate-{vm_tag:016x}-{seq:x}")
+/// chooses it, never a client. The engine echoes it in its answer, so it
+/// must not let anyone predict the next: it is 128 random bits (two
+/// draws of `random`), nothing of the VM or of a counter.
+pub(super) fn request_id(mut random: impl FnMut() -> u64) -> String {
+    format!("kvgate-{:016x}{:016x}", random(), random())
 }
 
 #[cfg(test)]
@@ -126,9 +127,10 @@ mod tests {
     }
 
     #[test]
-    fn request_ids_differ_by_vm_and_by_request() {
-        assert_eq!(request_id(0xab, 0x10), "kvgate-00000000000000ab-10");
-        assert_ne!(request_id(1, 2), request_id(2, 1));
+    fn a_request_id_is_its_random_draws_and_nothing_else() {
+        let mut draws = [0xab_u64, 0x10].into_iter();
+        let id = request_id(|| draws.next().unwrap_or_default());
+        assert_eq!(id, "kvgate-00000000000000ab0000000000000010");
     }
 
     mod fuzz {

@@ -149,6 +149,8 @@ pub enum Effect {
     Refused,
     /// A booking the ledger has no room for.
     Full(Full),
+    /// A VM said it is alive.
+    Alive,
 }
 
 /// The most one holder may book on a slot, per field. Every way load
@@ -218,6 +220,8 @@ pub struct Sweep {
     /// ended: paid for by the ends since the last time, not by what is
     /// held.
     pub rebuilt: usize,
+    /// Bookings ended because their VM went silent.
+    pub silenced: usize,
 }
 
 /// A table is shrunk when it holds less than an eighth of its room (and
@@ -253,7 +257,18 @@ pub struct Bookings {
     warned: u8,
     ttl: Duration,
     pub expired_total: u64,
+    /// VMs that say they are alive, and when they last did: one silent
+    /// for `vm_silence` is gone (it trapped and was reloaded under a new
+    /// tag, or its Envoy went away), and its bookings end with it.
+    beats: HashMap<u64, Instant>,
+    vm_silence: Duration,
+    /// Bookings ended because their VM went silent.
+    pub silenced_total: u64,
 }
+
+/// How long a VM that has said it is alive may go without saying it
+/// again (it does once a second) before its bookings are ended.
+pub const DEFAULT_VM_SILENCE: Duration = Duration::from_secs(10);
 
 impl Bookings {
     pub fn new(ttl: Duration, caps: LedgerCaps) -> Bookings {
@@ -268,7 +283,16 @@ impl Bookings {
             warned: 0,
             ttl,
             expired_total: 0,
+            beats: HashMap::new(),
+            vm_silence: DEFAULT_VM_SILENCE,
+            silenced_total: 0,
         }
+    }
+
+    /// Sets how long a VM that beats may be silent (`load.vm_silence_ms`).
+    pub fn with_vm_silence(mut self, silence: Duration) -> Bookings {
+        self.vm_silence = silence;
+        self
     }
 
     /// Applies one event from this sidecar's gateways. `slot_exists` tells
@@ -320,7 +344,55 @@ impl Bookings {
                 }
             }
             Event::Rejected { model, reason } => Effect::Rejected { model, reason },
+            Event::Alive { vm } => {
+                // Bounded like the watermarks: a VM the ledger cannot
+                // track is only expired by the TTL.
+                if self.beats.contains_key(&vm) || self.beats.len() < self.caps.gateway_vms {
+                    self.beats.insert(vm, now);
+                }
+                Effect::Alive
+            }
         }
+    }
+
+    /// Ends every booking of VMs that said they were alive and then went
+    /// silent for `vm_silence`. Such a VM is a rare event, so finding its
+    /// holders walks the ledger once per silent VM.
+    fn end_silent_vms(&mut self, now: Instant) -> usize {
+        let silence = self.vm_silence;
+        let silent: Vec<u64> = self
+            .beats
+            .iter()
+            .filter(|(_, at)| now.saturating_duration_since(**at) > silence)
+            .map(|(vm, _)| *vm)
+            .collect();
+        let mut ended = 0;
+        for vm in silent {
+            self.beats.remove(&vm);
+            self.marks.remove(&vm);
+            let gone: Vec<Holder> = self
+                .live
+                .keys()
+                .filter(
+                    |h| matches!(&h.id, Id::Gateway(k) if k.vm == vm && h.origin == Origin::Here),
+                )
+                .cloned()
+                .collect();
+            for h in gone {
+                if let Some(l) = self.live.remove(&h) {
+                    self.census.remove(&h);
+                    self.release(&l, false);
+                    ended += 1;
+                }
+            }
+            tracing::warn!(
+                vm = format_args!("{vm:016x}"),
+                ended,
+                "an Envoy VM went silent: its bookings are ended"
+            );
+        }
+        self.silenced_total += ended as u64;
+        ended
     }
 
     /// A gateway VM's booking `key` arrived: it counts towards the VM's
@@ -500,6 +572,7 @@ impl Bookings {
             }
         }
         self.expired_total += sweep.expired as u64;
+        sweep.silenced = self.end_silent_vms(now);
         self.marks
             .retain(|_, (_, seen)| now.saturating_duration_since(*seen) <= ttl);
         for s in self.slots.values_mut() {
@@ -527,6 +600,7 @@ impl Bookings {
         moved += shrink_map(&mut self.live).unwrap_or(0);
         moved += self.census.shrink().unwrap_or(0);
         moved += shrink_map(&mut self.marks).unwrap_or(0);
+        moved += shrink_map(&mut self.beats).unwrap_or(0);
         moved
     }
 

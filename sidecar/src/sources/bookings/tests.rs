@@ -425,7 +425,8 @@ fn a_tick_visits_the_holders_due_not_the_holders_held() {
             Sweep {
                 expired: 100,
                 visited: 100,
-                rebuilt: 0
+                rebuilt: 0,
+                silenced: 0,
             },
             "{held} held"
         );
@@ -480,4 +481,50 @@ fn the_tables_shrink_after_a_surge() {
     assert_eq!(b.active(), 10);
     assert_eq!(b.census(), (0, 0, 10));
     assert_eq!(b.sweep(t + Duration::from_secs(401)).expired, 10);
+}
+
+#[test]
+fn a_vm_that_goes_silent_has_its_bookings_ended_and_one_that_never_beat_keeps_them() {
+    let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default())
+        .with_vm_silence(Duration::from_secs(10));
+    let t = Instant::now();
+    // VM 7 beats and books two requests; VM 8 books one and never beats
+    // (a filter of the previous release).
+    assert_eq!(b.apply(Event::Alive { vm: 7 }, t, any_slot), Effect::Alive);
+    b.apply(book(1, 3, 1000, 70), t, any_slot);
+    b.apply(book(2, 4, 500, 40), t, any_slot);
+    let old = Event::Book {
+        key: Key { vm: 8, seq: 1 },
+        model: "m".into(),
+        slot: 3,
+        prefill_tokens: 10,
+        decode_blocks: 1,
+    };
+    b.apply(old, t, any_slot);
+    // Beats keep it alive past the silence.
+    b.apply(Event::Alive { vm: 7 }, t + Duration::from_secs(9), any_slot);
+    assert_eq!(b.sweep(t + Duration::from_secs(15)).silenced, 0);
+    assert_eq!(b.active(), 3);
+    // Then it stops: both of its bookings end, VM 8's stays.
+    let s = b.sweep(t + Duration::from_secs(20));
+    assert_eq!((s.silenced, s.expired), (2, 0));
+    assert_eq!(b.active(), 1);
+    assert_eq!(b.silenced_total, 2);
+    let l = b.slot(3);
+    assert_eq!((l.prefill_tokens, l.decode_blocks, l.requests), (10, 1, 1));
+    assert_eq!(b.slot(4).requests, 0);
+    assert!(
+        b.applied().iter().all(|a| a.vm != 7),
+        "its watermark goes too"
+    );
+    // Its late end changes nothing.
+    let late = Event::Done {
+        key: key(1),
+        timing: None,
+    };
+    assert_eq!(
+        b.apply(late, t + Duration::from_secs(21), any_slot),
+        Effect::Unknown
+    );
+    assert_eq!(b.sweep(t + Duration::from_secs(40)).silenced, 0);
 }
