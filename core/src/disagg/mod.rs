@@ -44,13 +44,9 @@ const TRANSFER_FIELDS: [&str; 5] = [
     sglang::FIELDS[0],
     sglang::FIELDS[1],
     sglang::FIELDS[2],
-    REQUEST_ID,
+    nixl::REQUEST_ID,
 ];
 
-/// vLLM's body field for its request id (the `x-request-id` header, which
-/// kvgate sets, takes precedence in vLLM; the field is dropped all the
-/// same, so no engine can key a transfer by a client's id).
-const REQUEST_ID: &str = "request_id";
 
 /// vLLM's extra arguments: it takes `kv_transfer_params` from them when
 /// the body has none at the top level.

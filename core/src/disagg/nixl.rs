@@ -16,6 +16,12 @@ use std::fmt;
 /// The field that carries the transfer in both legs.
 pub const PARAMS: &str = "kv_transfer_params";
 
+/// vLLM's body field for its request id. The `x-request-id` header that
+/// kvgate sets takes precedence in vLLM; the client's field is dropped
+/// from every leg all the same, so that no engine keys a transfer by an
+/// id a client chose.
+pub const REQUEST_ID: &str = "request_id";
+
 /// What the prefill leg asks for: keep the blocks for a remote decode.
 const PREFILL_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
@@ -149,7 +155,7 @@ pub fn prefill_body(client: &[u8]) -> Result<Vec<u8>, BodyError> {
             PARAMS => Some(PREFILL_PARAMS),
             "stream" => Some("false"),
             "max_tokens" | "max_completion_tokens" => Some("1"),
-            k if PREFILL_DROPS.contains(&k) => None,
+            k if PREFILL_DROPS.contains(&k) || k == REQUEST_ID => None,
             _ => Some(v),
         },
         &added,
@@ -180,11 +186,22 @@ fn is_empty_object(raw: &str) -> bool {
 /// The decode leg's body: the client's own bytes with the prefill's
 /// `kv_transfer_params` (an object's raw text, from [`answer_params`])
 /// added before the closing brace. A client that sent its own
-/// `kv_transfer_params` has it replaced, its other values kept verbatim.
+/// `kv_transfer_params` has it replaced, and a `request_id` dropped, its
+/// other values kept verbatim.
 pub fn decode_body(client: &[u8], params: &str) -> Result<Vec<u8>, BodyError> {
     let fields = Fields::parse(client)?;
-    if fields.get(PARAMS).is_some() {
-        return Ok(fields.write(|k, v| Some(if k == PARAMS { params } else { v }), &[]));
+    let has_params = fields.get(PARAMS).is_some();
+    if has_params || fields.get(REQUEST_ID).is_some() {
+        let added = [(PARAMS, params)];
+        let added: &[(&str, &str)] = if has_params { &[] } else { &added };
+        return Ok(fields.write(
+            |k, v| match k {
+                PARAMS => Some(params),
+                REQUEST_ID => None,
+                _ => Some(v),
+            },
+            added,
+        ));
     }
     // The object ends with its closing brace (trailing white space aside):
     // the parse above saw all of it.

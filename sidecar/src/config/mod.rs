@@ -31,8 +31,8 @@ pub use disagg::DisaggregationConfig;
 pub use ledger::{LEDGER_HOLDERS_CEILING, LedgerCaps};
 pub use planner::{PlannerConfig, PredictorKind, ProfileRow, read_trace};
 pub use sections::{
-    Control, Indexer, Kv, LONGEST_LONG_POLL, ListenerLimits, Load, ReplicaSync, Scrape, Selection,
-    Server, validate_peer,
+    Control, DEFAULT_VM_SILENCE, Indexer, Kv, LONGEST_LONG_POLL, ListenerLimits, Load, ReplicaSync,
+    Scrape, Selection, Server, validate_peer,
 };
 pub use thermal::{EvictPolicy, MIN_HYSTERESIS_C, Thermal, ThermalOverride, ThermalSettings};
 pub use worker::{DEFAULT_MAX_PROMPT_TOKENS, MAX_PROMPT_TOKENS_CEILING, ModelConfig, WorkerSpec};

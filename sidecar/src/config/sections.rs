@@ -565,8 +565,12 @@ fn default_max_dump_bytes() -> usize {
     1 << 30
 }
 
+/// How long a gateway VM that says it is alive (once a second) may go
+/// without saying it again before its bookings are ended.
+pub const DEFAULT_VM_SILENCE: Duration = Duration::from_secs(10);
+
 fn default_vm_silence() -> Duration {
-    crate::sources::bookings::DEFAULT_VM_SILENCE
+    DEFAULT_VM_SILENCE
 }
 
 fn default_booking_ttl() -> Duration {

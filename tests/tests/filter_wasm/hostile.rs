@@ -38,10 +38,10 @@ fn assert_scrubbed(body: &[u8]) {
     assert_eq!(v["vllm_xargs"], json!({"keep": 1}), "{v}");
 }
 
-/// `snap` with every prefill worker gone: down, or left the catalog.
-fn without_prefill(mut snap: Snapshot) -> Snapshot {
+/// `snap` with every worker of `role` gone: down, or left the catalog.
+fn without(role: Role, mut snap: Snapshot) -> Snapshot {
     for m in &mut snap.models {
-        m.workers.retain(|w| w.role != Role::Prefill);
+        m.workers.retain(|w| w.role != role);
     }
     snap
 }
@@ -144,7 +144,10 @@ fn a_disaggregated_model_served_whole_is_scrubbed_and_gets_kvgates_id() {
     // Its prefill pool is down: decode workers take it whole (vLLM's can
     // compute the prompt), without the client's transfer fields.
     let mut e = Envoy::start("");
-    e.publish(&without_prefill(pd_fleet(OnPrefillFailure::Local)), true);
+    e.publish(
+        &without(Role::Prefill, pd_fleet(OnPrefillFailure::Local)),
+        true,
+    );
     let mut h = COMPLETIONS.to_vec();
     h.push(("x-request-id", "victim"));
     let ex = e.routers[0].request(&h, &[&prompt(3000, hostile_fields())]);
@@ -158,14 +161,18 @@ fn a_disaggregated_model_served_whole_is_scrubbed_and_gets_kvgates_id() {
         Some(ex.body.len().to_string().as_str())
     );
 
-    // SGLang: a decode worker cannot take a request whole, so none does.
-    let mut e = Envoy::start("");
-    e.publish(&without_prefill(sglang_fleet(false)), true);
-    let ex = e.routers[0].request(&COMPLETIONS, &[&prompt(3000, json!({}))]);
-    let reply = ex.reply.clone().expect("refused");
-    assert_eq!(reply.status, 503);
-    assert_eq!(reply.header("x-kvgate-reason"), Some("prefill_failed"));
-    assert_eq!(ex.destination(), None);
+    // SGLang: neither a decode nor a prefill worker can take a request
+    // whole, so none does, whichever role is left.
+    for gone in [Role::Prefill, Role::Decode] {
+        let mut e = Envoy::start("");
+        e.publish(&without(gone, sglang_fleet(false)), true);
+        let ex = e.routers[0].request(&COMPLETIONS, &[&prompt(3000, json!({}))]);
+        let reply = ex.reply.clone().expect("refused");
+        assert_eq!(reply.status, 503, "{gone:?} gone");
+        assert_eq!(reply.header("x-kvgate-reason"), Some("prefill_failed"));
+        assert_eq!(ex.destination(), None);
+        assert!(e.routers[0].pending().is_empty());
+    }
 }
 
 #[test]

@@ -217,3 +217,21 @@ proptest::proptest! {
         proptest::prop_assert_eq!(value(&out), Value::Object(expected));
     }
 }
+
+#[test]
+fn neither_leg_carries_the_clients_request_id() {
+    let client = br#"{"model":"m","request_id":"victim","prompt":"p"}"#;
+    let prefill = prefill_body(client).unwrap();
+    assert!(!std::str::from_utf8(&prefill).unwrap().contains("victim"));
+    let decode = decode_body(client, r#"{"a":1}"#).unwrap();
+    assert_eq!(
+        &decode[..],
+        br#"{"model":"m","prompt":"p","kv_transfer_params":{"a":1}}"#
+    );
+    // With the client's own parameters too: replaced in place.
+    let both = br#"{"kv_transfer_params":{"x":0},"request_id":"v","model":"m"}"#;
+    assert_eq!(
+        &decode_body(both, r#"{"a":1}"#).unwrap()[..],
+        br#"{"kv_transfer_params":{"a":1},"model":"m"}"#
+    );
+}

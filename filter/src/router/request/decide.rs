@@ -232,21 +232,23 @@ pub(super) fn decide(
                         protocol: d.protocol,
                     }))
                 }
-                // An SGLang decode worker cannot compute a prompt itself:
-                // a request without the bootstrap room that only a prefill
-                // leg sent beside it provides trips an assertion in the
-                // engine. A `both` worker may take it whole. This holds
-                // whether the plan chose not to split (`Local`) or could
-                // not (`None`: no prefill worker is up).
+                // An SGLang worker of either role serves only a request
+                // with the bootstrap room that a split provides: a decode
+                // worker's engine asserts without one, and a prefill
+                // worker has no decode side to hand the blocks to. Only a
+                // `both` worker may take it whole. This holds whether the
+                // plan chose not to split (`Local`) or could not (`None`:
+                // no worker of one of the roles is up).
                 (prefill, Some(d)) if d.protocol == Protocol::Sglang => {
                     let why = match prefill {
                         Some(Prefill::Local(why)) => why.as_str(),
-                        _ => "no prefill worker is up",
+                        _ => "no worker of the other role is up",
                     };
-                    if routing.first.role == Role::Decode {
+                    if routing.first.role != Role::Both {
                         inc(st.metrics.prefill_failed);
                         Decision::Reply(Reply::prefill_failed(&format!(
-                            "no prefill worker is free for an SGLang decode worker ({why})"
+                            "no prefill worker is free for an SGLang {} worker ({why})",
+                            routing.first.role.as_str()
                         )))
                     } else {
                         inc(st.metrics.prefill_local);
@@ -255,7 +257,7 @@ pub(super) fn decide(
                         if routing
                             .fallback
                             .as_ref()
-                            .is_some_and(|f| f.role == Role::Decode)
+                            .is_some_and(|f| f.role != Role::Both)
                         {
                             routing.fallback = None;
                         }

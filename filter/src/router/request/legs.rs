@@ -392,21 +392,20 @@ impl Request {
             leg.at = next;
             return self.send_prefill(leg);
         }
-        inc(self.state.borrow().metrics.prefill_failed);
-        match leg.plan.on_failure {
-            OnPrefillFailure::Local => {
-                self.book_local_prefill(leg.plan.local_prefill_tokens);
-                self.send_whole(&leg.client);
-                Action::Continue
-            }
-            OnPrefillFailure::Fail => self.reply(&Reply::prefill_failed(cause)),
-        }
+        self.give_up(leg, Reply::prefill_failed(cause))
     }
 
     /// The decode body would not fit: the decode worker computes the
     /// prompt itself at once, never after another try; where the model
     /// allows no local prefill, the client's body is too large.
     fn no_room(&mut self, leg: Leg) -> Action {
+        let limit = self.state.borrow().config.max_body_bytes;
+        self.give_up(leg, Reply::too_large(limit))
+    }
+
+    /// No prefill leg will be: as the model says, the decode worker
+    /// computes the prompt (and books it), or the client gets `refusal`.
+    fn give_up(&mut self, leg: Leg, refusal: Reply) -> Action {
         inc(self.state.borrow().metrics.prefill_failed);
         match leg.plan.on_failure {
             OnPrefillFailure::Local => {
@@ -414,10 +413,7 @@ impl Request {
                 self.send_whole(&leg.client);
                 Action::Continue
             }
-            OnPrefillFailure::Fail => {
-                let limit = self.state.borrow().config.max_body_bytes;
-                self.reply(&Reply::too_large(limit))
-            }
+            OnPrefillFailure::Fail => self.reply(&refusal),
         }
     }
 

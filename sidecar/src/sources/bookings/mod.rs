@@ -266,10 +266,6 @@ pub struct Bookings {
     pub silenced_total: u64,
 }
 
-/// How long a VM that has said it is alive may go without saying it
-/// again (it does once a second) before its bookings are ended.
-pub const DEFAULT_VM_SILENCE: Duration = Duration::from_secs(10);
-
 impl Bookings {
     pub fn new(ttl: Duration, caps: LedgerCaps) -> Bookings {
         Bookings {
@@ -284,7 +280,7 @@ impl Bookings {
             ttl,
             expired_total: 0,
             beats: HashMap::new(),
-            vm_silence: DEFAULT_VM_SILENCE,
+            vm_silence: crate::config::DEFAULT_VM_SILENCE,
             silenced_total: 0,
         }
     }
