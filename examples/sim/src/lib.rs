@@ -213,6 +213,12 @@ pub struct Args {
     /// comes, fails after this.
     #[arg(long, default_value_t = 300.0)]
     pub bootstrap_timeout_s: f64,
+    /// A prefill leg (NIXL's or SGLang's) is answered 200 with its headers
+    /// and then no body, ever: the connection stays open until the client
+    /// goes away, as a worker that stalls (or dies) mid-answer does. For
+    /// tests of a router's prefill timeout.
+    #[arg(long)]
+    pub prefill_stall_after_headers: bool,
 }
 
 /// The endpoint of DP rank `rank`: TCP port plus the rank, as vLLM does.
@@ -331,6 +337,7 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
             ),
             advertise_host,
             pull_timeout: std::time::Duration::from_secs(10),
+            stall_after_headers: args.prefill_stall_after_headers,
         },
         &ranks,
         listen_ip,

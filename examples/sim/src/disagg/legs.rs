@@ -74,6 +74,8 @@ pub(crate) fn rejected(
         pulled_blocks: 0,
         recomputed: false,
         error: Some(why.clone()),
+        body_keys: Record::keys_of(body),
+        vllm_xargs: body["vllm_xargs"].clone(),
     });
     bad(why)
 }
@@ -99,6 +101,11 @@ pub(crate) async fn serve(
         },
     };
     let chat = job.chat;
+    if sim.disagg.config.stall_after_headers
+        && matches!(leg, Leg::NixlPrefill | Leg::SglangPrefill { .. })
+    {
+        return stalled(&sim, id, chat, body, &leg, rank.index);
+    }
     let (resp, outcome) = match &leg {
         Leg::Local => (
             local(sim.clone(), job, rank.clone(), Start::Prefill).await,
@@ -122,7 +129,43 @@ pub(crate) async fn serve(
         pulled_blocks: outcome.pulled_blocks,
         recomputed: outcome.recomputed,
         error: outcome.error,
+        body_keys: Record::keys_of(body),
+        vllm_xargs: body["vllm_xargs"].clone(),
     });
+    resp
+}
+
+/// A prefill leg of a worker that stalls (`--prefill-stall-after-headers`):
+/// 200 and its headers, then a body that never comes. The connection is
+/// held until the client goes away (hyper drops the body then).
+fn stalled(sim: &Sim, id: String, chat: bool, body: &Value, leg: &Leg, rank: u32) -> Response {
+    sim.disagg
+        .counters
+        .prefill_legs
+        .fetch_add(1, Ordering::Relaxed);
+    let why = "stalled after its headers (--prefill-stall-after-headers)";
+    sim.disagg.record.push(Record {
+        request_id: id,
+        endpoint: endpoint(chat),
+        leg: leg.name(),
+        rank: Some(rank),
+        kv_transfer_params: body["kv_transfer_params"].clone(),
+        bootstrap_room: body["bootstrap_room"].as_u64(),
+        status: 200,
+        pulled_blocks: 0,
+        recomputed: false,
+        error: Some(why.into()),
+        body_keys: Record::keys_of(body),
+        vllm_xargs: body["vllm_xargs"].clone(),
+    });
+    tracing::info!("a prefill leg stalls after its headers");
+    let never = futures::stream::pending::<Result<axum::body::Bytes, std::io::Error>>();
+    let mut resp = (
+        [("content-type", "application/json")],
+        axum::body::Body::from_stream(never),
+    )
+        .into_response();
+    sim_headers(&mut resp, sim, rank, 0);
     resp
 }
 

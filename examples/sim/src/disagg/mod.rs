@@ -87,6 +87,8 @@ pub struct Config {
     pub advertise_host: String,
     /// How long a decode leg waits for a side-channel answer.
     pub pull_timeout: Duration,
+    /// Prefill legs get their headers and then no body, ever.
+    pub stall_after_headers: bool,
 }
 
 /// What a request asks of this worker.
@@ -352,6 +354,7 @@ mod tests {
                 bootstrap_timeout: Duration::from_secs(300),
                 advertise_host: "127.0.0.1".into(),
                 pull_timeout: Duration::from_secs(5),
+                stall_after_headers: false,
             },
             counters: Arc::default(),
             record: record::Recorder::default(),

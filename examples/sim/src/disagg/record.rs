@@ -27,6 +27,20 @@ pub struct Record {
     pub recomputed: bool,
     /// Why the request failed, if it did.
     pub error: Option<String>,
+    /// The body's top-level keys, in order: which fields reached the
+    /// worker.
+    pub body_keys: Vec<String>,
+    /// The body's `vllm_xargs` (null when absent).
+    pub vllm_xargs: Value,
+}
+
+impl Record {
+    /// The top-level keys of a JSON body (none when it is not an object).
+    pub fn keys_of(body: &Value) -> Vec<String> {
+        body.as_object()
+            .map(|o| o.keys().cloned().collect())
+            .unwrap_or_default()
+    }
 }
 
 impl Record {
@@ -42,6 +56,8 @@ impl Record {
             "pulled_blocks": self.pulled_blocks,
             "recomputed": self.recomputed,
             "error": self.error,
+            "body_keys": self.body_keys,
+            "vllm_xargs": self.vllm_xargs,
         })
     }
 }
@@ -86,6 +102,8 @@ mod tests {
                 pulled_blocks: 0,
                 recomputed: false,
                 error: None,
+                body_keys: Vec::new(),
+                vllm_xargs: Value::Null,
             });
         }
         let all = r.json();
