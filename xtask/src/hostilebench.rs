@@ -30,11 +30,38 @@
 //!   at 64 KiB a second: `/dump` with the token and reset frames of
 //!   `/v1/snapshot` without it, in turn.
 //!
+//! And two disaggregated attacks, each on a fleet of two prefill and two
+//! decode simulated vLLM workers (NIXL) behind Envoy, the same indexed
+//! blocks published for them; besides the sidecar's figures each has its
+//! own outcome:
+//!
+//! * `departed_prefills`: 1,000 clients, in waves every 250 ms spread over
+//!   the attack, each posting a 4,000-token completion to Envoy whose
+//!   prefill leg takes 1 s on its sim, and hanging up 0.2 s in. Envoy
+//!   cancels no callout, so every leg runs on; the filter keeps its
+//!   booking until the leg's deadline (`prefill_timeout_ms`, 3 s, from
+//!   its dispatch). Outcome: the peak of legs running on the prefill sims
+//!   against the peak the sidecar shows booked on their ranks, Envoy's
+//!   `kvgate_prefill_orphaned_total`, and what is still booked once the
+//!   last deadline has passed;
+//! * `stalled_prefills`: prefill sims that answer every leg's headers and
+//!   then stall its body (`--prefill-stall-after-headers`), the model with
+//!   a 500 ms `prefill_timeout_ms` and `on_prefill_failure = "local"`,
+//!   while eight honest clients send 3,000-token completions through
+//!   Envoy. Outcome: the share of them answered 200 (before the fix a
+//!   router VM that took such an answer panicked, and every later request
+//!   on its thread failed), Envoy's `kvgate_prefill_failed_total`, and the
+//!   lines of Envoy's log that say a VM panicked.
+//!
 //! Besides `/select`, `/health` on the main port is called every 100 ms
 //! on a fresh connection with a 1 s timeout, as the kubelet probes.
+//!
+//! `KVGATE_HOSTILE_ONLY=a,b` runs only those attacks; their results then
+//! replace theirs in `bench/results/hostile.json`, and the others'
+//! published figures are kept (each attack carries its own phases).
 
-use crate::build;
 use crate::kvbench::{Publisher, chain_tokens};
+use crate::{build, repo};
 use anyhow::{Context, Result, bail};
 use kvgate_load::summary::percentile;
 use kvgate_sidecar::replica::wire::{self, Placed, Stamp, SyncEvent, SyncId};
@@ -90,20 +117,62 @@ struct Bench {
     /// One per worker, in order, until an attack takes one over.
     publishers: Vec<Publisher>,
     prompts: Vec<Vec<u32>>,
+    /// How long the attack is measured for.
+    attack: Duration,
 }
+
+/// The fleet an attack runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fleet {
+    /// Four aggregated instant workers.
+    Plain,
+    /// Two prefill and two decode workers (NIXL) whose prefill legs take
+    /// [`DEPARTED_PREFILL_S`].
+    SlowPrefills,
+    /// Two prefill workers that stall every leg after its headers, and two
+    /// decode workers.
+    StalledPrefills,
+}
+
+/// Simulated time runs this much faster on the disaggregated fleets' sims
+/// (the stack's default).
+const PD_SPEEDUP: f64 = 20.0;
+/// Clients of `departed_prefills`, in all.
+const DEPARTED_CLIENTS: usize = 1000;
+/// A wave of them this often.
+const DEPARTED_WAVE: Duration = Duration::from_millis(250);
+const DEPARTED_PROMPT_TOKENS: usize = 4000;
+/// A prefill leg's wall time on its sim.
+const DEPARTED_PREFILL_S: f64 = 1.0;
+/// A departed client hangs up this long after sending its request.
+const DEPARTED_HANG_UP: Duration = Duration::from_millis(200);
+const DEPARTED_PREFILL_TIMEOUT_MS: u64 = 3000;
+/// How long a departed leg's blocks are held for a decode leg that never
+/// comes (wall ms), and the prefill sims' KV blocks per rank: enough that
+/// legs never wait for cache room.
+const DEPARTED_KV_LEASE_MS: u64 = 2000;
+const DEPARTED_GPU_BLOCKS: usize = 100_000;
+const STALLED_PREFILL_TIMEOUT_MS: u64 = 500;
+/// Honest clients of `stalled_prefills`, each one request at a time.
+const HONEST_CLIENTS: usize = 8;
+const HONEST_PROMPT_TOKENS: u32 = 3000;
+/// At most this many honest requests in all.
+const HONEST_MAX_REQUESTS: u64 = 5000;
 
 pub fn run(quick: bool) -> Result<Value> {
     let phases = Phases::of(quick);
-    let attacks: [(&str, Attack); 9] = [
-        ("replay_flood", replay_flood),
-        ("slow_dump_readers", slow_dump_readers),
-        ("idle_and_slowloris", idle_and_slowloris),
-        ("admission_flood", admission_flood),
-        ("oversized_sync_frames", oversized_sync_frames),
-        ("wrapping_loads", wrapping_loads),
-        ("slow_bodies", slow_bodies),
-        ("reconnect_flood", reconnect_flood),
-        ("spaced_readers", spaced_readers),
+    let attacks: [(&str, Attack, Fleet); 11] = [
+        ("replay_flood", replay_flood, Fleet::Plain),
+        ("slow_dump_readers", slow_dump_readers, Fleet::Plain),
+        ("idle_and_slowloris", idle_and_slowloris, Fleet::Plain),
+        ("admission_flood", admission_flood, Fleet::Plain),
+        ("oversized_sync_frames", oversized_sync_frames, Fleet::Plain),
+        ("wrapping_loads", wrapping_loads, Fleet::Plain),
+        ("slow_bodies", slow_bodies, Fleet::Plain),
+        ("reconnect_flood", reconnect_flood, Fleet::Plain),
+        ("spaced_readers", spaced_readers, Fleet::Plain),
+        ("departed_prefills", departed_prefills, Fleet::SlowPrefills),
+        ("stalled_prefills", stalled_prefills, Fleet::StalledPrefills),
     ];
     // KVGATE_HOSTILE_ONLY=a,b runs only those attacks, to try one.
     let only = std::env::var("KVGATE_HOSTILE_ONLY").ok();
@@ -112,41 +181,135 @@ pub fn run(quick: bool) -> Result<Value> {
             .is_none_or(|o| o.split(',').any(|n| n.trim() == name))
     };
     let mut results = Vec::new();
-    for (name, attack) in attacks.into_iter().filter(|(n, _)| chosen(n)) {
+    for (name, attack, fleet) in attacks.into_iter().filter(|(n, _, _)| chosen(n)) {
         eprintln!("xtask: bench hostile: {name}");
-        let v = one(name, attack, &phases).with_context(|| format!("attack {name}"))?;
+        let mut v = one(name, attack, fleet, &phases).with_context(|| format!("attack {name}"))?;
+        // Each attack carries its phases: a subset run's results sit
+        // beside figures of another run.
+        v["quick"] = json!(quick);
+        v["idle_s"] = json!(phases.idle.as_secs());
+        v["attack_s"] = json!(phases.attack.as_secs());
+        v["indexed_blocks"] = json!(phases.blocks_per_worker * WORKERS);
         eprintln!("{v}");
         results.push(v);
     }
-    Ok(json!({
+    let this = json!({
         "name": "hostile",
         "quick": quick,
         "idle_s": phases.idle.as_secs(),
         "attack_s": phases.attack.as_secs(),
         "indexed_blocks": phases.blocks_per_worker * WORKERS,
         "attacks": results,
-    }))
+    });
+    if only.is_none() {
+        return Ok(this);
+    }
+    // A subset: the other attacks' published figures stay.
+    let order: Vec<&str> = attacks.iter().map(|(n, _, _)| *n).collect();
+    let published = std::fs::read(repo().join("bench/results/hostile.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        .filter(|v| v["attacks"].is_array());
+    Ok(match published {
+        Some(old) => merge(old, this, &order),
+        None => this,
+    })
 }
 
-fn one(name: &str, attack: Attack, phases: &Phases) -> Result<Value> {
-    let stack = Stack::start_with(
-        build::release_paths()?,
-        StackConfig {
-            workers: WORKERS,
-            kv_events: true,
-            kv_external: true,
-            kv_external_replay: name == "replay_flood",
-            sim_args: ["--instant", "--default-max-tokens", "1"]
-                .map(String::from)
-                .to_vec(),
-            selection_api: true,
-            replica_sync: true,
-            control_token: Some(TOKEN.to_string()),
-            scrape_interval_ms: 250,
-            down_after_ms: 3000,
-            ..StackConfig::default()
-        },
-    )?;
+/// `new`'s attacks in place of `old`'s of the same name, the others kept
+/// (each given `old`'s phases where it has none of its own), in the order
+/// of `order`; the top-level phases stay `old`'s.
+fn merge(mut old: Value, new: Value, order: &[&str]) -> Value {
+    let phase_keys = ["quick", "idle_s", "attack_s", "indexed_blocks"];
+    let mut attacks: Vec<Value> = old["attacks"].as_array().cloned().unwrap_or_default();
+    for a in &mut attacks {
+        for k in phase_keys {
+            if a.get(k).is_none() {
+                a[k] = old[k].clone();
+            }
+        }
+    }
+    for a in new["attacks"].as_array().into_iter().flatten() {
+        match attacks.iter_mut().find(|o| o["attack"] == a["attack"]) {
+            Some(o) => *o = a.clone(),
+            None => attacks.push(a.clone()),
+        }
+    }
+    let rank = |a: &Value| {
+        a["attack"]
+            .as_str()
+            .and_then(|n| order.iter().position(|o| *o == n))
+            .unwrap_or(order.len())
+    };
+    attacks.sort_by_key(rank);
+    old["attacks"] = Value::Array(attacks);
+    old
+}
+
+/// The stack an attack runs on: every fleet indexes the same blocks and
+/// serves the selection API as the plain one does.
+fn stack_config(name: &str, fleet: Fleet) -> StackConfig {
+    let plain = StackConfig {
+        workers: WORKERS,
+        kv_events: true,
+        kv_external: true,
+        kv_external_replay: name == "replay_flood",
+        sim_args: ["--instant", "--default-max-tokens", "1"]
+            .map(String::from)
+            .to_vec(),
+        selection_api: true,
+        replica_sync: true,
+        control_token: Some(TOKEN.to_string()),
+        scrape_interval_ms: 250,
+        down_after_ms: 3000,
+        ..StackConfig::default()
+    };
+    let strings = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let consumer = strings(&["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"]);
+    let mut producer = strings(&["--kv-role", "kv_producer", "--kv-side-channel-port", "0"]);
+    let timeout_ms = match fleet {
+        Fleet::Plain => return plain,
+        Fleet::SlowPrefills => {
+            // A leg of DEPARTED_PROMPT_TOKENS takes DEPARTED_PREFILL_S of
+            // wall time at the sims' speedup.
+            let us_per_token =
+                DEPARTED_PREFILL_S * 1e6 * PD_SPEEDUP / DEPARTED_PROMPT_TOKENS as f64;
+            producer.extend([
+                "--prefill-us-per-token".into(),
+                format!("{us_per_token}"),
+                "--kv-lease-ms".into(),
+                DEPARTED_KV_LEASE_MS.to_string(),
+                "--num-gpu-blocks".into(),
+                DEPARTED_GPU_BLOCKS.to_string(),
+                // Every leg runs at once: none waits for a batch slot.
+                "--max-running".into(),
+                "1024".into(),
+            ]);
+            DEPARTED_PREFILL_TIMEOUT_MS
+        }
+        Fleet::StalledPrefills => {
+            producer.push("--prefill-stall-after-headers".into());
+            STALLED_PREFILL_TIMEOUT_MS
+        }
+    };
+    StackConfig {
+        sim_args: strings(&[
+            "--default-max-tokens",
+            "1",
+            "--speedup",
+            &PD_SPEEDUP.to_string(),
+        ]),
+        roles: strings(&["prefill", "prefill", "decode", "decode"]),
+        worker_sim_args: vec![producer.clone(), producer, consumer.clone(), consumer],
+        model_toml: format!(
+            "[models.disaggregation]\nprotocol = \"vllm-nixl\"\non_prefill_failure = \"local\"\nprefill_timeout_ms = {timeout_ms}\n"
+        ),
+        ..plain
+    }
+}
+
+fn one(name: &str, attack: Attack, fleet: Fleet, phases: &Phases) -> Result<Value> {
+    let stack = Stack::start_with(build::release_paths()?, stack_config(name, fleet))?;
     // Honest, empty replay buffers for every worker but the first, whose
     // ROUTER the attack binds.
     let routers = Arc::new(AtomicBool::new(false));
@@ -156,11 +319,25 @@ fn one(name: &str, attack: Attack, phases: &Phases) -> Result<Value> {
         None => None,
     };
     let mut bench = fill(&stack, phases.blocks_per_worker)?;
+    bench.attack = phases.attack;
 
+    let cpu0 = stack.cpu_seconds();
     let idle = measure(&stack, &bench, phases.idle)?;
+    let cpu1 = stack.cpu_seconds();
     let stop = Arc::new(AtomicBool::new(false));
     let handle = attack(&stack, &mut bench, stop.clone())?;
     let under = measure(&stack, &bench, phases.attack)?;
+    let cpu2 = stack.cpu_seconds();
+    // CPU seconds a second of each part of the stack, idle and attacked:
+    // on a small machine they share the cores the sidecar is measured on.
+    let cores = |a: [f64; 3], b: [f64; 3], d: Duration| {
+        let per_s = |i: usize| (b[i] - a[i]) / d.as_secs_f64().max(1e-9);
+        json!({"envoy": per_s(0), "sidecar": per_s(1), "workers": per_s(2)})
+    };
+    let cpu = json!({
+        "idle": cores(cpu0, cpu1, phases.idle),
+        "under_attack": cores(cpu1, cpu2, phases.attack),
+    });
     stop.store(true, Ordering::Relaxed);
     let outcome = handle
         .join()
@@ -180,6 +357,7 @@ fn one(name: &str, attack: Attack, phases: &Phases) -> Result<Value> {
         "health_p99_ratio": ratio(&under["health_p99_us"], &idle["health_p99_us"]),
         "outcome": outcome,
         "counters": counters,
+        "cpu_cores": cpu,
     }))
 }
 
@@ -225,6 +403,7 @@ fn fill(stack: &Stack, blocks_per_worker: usize) -> Result<Bench> {
     Ok(Bench {
         publishers,
         prompts,
+        attack: Duration::ZERO,
     })
 }
 
@@ -1096,6 +1275,330 @@ fn spaced_readers(
     }))
 }
 
+/// A prompt no worker holds: `n` tokens from `tag`'s own range.
+fn fresh_prompt(tag: u64, n: usize) -> Vec<u32> {
+    let base = 60_000_000u32.wrapping_add((tag as u32).wrapping_mul(10_007));
+    (0..n as u32).map(|k| base.wrapping_add(k)).collect()
+}
+
+fn completion_request(addr: &str, prompt: &[u32], max_tokens: u32) -> Vec<u8> {
+    let body =
+        json!({"model": "demo-model", "prompt": prompt, "max_tokens": max_tokens}).to_string();
+    let mut req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body.as_bytes());
+    req
+}
+
+/// The prefill workers of a disaggregated fleet (catalog role `prefill`).
+fn prefill_workers(stack: &Stack) -> Vec<(u64, String)> {
+    stack
+        .workers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| stack.config.roles.get(*i).map(String::as_str) == Some("prefill"))
+        .map(|(_, w)| (w.id, w.endpoint()))
+        .collect()
+}
+
+/// The sum of a Prometheus page's samples of `name` whose labels contain
+/// one of `labels` (all of them when `labels` is empty).
+fn sample_sum(text: &str, name: &str, labels: &[String]) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
+        })
+        .filter(|l| labels.is_empty() || labels.iter().any(|m| l.contains(m.as_str())))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b)
+}
+
+/// Prefill legs on the prefill sims now, running or queued (their
+/// `vllm:num_requests_running` and `_waiting`: a prefill worker serves
+/// nothing else).
+fn legs_in_flight(sims: &[(u64, String)]) -> Option<f64> {
+    let mut n = 0.0;
+    for (_, addr) in sims {
+        let (200, body) = http::get(addr, "/metrics").ok()? else {
+            return None;
+        };
+        let text = String::from_utf8_lossy(&body);
+        n += sample_sum(&text, "vllm:num_requests_running", &[]);
+        n += sample_sum(&text, "vllm:num_requests_waiting", &[]);
+    }
+    Some(n)
+}
+
+/// Prompt tokens the sidecar shows booked on the prefill workers' ranks.
+fn prefill_booked(sidecar: &str, sims: &[(u64, String)]) -> Option<f64> {
+    let (200, body) = http::get(sidecar, "/metrics").ok()? else {
+        return None;
+    };
+    let labels: Vec<String> = sims
+        .iter()
+        .map(|(id, _)| format!("worker_id=\"{id}\""))
+        .collect();
+    Some(sample_sum(
+        &String::from_utf8_lossy(&body),
+        "kvgate_sidecar_rank_active_prefill_tokens",
+        &labels,
+    ))
+}
+
+/// Prefill legs the sims have served (their `/sim/disagg` counter).
+fn prefill_legs_served(sims: &[(u64, String)]) -> u64 {
+    sims.iter()
+        .filter_map(|(_, addr)| {
+            let (200, body) = http::get(addr, "/sim/disagg").ok()? else {
+                return None;
+            };
+            let v: Value = serde_json::from_slice(&body).ok()?;
+            v["counters"]["prefill_legs"].as_u64()
+        })
+        .sum()
+}
+
+/// 1,000 clients in waves every 250 ms spread over the attack, each
+/// posting a long completion to Envoy and hanging up 0.2 s in, during its
+/// 1 s prefill leg. Meanwhile, every 100 ms, the legs in flight on the
+/// prefill sims and the prompt tokens the sidecar shows booked on them;
+/// after the attack, what is still booked once the last leg's deadline
+/// has passed.
+fn departed_prefills(
+    stack: &Stack,
+    bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let envoy = stack.envoy_addr();
+    let sidecar = stack.sidecar_addr();
+    let admin = stack.admin_addr();
+    let sims = prefill_workers(stack);
+    anyhow::ensure!(!sims.is_empty(), "the fleet has no prefill worker");
+    let stat = {
+        let admin = admin.clone();
+        move |name: &str| envoy_stat(&admin, name)
+    };
+    let before_orphaned = stat("kvgate_prefill_orphaned_total");
+    let before_remote = stat("kvgate_prefill_remote_total");
+    let before_legs = prefill_legs_served(&sims);
+    let per_wave = DEPARTED_CLIENTS
+        .div_ceil((bench.attack.as_millis() / DEPARTED_WAVE.as_millis()).max(1) as usize);
+    Ok(std::thread::spawn(move || {
+        let sampling = Arc::new(AtomicBool::new(false));
+        let sampler = {
+            let (sims, sidecar, done) = (sims.clone(), sidecar.clone(), sampling.clone());
+            std::thread::spawn(move || {
+                let (mut legs_peak, mut booked_peak) = (0.0f64, 0.0f64);
+                let mut tick = 0u64;
+                while !done.load(Ordering::Relaxed) {
+                    if let Some(n) = legs_in_flight(&sims) {
+                        legs_peak = legs_peak.max(n);
+                    }
+                    // The sidecar is what is measured: its page is read
+                    // less often (a booking lasts 3 s, a leg 1 s).
+                    if tick.is_multiple_of(3)
+                        && let Some(t) = prefill_booked(&sidecar, &sims)
+                    {
+                        booked_peak = booked_peak.max(t);
+                    }
+                    tick += 1;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                (legs_peak, booked_peak)
+            })
+        };
+        let statuses = Counts::default();
+        let mut open: std::collections::VecDeque<(TcpStream, Instant)> = Default::default();
+        let (mut sent, mut send_failed) = (0usize, 0u64);
+        let mut next_wave = Instant::now();
+        let mut last_sent = Instant::now();
+        while !(stop.load(Ordering::Relaxed) || (sent >= DEPARTED_CLIENTS && open.is_empty())) {
+            if Instant::now() >= next_wave && sent < DEPARTED_CLIENTS {
+                for _ in 0..per_wave.min(DEPARTED_CLIENTS - sent) {
+                    let req = completion_request(
+                        &envoy,
+                        &fresh_prompt(sent as u64, DEPARTED_PROMPT_TOKENS),
+                        16,
+                    );
+                    sent += 1;
+                    let s = TcpStream::connect(&envoy).and_then(|mut s| {
+                        s.set_nodelay(true)?;
+                        s.write_all(&req)?;
+                        s.set_nonblocking(true)?;
+                        Ok(s)
+                    });
+                    match s {
+                        Ok(s) => open.push_back((s, Instant::now() + DEPARTED_HANG_UP)),
+                        Err(_) => send_failed += 1,
+                    }
+                }
+                last_sent = Instant::now();
+                next_wave += DEPARTED_WAVE;
+            }
+            while open.front().is_some_and(|(_, at)| *at <= Instant::now()) {
+                let Some((mut s, _)) = open.pop_front() else {
+                    break;
+                };
+                // An answer before the hang-up is counted by its status;
+                // 0: none came, the client left with its leg running.
+                let mut head = [0u8; 64];
+                let status = match s.read(&mut head) {
+                    Ok(n) if n >= 12 => String::from_utf8_lossy(&head[..n])
+                        .split_whitespace()
+                        .nth(1)
+                        .and_then(|c| c.parse().ok())
+                        .unwrap_or(1),
+                    _ => 0,
+                };
+                statuses.count(status);
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for (s, _) in open.drain(..) {
+            statuses.count(0);
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        // The last legs' deadlines, then what the sidecar still holds.
+        let deadline = last_sent + Duration::from_millis(DEPARTED_PREFILL_TIMEOUT_MS + 2000);
+        let mut booked_after = prefill_booked(&sidecar, &sims);
+        while Instant::now() < deadline && booked_after != Some(0.0) {
+            std::thread::sleep(Duration::from_millis(200));
+            booked_after = prefill_booked(&sidecar, &sims);
+        }
+        let drained_after_ms = last_sent.elapsed().as_millis() as u64;
+        sampling.store(true, Ordering::Relaxed);
+        let (legs_peak, booked_peak) = sampler
+            .join()
+            .map_err(|_| anyhow::anyhow!("sampler panicked"))?;
+        Ok(json!({
+            "clients": sent,
+            "clients_not_sent": send_failed,
+            "prompt_tokens": DEPARTED_PROMPT_TOKENS,
+            "prefill_leg_s": DEPARTED_PREFILL_S,
+            "hang_up_ms": DEPARTED_HANG_UP.as_millis() as u64,
+            "prefill_timeout_ms": DEPARTED_PREFILL_TIMEOUT_MS,
+            "answers_before_hang_up": statuses.view(),
+            "prefill_legs_served": prefill_legs_served(&sims).saturating_sub(before_legs),
+            "prefill_remote": stat("kvgate_prefill_remote_total").saturating_sub(before_remote),
+            "prefill_orphaned": stat("kvgate_prefill_orphaned_total").saturating_sub(before_orphaned),
+            "legs_in_flight_peak": legs_peak,
+            "booked_prefill_tokens_peak": booked_peak,
+            "booked_legs_peak": booked_peak / DEPARTED_PROMPT_TOKENS as f64,
+            "booked_prefill_tokens_after_deadline": booked_after,
+            "drained_after_last_wave_ms": drained_after_ms,
+        }))
+    }))
+}
+
+/// One of the filter's counters from Envoy's admin `/stats`; 0 when it
+/// cannot be read.
+fn envoy_stat(admin: &str, name: &str) -> u64 {
+    let full = format!("wasmcustom.{name}");
+    let path = format!("/stats?filter=^{}$", full.replace('.', "\\."));
+    let Ok((200, body)) = http::get(admin, &path) else {
+        return 0;
+    };
+    String::from_utf8_lossy(&body)
+        .lines()
+        .filter_map(|l| l.split_once(": "))
+        .find(|(k, _)| k.trim() == full)
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Prefill sims that stall every leg after its headers; eight honest
+/// clients each send 3,000-token completions through Envoy, one at a
+/// time, until the attack ends. Each leg times out after 500 ms and the
+/// decode worker prefills the prompt itself.
+fn stalled_prefills(
+    stack: &Stack,
+    _bench: &mut Bench,
+    stop: Arc<AtomicBool>,
+) -> Result<JoinHandle<Result<Value>>> {
+    let envoy = stack.envoy_addr();
+    let admin = stack.admin_addr();
+    let log = stack.run_dir.join("envoy.log");
+    let before_failed = envoy_stat(&admin, "kvgate_prefill_failed_total");
+    let before_remote = envoy_stat(&admin, "kvgate_prefill_remote_total");
+    Ok(std::thread::spawn(move || {
+        let statuses = Arc::new(Counts::default());
+        let sent = Arc::new(AtomicU64::new(0));
+        let latencies = Arc::new(Mutex::new(Vec::new()));
+        let clients: Vec<_> = (0..HONEST_CLIENTS)
+            .map(|_| {
+                let (envoy, stop, statuses, sent, latencies) = (
+                    envoy.clone(),
+                    stop.clone(),
+                    statuses.clone(),
+                    sent.clone(),
+                    latencies.clone(),
+                );
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let i = sent.fetch_add(1, Ordering::Relaxed);
+                        if i >= HONEST_MAX_REQUESTS {
+                            break;
+                        }
+                        let body = json!({"model": "demo-model", "max_tokens": 4,
+                            "prompt": fresh_prompt(i, HONEST_PROMPT_TOKENS as usize)})
+                        .to_string();
+                        let t0 = Instant::now();
+                        let status = http::request(
+                            &envoy,
+                            "POST",
+                            "/v1/completions",
+                            &[("content-type", "application/json")],
+                            Some(body.as_bytes()),
+                        )
+                        .map_or(0, |(s, _)| s);
+                        statuses.count(status);
+                        if status == 200 {
+                            let us = t0.elapsed().as_micros() as u64;
+                            latencies.lock().unwrap_or_else(|e| e.into_inner()).push(us);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for c in clients {
+            let _ = c.join();
+        }
+        let answers = statuses.view();
+        let total: u64 = answers
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(_, n)| n.as_u64())
+            .sum();
+        let ok = answers["200"].as_u64().unwrap_or(0);
+        let mut lat = std::mem::take(&mut *latencies.lock().unwrap_or_else(|e| e.into_inner()));
+        lat.sort_unstable();
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let panics = text
+            .lines()
+            .filter(|l| l.contains("panicked") || l.contains("wasm trap"))
+            .count();
+        Ok(json!({
+            "honest_clients": HONEST_CLIENTS,
+            "prompt_tokens": HONEST_PROMPT_TOKENS,
+            "prefill_timeout_ms": STALLED_PREFILL_TIMEOUT_MS,
+            "honest_requests": total,
+            "honest_answers": answers,
+            "honest_ok_share": if total > 0 { json!(ok as f64 / total as f64) } else { Value::Null },
+            "honest_ok_p50_us": percentile(&lat, 50.0),
+            "honest_ok_p99_us": percentile(&lat, 99.0),
+            "prefill_remote": envoy_stat(&admin, "kvgate_prefill_remote_total").saturating_sub(before_remote),
+            "prefill_failed": envoy_stat(&admin, "kvgate_prefill_failed_total").saturating_sub(before_failed),
+            "envoy_log_panics": panics,
+        }))
+    }))
+}
+
 /// The section of `bench/report.md`.
 pub fn report(v: &Value) -> String {
     let mut s = String::from("\n## Hostile inputs\n\n");
@@ -1106,7 +1609,9 @@ pub fn report(v: &Value) -> String {
          kept-alive connection (as Envoy and selection clients hold theirs); \
          resident memory is sampled every 100 ms, and `/health` probed on a \
          fresh connection every 100 ms (1 s timeout). Targets: peak RSS within \
-         2× idle plus the configured bounds, `/select` p99 within 5× idle.\n\n",
+         2× idle plus the configured bounds, `/select` p99 within 5× idle. \
+         The disaggregated attacks run on two prefill and two decode \
+         simulated vLLM workers (NIXL) behind Envoy.\n\n",
         if v["quick"].as_bool() == Some(true) {
             " (quick)"
         } else {
@@ -1122,6 +1627,7 @@ pub fn report(v: &Value) -> String {
     );
     let f = |x: &Value| x.as_f64().map_or("–".to_string(), |x| format!("{x:.0}"));
     let r = |x: &Value| x.as_f64().map_or("–".to_string(), |x| format!("{x:.2}×"));
+    let mut other_phases = false;
     for a in v["attacks"].as_array().into_iter().flatten() {
         let c = &a["counters"];
         let nonzero: Vec<String> = c
@@ -1141,9 +1647,14 @@ pub fn report(v: &Value) -> String {
                 )
             })
             .collect();
+        // An attack measured in another run than the section's phases say.
+        let own = |k: &str| a.get(k).is_some_and(|x| *x != v[k]);
+        let marked = own("quick") || own("idle_s") || own("attack_s") || own("indexed_blocks");
+        other_phases |= marked;
         s.push_str(&format!(
-            "| {} | {} → {} | {} | {} → {} | {} | {} | {} → {}, {} | {} |\n",
+            "| {}{} | {} → {} | {} | {} → {} | {} | {} | {} → {}, {} | {} |\n",
             a["attack"].as_str().unwrap_or("?"),
+            if marked { " ¹" } else { "" },
             f(&a["idle"]["rss_peak_mib"]),
             f(&a["under_attack"]["rss_peak_mib"]),
             r(&a["rss_ratio"]),
@@ -1153,7 +1664,7 @@ pub fn report(v: &Value) -> String {
             a["under_attack"]["select_failed"],
             f(&a["idle"]["health_p99_us"]),
             f(&a["under_attack"]["health_p99_us"]),
-            a["under_attack"]["health_failed"],
+            f(&a["under_attack"]["health_failed"]),
             if nonzero.is_empty() {
                 "–".to_string()
             } else {
@@ -1161,6 +1672,167 @@ pub fn report(v: &Value) -> String {
             },
         ));
     }
+    if other_phases {
+        // The attacks of each other set of phases, in order.
+        let mut runs: Vec<(String, Vec<&str>)> = Vec::new();
+        for a in v["attacks"].as_array().into_iter().flatten() {
+            let phases = ["quick", "idle_s", "attack_s", "indexed_blocks"];
+            if phases.iter().all(|k| a.get(*k).is_none_or(|x| *x == v[*k])) {
+                continue;
+            }
+            let run = format!(
+                "{}{} s idle, {} s attack, a {}-block index",
+                if a["quick"].as_bool() == Some(true) {
+                    "quick: "
+                } else {
+                    ""
+                },
+                a["idle_s"],
+                a["attack_s"],
+                a["indexed_blocks"],
+            );
+            let name = a["attack"].as_str().unwrap_or("?");
+            match runs.iter_mut().find(|(r, _)| *r == run) {
+                Some((_, names)) => names.push(name),
+                None => runs.push((run, vec![name])),
+            }
+        }
+        let runs: Vec<String> = runs
+            .into_iter()
+            .map(|(run, names)| format!("{} ({run})", names.join(", ")))
+            .collect();
+        s.push_str(&format!(
+            "\n¹ Measured later, in a run of these attacks alone with other phases: {}.\n",
+            runs.join("; ")
+        ));
+    }
+    let unprobed = v["attacks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|a| a["under_attack"].get("health_p99_us").is_none());
+    if unprobed {
+        s.push_str("\nA `/health` figure of – is from a run before the probe was measured.\n");
+    }
+    s.push_str(&disagg_outcomes(v));
     s.push_str("\nEach attack's own tally is in `bench/results/hostile.json`.\n");
     s
+}
+
+/// The disaggregated attacks' own figures, when the results hold them.
+fn disagg_outcomes(v: &Value) -> String {
+    let find = |name: &str| {
+        v["attacks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|a| a["attack"] == name)
+            .map(|a| &a["outcome"])
+    };
+    let f = |x: &Value| x.as_f64().map_or("–".to_string(), |x| format!("{x:.0}"));
+    let mut s = String::new();
+    if let Some(o) = find("departed_prefills") {
+        s.push_str(&format!(
+            "\n`departed_prefills`: {} clients, each a {}-token prompt whose \
+             prefill leg takes {} s, hanging up {} ms in; `prefill_timeout_ms` \
+             {}.\n\n\
+             | prefill legs served | Envoy's `kvgate_prefill_orphaned_total` | legs in flight on the prefill sims, peak | booked on their ranks, peak (prompt tokens ≈ legs) | still booked after the last deadline (tokens) |\n\
+             | --- | --- | --- | --- | --- |\n\
+             | {} | {} | {} | {} ≈ {} | {} |\n",
+            o["clients"],
+            o["prompt_tokens"],
+            o["prefill_leg_s"],
+            o["hang_up_ms"],
+            o["prefill_timeout_ms"],
+            o["prefill_legs_served"],
+            o["prefill_orphaned"],
+            f(&o["legs_in_flight_peak"]),
+            f(&o["booked_prefill_tokens_peak"]),
+            f(&o["booked_legs_peak"]),
+            f(&o["booked_prefill_tokens_after_deadline"]),
+        ));
+    }
+    if let Some(o) = find("stalled_prefills") {
+        let share = o["honest_ok_share"]
+            .as_f64()
+            .map_or("–".to_string(), |x| format!("{:.1} %", x * 100.0));
+        s.push_str(&format!(
+            "\n`stalled_prefills`: every prefill leg stalls after its headers; \
+             `prefill_timeout_ms` {}, `on_prefill_failure = \"local\"`; {} honest \
+             clients send {}-token completions through Envoy.\n\n\
+             | honest requests | answered 200 | their p50 / p99 (ms) | Envoy's `kvgate_prefill_failed_total` | lines of Envoy's log with `panicked` or `wasm trap` |\n\
+             | --- | --- | --- | --- | --- |\n\
+             | {} | {} | {} / {} | {} | {} |\n",
+            o["prefill_timeout_ms"],
+            o["honest_clients"],
+            o["prompt_tokens"],
+            o["honest_requests"],
+            share,
+            o["honest_ok_p50_us"]
+                .as_f64()
+                .map_or("–".to_string(), |x| format!("{:.0}", x / 1000.0)),
+            o["honest_ok_p99_us"]
+                .as_f64()
+                .map_or("–".to_string(), |x| format!("{:.0}", x / 1000.0)),
+            o["prefill_failed"],
+            o["envoy_log_panics"],
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attack(name: &str, rss: f64) -> Value {
+        json!({"attack": name, "idle": {"rss_peak_mib": rss}, "under_attack": {}, "outcome": {}})
+    }
+
+    #[test]
+    fn a_subset_run_keeps_the_other_attacks_figures() {
+        let old = json!({"quick": false, "idle_s": 10, "attack_s": 45, "indexed_blocks": 4,
+            "attacks": [attack("a", 1.0), attack("c", 3.0)]});
+        let mut b = attack("b", 2.0);
+        let mut c = attack("c", 30.0);
+        for x in [&mut b, &mut c] {
+            x["quick"] = json!(true);
+            x["attack_s"] = json!(15);
+        }
+        let new = json!({"quick": true, "idle_s": 5, "attack_s": 15, "indexed_blocks": 1,
+            "attacks": [c, b]});
+        let merged = merge(old, new, &["a", "b", "c"]);
+        assert_eq!(merged["attack_s"], 45, "the published phases stay");
+        let names: Vec<&str> = merged["attacks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["attack"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        assert_eq!(
+            merged["attacks"][0]["attack_s"], 45,
+            "given its run's phases"
+        );
+        assert_eq!(merged["attacks"][2]["idle"]["rss_peak_mib"], 30.0);
+        let r = report(&merged);
+        assert!(
+            r.contains("| b ¹ |") && r.contains("| c ¹ |") && r.contains("| a |"),
+            "{r}"
+        );
+        assert!(r.contains("b, c (quick: "), "{r}");
+    }
+
+    #[test]
+    fn the_report_shows_the_disaggregated_outcomes() {
+        let mut d = attack("departed_prefills", 1.0);
+        d["outcome"] = json!({"clients": 1000, "prefill_orphaned": 998,
+            "legs_in_flight_peak": 70.0, "booked_legs_peak": 200.0});
+        let mut s = attack("stalled_prefills", 1.0);
+        s["outcome"] = json!({"honest_requests": 240, "honest_ok_share": 1.0,
+            "prefill_failed": 240, "envoy_log_panics": 0});
+        let r = report(&json!({"attacks": [d, s]}));
+        assert!(r.contains("| 998 | 70 |"), "{r}");
+        assert!(r.contains("| 240 | 100.0 % |"), "{r}");
+    }
 }

@@ -47,7 +47,6 @@ const TRANSFER_FIELDS: [&str; 5] = [
     nixl::REQUEST_ID,
 ];
 
-
 /// vLLM's extra arguments: it takes `kv_transfer_params` from them when
 /// the body has none at the top level.
 const XARGS: &str = "vllm_xargs";
