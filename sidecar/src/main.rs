@@ -16,6 +16,11 @@ use kvgate_sidecar::api::{listener, status};
 use kvgate_sidecar::config::{Config, ListenerLimits};
 use kvgate_sidecar::{Sidecar, api};
 use std::net::SocketAddr;
+
+/// Memory a burst took (request bodies, whole-index copies) goes back to
+/// the system once freed, instead of staying in glibc's arenas.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 use std::path::PathBuf;
 
 #[derive(Debug, Parser)]

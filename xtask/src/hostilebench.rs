@@ -1101,8 +1101,12 @@ fn slow_bodies(
         for t in threads {
             let _ = t.join();
         }
-        // The clients are gone: what stays is what the sidecar kept.
-        std::thread::sleep(Duration::from_secs(3));
+        // The clients are gone: what stays is what the sidecar kept, read
+        // at once and past the allocator's 10 s decay, when freed pages
+        // have gone back to the system.
+        std::thread::sleep(Duration::from_secs(1));
+        let at_once = kvgate_stack::process_rss(pid).unwrap_or(0);
+        std::thread::sleep(Duration::from_secs(14));
         let after = kvgate_stack::process_rss(pid).unwrap_or(0);
         Ok(json!({
             "connections": CONNECTIONS,
@@ -1110,6 +1114,7 @@ fn slow_bodies(
             "bytes_per_s": 32 << 10,
             "connections_opened": opened.load(Ordering::Relaxed),
             "answers": statuses.view(),
+            "rss_1s_after_clients_left_mib": at_once as f64 / MIB,
             "rss_after_clients_left_mib": after as f64 / MIB,
         }))
     }))

@@ -34,6 +34,11 @@ pub(super) const MAX_BODY: usize = 2 << 20;
 /// A buffer's first size when the body declares no length: most bodies
 /// (selections, bookings) fit.
 const FIRST_BUFFER: usize = 16 << 10;
+/// What each body holds without paying from the budget: a small body
+/// (a selection, a booking batch) is never refused for want of budget,
+/// whatever slow bodies hold. At most `max_connections` of these are
+/// held at once (16 MiB at the default 1024).
+pub(super) const FREE_BYTES: usize = FIRST_BUFFER;
 /// A body over the budget is asked to come back shortly.
 const RETRY_AFTER_S: u32 = 1;
 
@@ -179,7 +184,8 @@ pub(super) struct Budgeted {
 }
 
 impl Budgeted {
-    fn held_bytes(&self) -> usize {
+    /// The budget's bytes this body holds.
+    fn paid_bytes(&self) -> usize {
         self.permit
             .as_ref()
             .map_or(0, OwnedSemaphorePermit::num_permits)
@@ -208,10 +214,11 @@ impl Budgeted {
     }
 
     /// Room for `more` bytes: the buffer grows by doubling (to the
-    /// declared length at most), each growth paid for first.
+    /// declared length at most), each growth past the free bytes paid
+    /// for first.
     fn make_room(&mut self, more: usize) -> Result<(), Refusal> {
         let need = self.buf.len() + more;
-        if need <= self.held_bytes() {
+        if need <= self.buf.capacity() {
             return Ok(());
         }
         let limit = self.declared.map_or(MAX_BODY, |d| {
@@ -224,17 +231,21 @@ impl Budgeted {
             .max(FIRST_BUFFER)
             .min(limit)
             .max(need);
-        let extra = grown - self.held_bytes();
-        let more_permits = u32::try_from(extra).map_err(|_| Refusal::TooLarge)?;
-        let p = self
-            .pool
-            .clone()
-            .try_acquire_many_owned(more_permits)
-            .map_err(|_| Refusal::Budget)?;
-        self.held.add(i64::from(more_permits));
-        match self.permit.as_mut() {
-            Some(held) => held.merge(p),
-            None => self.permit = Some(p),
+        let extra = grown
+            .saturating_sub(FREE_BYTES)
+            .saturating_sub(self.paid_bytes());
+        if extra > 0 {
+            let more_permits = u32::try_from(extra).map_err(|_| Refusal::TooLarge)?;
+            let p = self
+                .pool
+                .clone()
+                .try_acquire_many_owned(more_permits)
+                .map_err(|_| Refusal::Budget)?;
+            self.held.add(i64::from(more_permits));
+            match self.permit.as_mut() {
+                Some(held) => held.merge(p),
+                None => self.permit = Some(p),
+            }
         }
         self.buf.reserve_exact(grown - self.buf.len());
         Ok(())
