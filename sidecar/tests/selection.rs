@@ -484,6 +484,7 @@ async fn writes_need_the_token_and_reads_do_not() {
 fn replica_config(worker: &str, peers: &[&str]) -> String {
     format!(
         "[server]\npublish_interval_ms = 10\n[scrape]\ninterval_ms = 50\n\
+         [load]\nvm_silence_ms = 300\n\
          [replica_sync]\nlisten = \"127.0.0.1:0\"\npeers = {peers:?}\n\
          [[models]]\nname = \"m\"\n\
          [[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"{worker}\"\n"
@@ -612,6 +613,31 @@ async fn replica_sync_shares_admissions_and_frees_between_sidecars() {
         loads(&b_api).await == vec![((1, 0), (160, 10))]
     })
     .await;
+    // A VM that says it is alive and then goes silent (it died): A ends
+    // its bookings after load.vm_silence_ms, and B's copies end with them.
+    let mut alive = Vec::new();
+    kvgate_core::booking::Event::Alive { vm: 6 }.encode_into(&mut alive);
+    kvgate_core::booking::Event::Book {
+        key: kvgate_core::booking::Key { vm: 6, seq: 1 },
+        model: "m".into(),
+        slot: 0,
+        prefill_tokens: 1000,
+        decode_blocks: 7,
+    }
+    .encode_into(&mut alive);
+    let (status, _, _) = call_raw("POST", &format!("{a_base}/v1/bookings"), &[], alive).await;
+    assert_eq!(status, 204);
+    wait_until("A and B end the silent VM's booking", async || {
+        loads(&a_api).await == vec![((1, 0), (160, 10))]
+            && loads(&b_api).await == vec![((1, 0), (160, 10))]
+    })
+    .await;
+    let metrics = call("GET", &format!("{a_base}/metrics"), None).await.2;
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(
+        metrics.contains("kvgate_sidecar_bookings_silenced_total 1"),
+        "{metrics}"
+    );
 
     // Deregistered, A no longer hears B.
     let (status, v) = json_of(

@@ -15,7 +15,7 @@ use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::publish::{ShardLog, SnapshotStore, Versions};
 use crate::replica::ReplicaSync;
-use crate::replica::wire::SyncEvent;
+use crate::replica::wire::{SyncEvent, SyncId};
 use crate::sources::bookings::{Bookings, LedgerError, Load};
 use crate::sources::kv::plane::{Plane, PlaneConfig};
 use crate::sources::kv::socket::SocketLimits;
@@ -266,7 +266,7 @@ impl Sidecar {
 
     /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
     pub(crate) fn publish_now(&self) {
-        let snap = {
+        let (snap, silenced) = {
             let now = Instant::now();
             let mut b = self.bookings();
             let sweep = b.sweep(now);
@@ -276,8 +276,8 @@ impl Sidecar {
                 tracing::warn!(expired, "bookings expired without their end being reported");
                 ledger.bookings_expired.inc_by(expired as u64);
             }
-            if sweep.silenced > 0 {
-                ledger.bookings_silenced.inc_by(sweep.silenced as u64);
+            if !sweep.silenced.is_empty() {
+                ledger.bookings_silenced.inc_by(sweep.silenced.len() as u64);
             }
             for (work, n) in [("expiry", sweep.visited), ("rebuild", sweep.rebuilt)] {
                 if n > 0 {
@@ -292,8 +292,12 @@ impl Sidecar {
             let snap = f.build_snapshot(&b, self.config().load.max_retry_after_s);
             let m = self.metrics();
             f.show(&b, &snap, &m.snapshot, &m.ledger);
-            snap
+            (snap, sweep.silenced)
         };
+        // Peers booked copies of those bookings when they were admitted.
+        for key in silenced {
+            self.announce(|| SyncEvent::Free(SyncId::Gateway(key)));
+        }
         let m = &self.metrics().snapshot;
         if let Some(v) = self.store().publish(self.versions(), snap, now_ms()) {
             tracing::debug!(version = v, "published snapshot");

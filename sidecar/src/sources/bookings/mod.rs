@@ -209,7 +209,7 @@ pub enum LedgerError {
 const DRAIN_TAU: Duration = Duration::from_secs(5);
 
 /// What one tick's sweep did, and the work it took.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Sweep {
     /// Holders expired.
     pub expired: usize,
@@ -220,8 +220,9 @@ pub struct Sweep {
     /// ended: paid for by the ends since the last time, not by what is
     /// held.
     pub rebuilt: usize,
-    /// Bookings ended because their VM went silent.
-    pub silenced: usize,
+    /// Bookings ended because their VM went silent: peers hold copies
+    /// of them, to be freed there too.
+    pub silenced: Vec<Key>,
 }
 
 /// A table is shrunk when it holds less than an eighth of its room (and
@@ -354,7 +355,7 @@ impl Bookings {
     /// Ends every booking of VMs that said they were alive and then went
     /// silent for `vm_silence`. Such a VM is a rare event, so finding its
     /// holders walks the ledger once per silent VM.
-    fn end_silent_vms(&mut self, now: Instant) -> usize {
+    fn end_silent_vms(&mut self, now: Instant) -> Vec<Key> {
         let silence = self.vm_silence;
         let silent: Vec<u64> = self
             .beats
@@ -362,7 +363,7 @@ impl Bookings {
             .filter(|(_, at)| now.saturating_duration_since(**at) > silence)
             .map(|(vm, _)| *vm)
             .collect();
-        let mut ended = 0;
+        let mut ended = Vec::new();
         for vm in silent {
             self.beats.remove(&vm);
             self.marks.remove(&vm);
@@ -374,20 +375,23 @@ impl Bookings {
                 )
                 .cloned()
                 .collect();
+            let before = ended.len();
             for h in gone {
                 if let Some(l) = self.live.remove(&h) {
                     self.census.remove(&h);
                     self.release(&l, false);
-                    ended += 1;
+                    if let Id::Gateway(key) = h.id {
+                        ended.push(key);
+                    }
                 }
             }
             tracing::warn!(
                 vm = format_args!("{vm:016x}"),
-                ended,
+                ended = ended.len() - before,
                 "an Envoy VM went silent: its bookings are ended"
             );
         }
-        self.silenced_total += ended as u64;
+        self.silenced_total += ended.len() as u64;
         ended
     }
 
