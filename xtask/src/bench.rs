@@ -42,6 +42,7 @@
 //!   idle. Only with `--only hostile`: it measures bounds, not speed.
 
 use crate::build::{self, Profile};
+use crate::stats::{histogram_buckets, median, percentiles_between, spread};
 use crate::{cargo, repo, setup};
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum;
@@ -474,18 +475,6 @@ fn measure(rt: &tokio::runtime::Runtime, base: &str, n: usize, concurrency: usiz
     }
 }
 
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
-pub(crate) fn spread(v: &[f64]) -> f64 {
-    let (lo, hi) = v
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(*x), b.max(*x)));
-    if v.is_empty() { 0.0 } else { hi - lo }
-}
-
 /// Envoy's own percentiles of a filter histogram, from `/stats`, over
 /// everything since Envoy started.
 pub(crate) fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
@@ -506,69 +495,6 @@ pub(crate) fn envoy_histogram(stack: &Stack, name: &str) -> Result<Value> {
         }
     }
     Ok(Value::Object(out))
-}
-
-/// A filter histogram's detailed buckets (`lower`, `width`, count), all
-/// recorded since Envoy started.
-pub(crate) fn histogram_buckets(stack: &Stack, name: &str) -> Result<Vec<(f64, f64, u64)>> {
-    let (_, body) = http::get(
-        &stack.admin_addr(),
-        &format!("/stats?filter=wasmcustom\\.{name}$&histogram_buckets=detailed"),
-    )?;
-    let text = String::from_utf8_lossy(&body);
-    // "  totals=7,0.1:1, 8,0.1:304, ...": lower,width:count.
-    let totals = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("totals="))
-        .unwrap_or_default();
-    let mut out = Vec::new();
-    for b in totals.split(", ").filter(|b| !b.is_empty()) {
-        let parsed = b.split_once(':').and_then(|(range, n)| {
-            let (lower, width) = range.split_once(',')?;
-            Some((lower.parse().ok()?, width.parse().ok()?, n.parse().ok()?))
-        });
-        out.push(parsed.with_context(|| format!("histogram bucket {b:?} of {name}"))?);
-    }
-    Ok(out)
-}
-
-/// Percentiles of what a histogram recorded between two readings of
-/// [`histogram_buckets`]: a measured window without the warm-up before it.
-/// Linear within a bucket, as Envoy's own summary.
-pub(crate) fn percentiles_between(
-    before: &[(f64, f64, u64)],
-    after: &[(f64, f64, u64)],
-    ps: &[f64],
-) -> Value {
-    let mut window: Vec<(f64, f64, u64)> = after
-        .iter()
-        .map(|&(lower, width, n)| {
-            let old = before
-                .iter()
-                .find(|b| b.0 == lower && b.1 == width)
-                .map_or(0, |b| b.2);
-            (lower, width, n.saturating_sub(old))
-        })
-        .filter(|b| b.2 > 0)
-        .collect();
-    window.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let total: u64 = window.iter().map(|b| b.2).sum();
-    let mut out = serde_json::Map::new();
-    out.insert("count".into(), json!(total));
-    for &p in ps {
-        let target = p / 100.0 * total as f64;
-        let mut seen = 0.0;
-        let mut value = f64::NAN;
-        for &(lower, width, n) in &window {
-            if seen + n as f64 >= target {
-                value = lower + width * ((target - seen) / n as f64).clamp(0.0, 1.0);
-                break;
-            }
-            seen += n as f64;
-        }
-        out.insert(format!("P{p}"), json!(value));
-    }
-    Value::Object(out)
 }
 
 /// The routes `overhead` measures, in the order of even repetitions: the

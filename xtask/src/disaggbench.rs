@@ -24,11 +24,11 @@
 //!
 //! Between runs every worker's prefix cache is reset and the fleet drained.
 
-use crate::bench::{histogram_buckets, percentiles_between};
 use crate::build;
 use crate::quality::{cap_outputs, counter, mooncake_text, reset, sims};
 use crate::shedbench::token_stream as stream;
 use crate::stats::{admitted_ttft_us, ms};
+use crate::stats::{histogram_buckets, percentiles_between};
 use anyhow::{Context, Result};
 use kvgate_load::workload::mooncake;
 use kvgate_load::{Outcome, RequestSpec, Target, run_open_loop};

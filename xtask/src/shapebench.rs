@@ -7,9 +7,9 @@
 //! in the prompt, so how many cores a gateway pod needs for a long-context
 //! fleet.
 
-use crate::bench::median;
 use crate::build;
 use crate::plot;
+use crate::stats::median;
 use anyhow::Result;
 use bytes::Bytes;
 use kvgate_load::{RequestSpec, Target, run_closed_loop};

@@ -13,7 +13,7 @@
 //!    retries that are admitted.
 
 use crate::build;
-use crate::stats::{self, admitted_ttft_us};
+use crate::stats::{self, admitted_ttft_us, median};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use kvgate_load::summary::percentile;
@@ -49,11 +49,6 @@ fn latencies(outcomes: &[Outcome], status: u16) -> Vec<u64> {
         .collect();
     v.sort_unstable();
     v
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Busy 503 latency against a pass-through round trip.

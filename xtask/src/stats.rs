@@ -1,10 +1,13 @@
 //! Figures several benchmarks take alike from their outcomes and results:
-//! admitted requests' latency percentiles, and plot points read back from
-//! a result's JSON.
+//! admitted requests' latency percentiles, medians and spreads of
+//! repeated runs, the filter's histograms read from Envoy, and plot points
+//! read back from a result's JSON.
 
+use anyhow::{Context, Result};
 use kvgate_load::Outcome;
 use kvgate_load::summary::percentile;
-use serde_json::Value;
+use kvgate_stack::{Stack, http};
+use serde_json::{Value, json};
 
 /// The `p`th percentile of sorted microseconds, in milliseconds; 0 when
 /// there are none, so an empty run reads as no figure rather than failing
@@ -41,6 +44,83 @@ pub fn points(v: &Value) -> Vec<(f64, f64)> {
         .flatten()
         .filter_map(|p| Some((p[0].as_f64()?, p[1].as_f64()?)))
         .collect()
+}
+
+/// The middle of repeated runs' figures (the upper one of an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Highest minus lowest of repeated runs' figures.
+pub fn spread(v: &[f64]) -> f64 {
+    let (lo, hi) = v
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(*x), b.max(*x)));
+    if v.is_empty() { 0.0 } else { hi - lo }
+}
+
+/// A filter histogram's detailed buckets (`lower`, `width`, count), all
+/// recorded since Envoy started.
+pub fn histogram_buckets(stack: &Stack, name: &str) -> Result<Vec<(f64, f64, u64)>> {
+    let (_, body) = http::get(
+        &stack.admin_addr(),
+        &format!("/stats?filter=wasmcustom\\.{name}$&histogram_buckets=detailed"),
+    )?;
+    let text = String::from_utf8_lossy(&body);
+    // "  totals=7,0.1:1, 8,0.1:304, ...": lower,width:count.
+    let totals = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("totals="))
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for b in totals.split(", ").filter(|b| !b.is_empty()) {
+        let parsed = b.split_once(':').and_then(|(range, n)| {
+            let (lower, width) = range.split_once(',')?;
+            Some((lower.parse().ok()?, width.parse().ok()?, n.parse().ok()?))
+        });
+        out.push(parsed.with_context(|| format!("histogram bucket {b:?} of {name}"))?);
+    }
+    Ok(out)
+}
+
+/// Percentiles of what a histogram recorded between two readings of
+/// [`histogram_buckets`]: a measured window without the warm-up before it.
+/// Linear within a bucket, as Envoy's own summary.
+pub fn percentiles_between(
+    before: &[(f64, f64, u64)],
+    after: &[(f64, f64, u64)],
+    ps: &[f64],
+) -> Value {
+    let mut window: Vec<(f64, f64, u64)> = after
+        .iter()
+        .map(|&(lower, width, n)| {
+            let old = before
+                .iter()
+                .find(|b| b.0 == lower && b.1 == width)
+                .map_or(0, |b| b.2);
+            (lower, width, n.saturating_sub(old))
+        })
+        .filter(|b| b.2 > 0)
+        .collect();
+    window.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total: u64 = window.iter().map(|b| b.2).sum();
+    let mut out = serde_json::Map::new();
+    out.insert("count".into(), json!(total));
+    for &p in ps {
+        let target = p / 100.0 * total as f64;
+        let mut seen = 0.0;
+        let mut value = f64::NAN;
+        for &(lower, width, n) in &window {
+            if seen + n as f64 >= target {
+                value = lower + width * ((target - seen) / n as f64).clamp(0.0, 1.0);
+                break;
+            }
+            seen += n as f64;
+        }
+        out.insert(format!("P{p}"), json!(value));
+    }
+    Value::Object(out)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 //! Turns alternate in order, so drift on a shared machine hits every
 //! listener alike.
 
-use crate::bench::{histogram_buckets, median, percentiles_between, spread};
+use crate::stats::{histogram_buckets, median, percentiles_between, spread};
 use anyhow::{Result, bail};
 use kvgate_load::{RequestSpec, Target, run_closed_loop, run_open_loop};
 use kvgate_stack::Stack;
