@@ -141,7 +141,7 @@ impl RootContext for Root {
             }
             Root::Router(state, standby) => {
                 if let Ok(mut st) = state.try_borrow_mut() {
-                    st.release_orphans(host::now_us());
+                    st.release_orphans();
                     st.beat();
                     st.flush();
                     st.look_ahead();

@@ -551,6 +551,15 @@ impl KeepAlive {
     }
 }
 
+/// The status a response's bytes start with (`HTTP/1.1 503 ...`).
+fn status_of(response: &[u8]) -> Option<u16> {
+    String::from_utf8_lossy(response)
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
 /// Reads one response with a content length; the status.
 fn read_response(s: &mut TcpStream) -> Result<u16> {
     let mut buf = Vec::with_capacity(4096);
@@ -568,12 +577,8 @@ fn read_response(s: &mut TcpStream) -> Result<u16> {
             bail!("response head over 64 KiB");
         }
     };
+    let status = status_of(&buf[..head_end]).context("no status")?;
     let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .context("no status")?;
     let len: usize = head
         .lines()
         .find_map(|l| l.strip_prefix("content-length:"))
@@ -801,11 +806,7 @@ fn slow_get(addr: &str, path: &str, authorized: bool, stop: &AtomicBool) -> Resu
                 .next()
                 .filter(|_| head.len() > 12)
             {
-                status = String::from_utf8_lossy(line)
-                    .split_whitespace()
-                    .nth(1)
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(0);
+                status = status_of(line).unwrap_or(0);
             }
         }
         // 8 KiB every 125 ms.
@@ -822,30 +823,40 @@ fn idle_and_slowloris(
 ) -> Result<JoinHandle<Result<Value>>> {
     let addr = stack.gateways[0].selection_addr();
     Ok(std::thread::spawn(move || {
-        let opened = Arc::new(AtomicU64::new(0));
-        let closed = Arc::new(AtomicU64::new(0));
-        let mut threads = Vec::new();
-        for kind in 0..2 {
-            let sockets = if kind == 0 { 2_000 } else { 200 };
-            // Ten threads each hold a tenth of the sockets.
-            for _ in 0..10 {
-                let (addr, stop, opened, closed) =
-                    (addr.clone(), stop.clone(), opened.clone(), closed.clone());
-                threads.push(std::thread::spawn(move || {
-                    hold(&addr, sockets / 10, kind == 1, &stop, &opened, &closed)
-                }));
-            }
-        }
-        for t in threads {
-            let _ = t.join();
-        }
+        let (opened, closed) = hold_all(&[(addr.clone(), 2_000, false), (addr, 200, true)], &stop);
         Ok(json!({
             "idle_sockets": 2_000,
             "slowloris_sockets": 200,
-            "connections_opened": opened.load(Ordering::Relaxed),
-            "connections_closed_by_the_sidecar": closed.load(Ordering::Relaxed),
+            "connections_opened": opened,
+            "connections_closed_by_the_sidecar": closed,
         }))
     }))
+}
+
+/// Holds each `(address, sockets, slowloris)` group open with ten threads
+/// (a tenth of its sockets each) until `stop`; answers the connections
+/// opened, and those the sidecar closed.
+fn hold_all(groups: &[(String, usize, bool)], stop: &Arc<AtomicBool>) -> (u64, u64) {
+    let opened = Arc::new(AtomicU64::new(0));
+    let closed = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for (addr, sockets, slowloris) in groups {
+        for _ in 0..10 {
+            let (addr, stop, opened, closed) =
+                (addr.clone(), stop.clone(), opened.clone(), closed.clone());
+            let (n, slowloris) = (sockets / 10, *slowloris);
+            threads.push(std::thread::spawn(move || {
+                hold(&addr, n, slowloris, &stop, &opened, &closed)
+            }));
+        }
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    (
+        opened.load(Ordering::Relaxed),
+        closed.load(Ordering::Relaxed),
+    )
 }
 
 fn hold(
@@ -1134,13 +1145,6 @@ fn post_slowly(addr: &str, n: usize, stop: &AtomicBool, statuses: &Counts, opene
         "POST /select HTTP/1.1\r\nHost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {SLOW_BODY_BYTES}\r\n\r\n"
     );
     let piece = vec![b' '; 3277];
-    let status_of = |answer: &[u8]| -> u16 {
-        String::from_utf8_lossy(answer)
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0)
-    };
     let mut posts: Vec<Post> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
         while posts.len() < n && !stop.load(Ordering::Relaxed) {
@@ -1161,19 +1165,19 @@ fn post_slowly(addr: &str, n: usize, stop: &AtomicBool, statuses: &Counts, opene
             let mut b = [0u8; 1024];
             match p.s.read(&mut b) {
                 Ok(0) => {
-                    statuses.count(status_of(&p.answer));
+                    statuses.count(status_of(&p.answer).unwrap_or(0));
                     return false;
                 }
                 Ok(k) => {
                     p.answer.extend_from_slice(&b[..k]);
                     if p.answer.len() >= 12 {
-                        statuses.count(status_of(&p.answer));
+                        statuses.count(status_of(&p.answer).unwrap_or(0));
                         return false;
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(_) => {
-                    statuses.count(status_of(&p.answer));
+                    statuses.count(status_of(&p.answer).unwrap_or(0));
                     return false;
                 }
             }
@@ -1182,7 +1186,7 @@ fn post_slowly(addr: &str, n: usize, stop: &AtomicBool, statuses: &Counts, opene
                 Ok(w) => p.sent += w,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(_) => {
-                    statuses.count(status_of(&p.answer));
+                    statuses.count(status_of(&p.answer).unwrap_or(0));
                     return false;
                 }
             }
@@ -1199,27 +1203,16 @@ fn reconnect_flood(
     _bench: &mut Bench,
     stop: Arc<AtomicBool>,
 ) -> Result<JoinHandle<Result<Value>>> {
-    let targets = [stack.sidecar_addr(), stack.gateways[0].selection_addr()];
+    let groups = [
+        (stack.sidecar_addr(), 2_000, false),
+        (stack.gateways[0].selection_addr(), 2_000, false),
+    ];
     Ok(std::thread::spawn(move || {
-        let opened = Arc::new(AtomicU64::new(0));
-        let closed = Arc::new(AtomicU64::new(0));
-        let mut threads = Vec::new();
-        for addr in &targets {
-            for _ in 0..10 {
-                let (addr, stop, opened, closed) =
-                    (addr.clone(), stop.clone(), opened.clone(), closed.clone());
-                threads.push(std::thread::spawn(move || {
-                    hold(&addr, 200, false, &stop, &opened, &closed)
-                }));
-            }
-        }
-        for t in threads {
-            let _ = t.join();
-        }
+        let (opened, closed) = hold_all(&groups, &stop);
         Ok(json!({
             "sockets_per_listener": 2_000,
-            "connections_opened": opened.load(Ordering::Relaxed),
-            "connections_closed_by_the_sidecar": closed.load(Ordering::Relaxed),
+            "connections_opened": opened,
+            "connections_closed_by_the_sidecar": closed,
         }))
     }))
 }
@@ -1452,11 +1445,7 @@ fn departed_prefills(
                 // 0: none came, the client left with its leg running.
                 let mut head = [0u8; 64];
                 let status = match s.read(&mut head) {
-                    Ok(n) if n >= 12 => String::from_utf8_lossy(&head[..n])
-                        .split_whitespace()
-                        .nth(1)
-                        .and_then(|c| c.parse().ok())
-                        .unwrap_or(1),
+                    Ok(n) if n >= 12 => status_of(&head[..n]).unwrap_or(1),
                     _ => 0,
                 };
                 statuses.count(status);

@@ -429,11 +429,9 @@ impl HttpContext for Request {
             return Action::Continue;
         };
         self.endpoint = Some(endpoint);
-        if let Ok(mut st) = self.state.try_borrow_mut() {
-            st.release_orphans(host::now_us());
-        }
         let (cfg_fallback, cfg_tenant, stale_after, on_stale) = {
-            let st = self.state.borrow();
+            let mut st = self.state.borrow_mut();
+            st.release_orphans();
             inc(st.metrics.requests);
             let c = &st.config;
             (
