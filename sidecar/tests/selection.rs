@@ -587,46 +587,40 @@ async fn replica_sync_shares_admissions_and_frees_between_sidecars() {
     .await;
 
     // Envoy's bookings travel as well: a gateway batch posted to A.
-    let mut batch = Vec::new();
-    kvgate_core::booking::Event::Book {
-        key: kvgate_core::booking::Key { vm: 5, seq: 1 },
+    use kvgate_core::booking::{Event, Key};
+    let post_batch = async |events: &[Event]| {
+        let mut batch = Vec::new();
+        for e in events {
+            e.encode_into(&mut batch);
+        }
+        call_raw("POST", &format!("{a_base}/v1/bookings"), &[], batch)
+            .await
+            .0
+    };
+    let book = |vm: u64| Event::Book {
+        key: Key { vm, seq: 1 },
         model: "m".into(),
         slot: 0,
         prefill_tokens: 1000,
         decode_blocks: 7,
-    }
-    .encode_into(&mut batch);
-    let (status, _, _) = call_raw("POST", &format!("{a_base}/v1/bookings"), &[], batch).await;
-    assert_eq!(status, 204);
+    };
+    assert_eq!(post_batch(&[book(5)]).await, 204);
     wait_until("B counts A's gateway booking", async || {
         loads(&b_api).await == vec![((1, 0), (1160, 17))]
     })
     .await;
-    let mut done = Vec::new();
-    kvgate_core::booking::Event::Done {
-        key: kvgate_core::booking::Key { vm: 5, seq: 1 },
+    let done = Event::Done {
+        key: Key { vm: 5, seq: 1 },
         timing: None,
-    }
-    .encode_into(&mut done);
-    call_raw("POST", &format!("{a_base}/v1/bookings"), &[], done).await;
+    };
+    post_batch(&[done]).await;
     wait_until("B hears the booking end", async || {
         loads(&b_api).await == vec![((1, 0), (160, 10))]
     })
     .await;
     // A VM that says it is alive and then goes silent (it died): A ends
     // its bookings after load.vm_silence_ms, and B's copies end with them.
-    let mut alive = Vec::new();
-    kvgate_core::booking::Event::Alive { vm: 6 }.encode_into(&mut alive);
-    kvgate_core::booking::Event::Book {
-        key: kvgate_core::booking::Key { vm: 6, seq: 1 },
-        model: "m".into(),
-        slot: 0,
-        prefill_tokens: 1000,
-        decode_blocks: 7,
-    }
-    .encode_into(&mut alive);
-    let (status, _, _) = call_raw("POST", &format!("{a_base}/v1/bookings"), &[], alive).await;
-    assert_eq!(status, 204);
+    assert_eq!(post_batch(&[Event::Alive { vm: 6 }, book(6)]).await, 204);
     wait_until("A and B end the silent VM's booking", async || {
         loads(&a_api).await == vec![((1, 0), (160, 10))]
             && loads(&b_api).await == vec![((1, 0), (160, 10))]

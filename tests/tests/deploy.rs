@@ -73,12 +73,8 @@ fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// Every document of every rendered manifest, and of the alert rules
-/// under deploy/prometheus, as JSON.
-fn documents() -> Vec<(PathBuf, Value)> {
-    let mut files = Vec::new();
-    yaml_files(&rendered(), &mut files);
-    yaml_files(&repo().join("deploy/prometheus"), &mut files);
+/// Every YAML document of `files`, in file order, as JSON.
+fn parse_documents(mut files: Vec<PathBuf>) -> Vec<(PathBuf, Value)> {
     files.sort();
     let mut docs = Vec::new();
     for f in files {
@@ -92,6 +88,15 @@ fn documents() -> Vec<(PathBuf, Value)> {
         }
     }
     docs
+}
+
+/// Every document of every rendered manifest, and of the alert rules
+/// under deploy/prometheus, as JSON.
+fn documents() -> Vec<(PathBuf, Value)> {
+    let mut files = Vec::new();
+    yaml_files(&rendered(), &mut files);
+    yaml_files(&repo().join("deploy/prometheus"), &mut files);
+    parse_documents(files)
 }
 
 /// Kubernetes objects: every document outside deploy/prometheus (rule
@@ -830,19 +835,7 @@ fn template_objects() -> Vec<(PathBuf, Value)> {
     for dir in ["deploy/kubernetes", "deploy/envoy-gateway", "deploy/istio"] {
         yaml_files(&repo().join(dir), &mut files);
     }
-    files.sort();
-    let mut docs = Vec::new();
-    for f in files {
-        let text = std::fs::read_to_string(&f).unwrap();
-        for d in serde_norway::Deserializer::from_str(&text) {
-            let v: Value = serde::Deserialize::deserialize(d)
-                .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
-            if !v.is_null() {
-                docs.push((f.clone(), v));
-            }
-        }
-    }
-    docs
+    parse_documents(files)
 }
 
 fn template(kind: &str) -> Value {

@@ -9,50 +9,21 @@
 mod common;
 
 use common::*;
-use kvgate_stack::{Stack, StackConfig, http};
+use kvgate_stack::{Stack, StackConfig};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 /// Workers 1 and 2 prefill, 3 and 4 decode; decode workers publish the
 /// blocks they receive, so the conditional rule can see them.
 fn pd_stack() -> Stack {
-    let producer = ["--kv-role", "kv_producer", "--kv-side-channel-port", "0"];
-    let consumer = ["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"];
-    let args = |a: [&str; 4]| a.map(String::from).to_vec();
     start(StackConfig {
-        workers: 4,
         kv_events: true,
-        roles: ["prefill", "prefill", "decode", "decode"].map(String::from).to_vec(),
-        worker_sim_args: vec![args(producer), args(producer), args(consumer), args(consumer)],
-        model_toml: "[models.disaggregation]\nprotocol = \"vllm-nixl\"\non_prefill_failure = \"local\"\nprefill_timeout_ms = 5000\n".into(),
-        ..StackConfig::default()
+        ..pd_config(
+            &["--kv-role", "kv_producer", "--kv-side-channel-port", "0"],
+            &["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"],
+            "[models.disaggregation]\nprotocol = \"vllm-nixl\"\non_prefill_failure = \"local\"\nprefill_timeout_ms = 5000\n".into(),
+        )
     })
-}
-
-/// What a sim's `/sim/disagg` says.
-fn disagg(stack: &Stack, worker: usize) -> Value {
-    let (status, body) = http::get(&stack.workers[worker].endpoint(), "/sim/disagg").unwrap();
-    assert_eq!(status, 200);
-    serde_json::from_slice(&body).unwrap()
-}
-
-fn counter(stack: &Stack, worker: usize, name: &str) -> u64 {
-    disagg(stack, worker)["counters"][name]
-        .as_u64()
-        .unwrap_or(0)
-}
-
-/// Prefill legs served by both prefill workers.
-fn prefill_legs(stack: &Stack) -> u64 {
-    counter(stack, 0, "prefill_legs") + counter(stack, 1, "prefill_legs")
-}
-
-/// The newest request a worker recorded.
-fn last_seen(stack: &Stack, worker: usize) -> Value {
-    disagg(stack, worker)["recent"]
-        .as_array()
-        .and_then(|r| r.last().cloned())
-        .unwrap_or(Value::Null)
 }
 
 fn completion_body(prompt: &[u32], stream: bool) -> Vec<u8> {
@@ -61,33 +32,11 @@ fn completion_body(prompt: &[u32], stream: bool) -> Vec<u8> {
         .into_bytes()
 }
 
-/// The decode worker (3 or 4) that served a reply, as an index.
-fn decode_worker(r: &Reply) -> usize {
-    let (worker, _) = served_by(r);
-    let id: usize = worker.parse().unwrap();
-    assert!(
-        id == 3 || id == 4,
-        "served by worker {id}, not a decode worker"
-    );
-    id - 1
-}
-
-/// Waits until the sidecar's state shows both roles up (the split needs
-/// them), and Envoy holds that snapshot.
-fn wait_split(stack: &Stack) {
-    wait_published(
-        stack,
-        "the fleet never came up",
-        Duration::from_secs(20),
-        |state| state["models"][0]["workers"].as_array().map_or(0, Vec::len) == 4,
-    );
-}
-
 #[test]
 fn prefill_then_decode_through_envoy() {
     let _g = serial();
     let mut stack = pd_stack();
-    wait_split(&stack);
+    wait_workers(&stack, 4);
 
     // A long prompt, nothing cached: the prefill leg runs on a prefill
     // worker, its transfer reaches the decode worker the plan named.
@@ -115,7 +64,7 @@ fn prefill_then_decode_through_envoy() {
     );
     let decode = decode_worker(&r);
     assert_eq!(prefill_legs(&stack), 1);
-    let prefill = if counter(&stack, 0, "prefill_legs") == 1 {
+    let prefill = if sim_counter(&stack, 0, "prefill_legs") == 1 {
         0
     } else {
         1
@@ -132,7 +81,7 @@ fn prefill_then_decode_through_envoy() {
     assert_eq!(got["request_id"], id.as_str(), "one id on both legs");
     let params = &got["kv_transfer_params"];
     assert_eq!(params["do_remote_prefill"], true);
-    let engines = disagg(&stack, prefill)["engine_ids"].clone();
+    let engines = sim_disagg(&stack, prefill)["engine_ids"].clone();
     assert!(
         engines
             .as_array()
@@ -142,7 +91,7 @@ fn prefill_then_decode_through_envoy() {
     );
     assert!(got["pulled_blocks"].as_u64().unwrap() >= 180, "{got}");
     assert_eq!(
-        counter(&stack, 2, "prefill_legs") + counter(&stack, 3, "prefill_legs"),
+        sim_counter(&stack, 2, "prefill_legs") + sim_counter(&stack, 3, "prefill_legs"),
         0
     );
 
@@ -184,7 +133,7 @@ fn prefill_then_decode_through_envoy() {
 
     // A prefill worker gone: its leg fails and the runner-up serves it.
     stack.kill_worker(0);
-    let before = counter(&stack, 1, "prefill_legs");
+    let before = sim_counter(&stack, 1, "prefill_legs");
     let r = post(
         &stack,
         "/v1/completions",
@@ -193,7 +142,7 @@ fn prefill_then_decode_through_envoy() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(last_seen(&stack, decode_worker(&r))["leg"], "decode");
-    assert!(counter(&stack, 1, "prefill_legs") > before);
+    assert!(sim_counter(&stack, 1, "prefill_legs") > before);
 
     // Both gone: the decode worker prefills the prompt itself.
     stack.kill_worker(1);
@@ -215,32 +164,27 @@ fn prefill_then_decode_through_envoy() {
 /// prefill workers too slow for its prefill timeout on long prompts and
 /// too small for the longest.
 fn failing_stack() -> Stack {
-    let producer = [
-        "--kv-role",
-        "kv_producer",
-        "--kv-side-channel-port",
-        "0",
-        "--num-gpu-blocks",
-        "300",
-        "--prefill-us-per-token",
-        "2000",
-    ];
-    let consumer = ["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"];
-    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    start(StackConfig {
-        workers: 4,
-        roles: ["prefill", "prefill", "decode", "decode"].map(String::from).to_vec(),
-        worker_sim_args: vec![args(&producer), args(&producer), args(&consumer), args(&consumer)],
-        model_toml: "[models.disaggregation]\nprotocol = \"vllm-nixl\"\non_prefill_failure = \"fail\"\nprefill_timeout_ms = 150\n".into(),
-        ..StackConfig::default()
-    })
+    start(pd_config(
+        &[
+            "--kv-role",
+            "kv_producer",
+            "--kv-side-channel-port",
+            "0",
+            "--num-gpu-blocks",
+            "300",
+            "--prefill-us-per-token",
+            "2000",
+        ],
+        &["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"],
+        "[models.disaggregation]\nprotocol = \"vllm-nixl\"\non_prefill_failure = \"fail\"\nprefill_timeout_ms = 150\n".into(),
+    ))
 }
 
 #[test]
 fn prefill_failures_through_envoy() {
     let _g = serial();
     let stack = failing_stack();
-    wait_split(&stack);
+    wait_workers(&stack, 4);
 
     // Short enough for the timeout: served through both legs.
     let r = post(
@@ -254,7 +198,8 @@ fn prefill_failures_through_envoy() {
 
     // Too long for a prefill worker's cache: its 400 is the client's
     // answer, and no decode leg is sent.
-    let decode_legs = || counter(&stack, 2, "decode_legs") + counter(&stack, 3, "decode_legs");
+    let decode_legs =
+        || sim_counter(&stack, 2, "decode_legs") + sim_counter(&stack, 3, "decode_legs");
     let before = decode_legs();
     let r = post(
         &stack,
@@ -294,24 +239,21 @@ fn prefill_failures_through_envoy() {
 /// with two DP ranks each; the prefill workers' bootstrap ports are
 /// allocated by the stack and named in the catalog.
 fn sglang_stack() -> Stack {
-    let producer = ["--kv-role", "kv_producer", "--pd-protocol", "sglang"];
-    let consumer = ["--kv-role", "kv_consumer", "--pd-protocol", "sglang"];
-    let args = |a: [&str; 4]| a.map(String::from).to_vec();
     start(StackConfig {
-        workers: 4,
         dp_size: 2,
-        roles: ["prefill", "prefill", "decode", "decode"].map(String::from).to_vec(),
-        worker_sim_args: vec![args(producer), args(producer), args(consumer), args(consumer)],
         bootstrap_ports: true,
-        model_toml: "[models.disaggregation]\nprotocol = \"sglang\"\non_prefill_failure = \"fail\"\nprefill_timeout_ms = 10000\n".into(),
-        ..StackConfig::default()
+        ..pd_config(
+            &["--kv-role", "kv_producer", "--pd-protocol", "sglang"],
+            &["--kv-role", "kv_consumer", "--pd-protocol", "sglang"],
+            "[models.disaggregation]\nprotocol = \"sglang\"\non_prefill_failure = \"fail\"\nprefill_timeout_ms = 10000\n".into(),
+        )
     })
 }
 
 /// The prefill leg some prefill worker recorded in `room`.
 fn prefill_in_room(stack: &Stack, room: u64) -> Option<Value> {
     (0..2).find_map(|w| {
-        disagg(stack, w)["recent"]
+        sim_disagg(stack, w)["recent"]
             .as_array()?
             .iter()
             .find(|r| r["leg"] == "prefill" && r["bootstrap_room"] == room)
@@ -350,7 +292,7 @@ fn paired(stack: &Stack, r: &Reply) -> u64 {
 fn sglang_legs_meet_in_one_room_through_envoy() {
     let _g = serial();
     let stack = sglang_stack();
-    wait_split(&stack);
+    wait_workers(&stack, 4);
 
     // A long prompt: both legs at once, the decode worker's answer to the
     // client, the two paired in kvgate's room. A client's own room never
@@ -388,7 +330,7 @@ fn sglang_legs_meet_in_one_room_through_envoy() {
         assert!(rooms.insert(paired(&stack, &r)));
     }
     assert_eq!(
-        counter(&stack, 2, "prefill_legs") + counter(&stack, 3, "prefill_legs"),
+        sim_counter(&stack, 2, "prefill_legs") + sim_counter(&stack, 3, "prefill_legs"),
         0,
         "decode workers never prefill"
     );

@@ -13,7 +13,7 @@ mod common;
 
 use common::*;
 use http_body_util::{BodyExt, Full};
-use kvgate_stack::{Stack, StackConfig, http};
+use kvgate_stack::{Stack, StackConfig};
 use serde_json::{Value, json};
 use std::io::Write as _;
 use std::time::{Duration, Instant};
@@ -21,96 +21,33 @@ use std::time::{Duration, Instant};
 /// Workers 1 and 2 prefill but stall every prefill leg after its headers
 /// (`--prefill-stall-after-headers`), 3 and 4 decode.
 fn stalling_stack(on_prefill_failure: &str, prefill_timeout_ms: u64) -> Stack {
-    let producer = [
-        "--kv-role",
-        "kv_producer",
-        "--kv-side-channel-port",
-        "0",
-        "--prefill-stall-after-headers",
-    ];
-    let consumer = ["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"];
-    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    start(StackConfig {
-        workers: 4,
-        roles: ["prefill", "prefill", "decode", "decode"]
-            .map(String::from)
-            .to_vec(),
-        worker_sim_args: vec![
-            args(&producer),
-            args(&producer),
-            args(&consumer),
-            args(&consumer),
+    start(pd_config(
+        &[
+            "--kv-role",
+            "kv_producer",
+            "--kv-side-channel-port",
+            "0",
+            "--prefill-stall-after-headers",
         ],
-        model_toml: format!(
+        &["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"],
+        format!(
             "[models.disaggregation]\nprotocol = \"vllm-nixl\"\non_prefill_failure = \"{on_prefill_failure}\"\nprefill_timeout_ms = {prefill_timeout_ms}\n"
         ),
-        ..StackConfig::default()
-    })
+    ))
 }
 
 /// Workers 1 and 2 prefill, 3 and 4 decode, speaking SGLang's protocol.
 fn sglang_stack() -> Stack {
-    let producer = ["--kv-role", "kv_producer", "--pd-protocol", "sglang"];
-    let consumer = ["--kv-role", "kv_consumer", "--pd-protocol", "sglang"];
-    let args = |a: [&str; 4]| a.map(String::from).to_vec();
     start(StackConfig {
-        workers: 4,
-        roles: ["prefill", "prefill", "decode", "decode"].map(String::from).to_vec(),
-        worker_sim_args: vec![args(producer), args(producer), args(consumer), args(consumer)],
         bootstrap_ports: true,
         // Even a model that would prefill on the decode worker: an SGLang
         // decode worker cannot.
-        model_toml: "[models.disaggregation]\nprotocol = \"sglang\"\non_prefill_failure = \"local\"\nprefill_timeout_ms = 5000\n".into(),
-        ..StackConfig::default()
+        ..pd_config(
+            &["--kv-role", "kv_producer", "--pd-protocol", "sglang"],
+            &["--kv-role", "kv_consumer", "--pd-protocol", "sglang"],
+            "[models.disaggregation]\nprotocol = \"sglang\"\non_prefill_failure = \"local\"\nprefill_timeout_ms = 5000\n".into(),
+        )
     })
-}
-
-/// What a sim's `/sim/disagg` says.
-fn disagg(stack: &Stack, worker: usize) -> Value {
-    let (status, body) = http::get(&stack.workers[worker].endpoint(), "/sim/disagg").unwrap();
-    assert_eq!(status, 200);
-    serde_json::from_slice(&body).unwrap()
-}
-
-fn counter(stack: &Stack, worker: usize, name: &str) -> u64 {
-    disagg(stack, worker)["counters"][name]
-        .as_u64()
-        .unwrap_or(0)
-}
-
-/// Every request a running worker recorded, oldest first.
-fn recent(stack: &Stack, worker: usize) -> Vec<Value> {
-    disagg(stack, worker)["recent"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-}
-
-/// The newest request a worker recorded.
-fn last_seen(stack: &Stack, worker: usize) -> Value {
-    recent(stack, worker).pop().unwrap_or(Value::Null)
-}
-
-/// The decode worker (3 or 4) that served a reply, as an index.
-fn decode_worker(r: &Reply) -> usize {
-    let (worker, _) = served_by(r);
-    let id: usize = worker.parse().unwrap();
-    assert!(
-        id == 3 || id == 4,
-        "served by worker {id}, not a decode worker"
-    );
-    id - 1
-}
-
-/// Waits until the sidecar's published state lists `n` workers up, and
-/// Envoy holds that snapshot.
-fn wait_workers(stack: &Stack, n: usize) {
-    wait_published(
-        stack,
-        &format!("the state never listed {n} workers"),
-        Duration::from_secs(20),
-        |state| state["models"][0]["workers"].as_array().map_or(0, Vec::len) == n,
-    );
 }
 
 /// A client's transfer parameters naming a host of its choice.
@@ -252,7 +189,7 @@ fn stalled_prefill_legs_trailers_a_down_prefill_pool_and_fail_open() {
     let seen = last_seen(&stack, decode_worker(&r));
     assert_eq!(seen["leg"], "local", "{seen}");
     assert_eq!(seen["kv_transfer_params"], Value::Null, "{seen}");
-    assert!(counter(&stack, 0, "prefill_legs") + counter(&stack, 1, "prefill_legs") >= 1);
+    assert!(prefill_legs(&stack) >= 1);
     assert!(stack.envoy_stat("kvgate_prefill_failed_total").unwrap() >= 1);
 
     // The router's VMs live on: before the fix the one that took that
@@ -423,13 +360,13 @@ fn a_failing_model_and_a_client_that_hangs_up_during_a_prefill_leg() {
     // on its worker (Envoy cancels no callout), so its booking stays
     // there until the leg's deadline; the decode booking ends with the
     // request.
-    let legs_before = counter(&stack, 0, "prefill_legs") + counter(&stack, 1, "prefill_legs");
+    let legs_before = prefill_legs(&stack);
     hang_up_during(
         &stack,
         &completion_body(&unique_prompt(2, 3000)),
         Duration::from_millis(200),
     );
-    let legs = || counter(&stack, 0, "prefill_legs") + counter(&stack, 1, "prefill_legs");
+    let legs = || prefill_legs(&stack);
     let deadline = Instant::now() + Duration::from_secs(10);
     while legs() < legs_before + 1 {
         assert!(Instant::now() < deadline, "the prefill leg was never sent");

@@ -244,3 +244,77 @@ pub fn wait_busy(stack: &Stack, n: usize) {
         busy >= n
     });
 }
+
+/// Workers 1 and 2 prefill, 3 and 4 decode, with these sims' arguments
+/// and the model's `[models.disaggregation]` table.
+pub fn pd_config(producer: &[&str], consumer: &[&str], model_toml: String) -> StackConfig {
+    let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    StackConfig {
+        workers: 4,
+        roles: ["prefill", "prefill", "decode", "decode"]
+            .map(String::from)
+            .to_vec(),
+        worker_sim_args: vec![
+            args(producer),
+            args(producer),
+            args(consumer),
+            args(consumer),
+        ],
+        model_toml,
+        ..StackConfig::default()
+    }
+}
+
+/// What a sim's `/sim/disagg` says.
+pub fn sim_disagg(stack: &Stack, worker: usize) -> Value {
+    let (status, body) = http::get(&stack.workers[worker].endpoint(), "/sim/disagg").unwrap();
+    assert_eq!(status, 200);
+    serde_json::from_slice(&body).unwrap()
+}
+
+/// One of a sim's prefill/decode counters.
+pub fn sim_counter(stack: &Stack, worker: usize, name: &str) -> u64 {
+    sim_disagg(stack, worker)["counters"][name]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// Prefill legs served by both prefill workers (1 and 2).
+pub fn prefill_legs(stack: &Stack) -> u64 {
+    sim_counter(stack, 0, "prefill_legs") + sim_counter(stack, 1, "prefill_legs")
+}
+
+/// Every request a running sim recorded, oldest first.
+pub fn recent(stack: &Stack, worker: usize) -> Vec<Value> {
+    sim_disagg(stack, worker)["recent"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// The newest request a sim recorded.
+pub fn last_seen(stack: &Stack, worker: usize) -> Value {
+    recent(stack, worker).pop().unwrap_or(Value::Null)
+}
+
+/// The decode worker (3 or 4) that served a reply, as an index.
+pub fn decode_worker(r: &Reply) -> usize {
+    let (worker, _) = served_by(r);
+    let id: usize = worker.parse().unwrap();
+    assert!(
+        id == 3 || id == 4,
+        "served by worker {id}, not a decode worker"
+    );
+    id - 1
+}
+
+/// Waits until the sidecar's published state lists `n` workers up, and
+/// Envoy holds that snapshot.
+pub fn wait_workers(stack: &Stack, n: usize) {
+    wait_published(
+        stack,
+        &format!("the state never listed {n} workers"),
+        Duration::from_secs(20),
+        |state| state["models"][0]["workers"].as_array().map_or(0, Vec::len) == n,
+    );
+}
