@@ -21,6 +21,7 @@
 //! the reason as its name, is still read so that filters of the previous
 //! release keep reporting during a rolling upgrade (sidecars first).
 
+use crate::plan::Leg;
 use crate::reply::Reason;
 use crate::wire::{Reader, WireError};
 use thiserror::Error;
@@ -73,19 +74,38 @@ const TAG_REJECTED_CODE: u8 = 6;
 /// sends it needs such a sidecar (upgrade sidecars first): an older one
 /// refuses the whole batch for the unknown tag.
 const TAG_ALIVE: u8 = 7;
+/// A timed end with its leg, the leg's status and the client's own time
+/// to first byte. Written for every timed end since the release that
+/// added it (upgrade sidecars first, as for [`TAG_ALIVE`]); tag 5 is
+/// still read, as a request served whole with no status.
+const TAG_DONE_LEG: u8 = 8;
 
-/// How a routed request went, as its gateway saw it.
+/// How one leg of a routed request went, as its gateway saw it. A
+/// request served whole has one leg; a disaggregated one a prefill leg
+/// and a decode leg, each booked and timed on its own worker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Timing {
-    /// From routing to the first response byte (0: none came).
+    /// Which leg this is: what the worker was asked to compute.
+    pub leg: Leg,
+    /// From the leg's dispatch to its first response byte (0: none came).
+    /// A decode leg's clock starts when it is sent, after the prefill
+    /// leg answered: it is the decode worker's own time to first token.
     pub first_byte_us: u32,
-    /// From routing to the end of the response.
+    /// From the leg's dispatch to the end of its response.
     pub total_us: u32,
     /// The prompt's length in tokens (estimated for text).
     pub isl_tokens: u32,
     /// Tokens the response carried, as far as the gateway can tell: its
     /// streamed events, else the request's `max_tokens` (0: unknown).
     pub output_tokens: u32,
+    /// The leg's HTTP status; 0 when unknown (a reset, or a filter of a
+    /// release before the leg's tag).
+    pub status: u16,
+    /// From the decision to the client's first response byte (0: none
+    /// came): on a split request it spans both legs and the transfer,
+    /// on one served whole it is `first_byte_us` plus the time from the
+    /// decision to the dispatch.
+    pub client_first_byte_us: u32,
 }
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum BookingError {
@@ -97,6 +117,9 @@ pub enum BookingError {
     /// newer filter, or a name no filter sends.
     #[error("unknown rejection reason in the record at byte {at}")]
     UnknownReason { at: usize },
+    /// A timed end whose leg this build does not know.
+    #[error("unknown leg in the record at byte {at}")]
+    UnknownLeg { at: usize },
 }
 
 impl Event {
@@ -130,9 +153,17 @@ impl Event {
                 key,
                 timing: Some(t),
             } => {
-                out.push(TAG_DONE_TIMED);
+                out.push(TAG_DONE_LEG);
                 put_key(out, key);
-                for v in [t.first_byte_us, t.total_us, t.isl_tokens, t.output_tokens] {
+                out.push(t.leg.code());
+                out.extend_from_slice(&t.status.to_le_bytes());
+                for v in [
+                    t.first_byte_us,
+                    t.total_us,
+                    t.isl_tokens,
+                    t.output_tokens,
+                    t.client_first_byte_us,
+                ] {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
             }
@@ -183,15 +214,38 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<Event>, BookingError> {
                 key: key(&mut r)?,
                 timing: None,
             },
-            TAG_DONE_TIMED => Event::Done {
-                key: key(&mut r)?,
-                timing: Some(Timing {
-                    first_byte_us: r.u32()?,
-                    total_us: r.u32()?,
-                    isl_tokens: r.u32()?,
-                    output_tokens: r.u32()?,
-                }),
-            },
+            TAG_DONE_TIMED => {
+                let key = key(&mut r)?;
+                let first_byte_us = r.u32()?;
+                Event::Done {
+                    key,
+                    timing: Some(Timing {
+                        leg: Leg::Whole,
+                        first_byte_us,
+                        total_us: r.u32()?,
+                        isl_tokens: r.u32()?,
+                        output_tokens: r.u32()?,
+                        status: 0,
+                        client_first_byte_us: first_byte_us,
+                    }),
+                }
+            }
+            TAG_DONE_LEG => {
+                let key = key(&mut r)?;
+                let leg = Leg::from_code(r.u8()?).ok_or(BookingError::UnknownLeg { at })?;
+                Event::Done {
+                    key,
+                    timing: Some(Timing {
+                        leg,
+                        status: r.u16()?,
+                        first_byte_us: r.u32()?,
+                        total_us: r.u32()?,
+                        isl_tokens: r.u32()?,
+                        output_tokens: r.u32()?,
+                        client_first_byte_us: r.u32()?,
+                    }),
+                }
+            }
             TAG_REJECTED_CODE => {
                 let model = r.string16()?;
                 let reason = Reason::from_code(r.u8()?);
@@ -268,10 +322,25 @@ mod tests {
             Event::Done {
                 key: key(2),
                 timing: Some(Timing {
+                    leg: Leg::Whole,
                     first_byte_us: 120_000,
                     total_us: 900_000,
                     isl_tokens: 2048,
                     output_tokens: 64,
+                    status: 200,
+                    client_first_byte_us: 121_000,
+                }),
+            },
+            Event::Done {
+                key: key(3),
+                timing: Some(Timing {
+                    leg: Leg::Prefill,
+                    first_byte_us: 40_000,
+                    total_us: 40_000,
+                    isl_tokens: 2048,
+                    output_tokens: 1,
+                    status: 503,
+                    client_first_byte_us: 0,
                 }),
             },
             Event::Alive { vm: 0xfeed },
@@ -282,6 +351,40 @@ mod tests {
         }
         assert_eq!(decode_batch(&bytes).unwrap(), events);
         assert_eq!(decode_batch(&[]).unwrap(), vec![]);
+    }
+
+    /// A timed end as filters of the release before tag 8 write it is a
+    /// request served whole, with no status, whose client waited as long
+    /// as its one leg.
+    #[test]
+    fn an_older_timed_end_reads_as_a_whole_leg() {
+        let mut old = vec![TAG_DONE_TIMED];
+        put_key(&mut old, &key(4));
+        for v in [7u32, 9, 100, 3] {
+            old.extend_from_slice(&v.to_le_bytes());
+        }
+        assert_eq!(
+            decode_batch(&old).unwrap(),
+            vec![Event::Done {
+                key: key(4),
+                timing: Some(Timing {
+                    leg: Leg::Whole,
+                    first_byte_us: 7,
+                    total_us: 9,
+                    isl_tokens: 100,
+                    output_tokens: 3,
+                    status: 0,
+                    client_first_byte_us: 7,
+                }),
+            }]
+        );
+        let mut bad = Event::Done {
+            key: key(5),
+            timing: Some(Timing::default()),
+        }
+        .encode();
+        bad[17] = 3;
+        assert_eq!(decode_batch(&bad), Err(BookingError::UnknownLeg { at: 0 }));
     }
 
     #[test]

@@ -28,6 +28,7 @@ pub mod approx;
 pub mod booking;
 pub mod busy;
 pub mod disagg;
+pub mod dispatch;
 pub mod hash;
 pub mod header;
 pub mod plan;

@@ -385,6 +385,9 @@ fn bookings() -> Vec<(&'static str, Vec<u8>)> {
                 total_us: 1_200_000,
                 isl_tokens: 1500,
                 output_tokens: 128,
+                status: 200,
+                client_first_byte_us: 80_000,
+                ..Default::default()
             }),
         },
         Event::Rejected {

@@ -27,12 +27,14 @@ pub mod retry;
 pub mod select;
 
 #[cfg(test)]
-mod fixtures;
+pub(crate) mod fixtures;
 #[cfg(test)]
 mod split_tests;
 
 use crate::approx::{ChunkKind, Routed};
-use crate::state::{Disaggregation, ModelState, OnPrefillFailure, Policy, Snapshot};
+use crate::state::{
+    Disaggregation, ModelState, OnPrefillFailure, Policy, Protocol, Role, Snapshot,
+};
 use request::Parsed;
 use select::{Decision, RequestShape, select_with_runner_up};
 
@@ -232,7 +234,12 @@ impl<'a> Gathered<'a> {
             };
         let bs = u64::from(decode.worker.block_size.max(1));
         let held = u64::from(decode.overlap.device) * bs;
-        let prefill = if d.conditional.local(req.isl_tokens, held) {
+        // Only a worker that can compute a prompt takes the conditional
+        // rule's local prefill: an SGLang decode worker serves nothing
+        // without a bootstrap room, so its request is split however
+        // little of the prompt is left.
+        let computes = d.protocol != Protocol::Sglang || decode.worker.role == Role::Both;
+        let prefill = if computes && d.conditional.local(req.isl_tokens, held) {
             Prefill::Local(LocalReason::Conditional)
         } else {
             match self.choose(req, tenant, ask, terms, Leg::Prefill, &model.policy) {

@@ -61,6 +61,27 @@ pub enum Leg {
 }
 
 impl Leg {
+    /// Every leg, in code order.
+    pub const ALL: [Leg; 3] = [Leg::Whole, Leg::Prefill, Leg::Decode];
+
+    /// Its code in booking records.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(code: u8) -> Option<Leg> {
+        Leg::ALL.get(usize::from(code)).copied()
+    }
+
+    /// Its name, as metrics label it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Leg::Whole => "whole",
+            Leg::Prefill => "prefill",
+            Leg::Decode => "decode",
+        }
+    }
+
     /// Whether a worker of `role` may take this leg.
     pub fn takes(self, role: Role) -> bool {
         match self {

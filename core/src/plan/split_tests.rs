@@ -153,6 +153,25 @@ fn the_decode_affinity_weighs_the_decode_workers_own_prefix() {
 }
 
 #[test]
+fn an_sglang_decode_worker_gets_a_prefill_leg_however_much_it_holds() {
+    let mut s = fleet();
+    s.models[0].disaggregation = Some(Disaggregation {
+        protocol: crate::state::Protocol::Sglang,
+        ..Disaggregation::default()
+    });
+    // Decode worker 3 holds 12 of the 20 blocks: the rule would keep the
+    // prompt there, but an SGLang decode worker cannot compute it.
+    let store = held(&prompt(), &[(2, 12)]);
+    let r = route(&s, &store);
+    assert_eq!(id(&r.first), 3);
+    assert_eq!(remote(&r).first.prefill_tokens, 320);
+    // A `both` worker can: the rule holds for it.
+    workers(&mut s)[2].role = Role::Both;
+    let r = route(&s, &store);
+    assert_eq!(r.prefill, Some(Prefill::Local(LocalReason::Conditional)));
+}
+
+#[test]
 fn both_workers_take_either_leg() {
     let mut s = fleet();
     let mut both = with_role(5, Role::Both, rank(4, 0, 30));
