@@ -126,7 +126,7 @@ impl RootContext for Root {
                 return false;
             }
             *self = Root::Router(
-                Rc::new(RefCell::new(RouterState::new(config, vm_id))),
+                Rc::new(RefCell::new(RouterState::new(&host::Abi, config, vm_id))),
                 standby,
             );
         }
@@ -141,10 +141,11 @@ impl RootContext for Root {
             }
             Root::Router(state, standby) => {
                 if let Ok(mut st) = state.try_borrow_mut() {
-                    st.release_orphans();
-                    st.beat();
-                    st.flush();
-                    st.look_ahead();
+                    let h = &host::Abi;
+                    st.release_orphans(h);
+                    st.beat(h);
+                    st.flush(h);
+                    st.look_ahead(h);
                 }
                 if let Some(standby) = standby {
                     standby.on_tick();
@@ -162,12 +163,12 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK traps on `None`, so a root that is not a router (never
         // expected to see streams) still hands out a context that does
         // nothing.
         match self {
-            Root::Router(state, _) => Some(Box::new(Request::new(state.clone()))),
+            Root::Router(state, _) => Some(Box::new(Request::new(state.clone(), context_id))),
             _ => Some(Box::new(PassThrough)),
         }
     }

@@ -20,8 +20,8 @@ pub struct Manifest {
 
 impl Manifest {
     /// The manifest in shared data; `None` when absent or not a manifest.
-    pub fn read() -> Option<Manifest> {
-        crate::host::get_shared(KEY).and_then(|b| Manifest::decode(&b))
+    pub fn read(h: &impl crate::host::Host) -> Option<Manifest> {
+        h.get_shared(KEY).and_then(|b| Manifest::decode(&b))
     }
 
     pub fn encode(&self) -> [u8; LEN] {

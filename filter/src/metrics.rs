@@ -2,7 +2,7 @@
 //! of a local reply is part of the name; Envoy's `/stats/prometheus` drops
 //! the `wasmcustom.` prefix, so these appear exactly as named here.
 
-use crate::host;
+use crate::host::{self, Host};
 use crate::reply::Reason;
 use proxy_wasm::types::MetricType;
 
@@ -78,7 +78,8 @@ pub struct RouterMetrics {
 }
 
 impl RouterMetrics {
-    pub fn define() -> RouterMetrics {
+    pub fn define(h: &impl Host) -> RouterMetrics {
+        let define = |kind: MetricType, name: &str| h.define_metric(kind as u32, name);
         let mut rejected = [None; Reason::ALL.len()];
         for r in Reason::ALL {
             rejected[r.index()] = define(
@@ -122,8 +123,8 @@ impl RouterMetrics {
         }
     }
 
-    pub fn rejected(&self, r: Reason) {
-        inc(self.rejected.get(r.index()).copied().flatten());
+    pub fn rejected(&self, h: &impl Host, r: Reason) {
+        h.count(self.rejected.get(r.index()).copied().flatten());
     }
 }
 

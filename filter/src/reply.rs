@@ -1,5 +1,5 @@
 //! Replies the filter sends itself, without contacting a worker: the
 //! contract is `kvgate_core::reply`'s, shared with the ext_proc server;
-//! `host::send_reply` renders it.
+//! `Host::send_reply` renders it.
 
 pub use kvgate_core::reply::{Reason, Reply};

@@ -87,7 +87,7 @@ impl Service {
     /// from the manifest it left, and registers the queues again so that
     /// their notifications now wake this root.
     pub fn take_over(config: Config) -> Service {
-        let manifest = crate::manifest::Manifest::read().unwrap_or_default();
+        let manifest = crate::manifest::Manifest::read(&crate::host::Abi).unwrap_or_default();
         Self::with_poller(config, Poller::resume(manifest), true)
     }
 

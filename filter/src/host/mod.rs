@@ -135,12 +135,6 @@ pub fn send_response(status: u16, headers: &[(&str, &str)], body: &[u8]) -> Resu
     abi::send_local_response(u32::from(status), headers, body)
 }
 
-pub fn send_reply(r: &Reply) -> Result<(), Fault> {
-    let headers = r.headers();
-    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    abi::send_local_response(u32::from(r.status), &headers, r.body.as_bytes())
-}
-
 /// Makes Envoy match the route again after routing headers changed.
 pub fn clear_route_cache() -> Result<(), Fault> {
     abi::call_foreign_function("clear_route_cache", &[]).map(|_| ())
@@ -259,4 +253,178 @@ pub fn increment_metric(id: u32, offset: i64) {
 
 pub fn record_metric(id: u32, value: u64) {
     let _ = abi::record_metric(id, value);
+}
+
+/// Maps a shared-data value to its new value (`None`: leave it).
+pub type Rewrite<'a> = dyn FnMut(Option<&[u8]>) -> Option<Vec<u8>> + 'a;
+
+/// What a request's logic asks of its host: the clock and randomness,
+/// shared data and the VMs' queues, the request's headers and body, a
+/// callout and its answer, resuming a paused request, a local reply, and
+/// metrics. The router's request path and the state it shares are
+/// written against this trait: [`Abi`] is the one implementation that
+/// calls proxy-wasm, and tests drive the same logic natively with one
+/// of their own.
+pub trait Host {
+    fn log(&self, level: LogLevel, msg: &str);
+    /// Envoy's clock, in µs.
+    fn now_us(&self) -> u64;
+    fn now_ms(&self) -> u64 {
+        self.now_us() / 1000
+    }
+    /// A number no one outside the VM can predict.
+    fn random_u64(&self) -> u64;
+
+    fn get_shared(&self, key: &str) -> Option<Vec<u8>>;
+    /// Rewrites a shared-data value other VMs may be rewriting too (see
+    /// [`update_shared`]); whether a write went through.
+    fn update_shared(&self, key: &str, f: &mut Rewrite<'_>) -> bool;
+    fn resolve_queue(&self, vm_id: &str, name: &str) -> Option<u32>;
+    fn enqueue(&self, queue: u32, data: &[u8]) -> Result<(), Fault>;
+
+    fn request_header(&self, name: &str) -> Option<String>;
+    fn set_request_header(&self, name: &str, value: &str) -> Result<(), Fault>;
+    fn remove_request_header(&self, name: &str) -> Result<(), Fault>;
+    fn response_header(&self, name: &str) -> Option<String>;
+    fn set_response_header(&self, name: &str, value: &str) -> Result<(), Fault>;
+    fn request_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// Replaces the buffered body; the caller sets `content-length`.
+    fn set_request_body(&self, body: &[u8]) -> Result<(), Fault>;
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
+    fn clear_route_cache(&self) -> Result<(), Fault>;
+
+    /// Calls `cluster` from the current request's context; the answer
+    /// comes to that context, under the returned token.
+    fn dispatch(
+        &self,
+        cluster: &str,
+        headers: Vec<(&str, &str)>,
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, Fault>;
+    fn call_response_header(&self, name: &str) -> Option<String>;
+    fn call_response_body(&self, size: usize) -> Option<Vec<u8>>;
+
+    /// Lets the current request, paused in a request callback, go on.
+    fn resume_request(&self) -> Result<(), Fault>;
+    fn send_response(
+        &self,
+        status: u16,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Fault>;
+    fn send_reply(&self, r: &Reply) -> Result<(), Fault> {
+        let headers = r.headers();
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        self.send_response(r.status, &headers, r.body.as_bytes())
+    }
+
+    fn define_metric(&self, kind: u32, name: &str) -> Option<u32>;
+    fn increment_metric(&self, id: u32, offset: i64);
+    fn record_metric(&self, id: u32, value: u64);
+    /// Counts one on a metric that may not be defined.
+    fn count(&self, id: Option<u32>) {
+        if let Some(id) = id {
+            self.increment_metric(id, 1);
+        }
+    }
+    /// Samples a histogram that may not be defined.
+    fn sample(&self, id: Option<u32>, value: u64) {
+        if let Some(id) = id {
+            self.record_metric(id, value);
+        }
+    }
+}
+
+/// The proxy-wasm host: Envoy's.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Abi;
+
+impl Host for Abi {
+    fn log(&self, level: LogLevel, msg: &str) {
+        log(level, msg);
+    }
+    fn now_us(&self) -> u64 {
+        now_us()
+    }
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+    fn random_u64(&self) -> u64 {
+        random_u64()
+    }
+    fn get_shared(&self, key: &str) -> Option<Vec<u8>> {
+        get_shared(key)
+    }
+    fn update_shared(&self, key: &str, f: &mut Rewrite<'_>) -> bool {
+        update_shared(key, f)
+    }
+    fn resolve_queue(&self, vm_id: &str, name: &str) -> Option<u32> {
+        resolve_queue(vm_id, name)
+    }
+    fn enqueue(&self, queue: u32, data: &[u8]) -> Result<(), Fault> {
+        enqueue(queue, data)
+    }
+    fn request_header(&self, name: &str) -> Option<String> {
+        request_header(name)
+    }
+    fn set_request_header(&self, name: &str, value: &str) -> Result<(), Fault> {
+        set_request_header(name, value)
+    }
+    fn remove_request_header(&self, name: &str) -> Result<(), Fault> {
+        remove_request_header(name)
+    }
+    fn response_header(&self, name: &str) -> Option<String> {
+        response_header(name)
+    }
+    fn set_response_header(&self, name: &str, value: &str) -> Result<(), Fault> {
+        set_response_header(name, value)
+    }
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        request_body(size)
+    }
+    fn set_request_body(&self, body: &[u8]) -> Result<(), Fault> {
+        set_request_body(body)
+    }
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        property(path)
+    }
+    fn clear_route_cache(&self) -> Result<(), Fault> {
+        clear_route_cache()
+    }
+    fn dispatch(
+        &self,
+        cluster: &str,
+        headers: Vec<(&str, &str)>,
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, Fault> {
+        dispatch(cluster, headers, body, timeout)
+    }
+    fn call_response_header(&self, name: &str) -> Option<String> {
+        call_response_header(name)
+    }
+    fn call_response_body(&self, size: usize) -> Option<Vec<u8>> {
+        call_response_body(size)
+    }
+    fn resume_request(&self) -> Result<(), Fault> {
+        resume_request()
+    }
+    fn send_response(
+        &self,
+        status: u16,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Fault> {
+        send_response(status, headers, body)
+    }
+    fn define_metric(&self, kind: u32, name: &str) -> Option<u32> {
+        define_metric(kind, name)
+    }
+    fn increment_metric(&self, id: u32, offset: i64) {
+        increment_metric(id, offset);
+    }
+    fn record_metric(&self, id: u32, value: u64) {
+        record_metric(id, value);
+    }
 }

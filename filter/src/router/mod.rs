@@ -20,12 +20,12 @@ mod shards;
 mod templates;
 
 use crate::config::{Config, ms};
-use crate::host;
+use crate::host::{self, Host};
 use crate::manifest::{self, Manifest};
-use crate::metrics::{RouterMetrics, inc};
+use crate::metrics::RouterMetrics;
 use crate::view::View;
 use kvgate_core::approx::Routed;
-use kvgate_core::booking::{Event, Key};
+use kvgate_core::booking::{Event, Key, Timing};
 use kvgate_core::plan::local::{LocalBookings, Release};
 use outbox::Outbox;
 use proxy_wasm::types::LogLevel;
@@ -71,21 +71,21 @@ pub struct RouterState {
 const ALIVE_EVERY_MS: u64 = 1000;
 
 impl RouterState {
-    pub fn new(config: Config, vm_id: String) -> RouterState {
+    pub fn new(h: &impl Host, config: Config, vm_id: String) -> RouterState {
         let immediate = config.flush.is_zero();
         RouterState {
             config,
             vm_id,
             reports: Outbox::new(immediate),
             view: View::default(),
-            metrics: RouterMetrics::define(),
+            metrics: RouterMetrics::define(h),
             // Each worker thread's VM starts at a different point, so two
             // VMs' first requests on an idle fleet do not pick the same rank.
-            tie_break: host::now_us().wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            tie_break: h.now_us().wrapping_mul(0x9E37_79B9_7F4A_7C15),
             decisions: 0,
-            vm_tag: host::random_u64(),
+            vm_tag: h.random_u64(),
             next_seq: 0,
-            next_room: host::random_u64(),
+            next_room: h.random_u64(),
             bookings: Outbox::new(immediate),
             local: LocalBookings::default(),
             shards: shards::Shards::default(),
@@ -98,30 +98,30 @@ impl RouterState {
     /// Tells the sidecar this VM is alive, once a second at most: on the
     /// root's tick, so a VM that died (a trap kills it and Envoy reloads
     /// a new one under a new tag) goes silent.
-    pub fn beat(&mut self) {
-        let now = host::now_ms();
+    pub fn beat(&mut self, h: &impl Host) {
+        let now = h.now_ms();
         if now.saturating_sub(self.alive_at_ms) < ALIVE_EVERY_MS {
             return;
         }
         self.alive_at_ms = now;
         let vm = self.vm_tag;
-        self.send(&Event::Alive { vm });
+        self.send(h, &Event::Alive { vm });
     }
 
     /// Keeps a departed client's prefill booking until `until_us`.
-    fn orphan(&mut self, b: Booking, until_us: u64) {
-        inc(self.metrics.prefill_orphaned);
+    fn orphan(&mut self, h: &impl Host, b: Booking, until_us: u64) {
+        h.count(self.metrics.prefill_orphaned);
         self.orphans.push((b, until_us));
     }
 
     /// Ends the orphaned legs whose deadline has passed: on the root's
     /// tick, and at each request in case the root does not tick. With none
     /// held (the usual case) it reads no clock: it runs on every request.
-    pub fn release_orphans(&mut self) {
+    pub fn release_orphans(&mut self, h: &impl Host) {
         if self.orphans.is_empty() {
             return;
         }
-        let now_us = host::now_us();
+        let now_us = h.now_us();
         if self.orphans.iter().all(|(_, until)| *until > now_us) {
             return;
         }
@@ -130,51 +130,55 @@ impl RouterState {
             .partition(|(_, until)| *until <= now_us);
         self.orphans = kept;
         for (b, _) in due {
-            self.end_leg(b);
+            self.release(h, b, true, None);
         }
     }
 
-    /// Releases a prefill leg's whole booking and tells the sidecar it
-    /// ended: exactly once per leg.
-    fn end_leg(&mut self, b: Booking) {
+    /// Releases a booking: its prompt at the first byte (`done` false),
+    /// all of it when its leg ends (`done`, with the leg's timing when it
+    /// completed): exactly once each, however the leg ends.
+    fn release(&mut self, h: &impl Host, b: Booking, done: bool, timing: Option<Timing>) {
         let release = Release {
             seq: b.seq,
             slot: b.slot,
-            prefill: b.prefill,
-            decode: b.decode,
-            done: true,
+            prefill: if b.first_byte { 0 } else { b.prefill },
+            decode: if done { b.decode } else { 0 },
+            done,
+            // The next booking this VM makes follows the release to the
+            // sidecar: a snapshot that counts it counts the release.
             fence: self.next_seq + 1,
         };
         self.local
-            .release(self.view.snapshot.as_mut(), release, host::now_ms());
+            .release(self.view.snapshot.as_mut(), release, h.now_ms());
         let key = Key {
             vm: self.vm_tag,
             seq: b.seq,
         };
-        self.send(&Event::Done { key, timing: None });
+        let ev = if done {
+            Event::Done { key, timing }
+        } else {
+            Event::FirstByte { key }
+        };
+        self.send(h, &ev);
     }
 
     /// Brings the view up to `manifest`'s snapshot, and settles this VM's
     /// own bookings into a new one.
-    fn refresh_view(&mut self, manifest: &Manifest) {
+    fn refresh_view(&mut self, h: &impl Host, manifest: &Manifest) {
         let version = manifest.snapshot_version;
         match self.view.refresh(manifest.epoch, version, || {
-            host::get_shared(manifest::SNAPSHOT_KEY)
+            h.get_shared(manifest::SNAPSHOT_KEY)
         }) {
             Ok(true) => {
                 if let Some(snap) = self.view.snapshot.as_mut() {
-                    self.local.settle(
-                        snap,
-                        self.vm_tag,
-                        host::now_ms(),
-                        ms(self.config.stale_after),
-                    );
+                    self.local
+                        .settle(snap, self.vm_tag, h.now_ms(), ms(self.config.stale_after));
                 }
             }
             Ok(false) => {}
             Err(e) => {
-                inc(self.metrics.snapshot_decode_errors);
-                host::log(
+                h.count(self.metrics.snapshot_decode_errors);
+                h.log(
                     LogLevel::Error,
                     &format!("kvgate: snapshot {version} does not decode: {e}"),
                 );
@@ -187,33 +191,43 @@ impl RouterState {
     /// the sidecar republishes as loads move, and reading and decoding
     /// new snapshots cost 2k-token decisions 1 to 3 µs each on average
     /// (docs/text-routing.md). Costs a manifest read a tick.
-    pub fn look_ahead(&mut self) {
-        let Some(m) = Manifest::read() else {
+    pub fn look_ahead(&mut self, h: &impl Host) {
+        let Some(m) = Manifest::read(h) else {
             return;
         };
-        if m.is_fresh(host::now_ms(), ms(self.config.stale_after)) {
-            self.refresh_view(&m);
+        if m.is_fresh(h.now_ms(), ms(self.config.stale_after)) {
+            self.refresh_view(h, &m);
         }
     }
 
     /// Books a routed request's load on `slot`: to the sidecar, and into
     /// this VM's view until a snapshot counts it.
-    fn book(&mut self, model: &str, slot: u16, prefill: u64, decode: u64) -> Booking {
+    fn book(
+        &mut self,
+        h: &impl Host,
+        model: &str,
+        slot: u16,
+        prefill: u64,
+        decode: u64,
+    ) -> Booking {
         self.next_seq += 1;
         let seq = self.next_seq;
-        self.send(&Event::Book {
-            key: Key {
-                vm: self.vm_tag,
-                seq,
+        self.send(
+            h,
+            &Event::Book {
+                key: Key {
+                    vm: self.vm_tag,
+                    seq,
+                },
+                model: model.to_string(),
+                slot,
+                prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
+                decode_blocks: u32::try_from(decode).unwrap_or(u32::MAX),
             },
-            model: model.to_string(),
-            slot,
-            prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
-            decode_blocks: u32::try_from(decode).unwrap_or(u32::MAX),
-        });
+        );
         if let Some(snap) = self.view.snapshot.as_mut() {
             self.local
-                .book(snap, seq, slot, prefill, decode, host::now_ms());
+                .book(snap, seq, slot, prefill, decode, h.now_ms());
         }
         Booking {
             seq,
@@ -226,45 +240,45 @@ impl RouterState {
 
     /// Sends a booking event to the snapshot service. A failure costs
     /// accuracy only: the sidecar expires what it never hears the end of.
-    fn send(&mut self, ev: &Event) {
+    fn send(&mut self, h: &impl Host, ev: &Event) {
         let vm_id = &self.vm_id;
         let sent = self.bookings.push(
             |b| ev.encode_into(b),
-            |q, bytes| enqueue_on(vm_id, host::BOOKINGS_QUEUE, q, bytes),
+            |q, bytes| enqueue_on(h, vm_id, host::BOOKINGS_QUEUE, q, bytes),
         );
         if !sent {
-            inc(self.metrics.booking_errors);
+            h.count(self.metrics.booking_errors);
         }
     }
 
     /// Hands a routing decision to the snapshot service, which forwards it
     /// to the sidecar's routed-prefix index.
-    fn report(&mut self, record: &Routed) {
+    fn report(&mut self, h: &impl Host, record: &Routed) {
         let vm_id = &self.vm_id;
         let sent = self.reports.push(
             |b| record.encode_into(b),
-            |q, bytes| enqueue_on(vm_id, host::ROUTED_QUEUE, q, bytes),
+            |q, bytes| enqueue_on(h, vm_id, host::ROUTED_QUEUE, q, bytes),
         );
         if !sent {
-            inc(self.metrics.report_errors);
+            h.count(self.metrics.report_errors);
         }
     }
 
     /// Hands everything held back to the snapshot service: every flush
     /// interval, on the router root's tick.
-    pub fn flush(&mut self) {
+    pub fn flush(&mut self, h: &impl Host) {
         let vm_id = &self.vm_id;
         if !self
             .bookings
-            .flush(|q, bytes| enqueue_on(vm_id, host::BOOKINGS_QUEUE, q, bytes))
+            .flush(|q, bytes| enqueue_on(h, vm_id, host::BOOKINGS_QUEUE, q, bytes))
         {
-            inc(self.metrics.booking_errors);
+            h.count(self.metrics.booking_errors);
         }
         if !self
             .reports
-            .flush(|q, bytes| enqueue_on(vm_id, host::ROUTED_QUEUE, q, bytes))
+            .flush(|q, bytes| enqueue_on(h, vm_id, host::ROUTED_QUEUE, q, bytes))
         {
-            inc(self.metrics.report_errors);
+            h.count(self.metrics.report_errors);
         }
     }
 }
@@ -272,11 +286,17 @@ impl RouterState {
 /// Enqueues `bytes` on the service's `name` queue, resolving it first when
 /// unknown, and forgetting it on failure so that the next send resolves it
 /// again (the service may have restarted and registered it anew).
-fn enqueue_on(vm_id: &str, name: &str, queue: &mut Option<u32>, bytes: &[u8]) -> bool {
+fn enqueue_on(
+    h: &impl Host,
+    vm_id: &str,
+    name: &str,
+    queue: &mut Option<u32>,
+    bytes: &[u8],
+) -> bool {
     if queue.is_none() {
-        *queue = host::resolve_queue(vm_id, name);
+        *queue = h.resolve_queue(vm_id, name);
     }
-    match queue.map(|q| host::enqueue(q, bytes)) {
+    match queue.map(|q| h.enqueue(q, bytes)) {
         Some(Ok(())) => true,
         _ => {
             *queue = None;

@@ -1,7 +1,7 @@
 //! This VM's compiled prompt templates, one per model, recompiled only
 //! when the snapshot names a new version.
 
-use crate::host;
+use crate::host::Host;
 use kvgate_core::text::template::Renderer;
 use kvgate_core::text::template_key;
 use kvgate_core::update::shard_key;
@@ -18,10 +18,10 @@ impl Templates {
     /// The renderer of `model`'s template `version`; `None` while the blob
     /// the snapshot names has not reached shared data, or when it does not
     /// compile (logged once per version).
-    pub fn get(&mut self, model: &str, version: u64) -> Option<&mut Renderer> {
+    pub fn get(&mut self, h: &impl Host, model: &str, version: u64) -> Option<&mut Renderer> {
         let fresh = matches!(self.by_model.get(model), Some((v, _)) if *v == version);
         if !fresh {
-            let bytes = host::get_shared(&shard_key(&template_key(model), 0))?;
+            let bytes = h.get_shared(&shard_key(&template_key(model), 0))?;
             let compiled = Renderer::from_blob(&bytes, version);
             match compiled {
                 // Shared data still holds the previous blob.
@@ -30,7 +30,7 @@ impl Templates {
                     self.by_model.insert(model.to_string(), (version, Some(r)));
                 }
                 Err(e) => {
-                    host::log(
+                    h.log(
                         proxy_wasm::types::LogLevel::Error,
                         &format!("kvgate: prompt template of {model} is unusable: {e}"),
                     );

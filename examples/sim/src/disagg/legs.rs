@@ -76,6 +76,7 @@ pub(crate) fn rejected(
         error: Some(why.clone()),
         body_keys: Record::keys_of(body),
         vllm_xargs: body["vllm_xargs"].clone(),
+        took_us: 0,
     });
     bad(why)
 }
@@ -106,6 +107,7 @@ pub(crate) async fn serve(
     {
         return stalled(&sim, id, chat, body, &leg, rank.index);
     }
+    let started = std::time::Instant::now();
     let (resp, outcome) = match &leg {
         Leg::Local => (
             local(sim.clone(), job, rank.clone(), Start::Prefill).await,
@@ -131,6 +133,7 @@ pub(crate) async fn serve(
         error: outcome.error,
         body_keys: Record::keys_of(body),
         vllm_xargs: body["vllm_xargs"].clone(),
+        took_us: u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
     });
     resp
 }
@@ -157,6 +160,7 @@ fn stalled(sim: &Sim, id: String, chat: bool, body: &Value, leg: &Leg, rank: u32
         error: Some(why.into()),
         body_keys: Record::keys_of(body),
         vllm_xargs: body["vllm_xargs"].clone(),
+        took_us: 0,
     });
     tracing::info!("a prefill leg stalls after its headers");
     let never = futures::stream::pending::<Result<axum::body::Bytes, std::io::Error>>();

@@ -32,6 +32,10 @@ pub struct Record {
     pub body_keys: Vec<String>,
     /// The body's `vllm_xargs` (null when absent).
     pub vllm_xargs: Value,
+    /// From the request's arrival to its response's headers: a prefill
+    /// leg's whole compute (its answer is not streamed), a streamed
+    /// leg's time to its first event.
+    pub took_us: u64,
 }
 
 impl Record {
@@ -58,6 +62,7 @@ impl Record {
             "error": self.error,
             "body_keys": self.body_keys,
             "vllm_xargs": self.vllm_xargs,
+            "took_us": self.took_us,
         })
     }
 }
@@ -104,6 +109,7 @@ mod tests {
                 error: None,
                 body_keys: Vec::new(),
                 vllm_xargs: Value::Null,
+                took_us: 0,
             });
         }
         let all = r.json();

@@ -1,31 +1,45 @@
-//! The legs of a disaggregated request: the prefill callout, what its
-//! answer makes of the client's request (vLLM's NIXL protocol), and
-//! SGLang's two legs sent at once. The decision's seam is in the parent
-//! module; what a prefill answer means is judged in [`super::prefill`].
+//! The legs of a disaggregated request, as `kvgate_core::dispatch` split
+//! it: the prefill callout, what its answer makes of the client's request
+//! (vLLM's NIXL protocol), and SGLang's two legs sent at once. What a
+//! failed leg becomes is the dispatch's rule ([`Split::after_failure`]);
+//! what a prefill answer means is judged in [`super::prefill`].
 
-use super::decide::{PrefillPlan, Split, Target};
+use super::super::Booking;
+use super::decide::Facts;
+use super::flow::{Flow, Routed, Stage, replace_body, send_whole};
 use super::prefill::{self, Verdict};
-use super::{Request, Stage};
-use crate::host;
-use crate::metrics::{inc, record};
+use crate::host::{Fault, Host};
 use crate::reply::Reply;
+use kvgate_core::booking::Timing;
 use kvgate_core::disagg::{self, nixl, sglang};
+use kvgate_core::dispatch::{AfterFailure, Split, Target, Whole, WholeBody};
 use kvgate_core::header;
-use kvgate_core::state::OnPrefillFailure;
+use kvgate_core::plan::Leg;
 use proxy_wasm::types::{Action, LogLevel};
-use std::borrow::Cow;
 use std::time::Duration;
 
-/// A second try of a prefill leg needs at least this share (one in ten)
-/// of the leg's time budget left.
-const MIN_RETRY_SHARE: u64 = 10;
-
-/// A prefill leg in flight: what the answer is applied to.
+/// A request paused on its prefill leg.
 #[derive(Debug)]
-pub(super) struct Leg {
-    plan: PrefillPlan,
-    /// The worker the callout went to.
+pub(super) struct Prefilling {
+    /// The callout in flight.
+    token: u32,
+    /// Its booking on the prefill worker, and when it was sent.
+    booking: Booking,
+    sent_us: u64,
+    plan: LegPlan,
+}
+
+/// What a prefill try is made from, and what its answer goes on to.
+#[derive(Debug)]
+pub(super) struct LegPlan {
+    split: Split,
+    /// The worker this try goes to.
     at: Target,
+    /// This is the second try.
+    retried: bool,
+    /// The decode leg: its headers set and its blocks booked; it is sent
+    /// when the request resumes.
+    decode: Routed,
     /// The client's body, which the decode leg is made from.
     client: Vec<u8>,
     /// The path both legs are sent to.
@@ -33,99 +47,113 @@ pub(super) struct Leg {
     request_id: String,
     /// The client's `authorization`, for workers that check an API key.
     authorization: Option<String>,
-    /// When the leg's one budget runs out, and when this try started.
+    /// When the leg's one budget runs out.
     deadline_us: u64,
-    sent_us: u64,
-    retried: bool,
+}
+
+impl Prefilling {
+    pub fn token(&self) -> u32 {
+        self.token
+    }
+
+    /// The prefill leg's booking and deadline, and the decode leg's
+    /// booking: what a departed client leaves behind.
+    pub fn into_parts(self) -> (Booking, u64, Option<Booking>) {
+        (
+            self.booking,
+            self.plan.deadline_us,
+            self.plan.decode.booking,
+        )
+    }
 }
 
 /// An SGLang prefill leg in flight beside its decode leg.
 #[derive(Debug)]
 pub(super) struct Draining {
-    pub(super) token: u32,
+    pub token: u32,
+    pub booking: Booking,
     endpoint: String,
     request_id: String,
     room: u64,
     sent_us: u64,
+    isl_tokens: u32,
     /// When Envoy ends the callout if the worker has not answered.
-    deadline_us: u64,
+    pub deadline_us: u64,
 }
 
-impl Request {
-    /// Books both legs of a disaggregated request, with the request routed
-    /// to its decode worker, and sends the prefill leg; the request waits
+/// What a request's legs are sent with.
+struct Exchange {
+    path: String,
+    request_id: String,
+    authorization: Option<String>,
+}
+
+impl Flow {
+    /// Books both legs of a vLLM NIXL request, with the request routed to
+    /// its decode worker, and sends the prefill leg; the request waits
     /// for its answer.
-    pub(super) fn split(&mut self, s: Split, body: &[u8]) -> Action {
-        let Split {
-            decode, prefill, ..
-        } = s;
-        let growth = disagg::decode_growth(u64::from(decode.isl_tokens));
-        self.route_to(decode);
-        let path = host::request_header(":path").unwrap_or_default();
-        let authorization = host::request_header("authorization");
-        let request_id = self.mint_request_id();
-        let now = host::now_us();
-        let leg = Leg {
-            at: prefill.first.clone(),
-            deadline_us: now.saturating_add(prefill.timeout_ms.saturating_mul(1000)),
-            plan: prefill,
-            client: body.to_vec(),
-            path,
-            request_id,
-            authorization,
-            sent_us: now,
+    pub(super) fn split(
+        &mut self,
+        h: &impl Host,
+        s: Split,
+        facts: &Facts,
+        body: Vec<u8>,
+    ) -> Action {
+        let decode = self.route_decode(h, &s, facts);
+        let ex = self.exchange(h);
+        let deadline_us = h.now_us().saturating_add(s.timeout_ms.saturating_mul(1000));
+        let plan = LegPlan {
+            at: s.prefill.clone(),
+            split: s,
             retried: false,
+            decode,
+            client: body,
+            path: ex.path,
+            request_id: ex.request_id,
+            authorization: ex.authorization,
+            deadline_us,
         };
-        // A decode body that would pass the buffer Envoy is configured
-        // for is not worth a prefill leg (nor two, with the runner-up).
-        let limit = self.state.borrow().config.max_body_bytes;
-        if body.len().saturating_add(growth) > limit.saturating_add(disagg::DECODE_HEADROOM_BYTES) {
-            return self.no_room(leg);
-        }
-        self.send_prefill(leg)
+        self.send_prefill(h, plan)
     }
 
-    /// The id both legs carry, set on the request for the decode worker,
-    /// and on every other request to a disaggregated model's workers: the
-    /// engines key the KV handoff by it, so kvgate chooses it. A client's
-    /// own is logged beside it, never passed on.
-    pub(super) fn mint_request_id(&mut self) -> String {
-        let request_id = prefill::request_id(host::random_u64);
-        if let Some(client_id) = host::request_header(header::REQUEST_ID) {
-            host::log(
-                LogLevel::Debug,
-                &format!("kvgate: request {client_id} is disaggregated as {request_id}"),
-            );
+    /// The decode leg's headers and booking: no prompt, its blocks.
+    fn route_decode(&mut self, h: &impl Host, s: &Split, facts: &Facts) -> Routed {
+        let decode = Whole {
+            model: s.model.clone(),
+            target: s.decode.clone(),
+            fallback: s.decode_fallback.clone(),
+            body: WholeBody::Scrubbed,
+            why: None,
+        };
+        self.route_to(h, decode, facts, Leg::Decode)
+    }
+
+    fn exchange(&mut self, h: &impl Host) -> Exchange {
+        Exchange {
+            path: h.request_header(":path").unwrap_or_default(),
+            authorization: h.request_header("authorization"),
+            request_id: self.mint_request_id(h),
         }
-        let _ = host::set_request_header(header::REQUEST_ID, &request_id);
-        request_id
     }
 
     /// SGLang's two legs, sent at once: the same body, the client's with
     /// the bootstrap fields, to the prefill worker as a callout and to the
-    /// decode worker as the request itself. The request never waits for
-    /// the prefill (the prefill finishes only once the decode worker has
-    /// joined its room); its answer is drained ([`Request::drained`]).
-    ///
-    /// A try Envoy cannot make (the host left the catalog) goes to the
-    /// runner-up, before the decode leg is sent; with none, the request
-    /// is answered 503: an SGLang decode worker cannot compute a prompt
-    /// itself.
-    pub(super) fn split_sglang(&mut self, s: Split, body: &[u8]) -> Action {
-        let Split {
-            decode,
-            mut prefill,
-            ..
-        } = s;
+    /// decode worker as the request itself. A callout Envoy refuses at once
+    /// is tried on the runner-up: nothing has been sent yet.
+    pub(super) fn split_sglang(
+        &mut self,
+        h: &impl Host,
+        mut s: Split,
+        facts: &Facts,
+        body: &[u8],
+    ) -> Action {
         let decode_rank = sglang::Rank {
-            index: decode.first.dp_index,
-            size: decode.first.dp_size,
+            index: s.decode.dp_index,
+            size: s.decode.dp_size,
         };
-        self.route_to(decode);
-        let path = host::request_header(":path").unwrap_or_default();
-        let authorization = host::request_header("authorization");
-        let request_id = self.mint_request_id();
-        let mut at = prefill.first.clone();
+        let mut decode = self.route_decode(h, &s, facts);
+        let ex = self.exchange(h);
+        let mut at = s.prefill.clone();
         loop {
             let room = {
                 let mut st = self.state.borrow_mut();
@@ -137,11 +165,12 @@ impl Request {
                 sglang::room(sglang::mix(st.next_room), prefill_rank, decode_rank)
             };
             if !room.both {
-                host::log(
+                h.log(
                     LogLevel::Info,
                     &format!(
-                        "kvgate: no bootstrap room lands on both chosen ranks of {request_id}: \
+                        "kvgate: no bootstrap room lands on both chosen ranks of {}: \
                          the decode worker serves it on rank {} of its {}",
+                        ex.request_id,
                         room.room % u64::from(decode_rank.size.max(1)),
                         decode_rank.size
                     ),
@@ -149,55 +178,58 @@ impl Request {
             }
             let host_ip = sglang::bootstrap_host(&at.endpoint);
             let Ok(both) = sglang::body(body, host_ip, at.bootstrap_port, room.room) else {
-                return self.reply(&Reply::prefill_failed(
-                    "the request body cannot be rewritten",
-                ));
+                return self.refuse(
+                    h,
+                    decode,
+                    &Reply::prefill_failed("the request body cannot be rewritten"),
+                );
             };
             let limit = self.state.borrow().config.max_body_bytes;
             if both.len() > limit.saturating_add(disagg::DECODE_HEADROOM_BYTES) {
-                return self.reply(&Reply::prefill_failed(
-                    "the body with its bootstrap fields exceeds max_body_bytes and its headroom",
-                ));
+                return self.refuse(
+                    h,
+                    decode,
+                    &Reply::prefill_failed(
+                        "the body with its bootstrap fields exceeds max_body_bytes and its headroom",
+                    ),
+                );
             }
-            let timeout = Duration::from_millis(prefill.timeout_ms.max(1));
-            match self.call_prefill(
-                &at,
-                &path,
-                &request_id,
-                authorization.as_deref(),
-                &both,
-                timeout,
-            ) {
-                Ok(token) => {
-                    let sent_us = host::now_us();
-                    self.draining = Some(Draining {
+            let timeout = Duration::from_millis(s.timeout_ms.max(1));
+            match self.call_prefill(h, &decode.model, &at, &ex, &both, timeout) {
+                Ok((token, booking)) => {
+                    let sent_us = h.now_us();
+                    decode.draining = Some(Draining {
                         token,
+                        booking,
                         endpoint: at.endpoint.clone(),
-                        request_id,
+                        request_id: ex.request_id,
                         room: room.room,
                         sent_us,
+                        isl_tokens: facts.isl_tokens,
                         deadline_us: sent_us
-                            .saturating_add(prefill.timeout_ms.max(1).saturating_mul(1000)),
+                            .saturating_add(s.timeout_ms.max(1).saturating_mul(1000)),
                     });
-                    self.replace_body(&both);
+                    replace_body(h, &both);
+                    self.stage = Stage::Routed(Box::new(decode));
                     return Action::Continue;
                 }
                 Err(status) => {
-                    host::log(
+                    h.log(
                         LogLevel::Warn,
                         &format!(
                             "kvgate: prefill callout to {} failed: {status:?}",
                             at.endpoint
                         ),
                     );
-                    self.release_prefill();
-                    let Some(next) = prefill.runner_up.take() else {
-                        inc(self.state.borrow().metrics.prefill_failed);
-                        return self.reply(&Reply::prefill_failed(
-                            "the prefill worker is not in the catalog",
-                        ));
+                    let Some(next) = s.next_sglang_prefill() else {
+                        h.count(self.state.borrow().metrics.prefill_failed);
+                        return self.refuse(
+                            h,
+                            decode,
+                            &Reply::prefill_failed("the prefill worker is not in the catalog"),
+                        );
                     };
-                    inc(self.state.borrow().metrics.prefill_retried);
+                    h.count(self.state.borrow().metrics.prefill_retried);
                     at = next;
                 }
             }
@@ -205,127 +237,131 @@ impl Request {
     }
 
     /// Books `at`'s prefill and dispatches the callout that computes it
-    /// there; a call Envoy refuses releases nothing (the caller does).
+    /// there; a call Envoy refuses releases the booking at once.
     fn call_prefill(
         &mut self,
+        h: &impl Host,
+        model: &str,
         at: &Target,
-        path: &str,
-        request_id: &str,
-        authorization: Option<&str>,
+        ex: &Exchange,
         body: &[u8],
         timeout: Duration,
-    ) -> Result<u32, host::Fault> {
-        let (cluster, host_header, rank_header) = {
-            let mut st = self.state.borrow_mut();
-            self.prefill_booking = Some(st.book(&self.model, at.slot, at.prefill_tokens, 0));
-            let c = &st.config;
-            (
-                c.prefill_cluster.clone(),
-                c.prefill_host_header.clone(),
-                c.rank_header.clone(),
-            )
-        };
+    ) -> Result<(u32, Booking), Fault> {
+        let mut st = self.state.borrow_mut();
+        let booking = st.book(h, model, at.slot, at.prefill_tokens, 0);
+        let c = &st.config;
         let rank = at.rank.to_string();
         let mut headers = vec![
             (":method", "POST"),
-            (":path", path),
+            (":path", ex.path.as_str()),
             (":authority", at.endpoint.as_str()),
             ("content-type", "application/json"),
-            (header::REQUEST_ID, request_id),
-            (host_header.as_str(), at.endpoint.as_str()),
+            (header::REQUEST_ID, ex.request_id.as_str()),
+            (c.prefill_host_header.as_str(), at.endpoint.as_str()),
         ];
         if at.names_rank {
-            headers.push((rank_header.as_str(), rank.as_str()));
+            headers.push((c.rank_header.as_str(), rank.as_str()));
         }
-        if let Some(a) = authorization {
-            headers.push(("authorization", a));
+        if let Some(a) = &ex.authorization {
+            headers.push(("authorization", a.as_str()));
         }
-        host::dispatch(&cluster, headers, Some(body), timeout)
+        match h.dispatch(&c.prefill_cluster, headers, Some(body), timeout) {
+            Ok(token) => Ok((token, booking)),
+            Err(status) => {
+                st.release(h, booking, true, None);
+                Err(status)
+            }
+        }
     }
 
-    /// An SGLang prefill answer: its booking ends. A failure cannot be
-    /// retried (the decode leg is on its way, waiting in the room), so it
-    /// is counted and logged; the decode worker fails the request on its
-    /// own bootstrap timeout.
-    pub(super) fn drained(&mut self, leg: Draining) {
-        self.release_prefill();
-        let status = host::call_response_header(":status").and_then(|s| s.parse::<u16>().ok());
-        let st = self.state.borrow();
-        record(
-            st.metrics.prefill_us,
-            host::now_us().saturating_sub(leg.sent_us),
-        );
-        if status == Some(200) {
-            return;
-        }
-        inc(st.metrics.prefill_failed);
-        let status = status.map_or_else(|| "a reset".to_string(), |s| format!("status {s}"));
-        host::log(
-            LogLevel::Warn,
-            &format!(
-                "kvgate: SGLang prefill leg {} (room {}) on {} failed with {status}; \
-                 its decode worker fails the request on its bootstrap timeout",
-                leg.request_id, leg.room, leg.endpoint
-            ),
-        );
-    }
-
-    /// Books the leg's worker and calls it; a call Envoy cannot make (its
-    /// host left the catalog) fails the leg at once.
-    fn send_prefill(&mut self, mut leg: Leg) -> Action {
-        let Ok(prefill_body) = nixl::prefill_body(&leg.client) else {
-            return self.prefill_failed(leg, "the request body cannot be rewritten");
+    /// Sends a try of the prefill leg; a call Envoy cannot make (its
+    /// host left the catalog) fails the try at once.
+    fn send_prefill(&mut self, h: &impl Host, plan: LegPlan) -> Action {
+        let Ok(prefill_body) = nixl::prefill_body(&plan.client) else {
+            return self.leg_failed(h, plan, "the request body cannot be rewritten");
         };
-        let now = host::now_us();
-        let left_ms = leg.deadline_us.saturating_sub(now) / 1000;
+        let now = h.now_us();
+        let left_ms = plan.deadline_us.saturating_sub(now) / 1000;
         if left_ms == 0 {
-            return self.prefill_failed(leg, "the prefill timeout ran out");
+            return self.leg_failed(h, plan, "the prefill timeout ran out");
         }
+        let ex = Exchange {
+            path: plan.path.clone(),
+            request_id: plan.request_id.clone(),
+            authorization: plan.authorization.clone(),
+        };
         let timeout = Duration::from_millis(left_ms);
-        let called = self.call_prefill(
-            &leg.at,
-            &leg.path,
-            &leg.request_id,
-            leg.authorization.as_deref(),
-            &prefill_body,
-            timeout,
-        );
-        match called {
-            Ok(token) => {
-                leg.sent_us = now;
-                self.stage = Stage::Prefilling {
+        match self.call_prefill(h, &plan.decode.model, &plan.at, &ex, &prefill_body, timeout) {
+            Ok((token, booking)) => {
+                self.stage = Stage::Prefilling(Box::new(Prefilling {
                     token,
-                    leg: Box::new(leg),
-                };
+                    booking,
+                    sent_us: now,
+                    plan,
+                }));
                 Action::Pause
             }
             Err(status) => {
-                host::log(
+                h.log(
                     LogLevel::Warn,
                     &format!(
                         "kvgate: prefill callout to {} failed: {status:?}",
-                        leg.at.endpoint
+                        plan.at.endpoint
                     ),
                 );
-                self.release_prefill();
-                self.prefill_failed(leg, "the prefill worker is not in the catalog")
+                self.leg_failed(h, plan, "the prefill worker is not in the catalog")
             }
         }
     }
 
-    /// Applies a prefill leg's answer.
-    pub(super) fn prefill_answered(&mut self, leg: Leg, body_size: usize) -> Action {
-        self.release_prefill();
-        {
-            let st = self.state.borrow();
-            record(
-                st.metrics.prefill_us,
-                host::now_us().saturating_sub(leg.sent_us),
-            );
-        }
-        let status = host::call_response_header(":status").and_then(|s| s.parse::<u16>().ok());
-        let answer = host::call_response_body(body_size).unwrap_or_default();
-        match prefill::judge(status, &answer, &leg.client) {
+    /// Ends a prefill leg's booking at its answer, with its timing: from
+    /// its dispatch to the answer, and the answer's status (0: a reset).
+    /// Returns the status as read, and the time of the answer.
+    fn end_prefill(
+        &mut self,
+        h: &impl Host,
+        booking: Booking,
+        sent_us: u64,
+        isl: u32,
+    ) -> (Option<u16>, u64) {
+        let status = h
+            .call_response_header(":status")
+            .and_then(|s| s.parse::<u16>().ok());
+        let now = h.now_us();
+        let took = now.saturating_sub(sent_us);
+        let took32 = u32::try_from(took).unwrap_or(u32::MAX);
+        let mut st = self.state.borrow_mut();
+        h.sample(st.metrics.prefill_us, took);
+        let timing = Timing {
+            leg: Leg::Prefill,
+            first_byte_us: took32,
+            total_us: took32,
+            isl_tokens: isl,
+            output_tokens: 0,
+            status: status.unwrap_or(0),
+            client_first_byte_us: 0,
+        };
+        st.release(h, booking, true, Some(timing));
+        (status, now)
+    }
+
+    /// Applies a prefill leg's answer: the decode leg goes on with the
+    /// transfer, or the leg failed, or the client's error goes back.
+    pub(super) fn prefill_answered(
+        &mut self,
+        h: &impl Host,
+        p: Prefilling,
+        body_size: usize,
+    ) -> Action {
+        let Prefilling {
+            booking,
+            sent_us,
+            mut plan,
+            ..
+        } = p;
+        let (status, now) = self.end_prefill(h, booking, sent_us, plan.decode.clock.isl_tokens);
+        let answer = h.call_response_body(body_size).unwrap_or_default();
+        match prefill::judge(status, &answer, &plan.client) {
             Verdict::Transfer(body) => {
                 let limit = self.state.borrow().config.max_body_bytes;
                 // Envoy must not be handed a body over its buffer limit
@@ -334,157 +370,135 @@ impl Request {
                 // the prompt is not; another prefill would make a body
                 // as large, so none is tried.
                 if body.len() > limit.saturating_add(disagg::DECODE_HEADROOM_BYTES) {
-                    host::log(
+                    h.log(
                         LogLevel::Warn,
                         &format!(
                             "kvgate: the decode body of {} ({} bytes) exceeds max_body_bytes and its headroom",
-                            leg.request_id,
+                            plan.request_id,
                             body.len()
                         ),
                     );
-                    return self.no_room(leg);
+                    return self.give_up(h, plan, Reply::too_large(limit));
                 }
-                self.replace_body(&body);
+                replace_body(h, &body);
+                // The decode worker's own clock starts now: its time to
+                // first token is not the prefill leg's nor the transfer's
+                // wait before it.
+                plan.decode.clock.sent_us = now;
+                self.stage = Stage::Routed(Box::new(plan.decode));
                 Action::Continue
             }
             Verdict::ClientError(status) => {
-                inc(self.state.borrow().metrics.prefill_client_errors);
+                h.count(self.state.borrow().metrics.prefill_client_errors);
+                self.release_decode(h, plan.decode);
                 self.stage = Stage::Replied;
-                let content_type = host::call_response_header(header::CONTENT_TYPE)
+                let content_type = h
+                    .call_response_header(header::CONTENT_TYPE)
                     .unwrap_or_else(|| "application/json".into());
-                if let Err(s) = host::send_response(
+                if let Err(s) = h.send_response(
                     status,
                     &[(header::CONTENT_TYPE, content_type.as_str())],
                     &answer,
                 ) {
-                    host::log(
+                    h.log(
                         LogLevel::Error,
                         &format!("kvgate: relaying the prefill answer failed: {s:?}"),
                     );
                 }
                 Action::Pause
             }
-            Verdict::Failed(cause) => self.prefill_failed(leg, cause),
+            Verdict::Failed(cause) => self.leg_failed(h, plan, cause),
         }
     }
 
-    /// A failed try: the runner-up once, within the same budget; then the
-    /// decode worker prefills, or the request is answered 503.
-    fn prefill_failed(&mut self, mut leg: Leg, cause: &str) -> Action {
-        host::log(
+    /// A failed try: as the dispatch says, the runner-up once within the
+    /// same budget, then the decode worker computes the prompt or the
+    /// request is answered 503.
+    fn leg_failed(&mut self, h: &impl Host, mut plan: LegPlan, cause: &str) -> Action {
+        h.log(
             LogLevel::Warn,
             &format!(
                 "kvgate: prefill leg {} on {} failed: {cause}",
-                leg.request_id, leg.at.endpoint
+                plan.request_id, plan.at.endpoint
             ),
         );
-        // A try that spent (almost) all of the one budget leaves none
-        // worth a second: a timed-out leg is failed, not retried for the
-        // last milliseconds.
-        let left_us = leg.deadline_us.saturating_sub(host::now_us());
-        let worth_a_try = left_us >= leg.plan.timeout_ms.saturating_mul(1000) / MIN_RETRY_SHARE;
-        if !leg.retried
-            && worth_a_try
-            && let Some(next) = leg.plan.runner_up.take()
-        {
-            inc(self.state.borrow().metrics.prefill_retried);
-            leg.retried = true;
-            leg.at = next;
-            return self.send_prefill(leg);
+        let left_us = plan.deadline_us.saturating_sub(h.now_us());
+        match plan.split.after_failure(plan.retried, left_us) {
+            AfterFailure::Retry(next) => {
+                h.count(self.state.borrow().metrics.prefill_retried);
+                plan.retried = true;
+                plan.at = next;
+                self.send_prefill(h, plan)
+            }
+            _ => self.give_up(h, plan, Reply::prefill_failed(cause)),
         }
-        self.give_up(leg, Reply::prefill_failed(cause))
-    }
-
-    /// The decode body would not fit: the decode worker computes the
-    /// prompt itself at once, never after another try; where the model
-    /// allows no local prefill, the client's body is too large.
-    fn no_room(&mut self, leg: Leg) -> Action {
-        let limit = self.state.borrow().config.max_body_bytes;
-        self.give_up(leg, Reply::too_large(limit))
     }
 
     /// No prefill leg will be: as the model says, the decode worker
     /// computes the prompt (and books it), or the client gets `refusal`.
-    fn give_up(&mut self, leg: Leg, refusal: Reply) -> Action {
-        inc(self.state.borrow().metrics.prefill_failed);
-        match leg.plan.on_failure {
-            OnPrefillFailure::Local => {
-                self.book_local_prefill(leg.plan.local_prefill_tokens);
-                self.send_whole(&leg.client);
+    fn give_up(&mut self, h: &impl Host, plan: LegPlan, refusal: Reply) -> Action {
+        h.count(self.state.borrow().metrics.prefill_failed);
+        match plan.split.give_up() {
+            AfterFailure::Local { prefill_tokens } => {
+                let LegPlan {
+                    mut decode, client, ..
+                } = plan;
+                {
+                    let mut st = self.state.borrow_mut();
+                    if let Some(b) = decode.booking.take() {
+                        st.release(h, b, true, None);
+                        decode.booking = Some(st.book(
+                            h,
+                            &decode.model,
+                            b.slot,
+                            b.prefill + prefill_tokens,
+                            b.decode,
+                        ));
+                    }
+                }
+                // The decode worker now serves the request whole, from now.
+                decode.clock.leg = Leg::Whole;
+                decode.clock.sent_us = h.now_us();
+                send_whole(h, &client);
+                self.stage = Stage::Routed(Box::new(decode));
                 Action::Continue
             }
-            OnPrefillFailure::Fail => self.reply(&refusal),
+            _ => self.refuse(h, plan.decode, &refusal),
         }
     }
 
-    /// Adds the prompt the decode worker now computes to its booking.
-    fn book_local_prefill(&mut self, tokens: u64) {
-        let Some(b) = self.booking else {
-            return;
-        };
-        let clock = self.clock.take();
-        self.release(true);
-        self.clock = clock;
-        let mut st = self.state.borrow_mut();
-        self.booking = Some(st.book(&self.model, b.slot, b.prefill + tokens, b.decode));
+    /// Answers the client without its decode leg, whose booking ends.
+    fn refuse(&mut self, h: &impl Host, decode: Routed, reply: &Reply) -> Action {
+        let model = decode.model.clone();
+        self.release_decode(h, decode);
+        self.reply_for(h, &model, reply)
     }
 
-    /// Sends the client's body to the decode worker for it to compute the
-    /// prompt itself: without any transfer field of the client's
-    /// (`kv_transfer_params`, SGLang's `bootstrap_*`), which would name a
-    /// host for the worker to pull blocks from.
-    pub(super) fn send_whole(&mut self, client: &[u8]) {
-        match disagg::whole_body(client) {
-            Ok(Cow::Owned(body)) => self.replace_body(&body),
-            Ok(Cow::Borrowed(_)) => {}
-            // Not an object: the worker refuses it as the client's error.
-            Err(_) => {}
+    /// Ends a decode leg that will not be sent.
+    fn release_decode(&mut self, h: &impl Host, mut decode: Routed) {
+        if let Some(b) = decode.booking.take() {
+            self.state.borrow_mut().release(h, b, true, None);
         }
     }
 
-    /// Replaces the buffered request body and its length.
-    fn replace_body(&mut self, body: &[u8]) {
-        let len = body.len().to_string();
-        if host::set_request_body(body).is_err()
-            || host::set_request_header("content-length", &len).is_err()
-        {
-            host::log(
-                LogLevel::Error,
-                "kvgate: could not replace the request body",
-            );
+    /// An SGLang prefill answer: its booking ends. A failure cannot be
+    /// retried (the decode leg is on its way, waiting in the room), so it
+    /// is counted and logged; the decode worker fails the request on its
+    /// own bootstrap timeout.
+    pub(super) fn drained(&mut self, h: &impl Host, leg: Draining) {
+        let (status, _) = self.end_prefill(h, leg.booking, leg.sent_us, leg.isl_tokens);
+        if status == Some(200) {
+            return;
         }
-    }
-
-    /// Releases the prefill leg's booking, all of it: the leg answered,
-    /// or was never sent.
-    pub(super) fn release_prefill(&mut self) {
-        let Some(b) = self.prefill_booking else {
-            return;
-        };
-        let Ok(mut st) = self.state.try_borrow_mut() else {
-            return;
-        };
-        self.prefill_booking = None;
-        st.end_leg(b);
-    }
-
-    /// The client is gone: a prefill leg still in flight keeps running on
-    /// its worker (Envoy cancels no callout), so its booking is handed to
-    /// the VM until the leg's deadline instead of ending now.
-    pub(super) fn orphan_prefill(&mut self) {
-        let until_us = match (&self.stage, &self.draining) {
-            (Stage::Prefilling { leg, .. }, _) => leg.deadline_us,
-            (_, Some(d)) => d.deadline_us,
-            _ => return,
-        };
-        let Some(b) = self.prefill_booking else {
-            return;
-        };
-        let Ok(mut st) = self.state.try_borrow_mut() else {
-            return;
-        };
-        self.prefill_booking = None;
-        self.draining = None;
-        st.orphan(b, until_us);
+        h.count(self.state.borrow().metrics.prefill_failed);
+        let status = status.map_or_else(|| "a reset".to_string(), |s| format!("status {s}"));
+        h.log(
+            LogLevel::Warn,
+            &format!(
+                "kvgate: SGLang prefill leg {} (room {}) on {} failed with {status}; \
+                 its decode worker fails the request on its bootstrap timeout",
+                leg.request_id, leg.room, leg.endpoint
+            ),
+        );
     }
 }

@@ -12,8 +12,8 @@
 //! decision is timed, so that what the decision histogram reports is
 //! the same on every request.
 
-use crate::host;
-use crate::metrics::{RouterMetrics, record};
+use crate::host::Host;
+use crate::metrics::RouterMetrics;
 
 /// Where the decision is, for [`Stopwatch::mark`].
 #[derive(Debug, Clone, Copy)]
@@ -37,34 +37,31 @@ pub struct Stopwatch {
 impl Stopwatch {
     /// Starts the clock; `n` counts the VM's decisions, and one in
     /// `every` has its phases timed (none when 0).
-    pub fn start(n: u64, every: u64) -> Stopwatch {
+    pub fn start(h: &impl Host, n: u64, every: u64) -> Stopwatch {
         Stopwatch {
-            started_us: host::now_us(),
+            started_us: h.now_us(),
             phases: (every > 0 && n.is_multiple_of(every)).then_some([None; 3]),
         }
     }
 
     /// Notes the end of `phase`, on a sampled decision only.
-    pub fn mark(&mut self, phase: Phase) {
+    pub fn mark(&mut self, h: &impl Host, phase: Phase) {
         if let Some(p) = self.phases.as_mut() {
-            p[phase as usize] = Some(host::now_us());
+            p[phase as usize] = Some(h.now_us());
         }
     }
 
     /// Stops the clock: records the whole decision and, on a sampled one,
     /// its phases (gather and selection from the end of the parse).
-    pub fn finish(self, m: &RouterMetrics) {
-        record(
-            m.decision_us,
-            host::now_us().saturating_sub(self.started_us),
-        );
+    pub fn finish(self, h: &impl Host, m: &RouterMetrics) {
+        h.sample(m.decision_us, h.now_us().saturating_sub(self.started_us));
         let Some([Some(parsed), gathered, selected]) = self.phases else {
             return;
         };
-        record(m.parse_us, parsed.saturating_sub(self.started_us));
+        h.sample(m.parse_us, parsed.saturating_sub(self.started_us));
         for (id, end) in [(m.gather_us, gathered), (m.selection_us, selected)] {
             if let Some(end) = end {
-                record(id, end.saturating_sub(parsed));
+                h.sample(id, end.saturating_sub(parsed));
             }
         }
     }

@@ -1,0 +1,654 @@
+//! A request's life as a state machine: each [`Stage`] owns the data
+//! valid in it, and each callback of the request is a transition written
+//! against [`Host`], so that every transition runs natively in tests.
+//!
+//! ```text
+//! Start ─► Passing                        (not a request kvgate routes)
+//!   └────► Reading ─► Replied             (400, 413, stale, shed, refused)
+//!             ├─────► Open                (failed open: scrubbed, undecided)
+//!             ├─────► Routed ─► Ended     (whole, or SGLang's two legs at once)
+//!             └─────► Prefilling ─► Routed | Prefilling (runner-up) | Replied
+//! ```
+//!
+//! A paused request goes on when something calls [`Flow::resume`] in its
+//! context: today its prefill callout's answer. The request keeps its
+//! Envoy context id ([`Flow::context_id`]), so a root that holds requests
+//! (an admission queue in `RouterState`, keyed by that id) can reach it
+//! from its tick: `proxy_set_effective_context(id)`, then the held
+//! stage's transition and [`Flow::resume`], just as the callout does.
+
+use super::super::{Booking, RouterState};
+use super::decide::{self, Decision, Facts};
+use super::legs::{Draining, Prefilling};
+use super::stopwatch::{Phase, Stopwatch};
+use crate::config::{OnStale, ms};
+use crate::host::Host;
+use crate::manifest::Manifest;
+use crate::reply::Reply;
+use kvgate_core::DEFAULT_TENANT;
+use kvgate_core::booking::Timing;
+use kvgate_core::dispatch::{Target, Whole, WholeBody};
+use kvgate_core::header::ATTEMPT_COUNT;
+use kvgate_core::plan::Leg;
+use kvgate_core::plan::request::{Endpoint, parse};
+use kvgate_core::state::Protocol;
+use proxy_wasm::types::{Action, LogLevel};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+/// Where a request is in its life, with what it holds there.
+#[derive(Debug, Default)]
+pub(super) enum Stage {
+    /// Before its headers.
+    #[default]
+    Start,
+    /// Not a request kvgate routes: it passes untouched.
+    Passing,
+    /// Headers seen, its body being read whole.
+    Reading(Reading),
+    /// Paused on its prefill leg.
+    Prefilling(Box<Prefilling>),
+    /// Sent on to its worker, and booked there until its response ends.
+    Routed(Box<Routed>),
+    /// Failed open: sent on undecided, its body scrubbed.
+    Open,
+    /// Answered by the filter itself.
+    Replied,
+    /// Its stream is done (logged, or its context dropped): nothing of
+    /// it is booked any more.
+    Ended,
+}
+
+/// A request whose body is being read.
+#[derive(Debug)]
+pub(super) struct Reading {
+    endpoint: Endpoint,
+    /// From the configured tenant header; `default` when absent.
+    tenant: String,
+    /// What the request read at its headers.
+    manifest: Manifest,
+    /// The body's size so far, as the last body callback said: an
+    /// HTTP/2 request that ends with trailers is decided at them.
+    body_seen: usize,
+    /// No fresh state: the body is read whole only to be scrubbed of
+    /// transfer fields before Envoy's own balancing sends it on.
+    failed_open: bool,
+}
+
+/// A request sent on to a worker.
+#[derive(Debug)]
+pub(super) struct Routed {
+    /// The model the fleet knows it by.
+    pub model: String,
+    /// Its load on the worker, until released.
+    pub booking: Option<Booking>,
+    pub clock: Clock,
+    /// Where Envoy retries when the worker refuses the connection.
+    pub fallback: Option<Target>,
+    /// What the served-by response header says: engines name no worker.
+    pub served_by: Option<String>,
+    /// An SGLang prefill leg sent beside it, until it answers.
+    pub draining: Option<Draining>,
+}
+
+/// A leg's clock, for its timed end.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Clock {
+    pub leg: Leg,
+    /// When the request was decided: the client's clock.
+    pub decided_us: u64,
+    /// When this leg was sent: its worker's clock.
+    pub sent_us: u64,
+    pub first_byte_us: Option<u64>,
+    /// The response's status, once its headers came.
+    pub status: u16,
+    pub isl_tokens: u32,
+    pub output_tokens: u32,
+}
+
+impl Clock {
+    pub fn new(leg: Leg, now_us: u64, facts: &Facts) -> Clock {
+        Clock {
+            leg,
+            decided_us: now_us,
+            sent_us: now_us,
+            first_byte_us: None,
+            status: 0,
+            isl_tokens: facts.isl_tokens,
+            output_tokens: facts.output_tokens,
+        }
+    }
+
+    /// The leg's timing at its end; none for a leg that never answered.
+    pub fn timing(&self, now_us: u64) -> Option<Timing> {
+        let since = |from: u64, t: u64| u32::try_from(t.saturating_sub(from)).unwrap_or(u32::MAX);
+        let first = self.first_byte_us?;
+        Some(Timing {
+            leg: self.leg,
+            first_byte_us: since(self.sent_us, first),
+            total_us: since(self.sent_us, now_us),
+            isl_tokens: self.isl_tokens,
+            output_tokens: self.output_tokens,
+            status: self.status,
+            client_first_byte_us: since(self.decided_us, first),
+        })
+    }
+}
+
+/// One request's state and the router state it shares with its VM.
+pub(crate) struct Flow {
+    pub(super) state: Rc<RefCell<RouterState>>,
+    pub(super) stage: Stage,
+    /// Envoy's id of the request's context: where a resume from outside
+    /// the request's own callbacks must be made current first.
+    context_id: u32,
+}
+
+impl Flow {
+    pub fn new(state: Rc<RefCell<RouterState>>, context_id: u32) -> Flow {
+        Flow {
+            state,
+            stage: Stage::Start,
+            context_id,
+        }
+    }
+
+    #[cfg_attr(
+        not(test),
+        expect(dead_code, reason = "what a root that holds requests resumes them by")
+    )]
+    pub fn context_id(&self) -> u32 {
+        self.context_id
+    }
+
+    /// Request headers: routing headers are ours alone, whatever the
+    /// request; a request kvgate routes waits for its body.
+    pub fn on_request_headers(&mut self, h: &impl Host, end_of_stream: bool) -> Action {
+        {
+            let st = self.state.borrow();
+            let c = &st.config;
+            let _ = h.remove_request_header(&c.destination_header);
+            let _ = h.remove_request_header(&c.rank_header);
+            if h.request_header(&c.fallback_header).is_some() {
+                let _ = h.remove_request_header(&c.fallback_header);
+                // The route may have been matched on the client's header.
+                let _ = h.clear_route_cache();
+            }
+        }
+        let endpoint = match h.request_header(":method").as_deref() {
+            Some("POST") => Endpoint::from_path(&h.request_header(":path").unwrap_or_default()),
+            _ => None,
+        };
+        let Some(endpoint) = endpoint else {
+            self.stage = Stage::Passing;
+            return Action::Continue;
+        };
+        let (cfg_fallback, cfg_tenant, stale_after, on_stale) = {
+            let mut st = self.state.borrow_mut();
+            st.release_orphans(h);
+            h.count(st.metrics.requests);
+            let c = &st.config;
+            (
+                c.fallback_header.clone(),
+                c.tenant_header.clone(),
+                ms(c.stale_after),
+                c.on_stale,
+            )
+        };
+        let tenant = h
+            .request_header(&cfg_tenant)
+            .filter(|t| !t.is_empty())
+            .unwrap_or_else(|| DEFAULT_TENANT.to_string());
+        let manifest = Manifest::read(h).unwrap_or_default();
+        let mut reading = Reading {
+            endpoint,
+            tenant,
+            manifest,
+            body_seen: 0,
+            failed_open: false,
+        };
+        if !manifest.is_fresh(h.now_ms(), stale_after) {
+            match on_stale {
+                OnStale::FailClosed => return self.reply(h, &Reply::stale()),
+                OnStale::FailOpen => {
+                    h.count(self.state.borrow().metrics.failed_open);
+                    let _ = h.set_request_header(&cfg_fallback, "stale");
+                    if let Err(s) = h.clear_route_cache() {
+                        h.log(
+                            LogLevel::Warn,
+                            &format!("kvgate: clear_route_cache failed: {s:?}"),
+                        );
+                    }
+                    // The body is read whole all the same: without state
+                    // the filter cannot tell a disaggregated model, so it
+                    // scrubs every body of transfer fields.
+                    if end_of_stream {
+                        self.stage = Stage::Open;
+                        return Action::Continue;
+                    }
+                    reading.failed_open = true;
+                    self.stage = Stage::Reading(reading);
+                    return Action::Pause;
+                }
+            }
+        }
+        if end_of_stream {
+            return self.reply(h, &Reply::bad_request("a request body is required"));
+        }
+        self.stage = Stage::Reading(reading);
+        Action::Pause
+    }
+
+    /// A piece of the request body: buffered until the whole is in.
+    pub fn on_request_body(
+        &mut self,
+        h: &impl Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let Stage::Reading(reading) = &mut self.stage else {
+            return Action::Continue;
+        };
+        let limit = self.state.borrow().config.max_body_bytes;
+        if body_size > limit {
+            return self.reply(h, &Reply::too_large(limit));
+        }
+        reading.body_seen = body_size;
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.complete(h, body_size)
+    }
+
+    /// HTTP/2 trailers end a request whose last body callback did not:
+    /// without this the SDK's default would let Envoy forward the
+    /// buffered body undecided. The body read so far is all of it.
+    pub fn on_request_trailers(&mut self, h: &impl Host) -> Action {
+        let Stage::Reading(reading) = &self.stage else {
+            return Action::Continue;
+        };
+        let seen = reading.body_seen;
+        h.count(self.state.borrow().metrics.trailers);
+        self.complete(h, seen)
+    }
+
+    /// The whole body is in: decided, or (failed open) scrubbed and let
+    /// through to Envoy's own balancing.
+    fn complete(&mut self, h: &impl Host, body_size: usize) -> Action {
+        let Stage::Reading(reading) = std::mem::take(&mut self.stage) else {
+            return Action::Continue;
+        };
+        if reading.failed_open {
+            self.stage = Stage::Open;
+            let body = h.request_body(body_size).unwrap_or_default();
+            send_whole(h, &body);
+            return Action::Continue;
+        }
+        self.route(h, reading, body_size)
+    }
+
+    /// Decides where the whole buffered body goes, and applies it.
+    fn route(&mut self, h: &impl Host, reading: Reading, body_size: usize) -> Action {
+        let mut clock = {
+            let mut st = self.state.borrow_mut();
+            st.decisions = st.decisions.wrapping_add(1);
+            Stopwatch::start(h, st.decisions, st.config.phase_timing_every)
+        };
+        let body = h.request_body(body_size).unwrap_or_default();
+        let mut req = match parse(reading.endpoint, &body) {
+            Ok(r) => r,
+            Err(e) => return self.reply_for(h, "", &Reply::bad_request(&e.0)),
+        };
+        let decision = {
+            let mut st = self.state.borrow_mut();
+            if decide::prepare(h, &mut st, &mut req, &body, &reading.manifest).is_none() {
+                drop(st);
+                return self.reply_for(h, &req.model, &Reply::stale());
+            }
+            clock.mark(h, Phase::Parsed);
+            decide::decide(
+                h,
+                &mut st,
+                &req,
+                &reading.tenant,
+                &body,
+                &reading.manifest,
+                &mut clock,
+            )
+        };
+        let action = match decision {
+            Decision::Whole(w, facts) => {
+                let scrub = w.body == WholeBody::Scrubbed;
+                let routed = self.route_to(h, w, &facts, Leg::Whole);
+                self.stage = Stage::Routed(Box::new(routed));
+                if scrub {
+                    self.mint_request_id(h);
+                    send_whole(h, &body);
+                }
+                Action::Continue
+            }
+            Decision::Split(s, facts) if s.protocol == Protocol::Sglang => {
+                self.split_sglang(h, *s, &facts, &body)
+            }
+            Decision::Split(s, facts) => self.split(h, *s, &facts, body),
+            Decision::Reply(r) => self.reply_for(h, &req.model, &r),
+        };
+        clock.finish(h, &self.state.borrow().metrics);
+        action
+    }
+
+    /// Sets the routing headers for `w`, books it and starts its clock;
+    /// the caller sets the stage.
+    pub(super) fn route_to(&mut self, h: &impl Host, w: Whole, facts: &Facts, leg: Leg) -> Routed {
+        let mut guard = self.state.borrow_mut();
+        let st = &mut *guard;
+        let Whole {
+            model,
+            target,
+            fallback,
+            ..
+        } = w;
+        // Envoy's override-host balancer tries the list in order.
+        let destination = match &fallback {
+            Some(f) => format!("{},{}", target.endpoint, f.endpoint),
+            None => target.endpoint.clone(),
+        };
+        let c = &st.config;
+        let served_by = (!c.served_by_header.is_empty()).then(|| target.served_by());
+        let mut ok = h
+            .set_request_header(&c.destination_header, &destination)
+            .is_ok();
+        // Without a rank to name, the header stays as the request headers
+        // left it: scrubbed of any client's copy.
+        if target.names_rank {
+            ok &= h
+                .set_request_header(&c.rank_header, &target.rank.to_string())
+                .is_ok();
+        }
+        if !ok {
+            h.log(LogLevel::Error, "kvgate: could not set routing headers");
+        }
+        h.count(st.metrics.routed);
+        if let Some(record) = &facts.report {
+            st.report(h, record);
+        }
+        let booking = st.book(
+            h,
+            &model,
+            target.slot,
+            target.prefill_tokens,
+            target.decode_blocks,
+        );
+        Routed {
+            model,
+            booking: Some(booking),
+            clock: Clock::new(leg, h.now_us(), facts),
+            fallback,
+            served_by,
+            draining: None,
+        }
+    }
+
+    /// Answers the client itself, counted under the request's model.
+    pub(super) fn reply_for(&mut self, h: &impl Host, model: &str, r: &Reply) -> Action {
+        {
+            let mut st = self.state.borrow_mut();
+            st.metrics.rejected(h, r.reason);
+            st.send(
+                h,
+                &kvgate_core::booking::Event::Rejected {
+                    model: model.to_string(),
+                    reason: r.reason,
+                },
+            );
+        }
+        if let Err(status) = h.send_reply(r) {
+            h.log(
+                LogLevel::Error,
+                &format!("kvgate: local reply failed: {status:?}"),
+            );
+        }
+        self.stage = Stage::Replied;
+        Action::Pause
+    }
+
+    fn reply(&mut self, h: &impl Host, r: &Reply) -> Action {
+        self.reply_for(h, "", r)
+    }
+
+    /// A callout's answer: the SGLang prefill leg drained beside its
+    /// request, or the prefill leg the request waits on.
+    pub fn on_callout_answer(&mut self, h: &impl Host, token: u32, body_size: usize) {
+        if let Stage::Routed(r) = &mut self.stage
+            && let Some(d) = r.draining.take_if(|d| d.token == token)
+        {
+            self.drained(h, d);
+            return;
+        }
+        if !matches!(&self.stage, Stage::Prefilling(p) if p.token() == token) {
+            return;
+        }
+        let Stage::Prefilling(p) = std::mem::take(&mut self.stage) else {
+            return;
+        };
+        self.prefill_answered(h, *p, body_size);
+        self.resume(h);
+    }
+
+    /// Lets a paused request go on to the worker its stage names: called
+    /// in the request's own context (today from its callout's answer). A
+    /// request still paused, or answered, is not resumed.
+    pub fn resume(&mut self, h: &impl Host) {
+        if let Stage::Routed(_) | Stage::Open = self.stage
+            && let Err(status) = h.resume_request()
+        {
+            h.log(
+                LogLevel::Error,
+                &format!("kvgate: resuming the request failed: {status:?}"),
+            );
+        }
+    }
+
+    /// Response headers: the leg's status, a retry's booking moved, the
+    /// served-by header.
+    pub fn on_response_headers(&mut self, h: &impl Host) -> Action {
+        let Stage::Routed(r) = &mut self.stage else {
+            return Action::Continue;
+        };
+        r.clock.status = h
+            .response_header(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        if r.fallback.is_some() {
+            self.follow_retry(h);
+        }
+        if let Stage::Routed(r) = &mut self.stage
+            && let Some(value) = r.served_by.take()
+        {
+            let st = self.state.borrow();
+            let _ = h.set_response_header(&st.config.served_by_header, &value);
+        }
+        Action::Continue
+    }
+
+    /// Response body: the prompt's booking ends at the first byte, the
+    /// rest at the last. Releasing at the last byte, not at `on_log`,
+    /// frees the rank before the client can send its next request.
+    pub fn on_response_body(
+        &mut self,
+        h: &impl Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        if end_of_stream {
+            self.release(h, true);
+        } else if body_size > 0 {
+            self.release(h, false);
+        }
+        Action::Continue
+    }
+
+    /// The stream is done, however it ended.
+    pub fn on_log(&mut self, h: &impl Host) {
+        if matches!(self.stage, Stage::Routed(_)) {
+            self.count_upstream_failure(h);
+        }
+        self.end(h);
+    }
+
+    /// Ends what the request still holds: its booking now, a prefill leg
+    /// still running at its deadline. Also the backstop for a context
+    /// Envoy deletes without a log callback.
+    pub fn end(&mut self, h: &impl Host) {
+        // Never panic on a re-entrant borrow (not expected: callbacks do
+        // not nest); skipping leaves the sidecar's expiry to clean up.
+        let Ok(mut st) = self.state.try_borrow_mut() else {
+            return;
+        };
+        match std::mem::take(&mut self.stage) {
+            // The client left during the prefill leg: its answer will find
+            // no context (Envoy cancels no callout), so the decode booking
+            // ends now and the prefill's at the leg's deadline.
+            Stage::Prefilling(p) => {
+                let (leg, deadline_us, decode) = p.into_parts();
+                st.orphan(h, leg, deadline_us);
+                if let Some(b) = decode {
+                    st.release(h, b, true, None);
+                }
+            }
+            Stage::Routed(mut r) => {
+                if let Some(d) = r.draining.take() {
+                    st.orphan(h, d.booking, d.deadline_us);
+                }
+                if let Some(b) = r.booking.take() {
+                    let timing = r.clock.timing(h.now_us());
+                    st.release(h, b, true, timing);
+                }
+            }
+            Stage::Start | Stage::Passing | Stage::Reading(_) | Stage::Open => {}
+            Stage::Replied | Stage::Ended => {}
+        }
+        self.stage = Stage::Ended;
+    }
+
+    /// Releases the routed booking: its prompt at the first byte, all of
+    /// it when the response ends (`done`).
+    fn release(&mut self, h: &impl Host, done: bool) {
+        let Stage::Routed(r) = &mut self.stage else {
+            return;
+        };
+        let Some(b) = r.booking.as_mut() else {
+            return;
+        };
+        if !done && b.first_byte {
+            return;
+        }
+        let Ok(mut st) = self.state.try_borrow_mut() else {
+            return;
+        };
+        let now = h.now_us();
+        if done {
+            // The stage stays routed until the stream's log: what Envoy
+            // says of the upstream is read there, and an SGLang prefill
+            // leg may still run, released when it answers or at its
+            // deadline.
+            let timing = r.clock.timing(now);
+            if let Some(b) = r.booking.take() {
+                st.release(h, b, true, timing);
+            }
+        } else {
+            st.release(h, *b, false, None);
+            b.first_byte = true;
+            r.clock.first_byte_us = Some(now);
+        }
+    }
+
+    /// Moves the booking to the fallback worker when Envoy's retry served
+    /// the request there, so load is counted where it runs.
+    fn follow_retry(&mut self, h: &impl Host) {
+        let Stage::Routed(r) = &mut self.stage else {
+            return;
+        };
+        let Some(fb) = r.fallback.take() else {
+            return;
+        };
+        // A first attempt that answered is the common case, and a header
+        // read is several times cheaper than a property; the property
+        // decides where the header is absent (not configured) or names a
+        // retry.
+        if h.response_header(ATTEMPT_COUNT).as_deref() == Some("1") {
+            return;
+        }
+        let served_by = h.property(&["upstream", "address"]);
+        if served_by.as_deref() != Some(fb.endpoint.as_bytes()) {
+            return;
+        }
+        let Ok(mut st) = self.state.try_borrow_mut() else {
+            return;
+        };
+        // The request's clock runs on: it was routed once, served once.
+        if let Some(b) = r.booking.take() {
+            st.release(h, b, true, None);
+        }
+        if r.served_by.is_some() {
+            r.served_by = Some(fb.served_by());
+        }
+        h.count(st.metrics.retried);
+        r.booking = Some(st.book(h, &r.model, fb.slot, fb.prefill_tokens, fb.decode_blocks));
+    }
+
+    /// Counts a routed request that no worker answered (Envoy replied in
+    /// OpenAI's error shape), or whose worker went away mid-response.
+    fn count_upstream_failure(&self, h: &impl Host) {
+        let Some(details) = h.property(&["response", "code_details"]) else {
+            return;
+        };
+        let st = self.state.borrow();
+        if details.starts_with(b"upstream_reset_after_response_started") {
+            h.count(st.metrics.streams_cut);
+        } else if details.starts_with(b"upstream_reset_before_response_started")
+            || details.starts_with(b"no_healthy_upstream")
+        {
+            h.count(st.metrics.upstream_unavailable);
+        }
+    }
+
+    /// The id every leg of a disaggregated model's request carries, set
+    /// on the request: the engines key the KV handoff by it, so kvgate
+    /// chooses it. A client's own is logged beside it, never passed on.
+    pub(super) fn mint_request_id(&mut self, h: &impl Host) -> String {
+        let request_id = super::prefill::request_id(|| h.random_u64());
+        if let Some(client_id) = h.request_header(kvgate_core::header::REQUEST_ID) {
+            h.log(
+                LogLevel::Debug,
+                &format!("kvgate: request {client_id} is disaggregated as {request_id}"),
+            );
+        }
+        let _ = h.set_request_header(kvgate_core::header::REQUEST_ID, &request_id);
+        request_id
+    }
+}
+
+/// Sends the client's body to a worker that computes the prompt itself:
+/// without any transfer field of the client's (`kv_transfer_params`,
+/// SGLang's `bootstrap_*`), which would name a host for the worker to
+/// pull blocks from.
+pub(super) fn send_whole(h: &impl Host, client: &[u8]) {
+    match kvgate_core::disagg::whole_body(client) {
+        Ok(std::borrow::Cow::Owned(body)) => replace_body(h, &body),
+        Ok(std::borrow::Cow::Borrowed(_)) => {}
+        // Not an object: the worker refuses it as the client's error.
+        Err(_) => {}
+    }
+}
+
+/// Replaces the buffered request body and its length.
+pub(super) fn replace_body(h: &impl Host, body: &[u8]) {
+    let len = body.len().to_string();
+    if h.set_request_body(body).is_err() || h.set_request_header("content-length", &len).is_err() {
+        h.log(
+            LogLevel::Error,
+            "kvgate: could not replace the request body",
+        );
+    }
+}
