@@ -25,13 +25,17 @@
 //! * [`publish`] and [`api`]: what goes out. Versioned snapshots and index
 //!   shards, long-polled by the snapshot service inside Envoy; the HTTP
 //!   APIs, metrics and the catalog as Envoy's routed cluster. `publish`
-//!   reads only the fleet, never a source; the API reaches the running
-//!   sidecar through [`api::Backend`].
+//!   reads only the fleet, never a source; the API's handlers take the
+//!   handles they use from [`api::Handles`], and reach what only the
+//!   wiring can do through traits it implements ([`api::Catalog`],
+//!   [`api::Reports`], [`api::Reservations`]).
 //! * The wiring, which may import everything: [`Sidecar`] (its start-up,
-//!   and what acts on all of it: publishing, catalog changes, inputs
-//!   applied, reservations); the lifecycle module, which starts and stops
-//!   each worker's scraper and KV subscribers as the catalog changes; and
-//!   the tick module's publish, scrape and planner loops.
+//!   which builds every part and hands each task and handler its handles,
+//!   and what acts on more than one part: publishing, catalog changes,
+//!   inputs applied, the ledger told to peers, reservations); the
+//!   lifecycle module, which starts and stops each worker's scraper and KV
+//!   subscribers as the catalog changes; and the tick module's publish,
+//!   scrape and planner loops, each handed its handles.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(

@@ -70,14 +70,29 @@ pub(crate) struct Handles {
     pub(crate) plane: Arc<Plane>,
     pub(crate) metrics: KvMetrics,
     /// Set while recovery is under way: the sidecar is not ready.
-    pub(crate) recovering: Arc<AtomicBool>,
+    pub(crate) recovering: Recovering,
     /// The control token, sent to every peer.
     pub(crate) token: Option<String>,
 }
 
 pub(crate) async fn run(h: Handles) {
     recover(&h).await;
-    h.recovering.store(false, Ordering::Release);
+    h.recovering.0.store(false, Ordering::Release);
+}
+
+/// Whether start-up recovery is still under way; readiness reads it.
+#[derive(Debug, Clone)]
+pub(crate) struct Recovering(Arc<AtomicBool>);
+
+impl Recovering {
+    /// Under way from the start when there are peers to recover from.
+    pub(crate) fn new(ix: &Indexer) -> Recovering {
+        Recovering(Arc::new(AtomicBool::new(!ix.peers.is_empty())))
+    }
+
+    pub(crate) fn under_way(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
 }
 
 async fn recover(h: &Handles) {

@@ -1,24 +1,35 @@
-//! The sidecar's two kinds of task: one publish loop, and one scrape loop
-//! per worker. Each tick rebuilds what changed and publishes it.
+//! The sidecar's loops: one publish loop, one scrape loop per worker, and
+//! the planner's loop. Each tick rebuilds what changed and publishes it.
+//! Each loop is handed what it reads and changes when it is spawned, as
+//! the thermal loop is.
 
-use crate::Sidecar;
 use crate::clock::now_ms;
+use crate::config::Config;
+use crate::fleet::Fleet;
 use crate::lifecycle::Lifecycle;
-use crate::metrics::{KvMetrics, mirror_total};
-use crate::sources::kv::plane::{BlockSizeMismatch, PlaneStats};
-use crate::sources::metrics::scrape;
+use crate::metrics::{KvMetrics, PlannerMetrics, SnapshotMetrics, mirror_total};
+use crate::sidecar::publisher::Publisher;
+use crate::sources::bookings::Bookings;
+use crate::sources::kv::plane::{BlockSizeMismatch, Plane, PlaneStats};
+use crate::sources::metrics::scrape::{self, HttpClient};
+use parking_lot::Mutex;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
+/// What the publish loop reads and changes.
+pub(crate) struct PublishHandles {
+    pub(crate) interval: Duration,
+    pub(crate) publisher: Publisher,
+    pub(crate) plane: Arc<Plane>,
+    pub(crate) lifecycle: Arc<Lifecycle>,
+    pub(crate) metrics: KvMetrics,
+}
+
+pub(crate) async fn publish_loop(h: PublishHandles) {
     // At least 1 ms, as tokio requires; at most a second, so index
     // statistics come once every `stats_every` ticks, at least.
-    let interval = sc
-        .config()
-        .server
-        .publish_interval
-        .max(Duration::from_millis(1));
+    let interval = h.interval.max(Duration::from_millis(1));
     let stats_every = (Duration::from_secs(1).as_nanos()
         / interval.min(Duration::from_secs(1)).as_nanos()) as u64;
     let mut tick = tokio::time::interval(interval);
@@ -29,21 +40,21 @@ pub(crate) async fn publish_loop(sc: Arc<Sidecar>) {
     let mut warned_block_size: HashSet<(u64, u32)> = HashSet::new();
     loop {
         tick.tick().await;
-        sc.publish_now();
-        sc.publish_routed();
+        h.publisher.publish_now();
+        h.publisher.publish_routed();
         n += 1;
         // Index statistics need a round trip to the index thread; once a
         // second is plenty for gauges.
         if n.is_multiple_of(stats_every)
             && let Some(stats) = {
-                let sc = sc.clone();
-                tokio::task::spawn_blocking(move || sc.plane().stats())
+                let plane = h.plane.clone();
+                tokio::task::spawn_blocking(move || plane.stats())
                     .await
                     .ok()
                     .flatten()
             }
         {
-            for (worker, rank, m) in mirror_index(&sc.metrics().kv, &stats, sc.workers()) {
+            for (worker, rank, m) in mirror_index(&h.metrics, &stats, &h.lifecycle) {
                 if warned_block_size.insert((worker, rank)) {
                     tracing::info!(
                         worker = worker,
@@ -112,16 +123,29 @@ fn mirror_index(
     mismatched
 }
 
-pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
-    let timeout = sc.config().scrape.timeout;
-    let counters = sc.metrics().snapshot.scrape(id);
-    let mut tick = tokio::time::interval(sc.config().scrape.interval);
+/// What a worker's scrape loop reads and changes; the same for every
+/// worker, labelled by the worker's id when the loop starts.
+#[derive(Clone)]
+pub(crate) struct ScrapeHandles {
+    pub(crate) config: Arc<Config>,
+    pub(crate) fleet: Arc<Mutex<Fleet>>,
+    pub(crate) client: HttpClient,
+    pub(crate) metrics: Arc<SnapshotMetrics>,
+    /// A worker that went up or down is published without waiting for
+    /// the next tick.
+    pub(crate) publisher: Publisher,
+}
+
+pub(crate) async fn scrape_loop(h: ScrapeHandles, id: u64) {
+    let timeout = h.config.scrape.timeout;
+    let counters = h.metrics.scrape(id);
+    let mut tick = tokio::time::interval(h.config.scrape.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (mut warned_no_capacity, mut warned_no_batch) = (false, false);
     loop {
         tick.tick().await;
         let Some((url, dp, start, bs, needs_batch)) = ({
-            let f = sc.fleet();
+            let f = h.fleet.lock();
             f.worker(id).map(|w| {
                 let frac = f
                     .model(&w.spec().model_name)
@@ -137,7 +161,7 @@ pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
         }) else {
             return;
         };
-        let result = scrape::scrape_once(sc.client(), &url, timeout, dp, start, bs).await;
+        let result = scrape::scrape_once(&h.client, &url, timeout, dp, start, bs).await;
         counters.scrapes.inc();
         if let Err(e) = &result {
             counters.errors.inc();
@@ -171,15 +195,30 @@ pub(crate) async fn scrape_loop(sc: Arc<Sidecar>, id: u64) {
                 "active_prefill_tokens_threshold_frac is set but the engine publishes no max_num_batched_tokens: set max_num_batched_tokens in [[workers]] (SGLang: its --chunked-prefill-size)"
             );
         }
-        sc.scraped(id, result.map(|(ranks, _)| ranks));
+        let changed =
+            h.fleet
+                .lock()
+                .record_scrape(id, result.map(|(ranks, _)| ranks), Instant::now());
+        if changed {
+            h.publisher.publish_now();
+        }
     }
 }
 
 /// The planner's two loops, each model at its own intervals; decisions
 /// are published at once (a draining worker leaves the snapshot's
 /// candidates).
-pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
-    if !sc.fleet().plans() {
+/// What the planner's loop reads and changes.
+pub(crate) struct PlannerHandles {
+    pub(crate) fleet: Arc<Mutex<Fleet>>,
+    /// The load on each worker, booked.
+    pub(crate) bookings: Arc<Mutex<Bookings>>,
+    pub(crate) metrics: PlannerMetrics,
+    pub(crate) publisher: Publisher,
+}
+
+pub(crate) async fn planner_loop(h: PlannerHandles) {
+    if !h.fleet.lock().plans() {
         return;
     }
     let mut last_load: std::collections::HashMap<String, Instant> = Default::default();
@@ -191,8 +230,8 @@ pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
         tick.tick().await;
         let now = Instant::now();
         let planned = {
-            let b = sc.bookings();
-            let mut f = sc.fleet();
+            let b = h.bookings.lock();
+            let mut f = h.fleet.lock();
             let mut due = std::collections::HashMap::new();
             for (name, p) in &f.planning().models {
                 let is_due = |last: &mut std::collections::HashMap<String, Instant>,
@@ -208,9 +247,10 @@ pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
                 let t = is_due(&mut last_throughput, p.cfg.throughput_interval);
                 due.insert(name.clone(), (l, t));
             }
-            let loads = |f: &crate::fleet::Fleet, id: u64| {
-                let (mut prefill, mut decode_kv) = (0.0, 0.0);
+            let loads = |f: &Fleet, id: u64| {
+                let (mut prefill, mut decode_kv, mut role) = (0.0, 0.0, Default::default());
                 if let Some(w) = f.worker(id) {
+                    role = w.spec().role;
                     for s in w.slots() {
                         let l = b.slot(*s);
                         prefill += l.prefill_tokens as f64;
@@ -219,6 +259,7 @@ pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
                 }
                 crate::planner::WorkerLoad {
                     worker_id: id,
+                    role,
                     prefill_tokens: prefill,
                     decode_kv_tokens: decode_kv,
                 }
@@ -229,11 +270,11 @@ pub(crate) async fn planner_loop(sc: Arc<Sidecar>) {
                 &|m| due.get(m).copied().unwrap_or((false, false)),
                 &loads,
             );
-            f.show_planned(&planned, &sc.metrics().planner);
+            f.show_planned(&planned, &h.metrics);
             planned
         };
         if planned.iter().any(|p| p.decision.is_some()) {
-            sc.publish_now();
+            h.publisher.publish_now();
         }
     }
 }

@@ -501,6 +501,9 @@ async fn bookings_load_ranks_until_released() {
         total_us: 90_000,
         isl_tokens: 4096,
         output_tokens: 8,
+        status: 200,
+        client_first_byte_us: 20_000,
+        ..Default::default()
     };
     assert_eq!(
         post(
@@ -528,6 +531,18 @@ async fn bookings_load_ranks_until_released() {
         m.contains("kvgate_sidecar_routed_cached_tokens_total{model=\"m\"} 1096"),
         "{m}"
     );
+    // Its one leg, served whole by a `both` worker, is timed by role and
+    // leg; the client's wait once, by model.
+    let whole = "leg=\"whole\",model=\"m\",role=\"both\"";
+    for series in [
+        format!("kvgate_sidecar_leg_seconds_count{{{whole}}} 1"),
+        format!("kvgate_sidecar_leg_seconds_bucket{{{whole},le=\"0.1\"}} 1"),
+        format!("kvgate_sidecar_leg_first_byte_seconds_bucket{{{whole},le=\"0.01\"}} 0"),
+        format!("kvgate_sidecar_leg_first_byte_seconds_bucket{{{whole},le=\"0.025\"}} 1"),
+        "kvgate_sidecar_client_ttft_seconds_count{model=\"m\"} 1".to_string(),
+    ] {
+        assert!(m.contains(&series), "{series} in {m}");
+    }
     // A malformed batch is refused whole and changes nothing.
     let (status, _, body) = post(vec![42, 1, 2]).await;
     assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
@@ -890,4 +905,95 @@ async fn select_places_a_prompt_as_the_filter_would_and_refuses_bad_input() {
     );
     let (status, _, _) = call_raw("POST", &url, &[], huge.into_bytes()).await;
     assert_eq!(status, 413);
+}
+
+/// A disaggregated request's two legs, each booked and ended on its own
+/// worker: each is timed by its worker's role, the client's wait and the
+/// prompt are counted once, and a leg that failed is not timed.
+#[tokio::test(flavor = "multi_thread")]
+async fn each_leg_is_timed_by_its_workers_role() {
+    use kvgate_core::booking::{Event, Key, Timing};
+    use kvgate_core::plan::Leg;
+    let (p, _) = fake_worker().await;
+    let (d, _) = fake_worker().await;
+    let (base, sc) = sidecar_from(
+        &format!(
+            "[scrape]\ninterval_ms = 50\n[server]\npublish_interval_ms = 10\n\
+             [[models]]\nname = \"m\"\n[models.disaggregation]\nprotocol = \"vllm-nixl\"\n\
+             [[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"{p}\"\nrole = \"prefill\"\n\
+             [[workers]]\nworker_id = 2\nmodel_name = \"m\"\nendpoint = \"{d}\"\nrole = \"decode\"\n"
+        ),
+        None,
+    )
+    .await;
+    wait_until("workers up", async || workers_up(&base).await == 2).await;
+    let snap = sc.store().snapshot();
+    let slot = |id: u64| {
+        snap.models[0]
+            .workers
+            .iter()
+            .find(|w| w.id == id)
+            .map(|w| w.ranks[0].slot)
+            .unwrap()
+    };
+    let key = |seq| Key { vm: 5, seq };
+    let timing = |leg, status, first_byte_us, client_first_byte_us| Timing {
+        leg,
+        first_byte_us,
+        total_us: first_byte_us,
+        isl_tokens: 1000,
+        output_tokens: 1,
+        status,
+        client_first_byte_us,
+    };
+    let mut batch = Vec::new();
+    for (seq, worker, prefill_tokens) in [(1, 1, 600), (2, 2, 0), (3, 2, 0)] {
+        Event::Book {
+            key: key(seq),
+            model: "m".into(),
+            slot: slot(worker),
+            prefill_tokens,
+            decode_blocks: 10,
+        }
+        .encode_into(&mut batch);
+    }
+    for (seq, t) in [
+        // The prefill leg answered in 300 ms; the decode leg's own first
+        // token came 20 ms after it was sent, the client's 400 ms after
+        // the decision.
+        (1, timing(Leg::Prefill, 200, 300_000, 0)),
+        (2, timing(Leg::Decode, 200, 20_000, 400_000)),
+        (3, timing(Leg::Decode, 503, 1_000, 2_000)),
+    ] {
+        Event::Done {
+            key: key(seq),
+            timing: Some(t),
+        }
+        .encode_into(&mut batch);
+    }
+    let url = format!("{base}/v1/bookings");
+    assert_eq!(call_raw("POST", &url, &[], batch).await.0, 204);
+    assert_eq!(sc.active_bookings(), 0);
+    let m = sc.metrics().render();
+    let prefill = "leg=\"prefill\",model=\"m\",role=\"prefill\"";
+    let decode = "leg=\"decode\",model=\"m\",role=\"decode\"";
+    for series in [
+        format!("kvgate_sidecar_leg_seconds_count{{{prefill}}} 1"),
+        format!("kvgate_sidecar_leg_seconds_bucket{{{prefill},le=\"0.25\"}} 0"),
+        format!("kvgate_sidecar_leg_seconds_bucket{{{prefill},le=\"0.5\"}} 1"),
+        format!("kvgate_sidecar_leg_seconds_count{{{decode}}} 1"),
+        format!("kvgate_sidecar_leg_first_byte_seconds_bucket{{{decode},le=\"0.025\"}} 1"),
+        "kvgate_sidecar_client_ttft_seconds_count{model=\"m\"} 1".into(),
+        "kvgate_sidecar_client_ttft_seconds_bucket{model=\"m\",le=\"0.25\"} 0".into(),
+        // Where the prompt was computed: 400 of its 1000 tokens cached.
+        "kvgate_sidecar_routed_prompt_tokens_total{model=\"m\"} 1000".into(),
+        "kvgate_sidecar_routed_cached_tokens_total{model=\"m\"} 400".into(),
+    ] {
+        assert!(m.contains(&series), "{series} in {m}");
+    }
+    assert!(
+        !m.lines()
+            .any(|l| l.starts_with("kvgate_sidecar_leg") && l.contains("role=\"both\"")),
+        "no leg on a both worker: {m}"
+    );
 }

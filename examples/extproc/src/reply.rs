@@ -4,9 +4,10 @@
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
     ProcessingResponse, TrailersResponse,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
@@ -74,6 +75,21 @@ pub fn request_body(mutation: Option<HeaderMutation>) -> ProcessingResponse {
     }))
 }
 
+/// Request body: go on with `body` in place of the client's, and these
+/// headers changed. In BUFFERED mode Envoy leaves `content-length` to the
+/// processor when it replaces a body, so `mutation` must set it.
+pub fn request_body_replaced(mutation: HeaderMutation, body: Vec<u8>) -> ProcessingResponse {
+    respond(Response::RequestBody(BodyResponse {
+        response: Some(CommonResponse {
+            header_mutation: Some(mutation),
+            body_mutation: Some(BodyMutation {
+                mutation: Some(Mutation::Body(body)),
+            }),
+            ..CommonResponse::default()
+        }),
+    }))
+}
+
 pub fn response_headers(mutation: Option<HeaderMutation>) -> ProcessingResponse {
     respond(Response::ResponseHeaders(HeadersResponse {
         response: common(mutation),
@@ -96,6 +112,27 @@ pub fn response_trailers() -> ProcessingResponse {
 mod tests {
     use super::*;
     use kvgate_core::plan::Rejection;
+
+    #[test]
+    fn a_replaced_body_goes_with_its_headers() {
+        let mutation = HeaderMutation {
+            set_headers: vec![set("content-length", "2")],
+            remove_headers: Vec::new(),
+        };
+        let Some(Response::RequestBody(b)) =
+            request_body_replaced(mutation.clone(), b"{}".to_vec()).response
+        else {
+            panic!("not a request-body response");
+        };
+        let c = b.response.expect("a common response");
+        assert_eq!(c.header_mutation, Some(mutation));
+        assert_eq!(
+            c.body_mutation.and_then(|m| m.mutation),
+            Some(Mutation::Body(b"{}".to_vec()))
+        );
+        // CONTINUE (0): the rest of the exchange goes on as for any body.
+        assert_eq!(c.status, 0);
+    }
 
     /// The immediate response carries the core reply unchanged.
     #[test]

@@ -11,11 +11,19 @@
 //! crosses the stream. The reservation is freed when Envoy closes the
 //! stream, which it does when the HTTP request ends, however it ends.
 //!
-//! Where it differs from the filter: a request Envoy retries on the
-//! runner-up (the first worker refused the connection) keeps its
-//! reservation on the first, where the filter moves its booking; and a
-//! shed request gets the busy 503 without the filter's place in the
-//! retry queue (`retry_headroom_pct`).
+//! What follows the placement is `kvgate_core::dispatch`'s, as in the
+//! filter, for a door that makes no callout: a disaggregated model's body
+//! is replaced by the client's without its transfer fields (with its
+//! `content-length`) and `x-request-id` by kvgate's; a request the model
+//! would split goes whole to the decode worker or is refused 503
+//! `prefill_failed`, as its `on_prefill_failure` (and SGLang) says
+//! (`kvgate_sidecar::api::route`).
+//!
+//! Where it differs from the filter: no prefill leg, as above; a request
+//! Envoy retries on the runner-up (the first worker refused the
+//! connection) keeps its reservation on the first, where the filter moves
+//! its booking; and a shed request gets the busy 503 without the filter's
+//! place in the retry queue (`retry_headroom_pct`).
 
 use crate::reply;
 use crate::templates::{Rendered, Templates};
@@ -134,7 +142,7 @@ struct Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if let Err(e) = route::free(&*self.sidecar, &self.id) {
+        if let Err(e) = route::free(self.sidecar.selection(), &self.id) {
             tracing::warn!(reservation = self.id, error = %e, "freeing a reservation");
         }
     }
@@ -223,13 +231,19 @@ impl Exchange {
             }
         }
         let names = &self.shared.names;
-        match route::route_and_reserve(&**sc, &req, &self.tenant) {
+        match route::route_and_reserve(sc.selection(), &req, &self.tenant, &b.body) {
             Ok(routed) => {
                 let mut set = vec![reply::set(&names.destination, &routed.destination)];
                 let mut remove = Vec::new();
                 match routed.rank {
                     Some(r) => set.push(reply::set(&names.rank, &r.to_string())),
                     None => remove.push(names.rank.clone()),
+                }
+                if let Some(id) = &routed.request_id {
+                    set.push(reply::set(header::REQUEST_ID, id));
+                }
+                if let Some(body) = &routed.body {
+                    set.push(reply::set("content-length", &body.len().to_string()));
                 }
                 self.reservation = Some(Reservation {
                     sidecar: sc.clone(),
@@ -240,14 +254,19 @@ impl Exchange {
                         routed.worker_id, routed.dp_rank
                     ),
                 });
-                reply::request_body(Some(HeaderMutation {
+                let mutation = HeaderMutation {
                     set_headers: set,
                     remove_headers: remove,
-                }))
+                };
+                match routed.body {
+                    Some(body) => reply::request_body_replaced(mutation, body),
+                    None => reply::request_body(Some(mutation)),
+                }
             }
             Err(RouteError::Refused(r)) => {
                 reply::immediate(&Reply::rejected(r, &req.model, names.retry_after_s))
             }
+            Err(RouteError::Unservable(r)) => reply::immediate(&r),
             Err(RouteError::Ledger(e)) => {
                 tracing::error!(error = %e, "the ledger refused a reservation");
                 reply::immediate(&Reply::internal("the gateway could not book the request"))
@@ -261,7 +280,7 @@ impl Exchange {
         };
         if !r.prefilled {
             r.prefilled = true;
-            if let Err(e) = route::prefill_complete(&*r.sidecar, &r.id) {
+            if let Err(e) = route::prefill_complete(r.sidecar.selection(), &r.id) {
                 tracing::warn!(reservation = r.id, error = %e, "prefill completion");
             }
         }

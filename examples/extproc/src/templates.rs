@@ -45,7 +45,8 @@ impl Templates {
         let mut by_model = self.by_model.lock();
         let fresh = matches!(by_model.get(model), Some((v, _)) if *v == version);
         if !fresh {
-            let Some(bytes) = route::published(sc, &shard_key(&template_key(model), 0)) else {
+            let Some(bytes) = route::published(sc.selection(), &shard_key(&template_key(model), 0))
+            else {
                 return Rendered::Unusable;
             };
             let compiled = Renderer::from_blob(&bytes, version);

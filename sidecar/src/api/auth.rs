@@ -1,7 +1,8 @@
 //! The control token that guards every route changing state.
 
-use super::Backend;
 use super::error;
+use crate::config::Config;
+use crate::metrics::ListenerMetrics;
 use axum::extract::{MatchedPath, State};
 use axum::http::StatusCode;
 use axum::http::{HeaderMap, HeaderValue};
@@ -11,11 +12,12 @@ use std::sync::Arc;
 /// Refuses requests without the configured bearer token; checked before
 /// the body is read.
 pub(super) async fn require_token(
-    State(sc): State<Arc<dyn Backend>>,
+    State(config): State<Arc<Config>>,
+    State(metrics): State<Arc<ListenerMetrics>>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if sc.config().control.token.is_none() || holds_token(&*sc, req.headers()) {
+    if config.control.token.is_none() || holds_token(&config, req.headers()) {
         return next.run(req).await;
     }
     // By the route, not the URI: a reservation's id must not make a
@@ -24,11 +26,7 @@ pub(super) async fn require_token(
         .extensions()
         .get::<MatchedPath>()
         .map_or("-", |p| p.as_str());
-    sc.metrics()
-        .listener
-        .unauthorized
-        .with_label_values(&[path])
-        .inc();
+    metrics.unauthorized.with_label_values(&[path]).inc();
     let mut r = error(
         StatusCode::UNAUTHORIZED,
         "this endpoint requires Authorization: Bearer <the sidecar's control token>",
@@ -40,8 +38,8 @@ pub(super) async fn require_token(
 
 /// Whether the request carries the configured control token; false when
 /// none is configured.
-pub(super) fn holds_token(sc: &dyn Backend, headers: &HeaderMap) -> bool {
-    sc.config()
+pub(super) fn holds_token(config: &Config, headers: &HeaderMap) -> bool {
+    config
         .control
         .token
         .as_deref()

@@ -8,12 +8,12 @@
 //! still recovering answers 503: its index is not what it will be, and the
 //! peer asking goes on to its next peer.
 
-use super::Backend;
 use super::auth::holds_token;
 use super::error;
-use super::full_read::Whole;
+use super::full_read::{FullReads, Whole};
+use crate::config::Config;
 use crate::sources::kv::dump;
-use crate::sources::kv::plane::DumpUnavailable;
+use crate::sources::kv::plane::{DumpUnavailable, Plane};
 use axum::extract::State;
 use axum::http::header::RETRY_AFTER;
 use axum::http::{HeaderMap, StatusCode};
@@ -22,22 +22,26 @@ use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub(super) async fn dump(State(sc): State<Arc<dyn Backend>>, headers: HeaderMap) -> Response {
-    let reads = sc.full_reads();
-    let place = match reads.admit(Whole::Dump, holds_token(&*sc, &headers)) {
+pub(super) async fn dump(
+    State(reads): State<Arc<FullReads>>,
+    State(config): State<Arc<Config>>,
+    State(plane): State<Arc<Plane>>,
+    headers: HeaderMap,
+) -> Response {
+    let place = match reads.admit(Whole::Dump, holds_token(&config, &headers)) {
         Ok(p) => p,
         Err(busy) => return busy.into_response(),
     };
-    match reads.copy(&place, || encode(&*sc)).await {
+    match reads.copy(&place, || encode(&plane)).await {
         Ok(bytes) => reads.respond(place, bytes),
         Err(r) => r,
     }
 }
 
 /// A new dump of the index, or the answer saying why there is none.
-async fn encode(sc: &dyn Backend) -> Result<Bytes, Response> {
+async fn encode(plane: &Plane) -> Result<Bytes, Response> {
     let started = Instant::now();
-    let snapshot = match sc.plane().dump().await {
+    let snapshot = match plane.dump().await {
         Ok(d) => d,
         Err(e @ DumpUnavailable::Recovering) => {
             let mut r = error(StatusCode::SERVICE_UNAVAILABLE, e);

@@ -8,7 +8,7 @@
 //! load taken from the ledger at that instant, as the filter adds its own
 //! bookings to its copy of the snapshot.
 
-use super::{Backend, error};
+use super::{Selection, error};
 use crate::sources::bookings::{Bookings, Full, LedgerError};
 use axum::http::StatusCode;
 use axum::response::Response;
@@ -21,7 +21,7 @@ use kvgate_core::{ModelState, Snapshot};
 /// refusal is counted. Call it without the ledger held: it reads the
 /// fleet, which is locked before the ledger elsewhere.
 pub(crate) fn within_bound(
-    sc: &dyn Backend,
+    sc: &Selection,
     snap: &Snapshot,
     model: &str,
     isl_tokens: Option<u64>,
@@ -29,7 +29,7 @@ pub(crate) fn within_bound(
 ) -> Result<(), String> {
     // An adapter's requests are booked as its base model's.
     let name = snap.model(model).map_or(model, |m| m.name.as_str());
-    let max = sc.fleet().booking_bound(name).prefill_tokens;
+    let max = sc.fleet.lock().booking_bound(name).prefill_tokens;
     let over = match (isl_tokens, expected_output_tokens) {
         (Some(n), _) if n > max => Some(("isl_tokens", n)),
         (_, Some(n)) if n > max => Some(("expected_output_tokens", n)),
@@ -38,11 +38,7 @@ pub(crate) fn within_bound(
     let Some((field, n)) = over else {
         return Ok(());
     };
-    sc.metrics()
-        .ledger
-        .bookings_refused
-        .with_label_values(&["api", "out_of_bound"])
-        .inc();
+    sc.metrics.refused("api", "out_of_bound", 1);
     Err(format!(
         "{field} {n} is more than model {model:?}'s max_prompt_tokens {max}"
     ))

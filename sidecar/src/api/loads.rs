@@ -1,7 +1,7 @@
 //! Inspection: `GET /loads`, `POST /potential_loads`, `POST /overlap_scores`.
 //! All read the fleet with its load as the ledger holds it now.
 
-use super::Backend;
+use super::Selection;
 use super::ledger_view::{fresh, fresh_model, within_bound};
 use super::select::prompt;
 use super::views::{
@@ -9,6 +9,8 @@ use super::views::{
     PotentialLoadsView, RankLoadView, SelectRequest,
 };
 use super::{error, json_response};
+use crate::publish::SnapshotStore;
+use crate::sources::bookings::Bookings;
 use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -16,6 +18,7 @@ use axum::response::Response;
 use kvgate_core::ModelState;
 use kvgate_core::plan::overlap::{self, Cached};
 use kvgate_core::plan::select::new_blocks;
+use parking_lot::Mutex;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -28,12 +31,13 @@ pub(super) struct LoadsQuery {
 }
 
 pub(super) async fn loads(
-    State(sc): State<Arc<dyn Backend>>,
+    State(store): State<Arc<SnapshotStore>>,
+    State(ledger): State<Arc<Mutex<Bookings>>>,
     Query(q): Query<LoadsQuery>,
 ) -> Response {
-    let snap = sc.store().snapshot();
+    let snap = store.snapshot();
     let models: Vec<ModelState> = {
-        let ledger = sc.bookings();
+        let ledger = ledger.lock();
         snap.models
             .iter()
             .filter(|m| q.model_name.as_ref().is_none_or(|n| *n == m.name))
@@ -78,15 +82,15 @@ pub(super) async fn loads(
 /// The prompt of a `/potential_loads` or `/overlap_scores` request, its
 /// model as of now, and its overlap there.
 fn looked_up(
-    sc: &dyn Backend,
+    sc: &Selection,
     body: &[u8],
 ) -> Result<(SelectRequest, ModelState, Cached, u64), (StatusCode, String)> {
     let req: SelectRequest = views::parse(body)
         .map_err(|e| (StatusCode::BAD_REQUEST, format!("invalid request: {e}")))?;
-    let snap = sc.store().snapshot();
+    let snap = sc.store.snapshot();
     within_bound(sc, &snap, &req.model_name, req.prompt.isl_tokens, None)
         .map_err(|m| (StatusCode::BAD_REQUEST, m))?;
-    let model = fresh_model(&snap, &req.model_name, &sc.bookings()).ok_or_else(|| {
+    let model = fresh_model(&snap, &req.model_name, &sc.ledger.lock()).ok_or_else(|| {
         (
             StatusCode::NOT_FOUND,
             format!("model {:?} is not served here", req.model_name),
@@ -94,15 +98,15 @@ fn looked_up(
     })?;
     let parsed =
         prompt(&req.model_name, &req.prompt, &model).map_err(|m| (StatusCode::BAD_REQUEST, m))?;
-    let log = sc.shards();
+    let log = &sc.shards;
     let (cached, _) = overlap::gather(&model, &parsed, &req.tenant_id, &mut |k: &str| log.read(k));
     Ok((req, model, cached, parsed.isl_tokens))
 }
 
 /// Each rank's load if the prompt were placed there: its booked load plus
 /// what the prompt would book, as `/select_and_reserve` would book it.
-pub(super) async fn potential_loads(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
-    let (req, model, cached, isl) = match looked_up(&*sc, &body) {
+pub(super) async fn potential_loads(State(sc): State<Arc<Selection>>, body: Bytes) -> Response {
+    let (req, model, cached, isl) = match looked_up(&sc, &body) {
         Ok(x) => x,
         Err((status, m)) => return error(status, m),
     };
@@ -136,8 +140,8 @@ pub(super) async fn potential_loads(State(sc): State<Arc<dyn Backend>>, body: By
 }
 
 /// Matched tokens per rank and tier, as the engines' events report them.
-pub(super) async fn overlap_scores(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
-    let (req, model, cached, _) = match looked_up(&*sc, &body) {
+pub(super) async fn overlap_scores(State(sc): State<Arc<Selection>>, body: Bytes) -> Response {
+    let (req, model, cached, _) = match looked_up(&sc, &body) {
         Ok(x) => x,
         Err((status, m)) => return error(status, m),
     };

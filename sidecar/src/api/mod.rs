@@ -44,16 +44,18 @@
 //!
 //! Each resource has its module; the bodies they answer are types in
 //! [`views`]. A new resource is a new module beside them, registered in
-//! [`router`].
+//! [`router`]. Handlers take the handles they use from the routers'
+//! state, [`Handles`]: the running sidecar's parts, and traits for what
+//! only its wiring can do.
 //!
 //! [`route`] is the selection path without HTTP, for a front door that
 //! routes in another process's place (the ext_proc server).
 
 mod auth;
-mod backend;
 mod discovery;
 mod dump;
 mod full_read;
+mod handles;
 mod ledger_view;
 pub mod listener;
 mod loads;
@@ -71,8 +73,9 @@ mod thresholds;
 pub mod views;
 mod workers;
 
-pub use backend::Backend;
 pub use full_read::FullReads;
+pub use handles::{Catalog, Handles, Reports, Reservations, Selection};
+pub(crate) use poll::LastPoll;
 pub use select::route;
 
 use crate::fleet::FleetError;
@@ -81,11 +84,11 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use serde::Serialize;
-use std::sync::Arc;
 use views::{ErrorView, HealthView};
 
-pub fn router(sc: Arc<dyn Backend>) -> Router {
-    let token = axum::middleware::from_fn_with_state(sc.clone(), auth::require_token);
+pub fn router(handles: impl Into<Handles>) -> Router {
+    let h = handles.into();
+    let token = axum::middleware::from_fn_with_state(h.clone(), auth::require_token);
     Router::new()
         .route("/v1/snapshot", get(poll::snapshot))
         .route("/v1/state", get(state::state))
@@ -118,19 +121,20 @@ pub fn router(sc: Arc<dyn Backend>) -> Router {
                 .merge(catalog())
                 .route_layer(token),
         )
-        .merge(replica_sync(&sc))
+        .merge(replica_sync(&h))
         .route("/health", get(health))
         .route("/ready", get(probes::ready))
         .route("/metrics", get(probes::metrics))
-        .with_state(sc)
+        .with_state(h)
 }
 
 /// The selection API, for runtimes without Envoy: Dynamo's standalone
 /// selection service's routes. With a control token, what changes state
 /// (reservations, the catalog, peers) requires it; selections and
 /// inspection stay open, as `/v1/state` does.
-pub fn selection_router(sc: Arc<dyn Backend>) -> Router {
-    let token = axum::middleware::from_fn_with_state(sc.clone(), auth::require_token);
+pub fn selection_router(handles: impl Into<Handles>) -> Router {
+    let h = handles.into();
+    let token = axum::middleware::from_fn_with_state(h.clone(), auth::require_token);
     Router::new()
         .route("/select", post(select::select))
         .route("/loads", get(loads::loads))
@@ -152,15 +156,15 @@ pub fn selection_router(sc: Arc<dyn Backend>) -> Router {
                 .merge(catalog())
                 .route_layer(token.clone()),
         )
-        .merge(replica_sync(&sc))
+        .merge(replica_sync(&h))
         .route("/dump", get(dump::dump).route_layer(token))
         .route("/health", get(health))
         .route("/ready", get(probes::ready))
-        .with_state(sc)
+        .with_state(h)
 }
 
 /// The worker catalog; the caller guards it.
-fn catalog() -> Router<Arc<dyn Backend>> {
+fn catalog() -> Router<Handles> {
     Router::new()
         .route(
             "/workers",
@@ -175,8 +179,8 @@ fn catalog() -> Router<Arc<dyn Backend>> {
 }
 
 /// Replica-sync peers, on both listeners; changes need the token.
-fn replica_sync(sc: &Arc<dyn Backend>) -> Router<Arc<dyn Backend>> {
-    let token = axum::middleware::from_fn_with_state(sc.clone(), auth::require_token);
+fn replica_sync(h: &Handles) -> Router<Handles> {
+    let token = axum::middleware::from_fn_with_state(h.clone(), auth::require_token);
     Router::new()
         .route("/replica_sync/peers", get(replica::peers))
         .merge(

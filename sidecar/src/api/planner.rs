@@ -11,12 +11,13 @@
 //!   it out; the model may step again (204, also when the planner already
 //!   saw it through; 404 for a decision it does not know).
 
-use super::Backend;
 use super::{error, json_response};
+use crate::fleet::Fleet;
 use crate::planner::{Estimate, Reason};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -63,8 +64,8 @@ pub struct PendingView {
     pub age_ms: u64,
 }
 
-pub(super) async fn status(State(sc): State<Arc<dyn Backend>>) -> Response {
-    let f = sc.fleet();
+pub(super) async fn status(State(fleet): State<Arc<Mutex<Fleet>>>) -> Response {
+    let f = fleet.lock();
     let now = Instant::now();
     let models = f
         .planning()
@@ -112,13 +113,13 @@ pub(super) struct DecisionQuery {
 }
 
 pub(super) async fn next_decision(
-    State(sc): State<Arc<dyn Backend>>,
+    State(fleet): State<Arc<Mutex<Fleet>>>,
     Query(q): Query<DecisionQuery>,
 ) -> Response {
     let deadline = tokio::time::Instant::now() + Duration::from_millis(q.wait_ms).min(MAX_WAIT);
     loop {
         let notify = {
-            let f = sc.fleet();
+            let f = fleet.lock();
             if let Some(d) = f.planning().decision_after(q.after) {
                 return json_response(StatusCode::OK, d);
             }
@@ -128,7 +129,7 @@ pub(super) async fn next_decision(
         tokio::pin!(notified);
         notified.as_mut().enable();
         // A decision issued between the look and `enable` is seen now.
-        if let Some(d) = sc.fleet().planning().decision_after(q.after).cloned() {
+        if let Some(d) = fleet.lock().planning().decision_after(q.after).cloned() {
             return json_response(StatusCode::OK, &d);
         }
         if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -137,8 +138,11 @@ pub(super) async fn next_decision(
     }
 }
 
-pub(super) async fn complete(State(sc): State<Arc<dyn Backend>>, Path(id): Path<u64>) -> Response {
-    let Some((model, seen_now)) = sc.fleet().decision_done(id, Instant::now()) else {
+pub(super) async fn complete(
+    State(fleet): State<Arc<Mutex<Fleet>>>,
+    Path(id): Path<u64>,
+) -> Response {
+    let Some((model, seen_now)) = fleet.lock().decision_done(id, Instant::now()) else {
         return error(StatusCode::NOT_FOUND, format!("no decision {id}"));
     };
     // Reporting a decision the planner already saw through (the ready

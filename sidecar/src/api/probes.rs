@@ -1,16 +1,23 @@
 //! `GET /health`, `GET /ready`, `GET /metrics`.
 
-use super::Backend;
 use super::json_response;
+use super::poll::LastPoll;
 use super::views::{NotReadyView, NotReadyWorker, ReadyView};
+use crate::fleet::Fleet;
+use crate::metrics::Metrics;
+use crate::recovery::Recovering;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use parking_lot::Mutex;
 use std::sync::Arc;
 
-pub(super) async fn ready(State(sc): State<Arc<dyn Backend>>) -> Response {
-    let f = sc.fleet();
-    if f.up_count() > 0 && !sc.recovering() {
+pub(super) async fn ready(
+    State(fleet): State<Arc<Mutex<Fleet>>>,
+    State(recovering): State<Recovering>,
+) -> Response {
+    let f = fleet.lock();
+    if f.up_count() > 0 && !recovering.under_way() {
         return json_response(
             StatusCode::OK,
             &ReadyView {
@@ -33,7 +40,7 @@ pub(super) async fn ready(State(sc): State<Arc<dyn Backend>>) -> Response {
                 .unwrap_or_else(|| "no successful metrics scrape yet".into()),
         })
         .collect();
-    let reason = if sc.recovering() {
+    let reason = if recovering.under_way() {
         "recovering the prefix index from [indexer] peers"
     } else {
         "no schedulable worker"
@@ -48,12 +55,15 @@ pub(super) async fn ready(State(sc): State<Arc<dyn Backend>>) -> Response {
     )
 }
 
-pub(super) async fn metrics(State(sc): State<Arc<dyn Backend>>) -> Response {
-    sc.metrics().snapshot.age.set(sc.poll_age().as_secs_f64());
+pub(super) async fn metrics(
+    State(metrics): State<Arc<Metrics>>,
+    State(last_poll): State<LastPoll>,
+) -> Response {
+    metrics.snapshot.age.set(last_poll.age().as_secs_f64());
     (
         StatusCode::OK,
         [("content-type", "text/plain; version=0.0.4")],
-        sc.metrics().render(),
+        metrics.render(),
     )
         .into_response()
 }

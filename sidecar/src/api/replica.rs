@@ -5,33 +5,39 @@
 //! Changes live in memory; after a restart only the configured peers
 //! return.
 
-use super::Backend;
 use super::views::{PeerRequest, PeersView};
 use super::{error, json_response};
 use crate::config::validate_peer;
+use crate::replica::ReplicaSync;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use std::sync::Arc;
 
-pub(super) async fn peers(State(sc): State<Arc<dyn Backend>>) -> Response {
-    match sc.replica() {
+pub(super) async fn peers(State(replica): State<Option<Arc<ReplicaSync>>>) -> Response {
+    match replica.as_deref() {
         Some(r) => json_response(StatusCode::OK, &PeersView::of(r)),
         None => off(),
     }
 }
 
-pub(super) async fn register(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
-    change(&*sc, &body, true)
+pub(super) async fn register(
+    State(replica): State<Option<Arc<ReplicaSync>>>,
+    body: Bytes,
+) -> Response {
+    change(replica.as_deref(), &body, true)
 }
 
-pub(super) async fn deregister(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
-    change(&*sc, &body, false)
+pub(super) async fn deregister(
+    State(replica): State<Option<Arc<ReplicaSync>>>,
+    body: Bytes,
+) -> Response {
+    change(replica.as_deref(), &body, false)
 }
 
-fn change(sc: &dyn Backend, body: &[u8], add: bool) -> Response {
-    let Some(r) = sc.replica() else {
+fn change(replica: Option<&ReplicaSync>, body: &[u8], add: bool) -> Response {
+    let Some(r) = replica else {
         return off();
     };
     let req: PeerRequest = match serde_json::from_slice(body) {

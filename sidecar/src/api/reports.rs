@@ -1,7 +1,8 @@
 //! What the filter reports: routing decisions and load bookings.
 
-use super::Backend;
 use super::error;
+use super::handles::Reports;
+use crate::metrics::LedgerMetrics;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -9,10 +10,10 @@ use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 
 /// Routing decisions from the filter, for the approximate index.
-pub(super) async fn routed(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+pub(super) async fn routed(State(reports): State<Arc<dyn Reports>>, body: Bytes) -> Response {
     match kvgate_core::approx::Routed::decode_all(&body) {
         Ok(records) => {
-            sc.learn(&records);
+            reports.learn(&records);
             StatusCode::NO_CONTENT.into_response()
         }
         Err(e) => error(StatusCode::BAD_REQUEST, e),
@@ -21,20 +22,19 @@ pub(super) async fn routed(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> R
 
 /// Booking events from the filter. A batch that does not decode is refused
 /// whole (400): its records cannot be delimited past the bad one.
-pub(super) async fn bookings(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+pub(super) async fn bookings(
+    State(reports): State<Arc<dyn Reports>>,
+    State(metrics): State<Arc<LedgerMetrics>>,
+    body: Bytes,
+) -> Response {
     match kvgate_core::booking::decode_batch(&body) {
         Ok(events) => {
-            sc.metrics()
-                .ledger
-                .booking_batches
-                .with_label_values(&["ok"])
-                .inc();
-            sc.book(events);
+            metrics.booking_batches.with_label_values(&["ok"]).inc();
+            reports.book(events);
             StatusCode::NO_CONTENT.into_response()
         }
         Err(e) => {
-            sc.metrics()
-                .ledger
+            metrics
                 .booking_batches
                 .with_label_values(&["malformed"])
                 .inc();

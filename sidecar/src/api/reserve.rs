@@ -10,7 +10,7 @@
 //! is full (`load.caps.holders`). A refused call changes nothing in the
 //! ledger.
 
-use super::Backend;
+use super::handles::{Reservations, Selection};
 use super::ledger_view::{fresh_model, ledger_refusal, valid_reservation_id, within_bound};
 use super::select::{new_reservation_id, output_blocks, prompt};
 use super::views::{self, OutputBlockRequest, ReservationRequest, ReservationView};
@@ -25,7 +25,7 @@ use kvgate_core::ModelState;
 use kvgate_core::plan::{ShardSource, overlap, select::new_blocks};
 use std::sync::Arc;
 
-pub(super) async fn create(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+pub(super) async fn create(State(sc): State<Arc<Selection>>, body: Bytes) -> Response {
     let mut req: ReservationRequest = match views::parse(&body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid reservation: {e}")),
@@ -37,10 +37,10 @@ pub(super) async fn create(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> R
     if let Err(m) = valid_reservation_id(&id) {
         return error(StatusCode::BAD_REQUEST, m);
     }
-    let snap = sc.store().snapshot();
+    let snap = sc.store.snapshot();
     // effective_prefill_tokens is checked against the prompt's length.
     if let Err(m) = within_bound(
-        &*sc,
+        &sc,
         &snap,
         &req.model_name,
         req.prompt.isl_tokens,
@@ -48,8 +48,8 @@ pub(super) async fn create(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> R
     ) {
         return error(StatusCode::BAD_REQUEST, m);
     }
-    let log = sc.shards();
-    let mut ledger = sc.bookings();
+    let log = &sc.shards;
+    let mut ledger = sc.ledger.lock();
     let Some(model) = fresh_model(&snap, &req.model_name, &ledger) else {
         return error(
             StatusCode::NOT_FOUND,
@@ -60,7 +60,7 @@ pub(super) async fn create(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> R
         Ok(b) => b,
         Err((status, m)) => return error(status, m),
     };
-    match sc.reserve(&mut ledger, &id, &rank, load) {
+    match sc.reservations.reserve(&mut ledger, &id, &rank, load) {
         Ok(()) => json_response(
             StatusCode::OK,
             &ReservationView {
@@ -156,14 +156,14 @@ fn booking(
 }
 
 pub(super) async fn prefill_complete(
-    State(sc): State<Arc<dyn Backend>>,
+    State(reservations): State<Arc<dyn Reservations>>,
     Path(id): Path<String>,
 ) -> Response {
-    lifecycle(sc.reservation_prefill_complete(&id))
+    lifecycle(reservations.prefill_complete(&id))
 }
 
 pub(super) async fn output_block(
-    State(sc): State<Arc<dyn Backend>>,
+    State(reservations): State<Arc<dyn Reservations>>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Response {
@@ -188,11 +188,14 @@ pub(super) async fn output_block(
             format!("decay_fraction {f} is not between 0.0 and 1.0"),
         );
     }
-    lifecycle(sc.reservation_output_block(&id, req.decay_fraction))
+    lifecycle(reservations.output_block(&id, req.decay_fraction))
 }
 
-pub(super) async fn free(State(sc): State<Arc<dyn Backend>>, Path(id): Path<String>) -> Response {
-    lifecycle(sc.free_reservation(&id))
+pub(super) async fn free(
+    State(reservations): State<Arc<dyn Reservations>>,
+    Path(id): Path<String>,
+) -> Response {
+    lifecycle(reservations.free(&id))
 }
 
 fn lifecycle(r: Result<(), LedgerError>) -> Response {

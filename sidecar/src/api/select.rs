@@ -1,28 +1,31 @@
 //! `POST /select` and `/select_and_reserve`: Dynamo's selection API,
 //! answered by the same `kvgate_core::plan` the filter runs in Envoy, over
 //! the index shards this sidecar publishes and the fleet with its load as
-//! the ledger holds it now (see `ledger_view`). [`route`] is the
-//! same path for a front door that routes an OpenAI body itself.
+//! the ledger holds it now (see `ledger_view`), and rendered from the same
+//! `kvgate_core::dispatch` (its client sends both legs it names). [`route`]
+//! is the same path for a front door that routes an OpenAI body itself.
 
-use super::Backend;
+use super::Selection;
 use super::ledger_view::{fresh_model, ledger_refusal, valid_reservation_id, within_bound};
 use super::views::{self, LegView, OverlapView, Prompt, SelectRequest, SelectionView, SplitView};
 use super::{error, json_response};
 use crate::fleet::RankId;
+use crate::metrics::{Metrics, SelectionMetrics};
 use crate::sources::bookings::Load;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use kvgate_core::ModelState;
+use kvgate_core::dispatch::{Dispatch, Door, Refusal, Target, WholeWhy, dispatch};
 use kvgate_core::hash::sequence_hashes;
 use kvgate_core::header;
 use kvgate_core::plan::overlap::Cached;
 use kvgate_core::plan::request::{Parsed, estimate_tokens};
 use kvgate_core::plan::{
-    self, Ask, Choice, Gathered, Placement, Plan, Prefill, Rejection, Route, ShardSource,
+    self, Ask, Choice, Gathered, Placement, Plan, Prefill, Rejection, ShardSource,
 };
-use kvgate_core::reply::Reason;
+use kvgate_core::reply::{Reason, Reply};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -30,24 +33,34 @@ use std::sync::atomic::{AtomicU64, Ordering};
 static TIE_BREAK: AtomicU64 = AtomicU64::new(0);
 
 /// `POST /select`: where the prompt would go, booking nothing.
-pub(super) async fn select(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
-    choose(&*sc, &body, false)
+pub(super) async fn select(
+    State(sc): State<Arc<Selection>>,
+    State(metrics): State<Arc<Metrics>>,
+    body: Bytes,
+) -> Response {
+    choose(&sc, &metrics.selection, &body, false)
 }
 
 /// `POST /select_and_reserve`: the selection, booked in the same step, so
 /// that concurrent calls see each other's load.
 pub(super) async fn select_and_reserve(
-    State(sc): State<Arc<dyn Backend>>,
+    State(sc): State<Arc<Selection>>,
+    State(metrics): State<Arc<Metrics>>,
     body: Bytes,
 ) -> Response {
-    choose(&*sc, &body, true)
+    choose(&sc, &metrics.selection, &body, true)
 }
 
-fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
+fn choose(sc: &Selection, metrics: &SelectionMetrics, body: &[u8], reserve: bool) -> Response {
     let mut req: SelectRequest = match views::parse(body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid selection: {e}")),
     };
+    // Counted per request that set them, whatever it is answered: a
+    // client relying on one is visible before it looks at an answer.
+    for field in req.not_applied() {
+        metrics.fields_ignored.with_label_values(&[field]).inc();
+    }
     if reserve {
         let id = req.reservation_id.get_or_insert_with(new_reservation_id);
         if let Err(m) = valid_reservation_id(id) {
@@ -57,7 +70,7 @@ fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
         // A selection books nothing: an id would suggest it did.
         req.reservation_id = None;
     }
-    let snap = sc.store().snapshot();
+    let snap = sc.store.snapshot();
     if let Err(m) = within_bound(
         sc,
         &snap,
@@ -68,10 +81,10 @@ fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
         return error(StatusCode::BAD_REQUEST, m);
     }
     let tie = TIE_BREAK.fetch_add(1, Ordering::Relaxed);
-    let log = sc.shards();
+    let log = &sc.shards;
     // Held from the view to the booking when reserving: two concurrent
     // reservations must not both see the same idle rank.
-    let mut ledger = sc.bookings();
+    let mut ledger = sc.ledger.lock();
     let Some(mut model) = fresh_model(&snap, &req.model_name, &ledger) else {
         return refused(&req, Refused::Plan(Rejection::UnknownModel));
     };
@@ -90,9 +103,8 @@ fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
     let id = s.view.reservation_id.clone().unwrap_or_default();
     let output = output_blocks(req.expected_output_tokens, s.view.block_size);
     let load = Load {
-        slot: s.slot,
-        prefill_tokens: s.view.effective_prefill_tokens,
-        decode_blocks: s.decode_blocks + output,
+        decode_blocks: s.load.decode_blocks + output,
+        ..s.load
     };
     // The prefill leg is booked on its own worker under its own id, so
     // that the client frees it when the leg answers.
@@ -106,7 +118,7 @@ fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
         }
         None => None,
     };
-    if let Err(e) = sc.reserve(&mut ledger, &id, &s.rank, load) {
+    if let Err(e) = sc.reservations.reserve(&mut ledger, &id, &s.rank, load) {
         return ledger_refusal(e);
     }
     if let Some(split) = s.view.disaggregation.as_mut() {
@@ -114,10 +126,10 @@ fn choose(sc: &dyn Backend, body: &[u8], reserve: bool) -> Response {
         split.decode.reservation_id = Some(id.clone());
     }
     if let Some((leg_id, rank, load)) = prefill {
-        if let Err(e) = sc.reserve(&mut ledger, &leg_id, &rank, load) {
+        if let Err(e) = sc.reservations.reserve(&mut ledger, &leg_id, &rank, load) {
             // Nothing of a refused call stays booked.
             drop(ledger);
-            let _ = sc.free_reservation(&id);
+            let _ = sc.reservations.free(&id);
             return ledger_refusal(e);
         }
         if let Some(leg) = s
@@ -164,14 +176,15 @@ pub(super) fn new_reservation_id() -> String {
 }
 
 fn refused(req: &SelectRequest, r: Refused) -> Response {
+    let status = r.status();
     match r {
-        Refused::BadRequest(m) => error(StatusCode::BAD_REQUEST, m),
+        Refused::BadRequest(m) => error(status, m),
         Refused::Plan(Rejection::UnknownModel) => error(
-            StatusCode::NOT_FOUND,
+            status,
             format!("model {:?} is not served here", req.model_name),
         ),
         Refused::Plan(Rejection::NoWorkers) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
+            status,
             format!(
                 "model {:?} has no schedulable worker for tenant {:?}",
                 req.model_name, req.tenant_id
@@ -185,11 +198,11 @@ fn refused(req: &SelectRequest, r: Refused) -> Response {
                 Rejection::Thermal { .. } => "all workers are busy or at their thermal cap",
                 _ => "all workers are busy",
             };
-            let mut r = error(StatusCode::SERVICE_UNAVAILABLE, message);
+            let mut r = error(status, message);
             if let Rejection::Thermal { .. } = rejection {
                 r.headers_mut().insert(
                     header::REASON,
-                    axum::http::HeaderValue::from_static(Reason::Thermal.as_str()),
+                    HeaderValue::from_static(Reason::Thermal.as_str()),
                 );
             }
             if retry_after_s > 0
@@ -199,28 +212,80 @@ fn refused(req: &SelectRequest, r: Refused) -> Response {
             }
             r.into_response()
         }
+        Refused::Unservable(reply) => {
+            // The filter's reply, in this API's error shape: its message
+            // and the reason header every door sends.
+            let message = serde_json::from_str::<serde_json::Value>(&reply.body)
+                .ok()
+                .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+                .unwrap_or_else(|| reply.reason.as_str().to_string());
+            let mut r = error(status, message);
+            r.headers_mut().insert(
+                header::REASON,
+                HeaderValue::from_static(reply.reason.as_str()),
+            );
+            if let Some(v) = reply.retry_after_s.and_then(|s| s.to_string().parse().ok()) {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+            r
+        }
     }
 }
 
 /// Why a selection has no worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Refused {
+pub enum Refused {
+    /// The prompt was given wrongly.
     BadRequest(String),
+    /// The plan found no worker.
     Plan(Rejection),
+    /// The model's settings cannot serve the placement (an SGLang request
+    /// with no prefill leg, on a worker that is not `both`): the reply the
+    /// filter sends for it.
+    Unservable(Reply),
+}
+
+impl Refused {
+    /// The HTTP status it is answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Refused::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Refused::Plan(Rejection::UnknownModel) => StatusCode::NOT_FOUND,
+            Refused::Plan(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Refused::Unservable(r) => {
+                StatusCode::from_u16(r.status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE)
+            }
+        }
+    }
 }
 
 /// A placement, described for the client and for the ledger.
 #[derive(Debug, Clone)]
 struct Selected {
     view: SelectionView,
-    slot: u16,
+    /// The worker the client sends its request to, and what it books.
     rank: RankId,
-    decode_blocks: u64,
-    /// A remote prefill leg: its rank and the load it books.
+    load: Load,
+    /// A prefill leg: its rank and the load it books.
     prefill: Option<(RankId, Load)>,
 }
 
-/// Places `req` the way the filter would, and describes the placement.
+/// `/select`'s answer over `model` as it stands (its ranks' load already
+/// the ledger's), without HTTP or the ledger: the handler's own path, for
+/// a caller that holds a snapshot of its own (the conformance test, which
+/// gives the filter the same one).
+pub fn select_in(
+    mut model: ModelState,
+    req: &SelectRequest,
+    tie_break: u64,
+    shards: &mut impl ShardSource,
+) -> Result<SelectionView, Refused> {
+    restrict(&mut model, req);
+    selection(&model, req, tie_break, shards).map(|s| s.view)
+}
+
+/// Places `req` the way the filter would and renders what
+/// `kvgate_core::dispatch` makes of it for a client that sends both legs.
 fn selection(
     model: &ModelState,
     req: &SelectRequest,
@@ -229,65 +294,80 @@ fn selection(
 ) -> Result<Selected, Refused> {
     let parsed = prompt(&req.model_name, &req.prompt, model).map_err(Refused::BadRequest)?;
     // A selection is not a routing decision: nothing to report.
-    let (route, cached) = place_in(model, &parsed, &req.tenant_id, tie_break, shards, false)
-        .map_err(Refused::Plan)?;
+    let (plan, cached) = place_in(model, &parsed, &req.tenant_id, tie_break, shards, false);
+    let route = match &plan {
+        Plan::Route(r) => r,
+        Plan::Reject(r) => return Err(Refused::Plan(*r)),
+    };
+    // The client's body is its own, unseen here: no body rule applies.
+    let (decode, prefill, why) = match dispatch(&plan, Door::CLIENT_SENDS, None) {
+        Dispatch::Whole(w) => (w.target, None, w.why),
+        Dispatch::Split(s) => (s.decode, Some(s.prefill), None),
+        Dispatch::Refuse(Refusal::Plan(r)) => return Err(Refused::Plan(r)),
+        Dispatch::Refuse(Refusal::Unservable(reply)) => return Err(Refused::Unservable(reply)),
+    };
+    // Both legs are `route`'s placements: the decode worker its first,
+    // the prefill worker its remote leg's first.
     let first = &route.first;
-    let worker = first.choice.worker;
+    let prefill_rank = match &route.prefill {
+        Some(Prefill::Remote(leg)) => Some(rank_id(model, &leg.first)),
+        _ => None,
+    };
+    let leg = |t: &Target| LegView {
+        worker_id: t.worker_id,
+        dp_rank: t.rank,
+        endpoint: t.endpoint.clone(),
+        effective_prefill_tokens: t.prefill_tokens,
+        decode_blocks: t.decode_blocks,
+        reservation_id: None,
+    };
+    let disaggregation = match (&prefill, why) {
+        (Some(p), _) => Some(SplitView {
+            decode: leg(&decode),
+            prefill: Some(leg(p)),
+            local_prefill: false,
+            local_reason: None,
+        }),
+        // A model with no worker of a role up is not split now: answered
+        // as a model served whole, as `/v1/state` shows it.
+        (None, Some(why)) if why != WholeWhy::NotSplit => Some(SplitView {
+            decode: leg(&decode),
+            prefill: None,
+            local_prefill: true,
+            local_reason: Some(why.as_str().to_string()),
+        }),
+        _ => None,
+    };
     let view = SelectionView {
         selection_id: req.selection_id.clone(),
         reservation_id: req.reservation_id.clone(),
         model_name: req.model_name.clone(),
         tenant_id: req.tenant_id.clone(),
-        worker_id: worker.id,
-        dp_rank: first.choice.rank.rank,
-        endpoint: worker.endpoint.clone(),
-        block_size: worker.block_size,
+        worker_id: decode.worker_id,
+        dp_rank: decode.rank,
+        endpoint: decode.endpoint.clone(),
+        block_size: first.choice.worker.block_size,
         // What the events say the ranks hold; the cost also counted
         // prefixes routed moments ago, which no engine reported yet.
         overlap: reported(&first.choice, |slot| cached.reported(slot)),
-        effective_prefill_tokens: first.prefill_tokens,
-        disaggregation: route.prefill.map(|p| split_view(first, &p)),
+        effective_prefill_tokens: decode.prefill_tokens,
+        disaggregation,
+        not_applied: req.not_applied().into_iter().map(str::to_string).collect(),
     };
-    let prefill = match &route.prefill {
-        Some(Prefill::Remote(leg)) => Some((
-            rank_id(model, &leg.first),
-            Load {
-                slot: leg.first.choice.rank.slot,
-                prefill_tokens: leg.first.prefill_tokens,
-                decode_blocks: leg.first.decode_blocks,
-            },
-        )),
-        _ => None,
+    let load = |t: &Target| Load {
+        slot: t.slot,
+        prefill_tokens: t.prefill_tokens,
+        decode_blocks: t.decode_blocks,
     };
     Ok(Selected {
-        slot: first.choice.rank.slot,
         rank: rank_id(model, first),
-        decode_blocks: first.decode_blocks,
+        load: load(&decode),
+        prefill: prefill
+            .as_ref()
+            .zip(prefill_rank)
+            .map(|(p, r)| (r, load(p))),
         view,
-        prefill,
     })
-}
-
-/// Both legs of a disaggregated placement, for the client.
-fn split_view(decode: &Placement<'_>, prefill: &Prefill<'_>) -> SplitView {
-    let leg = |p: &Placement<'_>| LegView {
-        worker_id: p.choice.worker.id,
-        dp_rank: p.choice.rank.rank,
-        endpoint: p.choice.worker.endpoint.clone(),
-        effective_prefill_tokens: p.prefill_tokens,
-        decode_blocks: p.decode_blocks,
-        reservation_id: None,
-    };
-    let (prefill, reason) = match prefill {
-        Prefill::Remote(l) => (Some(leg(&l.first)), None),
-        Prefill::Local(r) => (None, Some(r.as_str().to_string())),
-    };
-    SplitView {
-        decode: leg(decode),
-        local_prefill: prefill.is_none(),
-        prefill,
-        local_reason: reason,
-    }
 }
 
 /// Places `parsed` in `model` as the filter would: the overlap from
@@ -301,7 +381,7 @@ fn place_in<'m>(
     tie_break: u64,
     shards: &mut impl ShardSource,
     report: bool,
-) -> Result<(Route<'m>, Cached), Rejection> {
+) -> (Plan<'m>, Cached) {
     let mut gathered = Gathered::new(model, parsed, tenant, shards);
     if !report {
         gathered = gathered.without_report();
@@ -310,10 +390,8 @@ fn place_in<'m>(
         tie_break,
         retry_headroom: None,
     };
-    match gathered.place(parsed, tenant, &ask, &[]) {
-        Plan::Route(r) => Ok((r, gathered.cached)),
-        Plan::Reject(r) => Err(r),
-    }
+    let plan = gathered.place(parsed, tenant, &ask, &[]);
+    (plan, gathered.cached)
 }
 
 /// The ledger's name for the rank a placement chose.

@@ -1,26 +1,30 @@
 //! `GET/POST /v1/admin/thermal`: each worker's GPU heat and its thermal
 //! controller; settings per model or per worker, with a dry run.
 
-use super::Backend;
 use super::views::{
     GpuView, ThermalChange, ThermalChangeView, ThermalEffect, ThermalList, WorkerThermal,
 };
 use super::{error, json_response};
+use crate::config::Config;
 use crate::fleet::{Fleet, WorkerEntry};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
+use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub(super) async fn get_thermal(State(sc): State<Arc<dyn Backend>>) -> Response {
-    let f = sc.fleet();
+pub(super) async fn get_thermal(
+    State(fleet): State<Arc<Mutex<Fleet>>>,
+    State(config): State<Arc<Config>>,
+) -> Response {
+    let f = fleet.lock();
     let now = Instant::now();
     let workers = f
         .workers()
         .iter()
-        .map(|(id, w)| view(&*sc, &f, *id, w, now))
+        .map(|(id, w)| view(&config, &f, *id, w, now))
         .collect();
     json_response(StatusCode::OK, &ThermalList { workers })
 }
@@ -36,8 +40,8 @@ fn watts_per_seq(power: Option<f64>, running: u32) -> Option<f64> {
         .map(|p| p / f64::from(running))
 }
 
-fn view(sc: &dyn Backend, f: &Fleet, id: u64, w: &WorkerEntry, now: Instant) -> WorkerThermal {
-    let gpus = f.gpus_of(id, now, sc.config().thermal.stale_after);
+fn view(config: &Config, f: &Fleet, id: u64, w: &WorkerEntry, now: Instant) -> WorkerThermal {
+    let gpus = f.gpus_of(id, now, config.thermal.stale_after);
     let power = gpus
         .iter()
         .filter_map(|g| g.reading.power_w)
@@ -56,7 +60,7 @@ fn view(sc: &dyn Backend, f: &Fleet, id: u64, w: &WorkerEntry, now: Instant) -> 
         power_w: power,
         watts_per_running_seq: watts_per_seq(power, running),
         throttle_entries: w.thermal().entries,
-        settings: f.thermal_settings(id, sc.config()),
+        settings: f.thermal_settings(id, config),
         gpus: gpus
             .iter()
             .map(|g| GpuView {
@@ -76,13 +80,17 @@ fn view(sc: &dyn Backend, f: &Fleet, id: u64, w: &WorkerEntry, now: Instant) -> 
 /// Sets a model's or a worker's settings (exactly one of `model_name` and
 /// `worker_id`). Every worker it touches must end with valid settings, or
 /// nothing changes. The controller applies them at its next reading.
-pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+pub(super) async fn post_thermal(
+    State(fleet): State<Arc<Mutex<Fleet>>>,
+    State(config): State<Arc<Config>>,
+    body: Bytes,
+) -> Response {
     let change: ThermalChange = match serde_json::from_slice(&body) {
         Ok(c) => c,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid body: {e}")),
     };
     let over = change.settings();
-    let mut f = sc.fleet();
+    let mut f = fleet.lock();
     let ids: Vec<u64> = match (&change.model_name, change.worker_id) {
         (Some(m), None) => {
             if !f.models().contains_key(m) {
@@ -114,7 +122,7 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
     let mut trial = Trial::of(&f, &change, &over);
     if let Some(m) = &change.model_name {
         let model = trial.model(&f, m);
-        if let Err(e) = sc.config().thermal_settings(&model).validate() {
+        if let Err(e) = config.thermal_settings(&model).validate() {
             return error(StatusCode::BAD_REQUEST, e);
         }
     }
@@ -123,14 +131,14 @@ pub(super) async fn post_thermal(State(sc): State<Arc<dyn Backend>>, body: Bytes
     let now = Instant::now();
     for id in &ids {
         let Some(w) = f.worker(*id) else { continue };
-        let settings = trial.settings(&f, *id, sc.config());
+        let settings = trial.settings(&f, *id, &config);
         if let Err(e) = settings.validate() {
             return error(StatusCode::BAD_REQUEST, format!("worker {id}: {e}"));
         }
         let (new_state, new_cap) = w.thermal().preview(w.in_flight(), &settings);
         let run = running(w);
         let power = f
-            .gpus_of(*id, now, sc.config().thermal.stale_after)
+            .gpus_of(*id, now, config.thermal.stale_after)
             .iter()
             .filter_map(|g| g.reading.power_w)
             .reduce(|a, b| a + b);

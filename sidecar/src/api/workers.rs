@@ -1,14 +1,15 @@
 //! `/workers`: the catalog, read and changed.
 
-use super::Backend;
+use super::handles::Catalog;
 use super::views::{WorkerList, WorkerView};
 use super::{error, fleet_error, json_response};
 use crate::config::WorkerSpec;
-use crate::fleet::FleetError;
+use crate::fleet::{Fleet, FleetError};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use parking_lot::Mutex;
 use serde::Deserialize;
 use serde_json::Value;
 use std::sync::Arc;
@@ -22,10 +23,10 @@ pub(super) struct Scope {
 }
 
 pub(super) async fn list_workers(
-    State(sc): State<Arc<dyn Backend>>,
+    State(fleet): State<Arc<Mutex<Fleet>>>,
     Query(scope): Query<Scope>,
 ) -> Response {
-    let f = sc.fleet();
+    let f = fleet.lock();
     let workers = f
         .workers()
         .values()
@@ -47,28 +48,28 @@ pub(super) async fn list_workers(
 }
 
 pub(super) async fn get_worker(
-    State(sc): State<Arc<dyn Backend>>,
+    State(fleet): State<Arc<Mutex<Fleet>>>,
     Path(id): Path<u64>,
 ) -> Response {
-    match sc.fleet().worker(id) {
+    match fleet.lock().worker(id) {
         Some(w) => json_response(StatusCode::OK, &WorkerView::from(w)),
         None => fleet_error(FleetError::UnknownWorker(id)),
     }
 }
 
-pub(super) async fn add_worker(State(sc): State<Arc<dyn Backend>>, body: Bytes) -> Response {
+pub(super) async fn add_worker(State(catalog): State<Arc<dyn Catalog>>, body: Bytes) -> Response {
     let spec: WorkerSpec = match serde_json::from_slice(&body) {
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid worker: {e}")),
     };
-    match sc.add_worker(spec) {
+    match catalog.add_worker(spec) {
         Ok(w) => json_response(StatusCode::CREATED, &WorkerView::from(&w)),
         Err(e) => fleet_error(e),
     }
 }
 
 pub(super) async fn patch_worker(
-    State(sc): State<Arc<dyn Backend>>,
+    State(catalog): State<Arc<dyn Catalog>>,
     Path(id): Path<u64>,
     body: Bytes,
 ) -> Response {
@@ -76,17 +77,17 @@ pub(super) async fn patch_worker(
         Ok(v) => v,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")),
     };
-    match sc.patch_worker(id, &patch) {
+    match catalog.patch_worker(id, &patch) {
         Ok(w) => json_response(StatusCode::OK, &WorkerView::from(&w)),
         Err(e) => fleet_error(e),
     }
 }
 
 pub(super) async fn delete_worker(
-    State(sc): State<Arc<dyn Backend>>,
+    State(catalog): State<Arc<dyn Catalog>>,
     Path(id): Path<u64>,
 ) -> Response {
-    match sc.remove_worker(id) {
+    match catalog.remove_worker(id) {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => fleet_error(e),
     }

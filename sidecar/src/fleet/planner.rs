@@ -9,7 +9,8 @@
 //! asking for a new one.
 
 use super::Fleet;
-use crate::planner::{Estimate, ModelPlanner, Reason, Tick, WorkerLoad};
+use crate::planner::{Estimate, LegEnd, ModelPlanner, Reason, Tick, WorkerLoad};
+use kvgate_core::Role;
 use kvgate_core::booking::{Key, Timing};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -37,11 +38,12 @@ pub struct Decision {
     pub issued_at_ms: u64,
 }
 
-/// What the load loop saw of a routed request when it was booked.
+/// What the load loop saw of a routed leg when it was booked.
 #[derive(Debug, Clone)]
 struct Watch {
     model: String,
     worker: u64,
+    role: Role,
     prefill_tokens: f64,
     decode_kv_tokens: f64,
     /// Its own prompt tokens not cached where it went.
@@ -109,13 +111,14 @@ impl Fleet {
         !self.planning.models.is_empty()
     }
 
-    /// A routed request, for its model's planner: what its worker held
-    /// then (its own `uncached` prompt tokens included).
+    /// A routed leg, for its model's planner: the worker it was booked on
+    /// and that worker's role, and what the worker held then (prompt
+    /// tokens and KV tokens, its own `uncached` prompt tokens included).
     pub fn planner_booked(
         &mut self,
         key: Key,
         model: &str,
-        worker: u64,
+        (worker, role): (u64, Role),
         load: (f64, f64),
         uncached: u64,
     ) {
@@ -135,6 +138,7 @@ impl Fleet {
             Watch {
                 model: model.to_string(),
                 worker,
+                role,
                 prefill_tokens: prefill,
                 decode_kv_tokens: decode_kv,
                 uncached,
@@ -143,28 +147,24 @@ impl Fleet {
         );
     }
 
-    /// A routed request's end, for its model's planner: a TTFT and an ITL
-    /// sample for its worker's fits, and its shape for the interval.
+    /// A routed leg's end, for its model's planner (see
+    /// [`ModelPlanner::observe_end`] for what each leg teaches). An end
+    /// without timing only stops the watch.
     pub fn planner_ended(&mut self, key: &Key, timing: Option<Timing>) {
         let Some(w) = self.planning.watched.remove(key) else {
             return;
         };
-        let (Some(p), Some(t)) = (self.planning.models.get_mut(&w.model), timing) else {
+        let (Some(p), Some(timing)) = (self.planning.models.get_mut(&w.model), timing) else {
             return;
         };
-        let ttft_ms = f64::from(t.first_byte_us) / 1000.0;
-        p.observe_ttft(w.worker, w.prefill_tokens, ttft_ms);
-        if t.output_tokens >= 2 && t.total_us > t.first_byte_us {
-            let itl =
-                f64::from(t.total_us - t.first_byte_us) / 1000.0 / f64::from(t.output_tokens - 1);
-            p.observe_itl(w.worker, w.decode_kv_tokens, itl);
-        }
-        let isl = u64::from(t.isl_tokens);
-        p.observe_request(
-            isl,
-            u64::from(t.output_tokens),
-            isl.saturating_sub(w.uncached),
-        );
+        p.observe_end(&LegEnd {
+            worker: w.worker,
+            role: w.role,
+            prefill_tokens: w.prefill_tokens,
+            decode_kv_tokens: w.decode_kv_tokens,
+            uncached: w.uncached,
+            timing,
+        });
     }
 
     /// The orchestrator reports decision `id` carried out. None when no

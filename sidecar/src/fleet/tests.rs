@@ -468,3 +468,85 @@ fn the_info_series_names_each_workers_role() {
         Some(0.0)
     );
 }
+
+/// A split model whose planner is on: prefill worker 11, decode worker 12
+/// and `both` worker 13.
+fn planned_split() -> Fleet {
+    let mut c = split_config();
+    c.models[0].planner =
+        Some(toml::from_str("ttft_ms = 200.0\nitl_ms = 20.0").expect("a planner section"));
+    Fleet::new(&c).unwrap()
+}
+
+/// Samples in worker `id`'s own (TTFT, ITL) fits.
+fn fitted(f: &Fleet, id: u64) -> (u64, u64) {
+    let p = &f.planning().models["pd"];
+    let n = |l: Option<&crate::planner::regress::Line>| l.map_or(0, |l| l.samples());
+    (n(p.ttft().worker(id)), n(p.itl().worker(id)))
+}
+
+fn leg(leg: kvgate_core::plan::Leg, status: u16) -> kvgate_core::booking::Timing {
+    kvgate_core::booking::Timing {
+        leg,
+        first_byte_us: 40_000,
+        total_us: 90_000,
+        isl_tokens: 2000,
+        output_tokens: 11,
+        status,
+        client_first_byte_us: 70_000,
+    }
+}
+
+#[test]
+fn each_leg_teaches_the_fit_its_worker_computed_it_on() {
+    use kvgate_core::booking::Key;
+    use kvgate_core::plan::Leg;
+    let mut f = planned_split();
+    let key = |seq| Key { vm: 9, seq };
+    // One split request: its prefill leg on 11, its decode leg on 12.
+    f.planner_booked(key(1), "pd", (11, Role::Prefill), (2000.0, 0.0), 2000);
+    f.planner_booked(key(2), "pd", (12, Role::Decode), (0.0, 8000.0), 0);
+    f.planner_ended(&key(1), Some(leg(Leg::Prefill, 200)));
+    assert_eq!((fitted(&f, 11), fitted(&f, 12)), ((1, 0), (0, 0)));
+    f.planner_ended(&key(2), Some(leg(Leg::Decode, 200)));
+    assert_eq!((fitted(&f, 11), fitted(&f, 12)), ((1, 0), (0, 1)));
+    let p = &f.planning().models["pd"];
+    assert_eq!(
+        (
+            p.ttft().role(Role::Prefill).samples(),
+            p.itl().role(Role::Decode).samples(),
+            p.ttft().role(Role::Decode).samples(),
+        ),
+        (1, 1, 0),
+        "each role's pool has its legs' samples"
+    );
+    // Legs that failed teach no latency.
+    f.planner_booked(key(3), "pd", (11, Role::Prefill), (2000.0, 0.0), 2000);
+    f.planner_booked(key(4), "pd", (12, Role::Decode), (0.0, 8000.0), 0);
+    f.planner_ended(&key(3), Some(leg(Leg::Prefill, 503)));
+    f.planner_ended(&key(4), Some(leg(Leg::Decode, 500)));
+    assert_eq!((fitted(&f, 11), fitted(&f, 12)), ((1, 0), (0, 1)));
+}
+
+/// A filter of the release before leg records sends tag 5: a request
+/// served whole with no status, which teaches both fits as before.
+#[test]
+fn an_older_filters_timed_end_is_a_whole_request() {
+    use kvgate_core::booking::{Event, Key, decode_batch};
+    let mut f = planned_split();
+    let key = Key { vm: 9, seq: 1 };
+    let mut tag5 = vec![5u8];
+    tag5.extend_from_slice(&key.vm.to_le_bytes());
+    tag5.extend_from_slice(&key.seq.to_le_bytes());
+    for v in [40_000u32, 90_000, 2000, 11] {
+        tag5.extend_from_slice(&v.to_le_bytes());
+    }
+    let [Event::Done { timing, .. }] = decode_batch(&tag5).unwrap()[..] else {
+        panic!("one timed end");
+    };
+    f.planner_booked(key, "pd", (13, Role::Both), (2000.0, 8000.0), 500);
+    f.planner_ended(&key, timing);
+    assert_eq!(fitted(&f, 13), (1, 1));
+    let p = &f.planning().models["pd"];
+    assert_eq!(p.ttft().role(Role::Both).samples(), 1);
+}

@@ -4,6 +4,7 @@
 use super::{MetricsError, RANK, counter, float_gauge_vec, gauge, gauge_vec, plain_counter};
 use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
+#[derive(Clone)]
 pub struct LedgerMetrics {
     pub rank_active_prefill: IntGaugeVec,
     pub rank_active_decode: IntGaugeVec,
@@ -127,5 +128,15 @@ impl LedgerMetrics {
                 &["peer"],
             )?,
         })
+    }
+
+    /// Counts `n` bookings from `source` refused for `reason`; a batch
+    /// refusing none makes no series.
+    pub fn refused(&self, source: &str, reason: &str, n: u64) {
+        if n > 0 {
+            self.bookings_refused
+                .with_label_values(&[source, reason])
+                .inc_by(n);
+        }
     }
 }

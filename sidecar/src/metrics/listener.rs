@@ -6,6 +6,7 @@ use prometheus::core::Collector;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 use std::collections::BTreeMap;
 
+#[derive(Clone)]
 pub struct ListenerMetrics {
     pub open: IntGaugeVec,
     pub refused: IntCounterVec,

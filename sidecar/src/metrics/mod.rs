@@ -8,12 +8,15 @@
 //! * [`ledger`]: the bookings ledger and replica sync.
 //! * [`selection`]: what the gateways routed, refused and taught the
 //!   routed-prefix index.
+//! * [`latency`]: how long the routed legs took, and their clients' time
+//!   to first byte, as the gateways timed them.
 //! * [`thermal`]: GPU readings, thermal controllers and batch cuts.
 //! * [`planner`]: the replica planner's decisions and estimates.
 //! * [`listener`]: connections on the HTTP listeners and the whole-index
 //!   reads they serve.
 
 pub mod kv;
+pub mod latency;
 pub mod ledger;
 pub mod listener;
 pub mod planner;
@@ -23,11 +26,13 @@ pub mod thermal;
 
 use prometheus::core::Collector;
 use prometheus::{
-    Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry,
 };
 use thiserror::Error;
 
 pub use kv::{KvMetrics, SubscriberCounters, SubscriberSeries};
+pub use latency::LatencyMetrics;
 pub use ledger::LedgerMetrics;
 pub use listener::{ListenerMetrics, ListenerSeries};
 pub use planner::PlannerMetrics;
@@ -42,6 +47,7 @@ pub struct Metrics {
     pub snapshot: SnapshotMetrics,
     pub ledger: LedgerMetrics,
     pub selection: SelectionMetrics,
+    pub latency: LatencyMetrics,
     pub thermal: ThermalMetrics,
     pub planner: PlannerMetrics,
     pub listener: ListenerMetrics,
@@ -66,6 +72,7 @@ impl Metrics {
             snapshot: SnapshotMetrics::new(&r)?,
             ledger: LedgerMetrics::new(&r)?,
             selection: SelectionMetrics::new(&r)?,
+            latency: LatencyMetrics::new(&r)?,
             thermal: ThermalMetrics::new(&r)?,
             planner: PlannerMetrics::new(&r)?,
             listener: ListenerMetrics::new(&r)?,
@@ -156,6 +163,17 @@ fn float_gauge_vec(
 
 fn float_gauge(r: &Registry, name: &str, help: &str) -> Result<Gauge, MetricsError> {
     register(r, name, Gauge::new(name, help))
+}
+
+fn histogram_vec(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> Result<HistogramVec, MetricsError> {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+    register(r, name, HistogramVec::new(opts, labels))
 }
 
 /// Mirrors a running total kept elsewhere (the index thread's) into a

@@ -4,6 +4,7 @@
 use super::{MetricsError, counter, float_gauge_vec, gauge_vec};
 use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Registry};
 
+#[derive(Clone)]
 pub struct PlannerMetrics {
     pub desired: IntGaugeVec,
     pub ready: IntGaugeVec,

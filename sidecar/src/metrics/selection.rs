@@ -4,12 +4,14 @@
 use super::{MetricsError, counter, plain_counter};
 use prometheus::{IntCounter, IntCounterVec, Registry};
 
+#[derive(Clone)]
 pub struct SelectionMetrics {
     pub routed: IntCounterVec,
     pub routed_prompt_tokens: IntCounterVec,
     pub routed_cached_tokens: IntCounterVec,
     pub rejected: IntCounterVec,
     pub approx_learned: IntCounter,
+    pub fields_ignored: IntCounterVec,
 }
 
 impl SelectionMetrics {
@@ -43,6 +45,12 @@ impl SelectionMetrics {
                 r,
                 "kvgate_sidecar_approx_learned_total",
                 "Chunk holders learned from routing decisions (routed-prefix index).",
+            )?,
+            fields_ignored: counter(
+                r,
+                "kvgate_sidecar_selection_fields_ignored_total",
+                "Selection-API requests that set a Dynamo scheduler field kvgate accepts and does not apply, by field (router_config_override, priority_jump, strict_priority, routing_constraints).",
+                &["field"],
             )?,
         })
     }

@@ -4,6 +4,7 @@
 use super::{MetricsError, RANK, WORKER, counter, float_gauge, gauge, gauge_vec};
 use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
+#[derive(Clone)]
 pub struct SnapshotMetrics {
     scrapes: IntCounterVec,
     scrape_errors: IntCounterVec,

@@ -4,9 +4,10 @@
 //! Two loops per model, as in the seed:
 //!
 //! * **load** (fast, every `load_interval_ms`): per worker, online
-//!   regressions ([`regress`]) turn the load on it now into an estimated
-//!   TTFT and ITL. Scale up by one when *every* worker's estimate is over
-//!   its SLA, down by one when every worker's is under SLA × sensitivity.
+//!   regressions ([`regress`], kept per worker and per role in [`fits`])
+//!   turn the load on it now into an estimated TTFT and ITL. Scale up by
+//!   one when *every* worker's estimate is over its SLA, down by one when
+//!   every worker's is under SLA × sensitivity.
 //! * **throughput** (slow, every `throughput_interval_ms`): predictors
 //!   ([`predict`]) forecast the next interval's requests, ISL and OSL;
 //!   capacity per replica ([`capacity`]) turns them into a lower bound.
@@ -19,10 +20,15 @@
 //! it observations and clocks, and carries out what it decides.
 
 pub mod capacity;
+pub mod fits;
 pub mod predict;
 pub mod regress;
 
 use crate::config::PlannerConfig;
+use fits::Fits;
+use kvgate_core::Role;
+use kvgate_core::booking::Timing;
+use kvgate_core::plan::Leg;
 use predict::Predictor;
 use regress::Line;
 use serde::{Deserialize, Serialize};
@@ -77,6 +83,8 @@ impl Reason {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorkerLoad {
     pub worker_id: u64,
+    /// Whose pooled fits stand in for a worker without its own.
+    pub role: Role,
     /// Prompt tokens routed there and not yet answered.
     pub prefill_tokens: f64,
     /// KV tokens of the requests running there.
@@ -94,6 +102,47 @@ pub struct Estimate {
 /// Regression inputs are in thousands of tokens: coefficients of similar
 /// size keep the least squares well conditioned.
 const KTOK: f64 = 1000.0;
+
+/// A leg's end, as the planner learns from it: where it was served, the
+/// load it met there, and how it went. A request served whole is one leg;
+/// a disaggregated one a prefill leg and a decode leg, each booked on its
+/// own worker and ending on its own.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LegEnd {
+    pub worker: u64,
+    /// The worker's role when the leg was booked.
+    pub role: Role,
+    /// Prompt tokens in flight on its rank when it was routed (its own
+    /// included).
+    pub prefill_tokens: f64,
+    /// KV tokens booked on its rank then.
+    pub decode_kv_tokens: f64,
+    /// Its own prompt tokens booked as not cached there.
+    pub uncached: u64,
+    /// What the gateway measured; its `leg` says what was computed.
+    pub timing: Timing,
+}
+
+/// Whether a leg's times are the engine's: a failed leg's are its
+/// failure's. Status 0 is unknown (a filter of a release before leg
+/// records, or a reset) and is taken as served, as every end was before
+/// statuses.
+pub fn served(t: &Timing) -> bool {
+    t.status == 0 || (200..300).contains(&t.status)
+}
+
+impl LegEnd {
+    /// It computed the prompt: its first byte is prefill's.
+    fn prefilled(&self) -> bool {
+        matches!(self.timing.leg, Leg::Whole | Leg::Prefill)
+    }
+
+    /// It produced the answer: its tokens after the first are decode's,
+    /// and its end is the request's.
+    fn answered(&self) -> bool {
+        matches!(self.timing.leg, Leg::Whole | Leg::Decode)
+    }
+}
 
 /// One interval's traffic.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -138,12 +187,10 @@ pub struct Tick {
 
 pub struct ModelPlanner {
     pub cfg: PlannerConfig,
-    prefill: BTreeMap<u64, Line>,
-    decode: BTreeMap<u64, Line>,
-    /// Every worker's samples together: the estimate for a worker too new
-    /// to have its own fit (its engine is the model's, its load its own).
-    prefill_all: Line,
-    decode_all: Line,
+    /// TTFT against prompt tokens in flight.
+    ttft: Fits,
+    /// ITL against KV tokens in flight.
+    itl: Fits,
     interval: Interval,
     predictors: [Box<dyn Predictor + Send>; 3],
     /// The last prediction of (requests, ISL, OSL) per interval.
@@ -173,10 +220,8 @@ impl ModelPlanner {
             ],
             floor: cfg.min_replicas,
             cfg,
-            prefill: BTreeMap::new(),
-            decode: BTreeMap::new(),
-            prefill_all: Line::default(),
-            decode_all: Line::default(),
+            ttft: Fits::default(),
+            itl: Fits::default(),
             interval: Interval::default(),
             predicted: None,
             observed: None,
@@ -188,33 +233,76 @@ impl ModelPlanner {
         }
     }
 
-    /// A routed request's first token: `prefill_tokens` were in flight on
-    /// its worker (its own included) when it was routed.
-    pub fn observe_ttft(&mut self, worker: u64, prefill_tokens: f64, ttft_ms: f64) {
-        self.prefill
-            .entry(worker)
-            .or_default()
-            .add(prefill_tokens / KTOK, ttft_ms);
-        self.prefill_all.add(prefill_tokens / KTOK, ttft_ms);
+    /// A leg's end. What the leg computed decides what it teaches:
+    ///
+    /// * the prompt (a whole request, a prefill leg): a TTFT sample
+    ///   against the prompt tokens in flight where it ran, and the
+    ///   prompt's cached tokens there;
+    /// * the answer (a whole request, a decode leg): an ITL sample against
+    ///   the KV tokens in flight, and the request's shape, once per
+    ///   request. A decode leg's first byte waits on the KV transfer, not
+    ///   on prefill compute: it is no TTFT sample.
+    ///
+    /// A failed leg still counts as traffic, never as a latency.
+    pub fn observe_end(&mut self, end: &LegEnd) {
+        let t = &end.timing;
+        let isl = u64::from(t.isl_tokens);
+        if end.answered() {
+            self.observe_request(isl, u64::from(t.output_tokens));
+        }
+        // A decode leg books no prompt where it runs (the prompt arrives
+        // with the transfer): its uncached count says nothing of the cache.
+        if end.prefilled() {
+            self.observe_prompt(isl, isl.saturating_sub(end.uncached));
+        }
+        // No first byte, no latency: a zero would pull the fits down.
+        if !served(t) || t.first_byte_us == 0 {
+            return;
+        }
+        if end.prefilled() {
+            let ttft_ms = f64::from(t.first_byte_us) / 1000.0;
+            self.observe_ttft(end.worker, end.role, end.prefill_tokens, ttft_ms);
+        }
+        if end.answered() && t.output_tokens >= 2 && t.total_us > t.first_byte_us {
+            let itl =
+                f64::from(t.total_us - t.first_byte_us) / 1000.0 / f64::from(t.output_tokens - 1);
+            self.observe_itl(end.worker, end.role, end.decode_kv_tokens, itl);
+        }
     }
 
-    /// A routed request's inter-token latency with `decode_kv_tokens` on
-    /// its worker.
-    pub fn observe_itl(&mut self, worker: u64, decode_kv_tokens: f64, itl_ms: f64) {
-        self.decode
-            .entry(worker)
-            .or_default()
-            .add(decode_kv_tokens / KTOK, itl_ms);
-        self.decode_all.add(decode_kv_tokens / KTOK, itl_ms);
+    /// A first token on `worker` (of `role`): `prefill_tokens` were in
+    /// flight there (its own included) when it was routed.
+    pub fn observe_ttft(&mut self, worker: u64, role: Role, prefill_tokens: f64, ttft_ms: f64) {
+        self.ttft.add(worker, role, prefill_tokens / KTOK, ttft_ms);
+    }
+
+    /// An inter-token latency on `worker` (of `role`) with
+    /// `decode_kv_tokens` there.
+    pub fn observe_itl(&mut self, worker: u64, role: Role, decode_kv_tokens: f64, itl_ms: f64) {
+        self.itl.add(worker, role, decode_kv_tokens / KTOK, itl_ms);
+    }
+
+    /// TTFT against prompt tokens in flight, per worker and per role.
+    pub fn ttft(&self) -> &Fits {
+        &self.ttft
+    }
+
+    /// ITL against KV tokens in flight, per worker and per role.
+    pub fn itl(&self) -> &Fits {
+        &self.itl
     }
 
     /// A routed request, for the interval's traffic shape.
-    pub fn observe_request(&mut self, isl: u64, osl: u64, cached: u64) {
+    pub fn observe_request(&mut self, isl: u64, osl: u64) {
         let i = &mut self.interval;
         i.requests += 1;
         i.isl_sum += isl;
         i.osl_sum += osl;
-        i.cached_sum += cached.min(isl);
+    }
+
+    /// A prompt computed where `cached` of its `isl` tokens were held.
+    pub fn observe_prompt(&mut self, isl: u64, cached: u64) {
+        self.interval.cached_sum += cached.min(isl);
     }
 
     pub fn observe_shed(&mut self) {
@@ -223,8 +311,8 @@ impl ModelPlanner {
 
     /// A worker left the fleet: its fits go with it.
     pub fn forget(&mut self, worker: u64) {
-        self.prefill.remove(&worker);
-        self.decode.remove(&worker);
+        self.ttft.forget(worker);
+        self.itl.forget(worker);
     }
 
     /// Warm start: past intervals' (requests, ISL, OSL).
@@ -239,20 +327,13 @@ impl ModelPlanner {
     fn estimate(&self, w: &WorkerLoad, avg_isl: f64, avg_osl: f64) -> Estimate {
         // A new request waits behind what is queued, plus its own prompt;
         // it decodes among what runs, plus its own context.
-        let fit = |own: Option<&Line>, all: &Line, x: f64| {
-            own.filter(|l| l.ready())
-                .or(Some(all))
-                .and_then(|l| l.predict(x / KTOK))
-        };
-        let ttft = fit(
-            self.prefill.get(&w.worker_id),
-            &self.prefill_all,
-            w.prefill_tokens + avg_isl,
-        );
-        let itl = fit(
-            self.decode.get(&w.worker_id),
-            &self.decode_all,
-            w.decode_kv_tokens + avg_isl + avg_osl / 2.0,
+        let ttft = self
+            .ttft
+            .predict(w.worker_id, w.role, (w.prefill_tokens + avg_isl) / KTOK);
+        let itl = self.itl.predict(
+            w.worker_id,
+            w.role,
+            (w.decode_kv_tokens + avg_isl + avg_osl / 2.0) / KTOK,
         );
         Estimate {
             worker_id: w.worker_id,
@@ -443,10 +524,10 @@ impl ModelPlanner {
             v.get(v.len() / 2).copied()
         };
         let isl = isl.max(1.0);
-        let prefill =
-            median(&self.prefill, c.ttft_ms).map(|tokens| (tokens / isl) / (c.ttft_ms / 1000.0));
+        let prefill = median(self.ttft.workers(), c.ttft_ms)
+            .map(|tokens| (tokens / isl) / (c.ttft_ms / 1000.0));
         let per_request_kv = isl + osl / 2.0;
-        let decode = median(&self.decode, c.itl_ms)
+        let decode = median(self.itl.workers(), c.itl_ms)
             .map(|tokens| (tokens / per_request_kv.max(1.0)) / (osl.max(1.0) * c.itl_ms / 1000.0));
         match (prefill, decode) {
             (Some(p), Some(d)) => Some(p.min(d)),

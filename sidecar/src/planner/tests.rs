@@ -28,17 +28,18 @@ fn fitted(workers: &[u64]) -> ModelPlanner {
     for w in workers {
         for k in 0..40 {
             let tokens = f64::from(k) * 500.0;
-            p.observe_ttft(*w, tokens, 20.0 * tokens / 1000.0);
-            p.observe_itl(*w, tokens * 4.0, 4.0 * tokens / 1000.0);
+            p.observe_ttft(*w, Role::Both, tokens, 20.0 * tokens / 1000.0);
+            p.observe_itl(*w, Role::Both, tokens * 4.0, 4.0 * tokens / 1000.0);
         }
     }
-    p.observe_request(1000, 100, 0);
+    p.observe_request(1000, 100);
     p
 }
 
 fn load(worker_id: u64, prefill_k: f64, decode_k: f64) -> WorkerLoad {
     WorkerLoad {
         worker_id,
+        role: Role::Both,
         prefill_tokens: prefill_k * 1000.0,
         decode_kv_tokens: decode_k * 1000.0,
     }
@@ -139,13 +140,13 @@ fn the_throughput_floor_holds_the_load_loop_up() {
     for w in [1, 2, 3, 4] {
         for k in 0..40 {
             let tokens = f64::from(k) * 500.0;
-            p.observe_ttft(w, tokens, 20.0 * tokens / 1000.0);
+            p.observe_ttft(w, Role::Both, tokens, 20.0 * tokens / 1000.0);
         }
     }
     // 30 requests in a 10 s interval at the profiled shape: 3 req/s, 3
     // replicas of 1 req/s.
     for _ in 0..30 {
-        p.observe_request(1000, 100, 0);
+        p.observe_request(1000, 100);
     }
     p.tick_throughput(4);
     assert_eq!(p.floor, 3);
@@ -170,8 +171,8 @@ fn bounds_clamp_and_no_estimate_waits() {
     let t = p.tick_load(&[load(1, 50.0, 0.0)], 2, Instant::now(), 1);
     assert_eq!((t.desired, t.reason), (2, Reason::WarmingUp), "no fit yet");
     for k in 0..40 {
-        p.observe_ttft(1, f64::from(k) * 500.0, f64::from(k) * 10.0);
-        p.observe_ttft(2, f64::from(k) * 500.0, f64::from(k) * 10.0);
+        p.observe_ttft(1, Role::Both, f64::from(k) * 500.0, f64::from(k) * 10.0);
+        p.observe_ttft(2, Role::Both, f64::from(k) * 500.0, f64::from(k) * 10.0);
     }
     let t = p.tick_load(
         &[load(1, 50.0, 0.0), load(2, 50.0, 0.0)],
@@ -192,7 +193,7 @@ fn capacity_is_learned_from_the_fits_without_a_profile() {
     let cap = p.learned_capacity(1000.0, 100.0).unwrap();
     assert!((cap - 9.52).abs() < 0.3, "{cap}");
     for _ in 0..200 {
-        p.observe_request(1000, 100, 0);
+        p.observe_request(1000, 100);
     }
     p.tick_throughput(1);
     // 200 requests in 10 s = 20 req/s over ~9.5 per replica: 3.
@@ -245,4 +246,131 @@ fn a_warmup_trace_reads_and_warms_the_predictors() {
     let [n, isl, _] = p.predicted.unwrap();
     assert!(n > 50.0, "{n}");
     assert_eq!(isl, 1000.0);
+}
+
+/// A leg's end on `worker` (of `role`) that met 2000 prompt tokens and
+/// 8000 KV tokens there: first byte at 40 ms, then 9 more tokens 5 ms
+/// apart, a 1000-token prompt of which 250 were booked uncached.
+fn ended(worker: u64, role: Role, leg: Leg, status: u16) -> LegEnd {
+    LegEnd {
+        worker,
+        role,
+        prefill_tokens: 2000.0,
+        decode_kv_tokens: 8000.0,
+        uncached: 250,
+        timing: Timing {
+            leg,
+            first_byte_us: 40_000,
+            total_us: 85_000,
+            isl_tokens: 1000,
+            output_tokens: 10,
+            status,
+            client_first_byte_us: 60_000,
+        },
+    }
+}
+
+/// Samples each fit holds: (worker 1's TTFT, worker 2's TTFT, worker 1's
+/// ITL, worker 2's ITL) and, pooled by role, (TTFT, ITL) of prefill,
+/// decode and both.
+fn samples(p: &ModelPlanner) -> ([u64; 4], [(u64, u64); 3]) {
+    let own = |f: &Fits, w| f.worker(w).map_or(0, Line::samples);
+    let pooled = |r| (p.ttft().role(r).samples(), p.itl().role(r).samples());
+    (
+        [
+            own(p.ttft(), 1),
+            own(p.ttft(), 2),
+            own(p.itl(), 1),
+            own(p.itl(), 2),
+        ],
+        [
+            pooled(Role::Prefill),
+            pooled(Role::Decode),
+            pooled(Role::Both),
+        ],
+    )
+}
+
+#[test]
+fn a_prefill_leg_teaches_its_workers_ttft_and_the_decode_leg_its_workers_itl() {
+    let mut p = ModelPlanner::new(cfg(), 2);
+    p.observe_end(&ended(1, Role::Prefill, Leg::Prefill, 200));
+    assert_eq!(
+        samples(&p),
+        ([1, 0, 0, 0], [(1, 0), (0, 0), (0, 0)]),
+        "a prefill leg is a TTFT sample of its prefill worker only"
+    );
+    assert_eq!(
+        (p.interval.requests, p.interval.cached_sum),
+        (0, 750),
+        "its prompt's cache counts; the request waits for its answer"
+    );
+    p.observe_end(&ended(2, Role::Decode, Leg::Decode, 200));
+    assert_eq!(
+        samples(&p),
+        ([1, 0, 0, 1], [(1, 0), (0, 1), (0, 0)]),
+        "a decode leg is an ITL sample of its decode worker, no TTFT"
+    );
+    let i = p.interval;
+    assert_eq!(
+        (i.requests, i.isl_sum, i.osl_sum, i.cached_sum),
+        (1, 1000, 10, 750),
+        "one request, its shape from the decode leg"
+    );
+    // (85 − 40) ms over 9 tokens after the first.
+    let (a, b) = p.itl().worker(2).unwrap().coefficients();
+    assert!((a + b * 8.0 - 5.0).abs() < 1e-6, "{a} {b}");
+}
+
+#[test]
+fn a_failed_leg_is_traffic_but_no_latency() {
+    let mut p = ModelPlanner::new(cfg(), 2);
+    for leg in Leg::ALL {
+        p.observe_end(&ended(1, Role::Both, leg, 503));
+    }
+    assert_eq!(samples(&p), ([0; 4], [(0, 0); 3]));
+    assert_eq!(p.interval.requests, 2, "the whole request and the answer");
+    let mut no_byte = ended(1, Role::Both, Leg::Whole, 0);
+    no_byte.timing.first_byte_us = 0;
+    p.observe_end(&no_byte);
+    assert_eq!(
+        samples(&p),
+        ([0; 4], [(0, 0); 3]),
+        "nothing came: no sample"
+    );
+}
+
+#[test]
+fn a_whole_request_teaches_both_fits_as_before_legs() {
+    let mut p = ModelPlanner::new(cfg(), 1);
+    // Status 0: a filter of the release before leg records.
+    p.observe_end(&ended(1, Role::Both, Leg::Whole, 0));
+    assert_eq!(samples(&p), ([1, 0, 1, 0], [(0, 0), (0, 0), (1, 1)]));
+    let i = p.interval;
+    assert_eq!((i.requests, i.isl_sum, i.cached_sum), (1, 1000, 750));
+}
+
+#[test]
+fn a_worker_without_its_own_fit_is_estimated_by_its_roles() {
+    let mut p = ModelPlanner::new(cfg(), 3);
+    for k in 0..40 {
+        let tokens = f64::from(k) * 500.0;
+        // Prefill workers: 20 ms per thousand prompt tokens; both: 40.
+        p.observe_ttft(1, Role::Prefill, tokens, 20.0 * tokens / 1000.0);
+        p.observe_ttft(3, Role::Both, tokens, 40.0 * tokens / 1000.0);
+        p.observe_itl(2, Role::Decode, tokens, tokens / 1000.0);
+    }
+    let at = |worker_id, role| WorkerLoad {
+        worker_id,
+        role,
+        prefill_tokens: 4000.0,
+        decode_kv_tokens: 4000.0,
+    };
+    // New workers 4 (prefill) and 5 (decode), the shape unknown: no ISL.
+    let prefill = p.estimate(&at(4, Role::Prefill), 0.0, 0.0);
+    let decode = p.estimate(&at(5, Role::Decode), 0.0, 0.0);
+    assert!((prefill.ttft_ms.unwrap() - 80.0).abs() < 1.0, "{prefill:?}");
+    assert_eq!(prefill.itl_ms, None, "a prefill worker decodes nothing");
+    assert_eq!(decode.ttft_ms, None, "a decode leg's first byte is no TTFT");
+    assert!((decode.itl_ms.unwrap() - 4.0).abs() < 0.1, "{decode:?}");
 }

@@ -1,58 +1,50 @@
-//! The sidecar's state, shared by its tasks and its HTTP handlers, and
-//! what acts on all of it: publishing, catalog changes (`control`), the
-//! sources' reports applied (`ingest`) and reservations told to peers
-//! (`reservations`).
+//! The running sidecar: its start-up, which builds every part and hands
+//! each task and handler the handles it uses, and what acts on more than
+//! one part: publishing (`publisher`), catalog changes (`control`), the
+//! sources' reports applied (`ingest`), the shared ledger told to peers
+//! (`ledger`) and reservations in it (`reservations`).
 
 mod control;
 mod ingest;
+mod ledger;
+pub(crate) mod publisher;
 mod reservations;
 
-use crate::api::{Backend, FullReads};
-use crate::clock::now_ms;
-use crate::config::{Config, WorkerSpec};
-use crate::fleet::{Fleet, FleetError, RankId, WorkerEntry};
+use crate::api::{FullReads, Handles, LastPoll, Selection};
+use crate::config::Config;
+use crate::fleet::Fleet;
 use crate::lifecycle::Lifecycle;
 use crate::metrics::Metrics;
 use crate::publish::{ShardLog, SnapshotStore, Versions};
+use crate::recovery::Recovering;
 use crate::replica::ReplicaSync;
-use crate::replica::wire::{SyncEvent, SyncId};
-use crate::sources::bookings::{Bookings, LedgerError, Load};
+use crate::sources::bookings::Bookings;
 use crate::sources::kv::plane::{Plane, PlaneConfig};
 use crate::sources::kv::socket::SocketLimits;
-use crate::sources::metrics::scrape::{self, HttpClient};
+use crate::sources::metrics::scrape;
 use crate::sources::routed::ApproxIndex;
-use crate::{recovery, tick};
-use parking_lot::{Mutex, MutexGuard};
+use crate::tick::{self, PlannerHandles, PublishHandles, ScrapeHandles};
+use crate::{recovery, thermal};
+use control::Control;
+use ingest::{FromPeers, Ingest};
+use ledger::Ledger;
+use parking_lot::Mutex;
+use publisher::Publisher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// One sidecar process: its configuration, the fleet, what the sources
-/// feed in and what it publishes. Its tasks and HTTP handlers share it
-/// behind an `Arc`; each lock guards one part, and none is held while
+/// feed in and what it publishes. Its tasks and HTTP handlers hold the
+/// parts they use; each lock guards one part, and none is held while
 /// another is taken, except the bookings before the fleet when a snapshot
-/// is built.
+/// is built or the planner weighs the load.
 pub struct Sidecar {
-    config: Arc<Config>,
     fleet: Arc<Mutex<Fleet>>,
-    versions: Arc<Versions>,
-    store: SnapshotStore,
-    /// Every model's index shards as last published.
-    shards: Arc<ShardLog>,
+    ledger: Ledger,
     plane: Arc<Plane>,
-    metrics: Metrics,
-    routed: Mutex<ApproxIndex>,
-    bookings: Mutex<Bookings>,
-    /// Unix ms when a gateway's long poll was last answered.
-    last_poll_ms: AtomicU64,
-    client: HttpClient,
-    workers: Lifecycle,
-    /// Present when `[replica_sync] listen` is set.
-    replica: Option<ReplicaSync>,
-    /// The whole-index copies readers share, and their cap.
-    full_reads: FullReads,
-    /// Start-up recovery of the index from peers is under way: not ready.
-    recovering: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+    /// Everything the HTTP API reads and changes.
+    api: Handles,
 }
 
 impl Sidecar {
@@ -92,7 +84,7 @@ impl Sidecar {
             )]);
             fleet.prompt_published(&m.name, version);
         }
-        let metrics = Metrics::new()?;
+        let metrics = Arc::new(Metrics::new()?);
         let (inbound_tx, mut inbound) = tokio::sync::mpsc::channel(crate::replica::INBOUND_BATCHES);
         let replica = match config.replica_sync.listen {
             Some(listen) => {
@@ -105,11 +97,11 @@ impl Sidecar {
                     crate::replica::SyncStats::from_metrics(&metrics.ledger),
                 )?;
                 tracing::info!(endpoint = r.endpoint(), peers = ?config.replica_sync.peers, origin = r.origin(), "replica sync on");
-                Some(r)
+                Some(Arc::new(r))
             }
             None => None,
         };
-        let workers = Lifecycle::new(
+        let lifecycle = Arc::new(Lifecycle::new(
             config.kv.replay_timeout,
             config.kv.max_replay_bytes,
             SocketLimits {
@@ -117,92 +109,149 @@ impl Sidecar {
                 queue_messages: config.kv.queue_messages,
             },
             metrics.kv.subscribers.clone(),
+        ));
+        let full_reads = Arc::new(FullReads::new(&config.server, &metrics.listener));
+        let recovering = Recovering::new(&config.indexer);
+        let config = Arc::new(config);
+        let fleet = Arc::new(Mutex::new(fleet));
+        let plane = Arc::new(plane);
+        let client = scrape::client();
+        let ledger_metrics = Arc::new(metrics.ledger.clone());
+        let snapshot_metrics = Arc::new(metrics.snapshot.clone());
+        let ledger = Ledger::new(
+            Bookings::new(config.load.booking_ttl, config.load.caps)
+                .with_vm_silence(config.load.vm_silence),
+            replica.clone(),
+            ledger_metrics.clone(),
         );
-        let full_reads = FullReads::new(&config.server, &metrics.listener);
-        let sc = Arc::new(Sidecar {
-            fleet: Arc::new(Mutex::new(fleet)),
+        let routed = Arc::new(Mutex::new(ApproxIndex::new(
+            config.kv.approx_ttl,
+            config.kv.inflight_ttl,
+        )));
+        let store = Arc::new(SnapshotStore::default());
+        let publisher = Publisher {
+            config: config.clone(),
+            fleet: fleet.clone(),
+            ledger: ledger.clone(),
+            store: store.clone(),
+            versions: versions.clone(),
+            shards: shards.clone(),
+            plane: plane.clone(),
+            routed: routed.clone(),
+            metrics: snapshot_metrics.clone(),
+        };
+        let control = Control {
+            fleet: fleet.clone(),
+            bookings: ledger.bookings().clone(),
+            lifecycle: lifecycle.clone(),
+            plane: plane.clone(),
+            publisher: publisher.clone(),
+            scrape: ScrapeHandles {
+                config: config.clone(),
+                fleet: fleet.clone(),
+                client: client.clone(),
+                metrics: snapshot_metrics.clone(),
+                publisher: publisher.clone(),
+            },
+            metrics: snapshot_metrics.clone(),
+        };
+        let ingest = Ingest {
+            fleet: fleet.clone(),
+            ledger: ledger.clone(),
+            routed,
+            selection: Arc::new(metrics.selection.clone()),
+            latency: Arc::new(metrics.latency.clone()),
+        };
+        let api = Handles {
+            config: config.clone(),
+            metrics: metrics.clone(),
+            listener_metrics: Arc::new(metrics.listener.clone()),
+            snapshot_metrics,
+            selection: Arc::new(Selection {
+                store,
+                shards,
+                fleet: fleet.clone(),
+                ledger: ledger.bookings().clone(),
+                reservations: Arc::new(ledger.clone()),
+                reports: Arc::new(ingest),
+                metrics: ledger_metrics.clone(),
+            }),
             versions,
-            store: SnapshotStore::default(),
-            shards,
-            plane: Arc::new(plane),
-            metrics,
-            routed: Mutex::new(ApproxIndex::new(
-                config.kv.approx_ttl,
-                config.kv.inflight_ttl,
-            )),
-            bookings: Mutex::new(
-                Bookings::new(config.load.booking_ttl, config.load.caps)
-                    .with_vm_silence(config.load.vm_silence),
-            ),
-            last_poll_ms: AtomicU64::new(now_ms()),
-            client: scrape::client(),
-            workers,
+            plane: plane.clone(),
             replica,
             full_reads,
-            recovering: Arc::new(AtomicBool::new(!config.indexer.peers.is_empty())),
-            config: Arc::new(config),
-        });
-        if sc.replica.is_some() {
-            let weak = Arc::downgrade(&sc);
+            last_poll: LastPoll::now(),
+            recovering: recovering.clone(),
+            catalog: Arc::new(control.clone()),
+        };
+        if ledger.replica().is_some() {
+            let peers = FromPeers {
+                fleet: fleet.clone(),
+                bookings: ledger.bookings().clone(),
+                metrics: ledger_metrics,
+            };
             tokio::spawn(async move {
                 while let Some((origin, events)) = inbound.recv().await {
-                    let Some(sc) = weak.upgrade() else { return };
-                    sc.peer_announced(origin, events);
+                    peers.apply(origin, events);
                 }
             });
         }
-        let ids: Vec<u64> = sc.fleet().workers().keys().copied().collect();
+        let ids: Vec<u64> = fleet.lock().workers().keys().copied().collect();
         for id in ids {
-            sc.worker_started(id);
+            control.worker_started(id);
         }
-        if !sc.config.indexer.peers.is_empty() {
+        if !config.indexer.peers.is_empty() {
             // The subscribers above are connecting; their batches wait for
             // this (see `Plane`).
             tokio::spawn(recovery::run(recovery::Handles {
-                indexer: sc.config.indexer.clone(),
-                client: sc.client.clone(),
-                plane: sc.plane.clone(),
-                metrics: sc.metrics.kv.clone(),
-                recovering: sc.recovering.clone(),
-                token: sc.config.control.token.clone(),
+                indexer: config.indexer.clone(),
+                client: client.clone(),
+                plane: plane.clone(),
+                metrics: metrics.kv.clone(),
+                recovering,
+                token: config.control.token.clone(),
             }));
         }
-        sc.publish_now();
-        tokio::spawn(tick::publish_loop(sc.clone()));
-        tokio::spawn(crate::thermal::thermal_loop(crate::thermal::Handles {
-            config: sc.config.clone(),
-            fleet: sc.fleet.clone(),
-            metrics: sc.metrics.thermal.clone(),
-            client: sc.client.clone(),
+        publisher.publish_now();
+        tokio::spawn(tick::publish_loop(PublishHandles {
+            interval: config.server.publish_interval,
+            publisher: publisher.clone(),
+            plane: plane.clone(),
+            lifecycle,
+            metrics: metrics.kv.clone(),
         }));
-        tokio::spawn(tick::planner_loop(sc.clone()));
-        Ok(sc)
-    }
-
-    pub(crate) fn config(&self) -> &Config {
-        &self.config
-    }
-
-    pub(crate) fn fleet(&self) -> MutexGuard<'_, Fleet> {
-        self.fleet.lock()
+        tokio::spawn(thermal::thermal_loop(thermal::Handles {
+            config: config.clone(),
+            fleet: fleet.clone(),
+            metrics: metrics.thermal.clone(),
+            client,
+        }));
+        tokio::spawn(tick::planner_loop(PlannerHandles {
+            fleet: fleet.clone(),
+            bookings: ledger.bookings().clone(),
+            metrics: metrics.planner.clone(),
+            publisher,
+        }));
+        Ok(Arc::new(Sidecar {
+            fleet,
+            ledger,
+            plane,
+            metrics,
+            api,
+        }))
     }
 
     /// Workers in the catalog, up or not.
     pub fn worker_count(&self) -> usize {
-        self.fleet().workers().len()
+        self.fleet.lock().workers().len()
     }
 
     pub fn versions(&self) -> &Versions {
-        &self.versions
+        &self.api.versions
     }
 
     pub fn store(&self) -> &SnapshotStore {
-        &self.store
-    }
-
-    /// Every model's index shards as last published.
-    pub(crate) fn shards(&self) -> &ShardLog {
-        &self.shards
+        &self.api.selection.store
     }
 
     pub fn plane(&self) -> &Plane {
@@ -213,222 +262,25 @@ impl Sidecar {
         &self.metrics
     }
 
-    pub(crate) fn bookings(&self) -> MutexGuard<'_, Bookings> {
-        self.bookings.lock()
-    }
-
     /// Requests the gateways routed that have not ended.
     pub fn active_bookings(&self) -> usize {
-        self.bookings().active()
-    }
-
-    pub(crate) fn routed(&self) -> MutexGuard<'_, ApproxIndex> {
-        self.routed.lock()
-    }
-
-    pub(crate) fn client(&self) -> &HttpClient {
-        &self.client
-    }
-
-    pub(crate) fn workers(&self) -> &Lifecycle {
-        &self.workers
+        self.ledger.lock().active()
     }
 
     pub fn replica(&self) -> Option<&ReplicaSync> {
-        self.replica.as_ref()
+        self.ledger.replica().map(|r| &**r)
     }
 
-    /// Tells the replica-sync peers, if there are any.
-    pub(crate) fn announce(&self, ev: impl FnOnce() -> SyncEvent) {
-        if let Some(r) = &self.replica {
-            r.announce(ev());
-        }
-    }
-
-    pub(crate) fn full_reads(&self) -> &FullReads {
-        &self.full_reads
-    }
-
-    /// Whether start-up recovery from index peers is still under way.
-    pub(crate) fn recovering(&self) -> bool {
-        self.recovering.load(Ordering::Acquire)
-    }
-
-    /// Notes that a gateway's long poll was answered.
-    pub(crate) fn polled(&self) {
-        self.last_poll_ms.store(now_ms(), Ordering::Relaxed);
-    }
-
-    /// How long since a gateway last heard from us.
-    pub(crate) fn poll_age(&self) -> Duration {
-        Duration::from_millis(now_ms().saturating_sub(self.last_poll_ms.load(Ordering::Relaxed)))
-    }
-
-    /// Rebuilds and publishes the snapshot if it changed; refreshes gauges.
-    pub(crate) fn publish_now(&self) {
-        let (snap, silenced) = {
-            let now = Instant::now();
-            let mut b = self.bookings();
-            let sweep = b.sweep(now);
-            let ledger = &self.metrics().ledger;
-            if sweep.expired > 0 {
-                let expired = sweep.expired;
-                tracing::warn!(expired, "bookings expired without their end being reported");
-                ledger.bookings_expired.inc_by(expired as u64);
-            }
-            if !sweep.silenced.is_empty() {
-                ledger.bookings_silenced.inc_by(sweep.silenced.len() as u64);
-            }
-            for (work, n) in [("expiry", sweep.visited), ("rebuild", sweep.rebuilt)] {
-                if n > 0 {
-                    ledger
-                        .sweep_entries
-                        .with_label_values(&[work])
-                        .inc_by(n as u64);
-                }
-            }
-            let mut f = self.fleet();
-            f.expire(now, self.config().scrape.down_after);
-            let snap = f.build_snapshot(&b, self.config().load.max_retry_after_s);
-            let m = self.metrics();
-            f.show(&b, &snap, &m.snapshot, &m.ledger);
-            (snap, sweep.silenced)
-        };
-        // Peers booked copies of those bookings when they were admitted.
-        for key in silenced {
-            self.announce(|| SyncEvent::Free(SyncId::Gateway(key)));
-        }
-        let m = &self.metrics().snapshot;
-        if let Some(v) = self.store().publish(self.versions(), snap, now_ms()) {
-            tracing::debug!(version = v, "published snapshot");
-            m.bytes.set(self.store().bytes().len() as i64);
-        }
-        m.version.set(self.versions().current() as i64);
-    }
-
-    /// Expires and publishes the routed-prefix index's changed shards;
-    /// ranks whose engine emptied its cache forget their routed prefixes.
-    pub(crate) fn publish_routed(&self) {
-        let cleared = self.plane().take_cleared();
-        let updates = {
-            let mut a = self.routed();
-            for slot in cleared {
-                a.forget_slot(slot);
-            }
-            a.sweep(Instant::now());
-            a.take_updates()
-        };
-        if !updates.is_empty() {
-            self.shards().publish(updates);
-        }
+    /// What a selection reads and books, for a front door that routes
+    /// ([`crate::api::route`]).
+    pub fn selection(&self) -> &Selection {
+        &self.api.selection
     }
 }
 
-/// The API's view of the sidecar: each method is the sidecar's own.
-impl Backend for Sidecar {
-    fn config(&self) -> &Config {
-        Sidecar::config(self)
-    }
-
-    fn fleet(&self) -> MutexGuard<'_, Fleet> {
-        Sidecar::fleet(self)
-    }
-
-    fn bookings(&self) -> MutexGuard<'_, Bookings> {
-        Sidecar::bookings(self)
-    }
-
-    fn metrics(&self) -> &Metrics {
-        Sidecar::metrics(self)
-    }
-
-    fn store(&self) -> &SnapshotStore {
-        Sidecar::store(self)
-    }
-
-    fn versions(&self) -> &Versions {
-        Sidecar::versions(self)
-    }
-
-    fn shards(&self) -> &ShardLog {
-        Sidecar::shards(self)
-    }
-
-    fn plane(&self) -> &Plane {
-        Sidecar::plane(self)
-    }
-
-    fn replica(&self) -> Option<&ReplicaSync> {
-        Sidecar::replica(self)
-    }
-
-    fn full_reads(&self) -> &FullReads {
-        Sidecar::full_reads(self)
-    }
-
-    fn recovering(&self) -> bool {
-        Sidecar::recovering(self)
-    }
-
-    fn polled(&self) {
-        Sidecar::polled(self)
-    }
-
-    fn poll_age(&self) -> Duration {
-        Sidecar::poll_age(self)
-    }
-
-    fn add_worker(self: Arc<Self>, spec: WorkerSpec) -> Result<WorkerEntry, FleetError> {
-        Sidecar::add_worker(&self, spec)
-    }
-
-    fn patch_worker(
-        self: Arc<Self>,
-        id: u64,
-        patch: &serde_json::Value,
-    ) -> Result<WorkerEntry, FleetError> {
-        Sidecar::patch_worker(&self, id, patch)
-    }
-
-    fn remove_worker(&self, id: u64) -> Result<(), FleetError> {
-        Sidecar::remove_worker(self, id)
-    }
-
-    fn set_thresholds(&self, model: &str, t: kvgate_core::Thresholds) -> Result<(), FleetError> {
-        Sidecar::set_thresholds(self, model, t)
-    }
-
-    fn book(&self, events: Vec<kvgate_core::booking::Event>) {
-        Sidecar::book(self, events)
-    }
-
-    fn learn(&self, records: &[kvgate_core::approx::Routed]) -> usize {
-        Sidecar::learn(self, records)
-    }
-
-    fn reserve(
-        &self,
-        ledger: &mut Bookings,
-        id: &str,
-        rank: &RankId,
-        load: Load,
-    ) -> Result<(), LedgerError> {
-        Sidecar::reserve(self, ledger, id, rank, load)
-    }
-
-    fn reservation_prefill_complete(&self, id: &str) -> Result<(), LedgerError> {
-        Sidecar::reservation_prefill_complete(self, id)
-    }
-
-    fn reservation_output_block(
-        &self,
-        id: &str,
-        decay_fraction: Option<f64>,
-    ) -> Result<(), LedgerError> {
-        Sidecar::reservation_output_block(self, id, decay_fraction)
-    }
-
-    fn free_reservation(&self, id: &str) -> Result<(), LedgerError> {
-        Sidecar::free_reservation(self, id)
+/// The HTTP API of a running sidecar: `api::router(sc.clone())`.
+impl From<Arc<Sidecar>> for Handles {
+    fn from(sc: Arc<Sidecar>) -> Handles {
+        sc.api.clone()
     }
 }

@@ -2,16 +2,16 @@
 //! selection API, in the same ledger as the gateways' bookings, and told
 //! to the replica-sync peers as the gateways' bookings are.
 
-use super::ingest::{LEDGER_FULL, placed};
-use crate::Sidecar;
+use super::ingest::placed;
+use super::ledger::{LEDGER_FULL, Ledger};
+use crate::api::Reservations;
 use crate::fleet::RankId;
 use crate::replica::wire::{SyncEvent, SyncId};
 use crate::sources::bookings::{Bookings, Holder, Id, LedgerError, Load};
 use std::time::Instant;
 
-impl Sidecar {
-    /// Books a reservation on `rank`'s `slot` and tells the peers.
-    pub(crate) fn reserve(
+impl Reservations for Ledger {
+    fn reserve(
         &self,
         ledger: &mut Bookings,
         id: &str,
@@ -21,7 +21,7 @@ impl Sidecar {
         let booked = ledger.reserve(id, load, Instant::now());
         if let Err(LedgerError::Full(_)) = booked {
             // Logged by the ledger the first time.
-            self.refused("api", LEDGER_FULL, 1);
+            self.metrics().refused("api", LEDGER_FULL, 1);
         }
         booked?;
         self.announce(|| {
@@ -33,9 +33,9 @@ impl Sidecar {
         Ok(())
     }
 
-    pub(crate) fn reservation_prefill_complete(&self, id: &str) -> Result<(), LedgerError> {
+    fn prefill_complete(&self, id: &str) -> Result<(), LedgerError> {
         let done = self
-            .bookings()
+            .lock()
             .prefill_complete(&reservation(id), Instant::now());
         if !done {
             return Err(LedgerError::Unknown(id.to_string()));
@@ -46,13 +46,9 @@ impl Sidecar {
 
     /// Output blocks stay local, as in Dynamo: they are the most frequent
     /// event and peers learn the end from the free.
-    pub(crate) fn reservation_output_block(
-        &self,
-        id: &str,
-        decay_fraction: Option<f64>,
-    ) -> Result<(), LedgerError> {
+    fn output_block(&self, id: &str, decay_fraction: Option<f64>) -> Result<(), LedgerError> {
         let done = self
-            .bookings()
+            .lock()
             .output_block(&reservation(id), decay_fraction, Instant::now());
         if !done {
             return Err(LedgerError::Unknown(id.to_string()));
@@ -60,8 +56,8 @@ impl Sidecar {
         Ok(())
     }
 
-    pub(crate) fn free_reservation(&self, id: &str) -> Result<(), LedgerError> {
-        if self.bookings().free(&reservation(id)).is_none() {
+    fn free(&self, id: &str) -> Result<(), LedgerError> {
+        if self.lock().free(&reservation(id)).is_none() {
             return Err(LedgerError::Unknown(id.to_string()));
         }
         self.announce(|| SyncEvent::Free(SyncId::Reservation(id.into())));

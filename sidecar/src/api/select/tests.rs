@@ -290,3 +290,93 @@ fn a_disaggregated_model_sheds_when_no_decode_worker_is_free() {
         Err(Refused::Plan(Rejection::AllBusy { retry_after_s: 3 }))
     );
 }
+
+/// [`split`] with SGLang's protocol.
+fn sglang(on_prefill_failure: kvgate_core::OnPrefillFailure) -> Snapshot {
+    split(kvgate_core::Disaggregation {
+        protocol: kvgate_core::Protocol::Sglang,
+        on_prefill_failure,
+        ..kvgate_core::Disaggregation::default()
+    })
+}
+
+#[test]
+fn an_sglang_request_for_a_decode_worker_alone_is_refused_as_the_filter_refuses_it() {
+    use kvgate_core::OnPrefillFailure;
+    use kvgate_core::reply::Reason;
+    let refused = |s: &Snapshot| match run(s, &by_tokens()) {
+        Err(Refused::Unservable(r)) => r,
+        other => panic!("{other:?}"),
+    };
+    // Decode worker 2 holds enough of the prompt for the conditional rule,
+    // but SGLang's decode worker cannot compute it: it gets a prefill leg.
+    let v = run(&sglang(OnPrefillFailure::Local), &by_tokens()).unwrap();
+    let split = v.disaggregation.expect("a split");
+    assert!(!split.local_prefill);
+    assert_eq!(split.decode.worker_id, 2);
+    assert_eq!(split.prefill.map(|p| p.worker_id), Some(1));
+    // Without a prefill worker it is refused, whatever the policy.
+    for policy in [OnPrefillFailure::Local, OnPrefillFailure::Fail] {
+        let mut s = sglang(policy);
+        s.models[0].workers.remove(0);
+        assert_eq!(refused(&s).reason, Reason::PrefillFailed);
+    }
+    // A `both` worker takes it whole (with no decode worker up, the model
+    // is not split now: answered as one served whole).
+    let mut s = sglang(OnPrefillFailure::Local);
+    s.models[0].workers[1].role = kvgate_core::Role::Both;
+    let v = run(&s, &by_tokens()).unwrap();
+    assert_eq!((v.worker_id, v.dp_rank), (2, 1));
+    assert_eq!(v.disaggregation, None);
+}
+
+#[tokio::test]
+async fn an_unservable_selection_is_a_503_naming_its_reason() {
+    use http_body_util::BodyExt;
+    let r = refused(
+        &by_tokens(),
+        Refused::Unservable(kvgate_core::reply::Reply::prefill_failed(
+            "no prefill worker",
+        )),
+    );
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        r.headers().get(header::REASON).map(|v| v.as_bytes()),
+        Some(&b"prefill_failed"[..])
+    );
+    let body = r.into_body().collect().await.unwrap().to_bytes();
+    let e: views::ErrorView = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        e.error,
+        "The prompt could not be prefilled: no prefill worker"
+    );
+}
+
+#[test]
+fn scheduler_fields_not_applied_are_named() {
+    let plain = serde_json::to_value(run(&snapshot(), &by_tokens()).unwrap()).unwrap();
+    assert!(plain.get("not_applied").is_none(), "{plain}");
+    let knobs: SelectRequest = views::parse(
+        serde_json::json!({
+            "model_name": "m",
+            "token_ids": tokens(),
+            "priority_jump": 2.5,
+            "routing_constraints": {"zone": "a"},
+            "strict_priority": null,
+        })
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(
+        knobs.not_applied(),
+        ["priority_jump", "routing_constraints"]
+    );
+    let v = run(&snapshot(), &knobs).unwrap();
+    assert_eq!(v.not_applied, ["priority_jump", "routing_constraints"]);
+    // Nothing else changes: the placement is the plain one's.
+    assert_eq!(
+        (v.worker_id, v.dp_rank),
+        (plain["worker_id"].as_u64().unwrap(), 1)
+    );
+}

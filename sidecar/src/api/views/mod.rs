@@ -251,7 +251,8 @@ pub struct SelectRequest {
     )]
     pub expected_output_tokens: Option<u64>,
     /// Dynamo's scheduler knobs, accepted so its clients work unchanged,
-    /// and not used: kvgate's cost is the model's `[models.policy]`.
+    /// and not applied: kvgate's cost is the model's `[models.policy]`.
+    /// The answer names those a request set ([`SelectRequest::not_applied`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_config_override: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -264,6 +265,23 @@ pub struct SelectRequest {
     /// holds only what that did not take.
     #[serde(flatten)]
     pub unknown: Unknown,
+}
+
+impl SelectRequest {
+    /// The names of Dynamo's scheduler knobs this request set, none of
+    /// which kvgate applies; `null` is not set.
+    pub fn not_applied(&self) -> Vec<&'static str> {
+        [
+            ("router_config_override", &self.router_config_override),
+            ("priority_jump", &self.priority_jump),
+            ("strict_priority", &self.strict_priority),
+            ("routing_constraints", &self.routing_constraints),
+        ]
+        .into_iter()
+        .filter(|(_, v)| v.as_ref().is_some_and(|v| !v.is_null()))
+        .map(|(name, _)| name)
+        .collect()
+    }
 }
 
 /// A worker and DP rank, as Dynamo names one.
@@ -419,6 +437,11 @@ pub struct SelectionView {
     /// sends its request to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disaggregation: Option<SplitView>,
+    /// The request's scheduler knobs that kvgate accepted and did not
+    /// apply (`router_config_override`, `priority_jump`,
+    /// `strict_priority`, `routing_constraints`); absent when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_applied: Vec<String>,
 }
 
 /// The two legs of a disaggregated selection.
@@ -434,7 +457,8 @@ pub struct SplitView {
     /// Why: `conditional` (the decode worker holds enough of the prompt),
     /// `same_worker` (the best prefill worker is the decode worker) or
     /// `no_prefill_worker` (none free, and `on_prefill_failure` is
-    /// `local`); `null` with a prefill leg.
+    /// `local`), as `kvgate_core::dispatch::WholeWhy` names them; `null`
+    /// with a prefill leg.
     pub local_reason: Option<String>,
 }
 
