@@ -17,13 +17,21 @@
 //! a request saves when earlier ones of the same update read its shards
 //! is measured on its own (`shards_held_2k`).
 //!
+//! The same is measured on split fleets (`split`): a disaggregated model
+//! with vLLM's NIXL protocol and one with SGLang's, each request's
+//! prefill callout answered, its cost counted with the request's.
+//!
 //! `--baseline PATH` runs another build of the filter on the same requests
-//! beside it and checks every request went to the same workers;
-//! `--quick` builds a smaller index and measures fewer requests. Prints
-//! one JSON object on stdout and a table on stderr.
+//! beside it and checks every request was decided alike: the same workers,
+//! and on a split fleet the same legs, ranks and transfer; a difference
+//! is printed and the run exits non-zero. `--quick` builds a smaller
+//! index and measures fewer requests. Prints one JSON object on stdout
+//! and a table on stderr.
 
 use kvgate_core::hash::{CacheScope, XXH3_SEED, block_hashes, sequence_hashes};
+use kvgate_core::header::DESTINATION;
 use kvgate_core::shard::{Holder, TIER_DEVICE, encode, shard_of};
+use kvgate_core::state::Protocol;
 use kvgate_core::text::template::{PromptTemplate, Renderer};
 use kvgate_core::text::{self, prefix_keys};
 use kvgate_core::{Snapshot, update};
@@ -33,6 +41,11 @@ use kvgate_tests::host::{Cost, Filter, Shared, Vm};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::path::PathBuf;
+
+// Beside the example, not among `examples/*.rs`, which Cargo would take
+// for an example of its own.
+#[path = "decision_cost/split.rs"]
+mod split;
 
 const WORKERS: u16 = 16;
 /// Tokens of each worker's cached prefix chains.
@@ -125,13 +138,23 @@ const KWARGS: &str = "26 Jul 2024";
 /// Request `i` of `kind` with `n` prompt tokens; worker `i % WORKERS` holds
 /// its first 2k tokens.
 fn body(kind: Kind, n: usize, i: usize) -> (&'static str, String) {
-    let w = (i % WORKERS as usize) as u16;
+    let model = if matches!(kind, Kind::ChatApproximate) {
+        "a"
+    } else {
+        "m"
+    };
+    body_at(kind, n, i, (i % WORKERS as usize) as u16, model)
+}
+
+/// Request `i` of `kind` for `model` with `n` prompt tokens, whose first
+/// 2k tokens worker `w` holds.
+fn body_at(kind: Kind, n: usize, i: usize, w: u16, model: &str) -> (&'static str, String) {
     match kind {
         Kind::Tokens | Kind::TokensSpaced => {
             let mut t = chain(w, i % 50);
             t.truncate(n);
             t.extend((t.len()..n).map(|k| (3_000_000 + (k as u32).wrapping_mul(7919)) ^ i as u32));
-            let b = json!({"model": "m", "prompt": t, "max_tokens": 1}).to_string();
+            let b = json!({"model": model, "prompt": t, "max_tokens": 1}).to_string();
             if matches!(kind, Kind::TokensSpaced) {
                 ("/v1/completions", b.replace(',', ", ").replace(':', ": "))
             } else {
@@ -143,7 +166,7 @@ fn body(kind: Kind, n: usize, i: usize) -> (&'static str, String) {
             p.truncate(n * 4);
             let rest = n * 4 - p.len();
             p.push_str(&filler(i, rest));
-            let b = json!({"model": "m", "prompt": p, "max_tokens": 1});
+            let b = json!({"model": model, "prompt": p, "max_tokens": 1});
             ("/v1/completions", b.to_string())
         }
         Kind::TextEscaped => {
@@ -151,15 +174,10 @@ fn body(kind: Kind, n: usize, i: usize) -> (&'static str, String) {
             let p: String = (0..n)
                 .map(|k| format!("\\u{:04x}", 0x4e00 + (k * 7919 + i * 31) % 20_000))
                 .collect();
-            let b = format!(r#"{{"model":"m","prompt":"{p}","max_tokens":1}}"#);
+            let b = format!(r#"{{"model":"{model}","prompt":"{p}","max_tokens":1}}"#);
             ("/v1/completions", b)
         }
         Kind::Chat | Kind::ChatParts | Kind::ChatApproximate => {
-            let model = if matches!(kind, Kind::ChatApproximate) {
-                "a"
-            } else {
-                "m"
-            };
             let mut sys = system(w);
             sys.truncate(n * 4);
             let user = filler(i, (n * 4 - sys.len()).max(32));
@@ -201,18 +219,28 @@ fn shards(entries: impl IntoIterator<Item = (u64, u16)>, count: u32) -> HashMap<
 
 /// The update frame: the snapshot (model `m` with its template and
 /// indexes, model `a` with neither), and every shard.
-fn frame(blocks_per_worker: usize, t: &PromptTemplate) -> (Vec<u8>, usize) {
-    let snap = snapshot(t, 1);
+fn frame(blocks_per_worker: usize, t: &PromptTemplate) -> Vec<u8> {
+    frame_of(&snapshot(t, 1), "m", blocks_per_worker, t, |w| w)
+}
+
+/// A frame holding `snap` and `model`'s indexes and template: worker `w`'s
+/// cached chains and system prompt are held by slot `slot(w)`.
+fn frame_of(
+    snap: &Snapshot,
+    model: &str,
+    blocks_per_worker: usize,
+    t: &PromptTemplate,
+    slot: impl Fn(u16) -> u16 + Copy,
+) -> Vec<u8> {
     let chains = blocks_per_worker / (CHAIN_TOKENS / 16);
     let tokens = (0..WORKERS).flat_map(|w| {
         (0..chains).flat_map(move |c| {
             sequence_hashes(&block_hashes(&chain(w, c), 16, XXH3_SEED))
                 .into_iter()
-                .map(move |h| (h, w))
+                .map(move |h| (h, slot(w)))
         })
     });
     let token_shards = shards(tokens, 4096);
-    let indexed = token_shards.len();
     // The text index: each worker holds its system prompt, as a chat's
     // first message and as a completion's prompt.
     let r = Renderer::new(t.clone()).expect("template compiles");
@@ -226,27 +254,27 @@ fn frame(blocks_per_worker: usize, t: &PromptTemplate) -> (Vec<u8>, usize) {
             .expect("renders");
         let end = rendered.find(sys.trim_end()).expect("content") + sys.trim_end().len();
         for k in prefix_keys(&rendered[..end], CacheScope::default()) {
-            keys.push((k, w));
+            keys.push((k, slot(w)));
         }
         for k in prefix_keys(&r.completion(&sys), CacheScope::default()) {
-            keys.push((k, w));
+            keys.push((k, slot(w)));
         }
     }
     let text_shards = shards(keys, text::SHARDS);
-    let text_ns = text::index_key("m");
-    let template_ns = text::template_key("m");
+    let text_ns = text::index_key(model);
+    let template_ns = text::template_key(model);
     let blob = t.encode();
     let encoded = snap.encode().expect("snapshot");
     let all = token_shards
         .iter()
-        .map(|(s, b)| ("m", *s, b.as_slice()))
+        .map(|(s, b)| (model, *s, b.as_slice()))
         .chain(
             text_shards
                 .iter()
                 .map(|(s, b)| (text_ns.as_str(), *s, b.as_slice())),
         )
         .chain(std::iter::once((template_ns.as_str(), 0, blob.as_slice())));
-    (update::encode(1, 1, true, Some(&encoded), all), indexed)
+    update::encode(snap.version, 1, true, Some(&encoded), all)
 }
 
 /// The snapshot at `version`: model `m` with its template and indexes,
@@ -272,16 +300,15 @@ struct Side {
 }
 
 impl Side {
-    fn start(wasm: &std::path::Path, frame: &[u8]) -> Side {
-        let filter = Filter::load_metered(wasm).expect("filter module");
+    fn start(filter: &Filter, frame: &[u8]) -> Side {
         let shared = Shared::new();
-        let mut svc = Vm::start(&filter, &shared, "kvgate", "kvgate_snapshot_service", "")
+        let mut svc = Vm::start(filter, &shared, "kvgate", "kvgate_snapshot_service", "")
             .expect("service VM");
         let token = svc.pending().pop().expect("poll").token;
         svc.respond(token, 200, &[], frame).expect("update applied");
         // Every request's phases are timed; a build from before the key
         // refuses it, and timed every request's.
-        let router = |config: &str| Vm::start(&filter, &shared, "kvgate", "kvgate_router", config);
+        let router = |config: &str| Vm::start(filter, &shared, "kvgate", "kvgate_router", config);
         let mut router = router(r#"{"max_body_bytes": 4194304, "phase_timing_every": 1}"#)
             .ok()
             .filter(|vm| vm.configured)
@@ -338,6 +365,13 @@ impl Side {
             self.router.logs()
         );
         let cost = self.router.take_cost();
+        let dest = ex.header(DESTINATION).unwrap_or_default().to_string();
+        (dest, cost, self.phases())
+    }
+
+    /// The last request's phase samples (thousands of fuel units); the
+    /// histograms are emptied for the next.
+    fn phases(&self) -> Value {
         let mut phases = serde_json::Map::new();
         let mut shared = self.shared.lock().expect("shared");
         for name in ["parse", "gather", "selection", "decision"] {
@@ -349,11 +383,59 @@ impl Side {
                 m.samples.clear();
             }
         }
-        let dest = ex
-            .header("x-gateway-destination-endpoint")
-            .unwrap_or_default()
-            .to_string();
-        (dest, cost, Value::Object(phases))
+        Value::Object(phases)
+    }
+}
+
+/// The requests whose decisions both builds made, and the first that
+/// differed.
+#[derive(Default)]
+struct Verdict {
+    aggregated: usize,
+    split: usize,
+    differing: usize,
+    first: Option<Value>,
+}
+
+impl Verdict {
+    /// Compares the candidate's decisions on one row's requests with the
+    /// baseline's, when there is one; the first difference is printed at
+    /// once, so a run that goes on to its end still names it first.
+    fn compare(&mut self, split: bool, row: &str, decisions: &[Vec<String>]) {
+        let [now, before] = decisions else {
+            return;
+        };
+        for (i, (a, b)) in now.iter().zip(before).enumerate() {
+            if split {
+                self.split += 1;
+            } else {
+                self.aggregated += 1;
+            }
+            if a == b {
+                continue;
+            }
+            self.differing += 1;
+            if self.first.is_none() {
+                eprintln!(
+                    "decision_cost: the builds decide differently: {row}, request {i}\n  candidate: {a}\n  baseline:  {b}"
+                );
+                self.first = Some(json!({
+                    "row": row,
+                    "request": i,
+                    "candidate": a,
+                    "baseline": b,
+                }));
+            }
+        }
+    }
+
+    fn report(&self) -> Value {
+        json!({
+            "aggregated_compared": self.aggregated,
+            "split_compared": self.split,
+            "differing": self.differing,
+            "first_difference": self.first,
+        })
     }
 }
 
@@ -374,7 +456,7 @@ fn summary(costs: &[Cost], phases: &[Value]) -> Value {
             ph.insert(name.into(), json!(median(v)));
         }
     }
-    json!({
+    let mut s = json!({
         "fuel": by(&Cost::total_fuel),
         "fuel_request_body": by(&|c: &Cost| c.fuel.get("proxy_on_request_body").copied().unwrap_or(0)),
         "phases_kfuel": ph,
@@ -382,7 +464,13 @@ fn summary(costs: &[Cost], phases: &[Value]) -> Value {
         "bytes_out": by(&Cost::total_bytes_out),
         "host_calls_by_kind": last.calls,
         "bytes_out_by_kind": last.bytes_out,
-    })
+    });
+    // A split request's prefill answer runs in a callback of its own.
+    let answer = |c: &Cost| c.fuel.get("proxy_on_http_call_response").copied();
+    if costs.iter().any(|c| answer(c).is_some()) {
+        s["fuel_prefill_answer"] = json!(by(&|c: &Cost| answer(c).unwrap_or(0)));
+    }
+    s
 }
 
 fn main() {
@@ -402,19 +490,20 @@ fn main() {
         (100_000, 2, 5)
     };
     let t = template();
-    let (frame, _) = frame(blocks, &t);
-    let mut sides = vec![(
-        "candidate",
-        Side::start(&kvgate_tests::filter_wasm(), &frame),
-    )];
+    let load = |wasm: &std::path::Path| Filter::load_metered(wasm).expect("filter module");
+    let mut filters = vec![("candidate", load(&kvgate_tests::filter_wasm()))];
     if let Some(b) = &baseline {
-        sides.push(("baseline", Side::start(b, &frame)));
+        filters.push(("baseline", load(b)));
     }
+    let frame = frame(blocks, &t);
+    let mut sides: Vec<(&str, Side)> = filters
+        .iter()
+        .map(|(name, f)| (*name, Side::start(f, &frame)))
+        .collect();
+    let mut verdict = Verdict::default();
+    let mut ratios = Vec::new();
     let mut rows = Vec::new();
-    let mut table = String::from(
-        "| prompt | tokens | body bytes | side | fuel / request | parse | gather | selection | decision (kfuel) | host calls | bytes copied in |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
-    );
+    let mut table = String::from(TABLE_HEAD);
     for kind in Kind::ALL {
         for n in SIZES {
             let reqs: Vec<(&str, String)> =
@@ -441,35 +530,12 @@ fn main() {
                     }
                 }
                 let s = summary(&costs, &phases);
-                let f = |p: &str| {
-                    s["phases_kfuel"][p]
-                        .as_u64()
-                        .map_or("—".to_string(), |v| v.to_string())
-                };
-                table.push_str(&format!(
-                    "| {} | {}k | {} | {name} | {} | {} | {} | {} | {} | {} | {} |\n",
-                    kind.name(),
-                    n / 1024,
-                    reqs[0].1.len(),
-                    s["fuel"],
-                    f("parse"),
-                    f("gather"),
-                    f("selection"),
-                    f("decision"),
-                    s["host_calls"],
-                    s["bytes_out"],
-                ));
+                table_row(&mut table, kind.name(), n, reqs[0].1.len(), name, &s);
                 row[*name] = s;
                 dests.push(went);
             }
-            if let [a, b] = dests.as_slice() {
-                assert_eq!(
-                    a,
-                    b,
-                    "{} at {n} tokens: the builds route differently",
-                    kind.name()
-                );
-            }
+            verdict.compare(false, &format!("{} at {n} tokens", kind.name()), &dests);
+            ratios.push(ratio(kind.name(), n, &row));
             row["routed_to_holder"] = json!(
                 dests[0]
                     .iter()
@@ -481,6 +547,74 @@ fn main() {
                     .count()
             );
             rows.push(row);
+        }
+    }
+    // The split fleets, each in an Envoy of its own: the aggregated rows
+    // keep the snapshot they were always measured on.
+    let mut split_rows = Vec::new();
+    table.push_str(&format!(
+        "\nSplit fleets ({}):\n\n{TABLE_HEAD}",
+        split::FLEET
+    ));
+    for protocol in Protocol::ALL {
+        let frame = split::frame(protocol, blocks, &t);
+        let mut sides: Vec<(&str, Side)> = filters
+            .iter()
+            .map(|(name, f)| (*name, Side::start(f, &frame)))
+            .collect();
+        for shape in split::Shape::ALL {
+            for n in SIZES {
+                let reqs: Vec<(&str, String)> =
+                    (0..warm + measured).map(|i| shape.body(n, i)).collect();
+                let label = format!("{}: {}", protocol.as_str(), shape.name());
+                let mut row = json!({
+                    "protocol": protocol.as_str(),
+                    "kind": shape.name(),
+                    "tokens": n,
+                    "body_bytes": reqs[0].1.len(),
+                });
+                let mut decisions: Vec<Vec<String>> = Vec::new();
+                for (name, side) in &mut sides {
+                    let mut costs = Vec::new();
+                    let mut phases = Vec::new();
+                    let mut decided = Vec::new();
+                    for (i, (path, b)) in reqs.iter().enumerate() {
+                        side.touch();
+                        let (d, cost, ph) = split::request(side, protocol, path, b, i, n);
+                        decided.push(d);
+                        if i >= warm {
+                            costs.push(cost);
+                            phases.push(ph);
+                        }
+                    }
+                    let s = summary(&costs, &phases);
+                    table_row(&mut table, &label, n, reqs[0].1.len(), name, &s);
+                    row[*name] = s;
+                    decisions.push(decided.iter().map(Value::to_string).collect());
+                    if row.get("decisions").is_none() {
+                        row["decisions"] = json!(decided);
+                    }
+                }
+                verdict.compare(true, &format!("{label} at {n} tokens"), &decisions);
+                ratios.push(ratio(&label, n, &row));
+                split_rows.push(row);
+            }
+        }
+    }
+    if baseline.is_some() {
+        table.push_str(
+            "\nFuel per request, candidate / baseline:\n\n| prompt | tokens | candidate | baseline | ratio |\n| --- | --- | --- | --- | --- |\n",
+        );
+        for r in &ratios {
+            if let Some(b) = r.baseline {
+                table.push_str(&format!(
+                    "| {} | {}k | {} | {b} | {:.3} |\n",
+                    r.kind,
+                    r.tokens / 1024,
+                    r.candidate,
+                    r.candidate as f64 / b as f64,
+                ));
+            }
         }
     }
     // What a new snapshot adds to a request that finds one.
@@ -539,17 +673,75 @@ fn main() {
             );
         }
     }
+    if baseline.is_some() {
+        table.push_str(&format!(
+            "\nDecisions compared: {} aggregated, {} split; {} differ.\n",
+            verdict.aggregated, verdict.split, verdict.differing
+        ));
+    }
     eprintln!("{table}");
-    println!(
-        "{}",
-        json!({
-            "name": "decision_cost",
-            "workers": WORKERS,
-            "blocks_per_worker": blocks,
-            "requests_measured": measured,
-            "rows": rows,
-            "new_snapshot_2k_token_ids": refresh,
-            "shards_held_2k": held,
-        })
-    );
+    let mut out = json!({
+        "name": "decision_cost",
+        "workers": WORKERS,
+        "blocks_per_worker": blocks,
+        "requests_measured": measured,
+        "rows": rows,
+        "split_fleet": split::FLEET,
+        "split_rows": split_rows,
+        "new_snapshot_2k_token_ids": refresh,
+        "shards_held_2k": held,
+    });
+    if baseline.is_some() {
+        out["decisions"] = verdict.report();
+    }
+    println!("{out}");
+    if verdict.differing > 0 {
+        if let Some(first) = &verdict.first {
+            eprintln!(
+                "decision_cost: {} requests decided differently; the first: {first}",
+                verdict.differing
+            );
+        }
+        std::process::exit(1);
+    }
+}
+
+/// One row's fuel per request on each side.
+struct Ratio {
+    kind: String,
+    tokens: usize,
+    candidate: u64,
+    baseline: Option<u64>,
+}
+
+fn ratio(kind: &str, tokens: usize, row: &Value) -> Ratio {
+    Ratio {
+        kind: kind.to_string(),
+        tokens,
+        candidate: row["candidate"]["fuel"].as_u64().unwrap_or(0),
+        baseline: row["baseline"]["fuel"].as_u64(),
+    }
+}
+
+const TABLE_HEAD: &str = "| prompt | tokens | body bytes | side | fuel / request | parse | gather | selection | decision (kfuel) | host calls | bytes copied in |\n\
+     | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+
+/// One side's figures for one row of the table.
+fn table_row(table: &mut String, kind: &str, n: usize, bytes: usize, side: &str, s: &Value) {
+    let f = |p: &str| {
+        s["phases_kfuel"][p]
+            .as_u64()
+            .map_or("—".to_string(), |v| v.to_string())
+    };
+    table.push_str(&format!(
+        "| {kind} | {}k | {bytes} | {side} | {} | {} | {} | {} | {} | {} | {} |\n",
+        n / 1024,
+        s["fuel"],
+        f("parse"),
+        f("gather"),
+        f("selection"),
+        f("decision"),
+        s["host_calls"],
+        s["bytes_out"],
+    ));
 }

@@ -26,6 +26,21 @@ fn pd_stack() -> Stack {
     })
 }
 
+/// The sum of a sidecar metric's series that carry every one of `labels`.
+fn summed(stack: &Stack, name: &str, labels: &[&str]) -> f64 {
+    let (status, body) = kvgate_stack::http::get(&stack.sidecar_addr(), "/metrics").unwrap();
+    assert_eq!(status, 200);
+    String::from_utf8_lossy(&body)
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{'))
+                && labels.iter().all(|x| l.contains(x))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 fn completion_body(prompt: &[u32], stream: bool) -> Vec<u8> {
     json!({"model": "demo-model", "prompt": prompt, "max_tokens": 4, "stream": stream})
         .to_string()
@@ -93,6 +108,44 @@ fn prefill_then_decode_through_envoy() {
     assert_eq!(
         sim_counter(&stack, 2, "prefill_legs") + sim_counter(&stack, 3, "prefill_legs"),
         0
+    );
+
+    // Each leg is timed from its own dispatch, by structure: the prefill
+    // leg from its callout to its answer, so at least what the prefill
+    // worker says it computed; the decode leg's first byte from its own
+    // dispatch, after the transfer; the client's first byte from the
+    // decision, which spans the prefill leg and the decode leg's wait.
+    let model = r#"model="demo-model""#;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while summed(&stack, "kvgate_sidecar_client_ttft_seconds_count", &[model]) < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the legs' timed ends never reached the sidecar"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let prefill = [model, r#"role="prefill""#, r#"leg="prefill""#];
+    let decode = [model, r#"role="decode""#, r#"leg="decode""#];
+    let prefill_s = summed(&stack, "kvgate_sidecar_leg_seconds_sum", &prefill);
+    let decode_first_s = summed(&stack, "kvgate_sidecar_leg_first_byte_seconds_sum", &decode);
+    let client_s = summed(&stack, "kvgate_sidecar_client_ttft_seconds_sum", &[model]);
+    let computed_s = leg["took_us"].as_f64().unwrap() / 1e6;
+    assert!(
+        prefill_s >= computed_s && computed_s > 0.0,
+        "the prefill leg took {prefill_s} s, its worker computed for {computed_s} s"
+    );
+    assert!(
+        decode_first_s > 0.0 && client_s >= prefill_s + decode_first_s - 1e-6,
+        "the client waited {client_s} s: the prefill leg {prefill_s} s, the decode leg's first byte {decode_first_s} s"
+    );
+    assert_eq!(
+        summed(
+            &stack,
+            "kvgate_sidecar_leg_seconds_count",
+            &[model, r#"leg="whole""#]
+        ),
+        0.0,
+        "a split request is no whole leg"
     );
 
     // Streaming, as a chat: the decode leg streams, the prefill leg never.

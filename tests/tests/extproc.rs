@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use kvgate_stack::{Stack, StackConfig, http};
-use serde_json::json;
+use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 /// A sample from `kvgate-extproc`'s in-process sidecar's `/metrics`.
@@ -40,16 +40,16 @@ fn wait_reservations(stack: &Stack, n: f64) {
 }
 
 fn chat_via_extproc(stack: &Stack, body: &[u8], headers: &[(&str, &str)]) -> Reply {
+    post_via_extproc(stack, "/v1/chat/completions", body, headers)
+}
+
+/// Posts a JSON body to the ext_proc listener.
+fn post_via_extproc(stack: &Stack, path: &str, body: &[u8], headers: &[(&str, &str)]) -> Reply {
     let mut h = vec![("content-type", "application/json")];
     h.extend_from_slice(headers);
-    let (status, headers, body) = http::request_full(
-        &stack.extproc_addr(),
-        "POST",
-        "/v1/chat/completions",
-        &h,
-        Some(body),
-    )
-    .unwrap_or_else(|e| panic!("request failed: {e:#}\n{}", stack.log_tails()));
+    let (status, headers, body) =
+        http::request_full(&stack.extproc_addr(), "POST", path, &h, Some(body))
+            .unwrap_or_else(|e| panic!("request failed: {e:#}\n{}", stack.log_tails()));
     Reply {
         status,
         headers,
@@ -216,4 +216,75 @@ fn least_request_route_reaches_every_worker() {
         }
     }
     assert_eq!(seen.len(), 2, "least request used {seen:?}");
+}
+
+/// A prefill/decode fleet behind `kvgate-extproc`, the model's
+/// `on_prefill_failure` as given (NIXL).
+fn pd_via_extproc(on_prefill_failure: &str) -> Stack {
+    start(StackConfig {
+        extproc: true,
+        ..pd_config(
+            &["--kv-role", "kv_producer", "--kv-side-channel-port", "0"],
+            &["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"],
+            format!(
+                "[models.disaggregation]\nprotocol = \"vllm-nixl\"\non_prefill_failure = \"{on_prefill_failure}\"\n"
+            ),
+        )
+    })
+}
+
+/// A long completion (nothing cached: the filter would split it) that
+/// names a transfer of the client's own.
+fn forged_transfer(tag: u32) -> Vec<u8> {
+    json!({"model": "demo-model", "prompt": unique_prompt(tag, 3000), "max_tokens": 2,
+           "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "evil",
+                                  "remote_block_ids": [[1]], "remote_host": "127.0.0.1",
+                                  "remote_port": 1}})
+    .to_string()
+    .into_bytes()
+}
+
+fn completion_via_extproc(stack: &Stack, body: &[u8]) -> Reply {
+    post_via_extproc(
+        stack,
+        "/v1/completions",
+        body,
+        &[("x-request-id", "client-chosen")],
+    )
+}
+
+#[test]
+fn extproc_computes_a_split_request_on_its_decode_worker_or_refuses_it() {
+    let _g = serial();
+    // `local`: the decode worker gets the request whole, without the
+    // client's transfer, under kvgate's request id, and no prefill worker
+    // hears of it (this door makes no prefill leg).
+    let stack = pd_via_extproc("local");
+    let r = completion_via_extproc(&stack, &forged_transfer(1));
+    assert_eq!(r.status, 200, "{}\n{}", r.text(), stack.log_tails());
+    let got = last_seen(&stack, decode_worker(&r));
+    assert_eq!(got["leg"], "local", "{got}");
+    assert_eq!(got["kv_transfer_params"], Value::Null, "{got}");
+    assert!(
+        !got["body_keys"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("kv_transfer_params")),
+        "{got}"
+    );
+    let id = got["request_id"].as_str().unwrap();
+    assert!(id.starts_with("kvgate-") && id.len() == 39, "{id}");
+    assert_eq!(prefill_legs(&stack), 0);
+    wait_reservations(&stack, 0.0);
+    drop(stack);
+
+    // `fail`: refused as the filter refuses a failed leg; no worker sees it.
+    let stack = pd_via_extproc("fail");
+    let before = served_total(&stack);
+    let r = completion_via_extproc(&stack, &forged_transfer(2));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.header("x-kvgate-reason"), Some("prefill_failed"));
+    assert_eq!(r.json()["error"]["code"], 503);
+    assert_eq!(served_total(&stack), before, "a worker saw the refusal");
+    wait_reservations(&stack, 0.0);
 }
