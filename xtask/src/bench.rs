@@ -1,6 +1,10 @@
 //! `cargo xtask bench [--quick]`: benchmarks, each against a baseline
-//! measured in the same run, written to `bench/results/<name>.json` and
-//! summarised in `bench/report.md`. Benchmarks never fail on speed.
+//! measured in the same run, written to `bench/results/<name>.json` with
+//! the run that measured them (`measured`: date, commit, quick, baseline
+//! build). `bench/report.md`, its Summary, and the figures the README and
+//! architecture.md quote are rendered from those files alone
+//! ([`crate::figures`]) after every run; `--report` renders them without
+//! running anything. Benchmarks never fail on speed.
 //!
 //! * `overhead`: the same requests through four routes of one Envoy (same
 //!   upstream workers in instant mode), alternating, closed loop: the plain
@@ -43,7 +47,7 @@
 
 use crate::build::{self, Profile};
 use crate::stats::{histogram_buckets, median, percentiles_between, spread};
-use crate::{cargo, repo, setup};
+use crate::{cargo, figures, repo, setup};
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum;
 use kvgate_load::summary::percentile;
@@ -73,6 +77,11 @@ pub struct Args {
     /// after in one run, alternating.
     #[arg(long, value_name = "REV")]
     pub baseline: Option<String>,
+    /// Runs nothing: writes `bench/report.md` (its Summary and every
+    /// section), the README's headline figures and architecture.md's
+    /// measured figures from `bench/results/*.json` as they are.
+    #[arg(long, conflicts_with_all = ["quick", "only", "baseline"])]
+    pub report: bool,
 }
 
 /// The benchmarks `--only` can run alone.
@@ -109,6 +118,10 @@ impl Args {
 }
 
 pub fn run(args: &Args) -> Result<()> {
+    if args.report {
+        write_report(None)?;
+        return Ok(());
+    }
     // The load generator runs in this process: an unoptimised build of it
     // would take CPU from the Envoy it measures. Run again, optimised.
     if cfg!(debug_assertions) {
@@ -127,11 +140,8 @@ pub fn run(args: &Args) -> Result<()> {
     }
     let quick = args.quick;
     let only = args.only;
-    let baseline = args
-        .baseline
-        .as_deref()
-        .map(build::baseline_wasm)
-        .transpose()?;
+    let rev = args.baseline.as_deref();
+    let baseline = rev.map(build::baseline_wasm).transpose()?;
     let baseline = baseline.as_deref();
     let started = Instant::now();
     // The dump benchmark runs its sidecars in process: no Envoy, no filter.
@@ -140,199 +150,169 @@ pub fn run(args: &Args) -> Result<()> {
         build::wasm()?;
         build::bins(Profile::Release)?;
     }
-    let dir = repo().join("bench/results");
-    std::fs::create_dir_all(&dir)?;
+    // Each benchmark's results, stamped with this run; only the benches
+    // that build the baseline are stamped with it.
+    let save = |name: &str, mut v: Value, with_baseline: bool| -> Result<()> {
+        save(name, &mut v, quick, rev.filter(|_| with_baseline))
+    };
     if let Some(name) = only {
-        // One benchmark: its results, and its section of the report replaced.
-        let (section, heading) = match name {
-            Only::Shedding => {
-                let v = crate::shedbench::run(quick)?;
-                std::fs::write(dir.join("shedding.json"), serde_json::to_vec_pretty(&v)?)?;
-                (crate::shedbench::report(&v), "\n## Load shedding")
-            }
-            Only::Quality => {
-                let v = crate::quality::run(quick)?;
-                std::fs::write(dir.join("quality.json"), serde_json::to_vec_pretty(&v)?)?;
-                (quality_section(&v)?, "\n## Routing quality")
-            }
-            Only::Sync => {
-                let v = crate::apibench::sync(quick)?;
-                std::fs::write(dir.join("sync.json"), serde_json::to_vec_pretty(&v)?)?;
-                let kv: Value = std::fs::read(dir.join("kv.json"))
-                    .ok()
-                    .and_then(|b| serde_json::from_slice(&b).ok())
-                    .unwrap_or(Value::Null);
-                (
-                    crate::apibench::report(&kv["selection_api"], &v),
-                    "\n## Selection API and replica sync",
-                )
-            }
-            Only::Kv => {
-                let v = crate::kvbench::run(quick, baseline, envoy_histogram)?;
-                std::fs::write(dir.join("kv.json"), serde_json::to_vec_pretty(&v)?)?;
-                (kv_report(&v), "\n## KV-aware routing")
-            }
-            Only::Overhead => {
-                let v = overhead(quick, baseline)?;
-                std::fs::write(dir.join("overhead.json"), serde_json::to_vec_pretty(&v)?)?;
-                (overhead_section(&v), "\n## Filter overhead")
-            }
-            Only::Planner => {
-                let v = crate::plannerbench::run(quick)?;
-                std::fs::write(dir.join("planner.json"), serde_json::to_vec_pretty(&v)?)?;
-                (
-                    crate::plannerbench::report(&v, &repo().join("bench/plots"))?,
-                    "\n## Planner",
-                )
-            }
-            Only::Thermal => {
-                let v = crate::thermalbench::run(quick)?;
-                std::fs::write(dir.join("thermal.json"), serde_json::to_vec_pretty(&v)?)?;
-                (
-                    crate::thermalbench::report(&v, &repo().join("bench/plots"))?,
-                    "\n## Thermal soak",
-                )
-            }
-            Only::Text => {
-                let v = crate::textbench::run(quick, baseline)?;
-                std::fs::write(dir.join("text.json"), serde_json::to_vec_pretty(&v)?)?;
-                (crate::textbench::report(&v), "\n## Text and chat prompts")
-            }
-            Only::Disagg => {
-                let v = crate::disaggbench::run(quick)?;
-                std::fs::write(dir.join("disagg.json"), serde_json::to_vec_pretty(&v)?)?;
-                (
-                    crate::disaggbench::report(&v),
-                    "\n## Disaggregated prefill and decode",
-                )
-            }
-            Only::Hostile => {
-                let v = crate::hostilebench::run(quick)?;
-                std::fs::write(dir.join("hostile.json"), serde_json::to_vec_pretty(&v)?)?;
-                (crate::hostilebench::report(&v), "\n## Hostile inputs")
-            }
-            Only::Dump => {
-                let v = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;
-                std::fs::write(dir.join("dump.json"), serde_json::to_vec_pretty(&v)?)?;
-                (dump_section(&v), "\n## Index dump and recovery")
-            }
-        };
-        let path = repo().join("bench/report.md");
-        let old = std::fs::read_to_string(&path).unwrap_or_default();
-        let mut updated = replace_section(&old, heading, &section);
-        if name == Only::Kv {
-            // The API's figures come from the same index.
-            let sync: Value = std::fs::read(dir.join("sync.json"))
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .unwrap_or(Value::Null);
-            let kv: Value = serde_json::from_slice(&std::fs::read(dir.join("kv.json"))?)?;
-            updated = replace_section(
-                &updated,
-                "\n## Selection API and replica sync",
-                &crate::apibench::report(&kv["selection_api"], &sync),
-            );
+        match name {
+            Only::Shedding => save("shedding", crate::shedbench::run(quick)?, false)?,
+            Only::Quality => save("quality", crate::quality::run(quick)?, false)?,
+            Only::Sync => save("sync", crate::apibench::sync(quick)?, false)?,
+            Only::Kv => save(
+                "kv",
+                crate::kvbench::run(quick, baseline, envoy_histogram)?,
+                true,
+            )?,
+            Only::Overhead => save("overhead", overhead(quick, baseline)?, true)?,
+            Only::Planner => save("planner", crate::plannerbench::run(quick)?, false)?,
+            Only::Thermal => save("thermal", crate::thermalbench::run(quick)?, false)?,
+            Only::Text => save("text", crate::textbench::run(quick, baseline)?, true)?,
+            Only::Disagg => save("disagg", crate::disaggbench::run(quick)?, false)?,
+            Only::Hostile => save("hostile", crate::hostilebench::run(quick)?, false)?,
+            Only::Dump => save(
+                "dump",
+                sidecar_example("dump_bench", if quick { 3 } else { 5 })?,
+                false,
+            )?,
         }
-        std::fs::write(&path, updated)?;
-        println!("{section}");
+        // Every section and quoted figure again, from the results as they
+        // now are: this run's and every other run's.
+        write_report(None)?;
         return Ok(());
     }
 
-    let ingest = sidecar_example("ingest_bench", if quick { 3 } else { 5 })?;
-    std::fs::write(dir.join("ingest.json"), serde_json::to_vec_pretty(&ingest)?)?;
-    let dump = sidecar_example("dump_bench", if quick { 3 } else { 5 })?;
-    std::fs::write(dir.join("dump.json"), serde_json::to_vec_pretty(&dump)?)?;
-    let overhead = overhead(quick, baseline)?;
-    std::fs::write(
-        dir.join("overhead.json"),
-        serde_json::to_vec_pretty(&overhead)?,
+    save(
+        "ingest",
+        sidecar_example("ingest_bench", if quick { 3 } else { 5 })?,
+        false,
     )?;
-    let kv = crate::kvbench::run(quick, baseline, envoy_histogram)?;
-    std::fs::write(dir.join("kv.json"), serde_json::to_vec_pretty(&kv)?)?;
-    let sync = crate::apibench::sync(quick)?;
-    std::fs::write(dir.join("sync.json"), serde_json::to_vec_pretty(&sync)?)?;
-    let selection = example("kvgate-tests", "selection_bench")?;
-    std::fs::write(
-        dir.join("selection.json"),
-        serde_json::to_vec_pretty(&selection)?,
+    save(
+        "dump",
+        sidecar_example("dump_bench", if quick { 3 } else { 5 })?,
+        false,
     )?;
-    let shedding = crate::shedbench::run(quick)?;
-    std::fs::write(
-        dir.join("shedding.json"),
-        serde_json::to_vec_pretty(&shedding)?,
+    save("overhead", overhead(quick, baseline)?, true)?;
+    save(
+        "kv",
+        crate::kvbench::run(quick, baseline, envoy_histogram)?,
+        true,
     )?;
-    let quality = crate::quality::run(quick)?;
-    std::fs::write(
-        dir.join("quality.json"),
-        serde_json::to_vec_pretty(&quality)?,
+    save("sync", crate::apibench::sync(quick)?, false)?;
+    save(
+        "selection",
+        example("kvgate-tests", "selection_bench")?,
+        false,
     )?;
-    let text = crate::textbench::run(quick, baseline)?;
-    std::fs::write(dir.join("text.json"), serde_json::to_vec_pretty(&text)?)?;
-    let thermal = crate::thermalbench::run(quick)?;
-    std::fs::write(
-        dir.join("thermal.json"),
-        serde_json::to_vec_pretty(&thermal)?,
-    )?;
-    let planner = crate::plannerbench::run(quick)?;
-    std::fs::write(
-        dir.join("planner.json"),
-        serde_json::to_vec_pretty(&planner)?,
-    )?;
-
-    let disagg = crate::disaggbench::run(quick)?;
-    std::fs::write(dir.join("disagg.json"), serde_json::to_vec_pretty(&disagg)?)?;
-
-    let mut report = report(&ingest, &overhead, quick, started.elapsed());
-    report.push_str(&kv_report(&kv));
-    report.push_str(&crate::apibench::report(&kv["selection_api"], &sync));
-    report.push_str(&dump_section(&dump));
-    report.push_str(&selection_report(&selection));
-    report.push_str(&crate::shedbench::report(&shedding));
-    report.push_str(&quality_section(&quality)?);
-    report.push_str(&crate::textbench::report(&text));
-    report.push_str(&crate::thermalbench::report(
-        &thermal,
-        &repo().join("bench/plots"),
-    )?);
-    report.push_str(&crate::plannerbench::report(
-        &planner,
-        &repo().join("bench/plots"),
-    )?);
-    report.push_str(&crate::disaggbench::report(&disagg));
-    let path = repo().join("bench/report.md");
-    let old = std::fs::read_to_string(&path).unwrap_or_default();
-    let report = keep_summary(&old, &report);
-    std::fs::write(&path, &report)?;
+    save("shedding", crate::shedbench::run(quick)?, false)?;
+    save("quality", crate::quality::run(quick)?, false)?;
+    save("text", crate::textbench::run(quick, baseline)?, true)?;
+    save("thermal", crate::thermalbench::run(quick)?, false)?;
+    save("planner", crate::plannerbench::run(quick)?, false)?;
+    save("disagg", crate::disaggbench::run(quick)?, false)?;
+    let report = write_report(Some(header(quick, started.elapsed())))?;
     println!("\n{report}");
     Ok(())
 }
 
-/// The report's hand-kept summary: figures gathered from several runs,
-/// which no single run can rewrite.
-const SUMMARY: &str = "\n## Summary";
-
-/// `new` with `old`'s summary, if it has one, before its first section.
-fn keep_summary(old: &str, new: &str) -> String {
-    let Some(at) = old.find(SUMMARY) else {
-        return new.to_string();
-    };
-    let rest = &old[at + 1..];
-    let summary = &old[at..rest.find("\n## ").map_or(old.len(), |e| at + 1 + e)];
-    let first = new.find("\n## ").unwrap_or(new.len());
-    format!("{}{summary}{}", &new[..first], &new[first..])
+/// Writes one benchmark's results to `bench/results/<name>.json`, stamped
+/// with the run ([`figures::stamp`]) unless they carry a stamp already
+/// (a subset of the hostile attacks merged into the published results
+/// keeps the published run's).
+fn save(name: &str, v: &mut Value, quick: bool, baseline: Option<&str>) -> Result<()> {
+    if v.get("measured").is_none() {
+        v["measured"] = figures::stamp(quick, baseline);
+    }
+    let dir = repo().join(figures::RESULTS_DIR);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(
+        dir.join(format!("{name}.json")),
+        serde_json::to_vec_pretty(v)?,
+    )?;
+    Ok(())
 }
 
-/// `report` with the section under `heading` replaced by `section`, or
-/// with `section` at the end when there is none.
-fn replace_section(report: &str, heading: &str, section: &str) -> String {
-    match report.find(heading) {
-        Some(at) => {
-            let rest = &report[at + 1..];
-            let end = rest.find("\n## ").map_or(report.len(), |e| at + 1 + e);
-            format!("{}{section}{}", &report[..at], &report[end..])
-        }
-        None => format!("{report}{section}"),
+/// Writes `bench/report.md` from the results alone: `header` (a full
+/// run's) or the report's own, the Summary, and a section for each
+/// results file; then every block of quoted figures
+/// ([`figures::rewrite`]). The report as written.
+fn write_report(header: Option<String>) -> Result<String> {
+    let path = repo().join("bench/report.md");
+    let old = std::fs::read_to_string(&path).unwrap_or_default();
+    let mut report =
+        header.unwrap_or_else(|| old[..old.find("\n## ").unwrap_or(old.len())].to_string());
+    report.push_str(&format!("\n{SUMMARY}\n\n{}", figures::block("summary", "")));
+    let results = figures::Results::load(&repo().join(figures::RESULTS_DIR))?;
+    for section in sections(&results)? {
+        report.push_str(&section);
     }
+    std::fs::write(&path, &report)?;
+    let changed = figures::rewrite(&repo())?;
+    let report = std::fs::read_to_string(&path)?;
+    // The report went through a Summary left empty on its way: say what
+    // differs from before, not what was written.
+    if report != old {
+        eprintln!("xtask: wrote {}", path.display());
+    }
+    for other in changed.iter().filter(|c| **c != path) {
+        eprintln!("xtask: wrote {}", other.display());
+    }
+    Ok(report)
+}
+
+/// The report's Summary heading: figures from every results file, each
+/// with its run.
+const SUMMARY: &str = "## Summary";
+
+/// Every section of the report the results hold, in the report's order;
+/// the plots go to `bench/plots/`.
+fn sections(r: &figures::Results) -> Result<Vec<String>> {
+    let plots = repo().join("bench/plots");
+    let null = Value::Null;
+    let mut out = Vec::new();
+    if let Some(v) = r.get("overhead") {
+        out.push(overhead_section(v));
+    }
+    if let Some(v) = r.get("ingest") {
+        out.push(ingest_section(v));
+    }
+    if let Some(v) = r.get("kv") {
+        out.push(kv_report(v));
+    }
+    if r.get("kv").is_some() || r.get("sync").is_some() {
+        let kv = r.get("kv").unwrap_or(&null);
+        let sync = r.get("sync").unwrap_or(&null);
+        out.push(crate::apibench::report(&kv["selection_api"], sync));
+    }
+    if let Some(v) = r.get("dump") {
+        out.push(dump_section(v));
+    }
+    if let Some(v) = r.get("selection") {
+        out.push(selection_report(v));
+    }
+    if let Some(v) = r.get("shedding") {
+        out.push(crate::shedbench::report(v));
+    }
+    if let Some(v) = r.get("quality") {
+        out.push(quality_section(v)?);
+    }
+    if let Some(v) = r.get("text") {
+        out.push(crate::textbench::report(v));
+    }
+    if let Some(v) = r.get("thermal") {
+        out.push(crate::thermalbench::report(v, &plots)?);
+    }
+    if let Some(v) = r.get("planner") {
+        out.push(crate::plannerbench::report(v, &plots)?);
+    }
+    if let Some(v) = r.get("disagg") {
+        out.push(crate::disaggbench::report(v));
+    }
+    if let Some(v) = r.get("hostile") {
+        out.push(crate::hostilebench::report(v));
+    }
+    Ok(out)
 }
 
 /// The routing-quality section; its plots go to `bench/plots/`.
@@ -708,19 +688,16 @@ fn num(v: &Value, path: &[&str]) -> f64 {
     cur.as_f64().unwrap_or(f64::NAN)
 }
 
-fn report(ingest: &Value, overhead: &Value, quick: bool, took: Duration) -> String {
-    let date = Command::new("date")
-        .args(["-u", "+%Y-%m-%d"])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+/// The report's first lines: what kind of run, on what, when, how long.
+fn header(quick: bool, took: Duration) -> String {
+    let date = crate::output("date", &["-u", "+%Y-%m-%d"])
+        .map(|d| d.trim().to_string())
         .unwrap_or_default();
     format!(
-        "# kvgate benchmarks\n\n{} run on {}, {date}; took {:.0} s. Medians of repeated runs, spread (max − min) in brackets; every figure is next to its baseline from the same run.\n{}{}",
+        "# kvgate benchmarks\n\n{} run of every benchmark on {}, {date}; took {:.0} s. A benchmark run alone since carries its own date and commit (the Summary's run column). Medians of repeated runs, spread (max − min) in brackets; every figure is next to its baseline from the same run.\n",
         if quick { "Quick" } else { "Full" },
         machine(),
         took.as_secs_f64(),
-        overhead_section(overhead),
-        ingest_section(ingest),
     )
 }
 
@@ -828,20 +805,4 @@ Ingest is {:.2}× the baseline's decode alone. Sidecar heap per indexed block: {
         f(&["ratio_ingest_vs_baseline_decode"]),
         f(&["sidecar_heap_bytes_per_block"]),
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::keep_summary;
-
-    #[test]
-    fn a_full_run_keeps_the_summary_and_replaces_the_rest() {
-        let old = "# b\n\nold run\n\n## Summary\n\nkept\n\n## A\n\nold a\n";
-        let new = "# b\n\nnew run\n\n## A\n\nnew a\n";
-        assert_eq!(
-            keep_summary(old, new),
-            "# b\n\nnew run\n\n## Summary\n\nkept\n\n## A\n\nnew a\n"
-        );
-        assert_eq!(keep_summary("# b\n\n## A\n", new), new);
-    }
 }

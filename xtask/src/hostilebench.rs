@@ -60,8 +60,8 @@
 //! replace theirs in `bench/results/hostile.json`, and the others'
 //! published figures are kept (each attack carries its own phases).
 
-use crate::kvbench::{Publisher, chain_tokens};
-use crate::{build, repo};
+use crate::kvfleet::{self, CHAIN_BLOCKS, Publisher, chain_tokens};
+use crate::{build, figures, repo};
 use anyhow::{Context, Result, bail};
 use kvgate_load::summary::percentile;
 use kvgate_sidecar::replica::wire::{self, Placed, Stamp, SyncEvent, SyncId};
@@ -77,8 +77,6 @@ use std::time::{Duration, Instant};
 
 const TOKEN: &str = "hostile-bench-token";
 const WORKERS: usize = 4;
-/// Blocks per published chain, as in the KV benchmark.
-const CHAIN_BLOCKS: usize = crate::kvbench::CHAIN_BLOCKS;
 const MIB: f64 = (1u64 << 20) as f64;
 /// Signed peer admissions a second in the admission flood.
 const PEER_FLOOD_PER_S: f64 = 100_000.0;
@@ -190,6 +188,7 @@ pub fn run(quick: bool) -> Result<Value> {
         v["idle_s"] = json!(phases.idle.as_secs());
         v["attack_s"] = json!(phases.attack.as_secs());
         v["indexed_blocks"] = json!(phases.blocks_per_worker * WORKERS);
+        v["measured"] = figures::stamp(quick, None);
         eprintln!("{v}");
         results.push(v);
     }
@@ -220,7 +219,7 @@ pub fn run(quick: bool) -> Result<Value> {
 /// (each given `old`'s phases where it has none of its own), in the order
 /// of `order`; the top-level phases stay `old`'s.
 fn merge(mut old: Value, new: Value, order: &[&str]) -> Value {
-    let phase_keys = ["quick", "idle_s", "attack_s", "indexed_blocks"];
+    let phase_keys = ["quick", "idle_s", "attack_s", "indexed_blocks", "measured"];
     let mut attacks: Vec<Value> = old["attacks"].as_array().cloned().unwrap_or_default();
     for a in &mut attacks {
         for k in phase_keys {
@@ -250,19 +249,10 @@ fn merge(mut old: Value, new: Value, order: &[&str]) -> Value {
 /// serves the selection API as the plain one does.
 fn stack_config(name: &str, fleet: Fleet) -> StackConfig {
     let plain = StackConfig {
-        workers: WORKERS,
-        kv_events: true,
-        kv_external: true,
         kv_external_replay: name == "replay_flood",
-        sim_args: ["--instant", "--default-max-tokens", "1"]
-            .map(String::from)
-            .to_vec(),
-        selection_api: true,
         replica_sync: true,
         control_token: Some(TOKEN.to_string()),
-        scrape_interval_ms: 250,
-        down_after_ms: 3000,
-        ..StackConfig::default()
+        ..kvfleet::config(WORKERS)
     };
     let strings = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let consumer = strings(&["--kv-role", "kv_consumer", "--kv-side-channel-port", "0"]);
@@ -371,32 +361,9 @@ fn ratio(a: &Value, b: &Value) -> Value {
 /// Publishes `blocks_per_worker` blocks on each worker and waits until the
 /// index holds them.
 fn fill(stack: &Stack, blocks_per_worker: usize) -> Result<Bench> {
-    let ctx = zmq::Context::new();
-    let mut publishers = Vec::new();
-    for w in &stack.workers {
-        let port = w.events_port.context("no event port")?;
-        publishers.push(Publisher::bind(&ctx, port, w.id << 40)?);
-    }
-    // Subscribers reconnect every 100 ms; let them find the new sockets.
-    std::thread::sleep(Duration::from_millis(1500));
+    let mut publishers = kvfleet::publishers(stack)?;
     let chains = blocks_per_worker / CHAIN_BLOCKS;
-    let mut published = 0;
-    for (w, p) in publishers.iter_mut().enumerate() {
-        let c: Vec<Vec<u32>> = (0..chains).map(|c| chain_tokens(w, c)).collect();
-        published += p.chains(&c)?;
-    }
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let indexed = || {
-        stack
-            .sidecar_metric("kvgate_sidecar_kv_indexed_blocks{model=\"demo-model\"}")
-            .unwrap_or(0.0)
-    };
-    while indexed() < published as f64 * 0.999 {
-        if Instant::now() > deadline {
-            bail!("index reached {} of {published} blocks", indexed());
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    kvfleet::fill(stack, &mut publishers, chains)?;
     let prompts = (0..64)
         .map(|i| chain_tokens(i % WORKERS, (i * 37) % chains.max(1)))
         .collect();
@@ -603,16 +570,7 @@ fn counters(stack: &Stack) -> Result<Value> {
         bail!("/metrics answered {status}");
     }
     let text = String::from_utf8_lossy(&body);
-    let sum = |name: &str| -> f64 {
-        text.lines()
-            .filter(|l| {
-                l.strip_prefix(name)
-                    .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            // An empty f64 sum is -0.0.
-            .fold(0.0, |a, b| a + b)
-    };
+    let sum = |name: &str| sample_sum(&text, name, &[]);
     let names = [
         "kvgate_sidecar_kv_replays_refused_total",
         "kvgate_sidecar_kv_resyncs_total",
@@ -1235,11 +1193,11 @@ fn spaced_readers(
                 let mut peak = 0.0f64;
                 while !stop.load(Ordering::Relaxed) {
                     if let Ok((200, body)) = http::get(&addr, "/metrics") {
-                        let alive: f64 = String::from_utf8_lossy(&body)
-                            .lines()
-                            .filter(|l| l.starts_with("kvgate_sidecar_full_read_copies_alive"))
-                            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                            .sum();
+                        let alive = sample_sum(
+                            &String::from_utf8_lossy(&body),
+                            "kvgate_sidecar_full_read_copies_alive",
+                            &[],
+                        );
                         peak = peak.max(alive);
                     }
                     std::thread::sleep(Duration::from_millis(500));
@@ -1312,6 +1270,7 @@ fn sample_sum(text: &str, name: &str, labels: &[String]) -> f64 {
         })
         .filter(|l| labels.is_empty() || labels.iter().any(|m| l.contains(m.as_str())))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        // An empty f64 sum is -0.0.
         .fold(0.0, |a, b| a + b)
 }
 

@@ -1,6 +1,6 @@
 //! The KV-routing benchmark through real Envoy: 16 workers whose KV events
-//! this benchmark publishes itself (vLLM wire format over ZMQ, 100k blocks
-//! each, chains of 2048 tokens), then
+//! this benchmark publishes itself ([`crate::kvfleet`]: vLLM wire format
+//! over ZMQ, 100k blocks each, chains of 2048 tokens), then
 //!
 //! * Envoy's resident memory before and after the 1.6M-block index arrives;
 //! * the filter's selection time on 2k-token prompts (Envoy histogram
@@ -10,95 +10,16 @@
 //! * freshness: from publishing a new chain to the first of three
 //!   consecutive requests that follow it.
 
-use crate::build::{self};
-use anyhow::{Context, Result, bail};
-use kvgate_sim::cache::{CacheEvent, Scope};
-use kvgate_sim::wire::{EventShape, HashMode, SimEvent, encode_batch};
+use crate::build;
+use crate::kvfleet::{self, CHAIN_BLOCKS, chain_tokens};
+use anyhow::{Result, bail};
 use kvgate_stack::{Stack, StackConfig, http};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 const WORKERS: usize = 16;
-pub(crate) const CHAIN_BLOCKS: usize = 128;
 /// The target size: 100k cached blocks per worker.
 const BLOCKS_PER_WORKER: usize = 100_000;
-
-pub(crate) fn chain_tokens(worker: usize, chain: usize) -> Vec<u32> {
-    let base = (worker as u32) * 1_000_003 + (chain as u32) * 4099;
-    (0..(CHAIN_BLOCKS * 16) as u32)
-        .map(|i| (base.wrapping_add(i * 7919)) % 1_000_000 + 100)
-        .collect()
-}
-
-/// A worker's KV event publisher, played by the benchmark.
-pub(crate) struct Publisher {
-    sock: zmq::Socket,
-    seq: u64,
-    next_hash: u64,
-}
-
-impl Publisher {
-    /// Binds the worker's event port; block hashes count up from
-    /// `first_hash`, so workers given far-apart starts never collide.
-    pub(crate) fn bind(ctx: &zmq::Context, port: u16, first_hash: u64) -> Result<Publisher> {
-        let sock = ctx.socket(zmq::PUB)?;
-        sock.set_sndhwm(1_000_000)?;
-        sock.bind(&format!("tcp://127.0.0.1:{port}"))?;
-        Ok(Publisher {
-            sock,
-            seq: 0,
-            next_hash: first_hash,
-        })
-    }
-
-    /// Leaves out the next `n` sequence numbers: a gap the subscriber
-    /// sees and asks the replay endpoint to fill.
-    pub(crate) fn skip(&mut self, n: u64) {
-        self.seq += n;
-    }
-
-    /// Publishes whole chains: one event per 16 blocks, 64 events a batch.
-    pub(crate) fn chains(&mut self, chains: &[Vec<u32>]) -> Result<usize> {
-        let mut events = Vec::new();
-        let mut blocks = 0;
-        for tokens in chains {
-            let mut parent = None;
-            for part in tokens.chunks(16 * 16) {
-                let hashes: Vec<u64> = (0..part.len() / 16)
-                    .map(|_| {
-                        self.next_hash += 1;
-                        self.next_hash
-                    })
-                    .collect();
-                blocks += hashes.len();
-                let last = hashes.last().copied();
-                events.push(SimEvent::Cache(CacheEvent::Stored {
-                    hashes,
-                    parent,
-                    tokens: part.to_vec(),
-                    scope: Scope::default(),
-                }));
-                parent = last;
-                if events.len() == 64 {
-                    self.send(&events)?;
-                    events.clear();
-                }
-            }
-        }
-        if !events.is_empty() {
-            self.send(&events)?;
-        }
-        Ok(blocks)
-    }
-
-    fn send(&mut self, events: &[SimEvent]) -> Result<()> {
-        let payload = encode_batch(1.0, events, 0, 16, EventShape::Tagged, HashMode::U64);
-        self.sock
-            .send_multipart([&b""[..], &self.seq.to_be_bytes()[..], &payload[..]], 0)?;
-        self.seq += 1;
-        Ok(())
-    }
-}
 
 fn completion(stack: &Stack, tokens: &[u32]) -> Result<Option<String>> {
     let body = json!({"model": "demo-model", "prompt": tokens, "max_tokens": 1}).to_string();
@@ -113,12 +34,6 @@ fn completion(stack: &Stack, tokens: &[u32]) -> Result<Option<String>> {
         .map(|(_, v)| v))
 }
 
-fn indexed(stack: &Stack) -> f64 {
-    stack
-        .sidecar_metric("kvgate_sidecar_kv_indexed_blocks{model=\"demo-model\"}")
-        .unwrap_or(0.0)
-}
-
 /// `baseline`: another build of the filter, whose whole decision on the
 /// same 2k-token prompts is measured beside this one's, in turns
 /// ([`crate::turns`]).
@@ -130,55 +45,28 @@ pub fn run(
     let chains_per_worker = BLOCKS_PER_WORKER / CHAIN_BLOCKS;
     eprintln!("xtask: bench kv ({WORKERS} workers × {BLOCKS_PER_WORKER} blocks)");
     let paths = build::release_paths()?;
+    let fleet = kvfleet::config(WORKERS);
     let stack = Stack::start_with(
         paths,
         StackConfig {
-            workers: WORKERS,
-            kv_events: true,
-            kv_external: true,
             sim_args: [
-                "--instant",
-                "--num-gpu-blocks",
-                "256",
-                "--default-max-tokens",
-                "1",
+                fleet.sim_args.clone(),
+                vec!["--num-gpu-blocks".into(), "256".into()],
             ]
-            .map(String::from)
-            .to_vec(),
+            .concat(),
             plugin: json!({"max_body_bytes": 4194304}),
-            selection_api: true,
-            scrape_interval_ms: 250,
-            down_after_ms: 3000,
             baseline_wasm: baseline.map(std::path::Path::to_path_buf),
-            ..StackConfig::default()
+            ..fleet
         },
     )?;
-    let ctx = zmq::Context::new();
-    let mut pubs = Vec::new();
-    for w in &stack.workers {
-        let port = w.events_port.context("no event port")?;
-        pubs.push(Publisher::bind(&ctx, port, w.id << 40)?);
-    }
-    // Subscribers reconnect every 100 ms; let them find the new sockets.
-    std::thread::sleep(Duration::from_millis(1500));
+    let mut pubs = kvfleet::publishers(&stack)?;
     for i in 0..20 {
         completion(&stack, &chain_tokens(i % WORKERS, 0))?;
     }
     let rss_before = stack.envoy_rss().unwrap_or(0);
 
     let t = Instant::now();
-    let mut published = 0;
-    for (w, p) in pubs.iter_mut().enumerate() {
-        let chains: Vec<Vec<u32>> = (0..chains_per_worker).map(|c| chain_tokens(w, c)).collect();
-        published += p.chains(&chains)?;
-    }
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while indexed(&stack) < published as f64 * 0.999 {
-        if Instant::now() > deadline {
-            bail!("index reached {} of {published} blocks", indexed(&stack));
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let published = kvfleet::fill(&stack, &mut pubs, chains_per_worker)?;
     let index_s = t.elapsed().as_secs_f64();
     // The shards reach Envoy within one long poll; give it a moment.
     std::thread::sleep(Duration::from_secs(3));

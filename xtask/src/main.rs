@@ -10,10 +10,12 @@ mod disaggbench;
 mod dist;
 #[cfg(test)]
 mod docs;
+mod figures;
 mod fuzz;
 mod hostilebench;
 mod images;
 mod kvbench;
+mod kvfleet;
 mod plannerbench;
 mod plot;
 mod quality;

@@ -23,7 +23,7 @@ const CHUNKS: u64 = 256;
 /// The llm-d router's reported cost at about 99 req/s of 100k-token
 /// prompts: 35 to 46 cores, about 0.4 core-seconds a request
 /// (`peers-2026.md`).
-const LLMD_CORE_S_PER_100K_REQUEST: f64 = 0.4;
+pub const LLMD_CORE_S_PER_100K_REQUEST: f64 = 0.4;
 
 /// The length curve's prompt sizes, in tokens.
 const LENGTHS: [u64; 5] = [1024, 2048, 8192, 32_768, 131_072];
@@ -392,46 +392,21 @@ pub fn report(v: &Value) -> String {
             },
         ));
     }
-    let find = |name: &str| shapes.iter().find(|s| s["shape"] == name);
-    let stream_line = match (
-        find("one-piece response, 256 tokens"),
-        find("streamed response, 256 chunks"),
-    ) {
-        (Some(a), Some(b)) => {
-            let on_workers = |s: &Value| on_workers(s, "kvgate").unwrap_or(f64::NAN);
-            format!(
-                "Streaming: on Envoy's worker threads, where the filter's callbacks run, it adds {:.0} µs to a response \
-                 streamed in 256 chunks and {:.0} µs to the same response in one piece, {:+.2} µs a chunk (it releases the \
-                 prefill at the first chunk and returns at once on the others). The rest of a stream's added CPU is the main \
-                 thread's and the sidecar's work for bookings and snapshots, which runs per interval, not per request, and \
-                 weighs more per request at the streams' lower request rate.\n\n",
-                on_workers(b),
-                on_workers(a),
-                (on_workers(b) - on_workers(a)) / (CHUNKS - 1) as f64,
-            )
-        }
-        _ => String::new(),
+    let stream_line = match streaming(v) {
+        Some((streamed, one_piece)) => format!(
+            "Streaming: on Envoy's worker threads, where the filter's callbacks run, it adds {streamed:.0} µs to a response \
+             streamed in 256 chunks and {one_piece:.0} µs to the same response in one piece, {:+.2} µs a chunk (it releases the \
+             prefill at the first chunk and returns at once on the others). The rest of a stream's added CPU is the main \
+             thread's and the sidecar's work for bookings and snapshots, which runs per interval, not per request, and \
+             weighs more per request at the streams' lower request rate.\n\n",
+            (streamed - one_piece) / (CHUNKS - 1) as f64,
+        ),
+        None => String::new(),
     };
-    // Cores for 100 req/s of 100k-token prompts, from the 128k rows.
-    let mut cores = String::new();
-    for name in ["128k token ids", "128k-token chat text"] {
-        let Some(s) = find(name) else { continue };
-        let per_1k = f(s, &["added_cpu_us_per_1k_tokens"]);
-        let tokens = f(s, &["prompt_tokens_sent"]);
-        let gateway_per_1k = (f(s, &["kvgate", "envoy_cpu_us"])
-            + f(s, &["kvgate", "sidecar_cpu_us"]))
-            / (tokens / 1000.0);
-        let added_100k_s = per_1k * 100.0 / 1e6;
-        cores.push_str(&format!(
-            "* {name}: routing adds {:.2} ms of CPU per 100k-token request, {:.2} cores at 100 req/s \
-             ({:.0}× less than llm-d's reported 0.4 core-seconds a request); the whole gateway pod \
-             (Envoy proxying the body too, and the sidecar) needs {:.2} cores.\n",
-            added_100k_s * 1e3,
-            added_100k_s * 100.0,
-            LLMD_CORE_S_PER_100K_REQUEST / added_100k_s,
-            gateway_per_1k * 100.0 * 100.0 / 1e6,
-        ));
-    }
+    let cores: String = LONG_PROMPTS
+        .iter()
+        .filter_map(|name| Some(long_prompt_line(name, &long_prompt(v, name)?)))
+        .collect();
     let curve = length_curve(shapes);
     format!(
         "\n### By request shape: streamed responses and long prompts\n\n\
@@ -446,6 +421,108 @@ added CPU is Envoy's plus the sidecar's, kvgate's route minus the plain one, ove
         f(v, &["concurrency"]),
         f(v, &["runs"]),
     )
+}
+
+/// The rows whose routing cost is put in cores for 100k-token prompts.
+pub const LONG_PROMPTS: [&str; 2] = ["128k token ids", "128k-token chat text"];
+
+/// Worker-thread CPU µs the filter adds to a response streamed in
+/// [`CHUNKS`] chunks, and to the same response in one piece.
+pub fn streaming(v: &Value) -> Option<(f64, f64)> {
+    let find = |name: &str| shape(v, name);
+    Some((
+        on_workers(find("streamed response, 256 chunks")?, "kvgate")?,
+        on_workers(find("one-piece response, 256 tokens")?, "kvgate")?,
+    ))
+}
+
+fn shape<'v>(v: &'v Value, name: &str) -> Option<&'v Value> {
+    v["shapes"].as_array()?.iter().find(|s| s["shape"] == name)
+}
+
+/// What routing a long prompt costs, scaled from its row to 100k tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LongPrompt {
+    /// CPU ms routing adds to a request (Envoy and the sidecar, kvgate's
+    /// route minus the plain one); below zero when the plain route took
+    /// more.
+    pub added_ms: f64,
+    /// The whole gateway pod's cores for 100 such requests a second.
+    pub pod_cores: f64,
+}
+
+impl LongPrompt {
+    /// Cores the added CPU takes at 100 requests a second.
+    pub fn added_cores(&self) -> f64 {
+        self.added_ms / 10.0
+    }
+
+    /// How many times less than the llm-d router's reported cost.
+    pub fn times_less_than_llmd(&self) -> f64 {
+        LLMD_CORE_S_PER_100K_REQUEST / (self.added_ms / 1e3)
+    }
+}
+
+pub fn long_prompt(v: &Value, name: &str) -> Option<LongPrompt> {
+    let s = shape(v, name)?;
+    let per_1k = s["added_cpu_us_per_1k_tokens"].as_f64()?;
+    let tokens = s["prompt_tokens_sent"].as_f64()?;
+    let pod_per_1k = (s["kvgate"]["envoy_cpu_us"].as_f64()?
+        + s["kvgate"]["sidecar_cpu_us"].as_f64()?)
+        / (tokens / 1000.0);
+    Some(LongPrompt {
+        added_ms: per_1k * 100.0 / 1e3,
+        pod_cores: pod_per_1k * 100.0 * 100.0 / 1e6,
+    })
+}
+
+/// A long prompt's routing cost in words. Added CPU is kvgate's route
+/// minus the plain one, and on the text rows the background (the sidecar
+/// indexing, the simulated engine tokenizing) can outweigh it: a negative
+/// difference says the cost is below the run's noise, not that routing
+/// saves CPU, so it is not put as a ratio to anyone's cost.
+pub fn long_prompt_line(name: &str, c: &LongPrompt) -> String {
+    let pod = format!(
+        "the whole gateway pod (Envoy proxying the body too, and the sidecar) needs {:.2} cores",
+        c.pod_cores
+    );
+    if c.added_ms > 0.0 {
+        format!(
+            "* {name}: routing adds {:.2} ms of CPU per 100k-token request, {:.2} cores at 100 req/s \
+             ({:.0}× less than llm-d's reported {LLMD_CORE_S_PER_100K_REQUEST} core-seconds a request); {pod}.\n",
+            c.added_ms,
+            c.added_cores(),
+            c.times_less_than_llmd(),
+        )
+    } else {
+        format!(
+            "* {name}: the kvgate route took {:.2} ms less CPU per 100k-token request than the plain one, \
+             so what routing adds is below this run's noise (each process's background weighs most on these rows); {pod}.\n",
+            -c.added_ms,
+        )
+    }
+}
+
+/// A line fitted through the length curve: (µs per 1k tokens, µs a
+/// request).
+pub type Line = (f64, f64);
+
+/// The length curve's lines per kind: its label, the line through this
+/// build's points, and the baseline build's.
+pub fn lines(v: &Value) -> Vec<(&'static str, Option<Line>, Option<Line>)> {
+    let Some(shapes) = v["shapes"].as_array() else {
+        return Vec::new();
+    };
+    Kind::ALL
+        .iter()
+        .map(|&k| {
+            (
+                k.label(),
+                fit(&curve(shapes, k, "kvgate")),
+                fit(&curve(shapes, k, "baseline")),
+            )
+        })
+        .collect()
 }
 
 /// The filter's own work on a shape: CPU µs a request on Envoy's worker
@@ -499,7 +576,11 @@ fn length_curve(shapes: &[Value]) -> String {
             .map(|(k, us)| format!("{us:.0} ({:.1})", us / k))
             .collect();
         let line = |p: &[(f64, f64)]| match fit(p) {
-            Some((slope, fixed)) => format!("{slope:.1} µs per 1k + {fixed:.0} µs"),
+            Some((slope, fixed)) => format!(
+                "{slope:.1} µs per 1k {} {:.0} µs",
+                if fixed < -0.5 { "−" } else { "+" },
+                fixed.abs()
+            ),
             None => "—".into(),
         };
         let old = if baseline {
@@ -573,6 +654,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_long_prompts_cost_reads_as_what_it_adds_or_as_below_the_noise() {
+        let adds = long_prompt_line(
+            "128k token ids",
+            &LongPrompt {
+                added_ms: 1.59,
+                pod_cores: 0.43,
+            },
+        );
+        assert!(adds.contains("routing adds 1.59 ms"), "{adds}");
+        assert!(adds.contains("0.16 cores at 100 req/s"), "{adds}");
+        assert!(adds.contains("(252× less than llm-d's"), "{adds}");
+
+        // The plain route took more: no negative cost, and no ratio to
+        // anyone's.
+        let below = long_prompt_line(
+            "128k-token chat text",
+            &LongPrompt {
+                added_ms: -3.05,
+                pod_cores: 0.36,
+            },
+        );
+        assert!(below.contains("3.05 ms less CPU"), "{below}");
+        assert!(below.contains("below this run's noise"), "{below}");
+        assert!(!below.contains("-3") && !below.contains('−'), "{below}");
+        assert!(!below.contains('×'), "{below}");
+        assert!(below.contains("needs 0.36 cores"), "{below}");
+    }
+
+    #[test]
     fn the_line_through_a_line_is_itself() {
         let (slope, fixed) = fit(&[(1.0, 12.0), (2.0, 14.0), (128.0, 266.0)]).unwrap();
         assert!((slope - 2.0).abs() < 1e-9 && (fixed - 10.0).abs() < 1e-9);
@@ -633,5 +743,14 @@ mod tests {
             "{table}"
         );
         assert!(table.contains("0.0 µs per 1k + 50 µs"), "{table}");
+
+        // A line below zero at no length reads with its minus sign, not
+        // as `+ -20`.
+        let falling: Vec<Value> = LENGTHS
+            .iter()
+            .map(|&t| shape(Kind::Text, t, -20.0 + 2.0 * t as f64 / 1000.0))
+            .collect();
+        let table = length_curve(&falling);
+        assert!(table.contains("2.0 µs per 1k − 20 µs"), "{table}");
     }
 }

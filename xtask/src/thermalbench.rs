@@ -373,10 +373,13 @@ pub fn report(v: &Value, plots: &std::path::Path) -> Result<String> {
         plots.join("thermal_throughput.svg"),
         plot::lines("Completions per second", "s", "req/s", &refs(&tput), &[]),
     )?;
+    // Results from before the whole request was timed have no figure for
+    // it: a dash, not a zero.
+    let ms = |x: &Value| x.as_f64().map_or("—".to_string(), |x| format!("{x:.0}"));
     let row = |n: &str| {
         let r = &runs[n];
         format!(
-            "| {n} | {:.1} | {:.1} | {} | {:.2} | {:.0} | {:.0} / {:.0} | {:.0} / {:.0} |",
+            "| {n} | {:.1} | {:.1} | {} | {:.2} | {:.0} | {:.0} / {:.0} | {} / {} |",
             r["hottest_gpu_c"].as_f64().unwrap_or(0.0),
             r["hottest_gpu_c_after_settling"].as_f64().unwrap_or(0.0),
             r["crossed_slowdown"],
@@ -386,8 +389,8 @@ pub fn report(v: &Value, plots: &std::path::Path) -> Result<String> {
             r["goodput_tokens_per_s"].as_f64().unwrap_or(0.0),
             r["ttft_ms_p50"].as_f64().unwrap_or(0.0),
             r["ttft_ms_p99"].as_f64().unwrap_or(0.0),
-            r["request_ms_p50"].as_f64().unwrap_or(0.0),
-            r["request_ms_p99"].as_f64().unwrap_or(0.0),
+            ms(&r["request_ms_p50"]),
+            ms(&r["request_ms_p99"]),
         )
     };
     Ok(format!(

@@ -12,6 +12,11 @@
 //!   arguments and `--help` appended, which clap answers with help only
 //!   once every flag and value before it parsed (unknown ones fail first).
 //!
+//! The same test holds the quoted figures (the README's headline rows,
+//! the report's Summary, architecture.md's per-request cost) to
+//! `bench/results/*.json`: [`crate::figures::check`] says what it checks;
+//! its own tests seed made-up figures.
+//!
 //! Links to other sites (`http:`, `https:`, `mailto:`) are not checked:
 //! the machines the tests run on reach nothing outside.
 

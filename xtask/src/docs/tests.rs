@@ -8,8 +8,17 @@ fn bin_dir() -> PathBuf {
 }
 
 #[test]
-fn the_projects_docs_have_no_broken_links_or_commands() {
-    let problems = check(&crate::repo(), &bin_dir());
+fn the_projects_docs_have_no_broken_links_commands_or_figures() {
+    let mut problems = check(&crate::repo(), &bin_dir());
+    problems.extend(
+        crate::figures::check(&crate::repo())
+            .into_iter()
+            .map(|f| Problem {
+                file: f.file.into(),
+                line: f.line,
+                what: f.what,
+            }),
+    );
     let list: Vec<String> = problems.iter().map(Problem::to_string).collect();
     assert!(
         list.is_empty(),
