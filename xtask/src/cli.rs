@@ -105,6 +105,10 @@ mod tests {
         };
         assert!(b.quick);
         assert_eq!(b.only, Some(Only::Text));
+        let Task::Bench(b) = parse(&["bench", "--report"]).unwrap().task else {
+            panic!("not bench");
+        };
+        assert!(b.report && !b.quick && b.only.is_none());
         let Task::Test(t) = parse(&["test", "-p", "kvgate-tests", "--", "e2e"])
             .unwrap()
             .task
