@@ -173,6 +173,17 @@ pub struct Whole {
     pub why: Option<WholeWhy>,
 }
 
+impl Whole {
+    /// The override-host list Envoy's balancer walks: the target, then
+    /// the fallback a refused connection is retried on.
+    pub fn destination(&self) -> String {
+        match &self.fallback {
+            Some(f) => format!("{},{}", self.target.endpoint, f.endpoint),
+            None => self.target.endpoint.clone(),
+        }
+    }
+}
+
 /// A disaggregated request: the prompt on one worker, the answer on
 /// another.
 #[derive(Debug, Clone, PartialEq)]

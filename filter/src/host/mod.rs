@@ -161,14 +161,7 @@ pub fn dispatch_get(
     authorization: Option<&str>,
     timeout: Duration,
 ) -> Result<u32, Fault> {
-    let mut headers = vec![
-        (":method", "GET"),
-        (":path", path),
-        (":authority", authority),
-    ];
-    if let Some(a) = authorization {
-        headers.push(("authorization", a));
-    }
+    let headers = call_headers("GET", authority, path, authorization, None);
     dispatch(cluster, headers, None, timeout)
 }
 
@@ -181,16 +174,31 @@ pub fn dispatch_post(
     body: &[u8],
     timeout: Duration,
 ) -> Result<u32, Fault> {
+    let content_type = Some("application/octet-stream");
+    let headers = call_headers("POST", authority, path, authorization, content_type);
+    dispatch(cluster, headers, Some(body), timeout)
+}
+
+/// A callout's headers: the pseudo-headers first, as HTTP/2 requires.
+fn call_headers<'a>(
+    method: &'a str,
+    authority: &'a str,
+    path: &'a str,
+    authorization: Option<&'a str>,
+    content_type: Option<&'a str>,
+) -> Vec<(&'a str, &'a str)> {
     let mut headers = vec![
-        (":method", "POST"),
+        (":method", method),
         (":path", path),
         (":authority", authority),
-        ("content-type", "application/octet-stream"),
     ];
+    if let Some(t) = content_type {
+        headers.push(("content-type", t));
+    }
     if let Some(a) = authorization {
         headers.push(("authorization", a));
     }
-    dispatch(cluster, headers, Some(body), timeout)
+    headers
 }
 
 /// The queue routing decisions travel through, from router VMs to the

@@ -354,18 +354,13 @@ fn selection(
         disaggregation,
         not_applied: req.not_applied().into_iter().map(str::to_string).collect(),
     };
-    let load = |t: &Target| Load {
-        slot: t.slot,
-        prefill_tokens: t.prefill_tokens,
-        decode_blocks: t.decode_blocks,
-    };
     Ok(Selected {
         rank: rank_id(model, first),
-        load: load(&decode),
+        load: Load::from(&decode),
         prefill: prefill
             .as_ref()
             .zip(prefill_rank)
-            .map(|(p, r)| (r, load(p))),
+            .map(|(p, r)| (r, Load::from(p))),
         view,
     })
 }

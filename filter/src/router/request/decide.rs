@@ -118,24 +118,25 @@ pub(super) fn decide(
         ticket = Some(hash);
     }
     clock.mark(h, Phase::Selected);
-    let report = match &planned {
-        Plan::Route(r) => r.report.clone(),
-        Plan::Reject(_) => None,
-    };
     let client = Body {
         len: body.len(),
         max: st.config.max_body_bytes,
         isl_tokens: req.isl_tokens,
     };
+    let dispatched = dispatch::dispatch(&planned, Door::CALLOUT, Some(client));
+    // The plan is spent: its report moves on with the request.
     let facts = Facts {
-        report,
+        report: match planned {
+            Plan::Route(r) => r.report,
+            Plan::Reject(_) => None,
+        },
         isl_tokens: u32::try_from(req.isl_tokens).unwrap_or(u32::MAX),
         output_tokens: req
             .max_tokens
             .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
     };
     let m = &st.metrics;
-    match dispatch::dispatch(&planned, Door::CALLOUT, Some(client)) {
+    match dispatched {
         Dispatch::Whole(w) => {
             match w.why {
                 Some(WholeWhy::Local(_)) => h.count(m.prefill_local),

@@ -342,17 +342,13 @@ impl Flow {
     pub(super) fn route_to(&mut self, h: &impl Host, w: Whole, facts: &Facts, leg: Leg) -> Routed {
         let mut guard = self.state.borrow_mut();
         let st = &mut *guard;
+        let destination = w.destination();
         let Whole {
             model,
             target,
             fallback,
             ..
         } = w;
-        // Envoy's override-host balancer tries the list in order.
-        let destination = match &fallback {
-            Some(f) => format!("{},{}", target.endpoint, f.endpoint),
-            None => target.endpoint.clone(),
-        };
         let c = &st.config;
         let served_by = (!c.served_by_header.is_empty()).then(|| target.served_by());
         let mut ok = h

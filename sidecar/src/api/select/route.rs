@@ -158,11 +158,8 @@ pub fn place(
             )));
         }
     };
+    let destination = whole.destination();
     let t = &whole.target;
-    let destination = match &whole.fallback {
-        Some(f) => format!("{},{}", t.endpoint, f.endpoint),
-        None => t.endpoint.clone(),
-    };
     let (body, request_id) = match whole.body {
         WholeBody::Verbatim => (None, None),
         WholeBody::Scrubbed => {
@@ -190,12 +187,12 @@ pub fn place(
         },
         // The target is `route.first`, the decode worker.
         rank: rank_id(model, &route.first),
-        load: Load {
-            slot: t.slot,
-            prefill_tokens: t.prefill_tokens,
-            decode_blocks: t.decode_blocks,
+        load: Load::from(t),
+        // The plan is spent: its report moves on with the request.
+        report: match plan {
+            Plan::Route(r) => r.report,
+            Plan::Reject(_) => None,
         },
-        report: route.report.clone(),
     })
 }
 

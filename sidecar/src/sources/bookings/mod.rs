@@ -94,6 +94,17 @@ pub struct Load {
     pub decode_blocks: u64,
 }
 
+impl From<&kvgate_core::dispatch::Target> for Load {
+    /// What a dispatched leg books on its rank.
+    fn from(t: &kvgate_core::dispatch::Target) -> Load {
+        Load {
+            slot: t.slot,
+            prefill_tokens: t.prefill_tokens,
+            decode_blocks: t.decode_blocks,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Live {
     slot: u16,
