@@ -29,7 +29,7 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 8;
+pub const MINOR: u16 = 9;
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 
@@ -74,6 +74,8 @@ const BOOTSTRAP_PORT_LEN: usize = 2;
 /// decode affinity.
 const DISAGG_LEN: usize = 1 + 1 + 1 + 8 + 8 + 8 + 8;
 const DISAGG_PRESENT: u8 = 1;
+/// A model's Retry-After per pool (minor 9): prefill, decode.
+const POOL_RETRY_LEN: usize = 2 * 4;
 const FAIL_LOCAL: u8 = 0;
 const FAIL_FAIL: u8 = 1;
 
@@ -105,6 +107,7 @@ impl Snapshot {
                         + 8
                         + PLAN_LEN
                         + DISAGG_LEN
+                        + POOL_RETRY_LEN
                         + m.workers
                             .iter()
                             .map(|w| {
@@ -215,6 +218,10 @@ impl Snapshot {
             out.extend_from_slice(&m.prompt_template.to_le_bytes());
             // Minor 8: the disaggregation.
             put_disaggregation(out, m.disaggregation.as_ref());
+            // Minor 9: Retry-After per pool.
+            for v in m.retry_after_by_pool_s {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
             end_record(out, rec, "model record")?;
         }
         put_count(out, self.applied.len(), "applied bookings")?;
@@ -363,6 +370,10 @@ fn decode_model(m: &mut Reader<'_>, old: ModelState) -> Result<ModelState, Snaps
     } else {
         None
     };
+    let mut retry_after_by_pool_s = [0; 2];
+    if m.remaining() >= POOL_RETRY_LEN {
+        retry_after_by_pool_s = [m.u32()?, m.u32()?];
+    }
     Ok(ModelState {
         name,
         thresholds,
@@ -375,6 +386,7 @@ fn decode_model(m: &mut Reader<'_>, old: ModelState) -> Result<ModelState, Snaps
         plan,
         prompt_template,
         disaggregation,
+        retry_after_by_pool_s,
     })
 }
 
@@ -712,6 +724,7 @@ mod tests {
                         prefill_timeout_ms: 2500,
                         decode_affinity: 0.0,
                     }),
+                    retry_after_by_pool_s: [9, 3],
                 },
                 ModelState {
                     name: "empty".into(),
@@ -724,7 +737,10 @@ mod tests {
 
     /// What a minor-0 writer produced: no retry hint, no applied list.
     fn minor0(s: &Snapshot) -> Vec<u8> {
-        strip_model_tail(s, 8 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN)
+        strip_model_tail(
+            s,
+            8 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
+        )
     }
 
     /// Cuts the last `by` bytes (the minor-1 and later fields, with no
@@ -765,7 +781,7 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            4 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN,
+            4 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
@@ -778,7 +794,7 @@ mod tests {
         assert_ne!(s.models[0].policy, Policy::default());
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN,
+            POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
@@ -790,7 +806,11 @@ mod tests {
     fn minor_four_snapshots_know_no_service_rate() {
         let s = sample();
         assert!(s.models[0].service_rate_per_s > 0.0);
-        let old = Snapshot::decode(&strip_model_tail(&s, 16 + PLAN_LEN + 8 + DISAGG_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(
+            &s,
+            16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
+        ))
+        .unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 0.0);
         assert_eq!(
             old.models[0].policy.host_weight,
@@ -801,16 +821,29 @@ mod tests {
     #[test]
     fn minor_five_snapshots_weigh_heat_by_default() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 8 + PLAN_LEN + 8 + DISAGG_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(
+            &s,
+            8 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
+        ))
+        .unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 42.5);
         assert_eq!(old.models[0].policy.thermal_weight, 1.0);
         assert_eq!(old.models[0].plan, ModelPlan::default());
     }
 
     #[test]
+    fn minor_eight_snapshots_take_the_models_retry_after_for_every_pool() {
+        let s = sample();
+        assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
+        let old = Snapshot::decode(&strip_model_tail(&s, POOL_RETRY_LEN)).unwrap();
+        assert_eq!(old.models[0].retry_after_by_pool_s, [0, 0]);
+        assert!(old.models[0].disaggregation.is_some());
+    }
+
+    #[test]
     fn minor_seven_snapshots_serve_every_model_whole() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, DISAGG_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, DISAGG_LEN + POOL_RETRY_LEN)).unwrap();
         assert_eq!(old.models[0].disaggregation, None);
         assert_eq!(old.models[0].prompt_template, 0xFEED);
         // And their workers, cut of their role byte, take either leg.
@@ -858,7 +891,7 @@ mod tests {
         assert_eq!(d.prefill_timeout_ms, 1);
         // The model's record ends with the disaggregation, then the
         // applied list (a count and one entry) closes the payload.
-        let at = bytes.len() - 4 - 16 - DISAGG_LEN;
+        let at = bytes.len() - 4 - 16 - DISAGG_LEN - POOL_RETRY_LEN;
         assert_eq!(bytes[at], DISAGG_PRESENT);
         bytes[at + 1] = 9; // a protocol of a newer writer
         assert_eq!(
@@ -891,7 +924,7 @@ mod tests {
     #[test]
     fn minor_six_snapshots_have_no_prompt_template() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 8 + DISAGG_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, 8 + DISAGG_LEN + POOL_RETRY_LEN)).unwrap();
         assert_eq!(old.models[0].prompt_template, 0);
         assert_eq!(old.models[0].plan, s.models[0].plan);
         assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
@@ -1178,6 +1211,7 @@ mod tests {
                                 decode_affinity: credit,
                             }
                         }),
+                        retry_after_by_pool_s: [shard_count % 11, shard_count % 13],
                     }
                 },
             );

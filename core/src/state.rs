@@ -79,6 +79,12 @@ pub struct ModelState {
     /// request is served whole by one worker, whatever the roles.
     #[cfg_attr(feature = "serde", serde(default))]
     pub disaggregation: Option<Disaggregation>,
+    /// A disaggregated model's `retry_after_s` for a request its prefill
+    /// workers cannot take, and for one its decode workers (with `both`)
+    /// cannot: each pool's own drain and scale-up (minor 9); 0: the
+    /// model's.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub retry_after_by_pool_s: [u32; 2],
 }
 
 /// The planner's view of a model, as routing and shedding use it.

@@ -311,6 +311,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 },
                 prompt_template: 0x5EED,
                 disaggregation: Some(kvgate_core::Disaggregation::default()),
+                retry_after_by_pool_s: [12, 3],
             },
             ModelState {
                 name: "no-workers".into(),
@@ -328,6 +329,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 plan: Default::default(),
                 prompt_template: 0,
                 disaggregation: None,
+                retry_after_by_pool_s: [0; 2],
             },
         ],
         applied: vec![

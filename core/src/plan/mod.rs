@@ -286,14 +286,18 @@ impl<'a> Gathered<'a> {
             select_with_runner_up(model, tenant, &shape, policy, terms, |w, r| {
                 cached.of(w, r.slot)
             });
+        // A leg is refused for want of its own pool: its pool's hint,
+        // where the sidecar gives one.
+        let pool = match leg {
+            Leg::Whole => 0,
+            Leg::Prefill => model.retry_after_by_pool_s[0],
+            Leg::Decode => model.retry_after_by_pool_s[1],
+        };
+        let retry_after_s = if pool == 0 { model.retry_after_s } else { pool };
         match decision {
             Decision::Route(first) => Ok((first, runner_up)),
-            Decision::AllBusy => Err(Rejection::AllBusy {
-                retry_after_s: model.retry_after_s,
-            }),
-            Decision::AllHot => Err(Rejection::Thermal {
-                retry_after_s: model.retry_after_s,
-            }),
+            Decision::AllBusy => Err(Rejection::AllBusy { retry_after_s }),
+            Decision::AllHot => Err(Rejection::Thermal { retry_after_s }),
             Decision::NoWorkers => Err(Rejection::NoWorkers),
         }
     }

@@ -250,6 +250,46 @@ fn each_leg_sheds_as_a_whole_request_does() {
 }
 
 #[test]
+fn a_refused_leg_is_told_when_its_own_pool_frees() {
+    let mut s = fleet();
+    s.models[0].retry_after_by_pool_s = [30, 4];
+    s.models[0].disaggregation = Some(Disaggregation {
+        on_prefill_failure: OnPrefillFailure::Fail,
+        ..Disaggregation::default()
+    });
+    for w in workers(&mut s)
+        .iter_mut()
+        .filter(|w| w.role == Role::Prefill)
+    {
+        w.ranks[0].busy = true;
+    }
+    assert_eq!(
+        run(&s, &HashMap::new(), DEFAULT_TENANT),
+        Plan::Reject(Rejection::AllBusy { retry_after_s: 30 }),
+        "the prefill pool limits it"
+    );
+    let mut s = fleet();
+    s.models[0].retry_after_by_pool_s = [30, 4];
+    for w in workers(&mut s)
+        .iter_mut()
+        .filter(|w| w.role == Role::Decode)
+    {
+        w.ranks[0].busy = true;
+    }
+    assert_eq!(
+        run(&s, &HashMap::new(), DEFAULT_TENANT),
+        Plan::Reject(Rejection::AllBusy { retry_after_s: 4 }),
+        "the decode pool limits it"
+    );
+    s.models[0].retry_after_by_pool_s = [30, 0];
+    assert_eq!(
+        run(&s, &HashMap::new(), DEFAULT_TENANT),
+        Plan::Reject(Rejection::AllBusy { retry_after_s: 7 }),
+        "no hint of the pool's: the model's"
+    );
+}
+
+#[test]
 fn tenants_and_draining_apply_to_both_legs() {
     let mut s = fleet();
     workers(&mut s)[0].tenant = "team-a".into();
