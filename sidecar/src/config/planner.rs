@@ -3,6 +3,7 @@
 //! live here so that configuration names no module later in the flow.
 
 use super::millis;
+use kvgate_core::Role;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
@@ -58,6 +59,56 @@ pub struct PlannerConfig {
     /// skipped).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup_trace: Option<std::path::PathBuf>,
+    /// `[models.planner.prefill]`: the prefill pool's own bounds and
+    /// sensitivity, for a disaggregated model; unset ones are the model's.
+    #[serde(default)]
+    pub prefill: PoolConfig,
+    /// `[models.planner.decode]`: the decode pool's.
+    #[serde(default)]
+    pub decode: PoolConfig,
+    /// A disaggregated model's planner may move a worker from one pool to
+    /// the other (`PATCH /workers/{id}` with its new `role`) instead of
+    /// starting one and draining another: only for engines that serve
+    /// either leg without a restart (vLLM with `kv_both`).
+    #[serde(default)]
+    pub role_switch: bool,
+    /// Watts the model's replicas may draw together, measured; unset: no
+    /// budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_budget_w: Option<f64>,
+    /// What one replica draws until a reading says (watts, all its GPUs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_watts: Option<f64>,
+}
+
+/// `[planner]`: the fleet's side of planning.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FleetPlanner {
+    /// Watts every planned model's replicas may draw together, measured;
+    /// each model's own `power_budget_w` applies too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_budget_w: Option<f64>,
+}
+
+/// One pool's bounds and sensitivity; unset, the model's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_replicas: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_replicas: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sensitivity: Option<f64>,
+}
+
+/// A pool's bounds and sensitivity, resolved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolBounds {
+    pub min_replicas: u32,
+    pub max_replicas: u32,
+    pub sensitivity: f64,
 }
 
 /// At most this many warm-up intervals are read: a month of minutes.
@@ -119,25 +170,55 @@ fn default_startup() -> Duration {
 }
 
 impl PlannerConfig {
+    /// The bounds of the pool of `role`: the model's, or a disaggregated
+    /// pool's own where set.
+    pub fn bounds(&self, role: Role) -> PoolBounds {
+        let own = match role {
+            Role::Both => PoolConfig::default(),
+            Role::Prefill => self.prefill,
+            Role::Decode => self.decode,
+        };
+        PoolBounds {
+            min_replicas: own.min_replicas.unwrap_or(self.min_replicas),
+            max_replicas: own.max_replicas.unwrap_or(self.max_replicas),
+            sensitivity: own.sensitivity.unwrap_or(self.sensitivity),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         let pos = |v: f64| v.is_finite() && v > 0.0;
         if !pos(self.ttft_ms) || !pos(self.itl_ms) {
             return Err("ttft_ms and itl_ms must be above 0".into());
         }
-        if !(self.sensitivity.is_finite() && self.sensitivity > 0.0 && self.sensitivity < 1.0) {
-            return Err(format!(
-                "sensitivity must be within (0, 1), got {}",
-                self.sensitivity
-            ));
+        for role in Role::ALL {
+            let b = self.bounds(role);
+            let name = match role {
+                Role::Both => String::new(),
+                r => format!("{}: ", r.as_str()),
+            };
+            if !(b.sensitivity.is_finite() && b.sensitivity > 0.0 && b.sensitivity < 1.0) {
+                return Err(format!(
+                    "{name}sensitivity must be within (0, 1), got {}",
+                    b.sensitivity
+                ));
+            }
+            if b.min_replicas > b.max_replicas || b.max_replicas == 0 {
+                return Err(format!(
+                    "{name}min_replicas {} must be at most max_replicas {} (above 0)",
+                    b.min_replicas, b.max_replicas
+                ));
+            }
+        }
+        for (k, v) in [
+            ("power_budget_w", self.power_budget_w),
+            ("replica_watts", self.replica_watts),
+        ] {
+            if v.is_some_and(|w| !pos(w)) {
+                return Err(format!("{k} must be above 0"));
+            }
         }
         if self.load_interval.is_zero() || self.throughput_interval.is_zero() {
             return Err("load_interval_ms and throughput_interval_ms must be above 0".into());
-        }
-        if self.min_replicas > self.max_replicas || self.max_replicas == 0 {
-            return Err(format!(
-                "min_replicas {} must be at most max_replicas {} (above 0)",
-                self.min_replicas, self.max_replicas
-            ));
         }
         if self.season_intervals < 2 {
             return Err("season_intervals must be at least 2".into());
@@ -156,16 +237,21 @@ impl PlannerConfig {
 #[serde(rename_all = "snake_case")]
 pub enum PredictorKind {
     Constant,
-    #[default]
     Kalman,
     Seasonal,
+    /// The default: the lowest mean one-step MAPE of requests, ISL and
+    /// OSL per minute on the Mooncake conversation trace (`xtask bench`'s
+    /// `trace_mape`), if only just ahead of `kalman`.
+    #[default]
+    Arima,
 }
 
 impl PredictorKind {
-    pub const ALL: [PredictorKind; 3] = [
+    pub const ALL: [PredictorKind; 4] = [
         PredictorKind::Constant,
         PredictorKind::Kalman,
         PredictorKind::Seasonal,
+        PredictorKind::Arima,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -173,18 +259,30 @@ impl PredictorKind {
             PredictorKind::Constant => "constant",
             PredictorKind::Kalman => "kalman",
             PredictorKind::Seasonal => "seasonal",
+            PredictorKind::Arima => "arima",
         }
     }
 }
 
-/// One profiled point: at this ISL and OSL a replica served `rps` within
-/// the SLA.
+/// One profiled point: at this ISL and OSL one worker of `role` served
+/// `rps` within the SLA (`kvgate-sidecar profile` measures them). A
+/// `both` row (the default) is a worker serving whole requests; a
+/// `prefill` row one computing prompts only (its `osl` is 0), judged by
+/// TTFT; a `decode` row one decoding only, judged by ITL.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProfileRow {
+    #[serde(default)]
+    pub role: Role,
     pub isl: f64,
     pub osl: f64,
     pub rps: f64,
+    /// What the sweep measured at `rps` (p90), for the record: the
+    /// planner reads only `rps`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_ms: Option<f64>,
 }
 
 fn validate_profile(rows: &[ProfileRow]) -> Result<(), String> {
@@ -211,9 +309,12 @@ mod tests {
     fn a_profile_row_needs_a_positive_rate() {
         assert!(
             validate_profile(&[ProfileRow {
+                role: Role::Both,
                 isl: 1.0,
                 osl: 1.0,
-                rps: 0.0
+                rps: 0.0,
+                ttft_ms: None,
+                itl_ms: None,
             }])
             .is_err()
         );

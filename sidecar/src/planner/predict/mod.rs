@@ -7,18 +7,26 @@
 //!   noisy observations: follows a ramp without lagging a whole interval.
 //! * [`Seasonal`]: additive Holt-Winters with a fixed season length: a
 //!   daily (or, in a bench, a minutes-long) pattern on top of a trend.
+//! * [`Arima`]: a seasonal ARIMA whose orders are chosen by AIC and
+//!   refitted every few intervals.
 //!
 //! All warm-start from a trace: [`Predictor::observe`] each past value.
 
+mod arima;
+mod nelder_mead;
+
+pub use arima::Arima;
+
 use crate::config::PredictorKind;
 
-/// A fresh predictor of `kind`; `season` is the seasonal one's period
+/// A fresh predictor of `kind`; `season` is the seasonal ones' period
 /// in intervals.
 pub fn build(kind: PredictorKind, season: usize) -> Box<dyn Predictor + Send> {
     match kind {
         PredictorKind::Constant => Box::new(Constant::default()),
         PredictorKind::Kalman => Box::new(Kalman::default()),
         PredictorKind::Seasonal => Box::new(Seasonal::new(season)),
+        PredictorKind::Arima => Box::new(Arima::new(season)),
     }
 }
 
