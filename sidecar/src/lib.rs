@@ -50,6 +50,7 @@ pub mod fleet;
 mod lifecycle;
 pub mod metrics;
 pub mod planner;
+pub mod profile;
 pub mod prompt;
 pub mod publish;
 mod recovery;

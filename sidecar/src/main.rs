@@ -4,6 +4,9 @@
 //! `kvgate-sidecar agent [--listen ADDR]`: serves this GPU node's NVML
 //! readings under dcgm-exporter's metric names.
 //! `kvgate-sidecar check --config FILE`: validates a configuration file.
+//! `kvgate-sidecar profile --endpoint URL --model NAME ...`: measures the
+//! rates one worker serves within an SLA, as `[models.planner]` profile
+//! rows.
 
 #![forbid(unsafe_code)]
 
@@ -64,6 +67,77 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Measures, for each prompt and answer length, the highest request
+    /// rate one worker serves within the SLA (open-loop Poisson arrivals,
+    /// streamed completions timed at the client), and prints the
+    /// `profile = [...]` rows of the model's `[models.planner]`.
+    Profile(ProfileArgs),
+}
+
+#[derive(Debug, Args)]
+struct ProfileArgs {
+    /// The worker to profile, `http://HOST:PORT`: one worker, not a
+    /// gateway, with nothing else sent to it during the sweep.
+    #[arg(long)]
+    endpoint: String,
+    /// The model name the worker serves.
+    #[arg(long)]
+    model: String,
+    /// `both`: whole requests, judged by TTFT and ITL; `prefill`: prompts
+    /// only (one token), judged by TTFT; `decode`: judged by ITL (the
+    /// worker computes the prompts too, so the figure is conservative).
+    #[arg(long, default_value = "both", value_parser = parse_role)]
+    role: kvgate_core::Role,
+    /// Prompt lengths, tokens.
+    #[arg(long, value_delimiter = ',', required = true)]
+    isl: Vec<u32>,
+    /// Answer lengths, tokens (ignored for `prefill`).
+    #[arg(long, value_delimiter = ',', default_value = "128")]
+    osl: Vec<u32>,
+    /// p90 time to first token a rate must meet (`both`, `prefill`).
+    #[arg(long)]
+    ttft_ms: Option<f64>,
+    /// p90 inter-token latency a rate must meet (`both`, `decode`).
+    #[arg(long)]
+    itl_ms: Option<f64>,
+    /// Seconds each rate is offered for.
+    #[arg(long, default_value_t = 20.0)]
+    duration_s: f64,
+    /// No rate above this is tried (requests per second).
+    #[arg(long, default_value_t = 64.0)]
+    max_rps: f64,
+    /// Requests each rate sends at least (a low rate's step lasts longer).
+    #[arg(long, default_value_t = 10)]
+    min_requests: usize,
+    /// Midpoints tried between the last rate that passed and the first
+    /// that failed.
+    #[arg(long, default_value_t = 3)]
+    bisect_steps: u32,
+    /// Requests in flight at most.
+    #[arg(long, default_value_t = 256)]
+    max_in_flight: usize,
+    /// One request's limit, seconds (default: four times what the SLA
+    /// allows it, at least 10).
+    #[arg(long)]
+    request_timeout_s: Option<f64>,
+    /// Writes the rows here instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+fn parse_role(s: &str) -> Result<kvgate_core::Role, String> {
+    kvgate_core::Role::ALL
+        .into_iter()
+        .find(|r| r.as_str() == s)
+        .ok_or_else(|| format!("expected both, prefill or decode, got {s:?}"))
+}
+
+/// A non-negative, finite number of seconds.
+fn seconds(what: &str, s: f64) -> anyhow::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("--{what} must be a number of seconds above 0, got {s}"))
 }
 
 #[derive(Debug, Args)]
@@ -101,9 +175,14 @@ struct RunArgs {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    kvgate_sidecar::init_logging();
     let cli = Cli::parse();
+    // `profile` sets up its own logging, to stderr: its rows may go to
+    // stdout.
+    if !matches!(cli.command, Some(Command::Profile(_))) {
+        kvgate_sidecar::init_logging();
+    }
     match cli.command {
+        Some(Command::Profile(args)) => profile(args).await,
         Some(Command::Status { url }) => print_status(&url).await,
         Some(Command::Agent {
             listen,
@@ -118,6 +197,51 @@ async fn main() -> anyhow::Result<()> {
         Some(Command::Check { config }) => check(&config),
         None => run(cli.run).await,
     }
+}
+
+async fn profile(args: ProfileArgs) -> anyhow::Result<()> {
+    // The rows may go to stdout: the progress goes to stderr.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let opts = kvgate_sidecar::profile::SweepOptions {
+        endpoint: args.endpoint,
+        model: args.model,
+        role: args.role,
+        isl: args.isl,
+        osl: args.osl,
+        ttft_ms: args.ttft_ms,
+        itl_ms: args.itl_ms,
+        step: seconds("duration-s", args.duration_s)?,
+        max_rps: args.max_rps,
+        min_requests: args.min_requests,
+        bisect_steps: args.bisect_steps,
+        max_in_flight: args.max_in_flight,
+        request_timeout: args
+            .request_timeout_s
+            .map(|s| seconds("request-timeout-s", s))
+            .transpose()?,
+    };
+    let header = opts.header();
+    let sweep = kvgate_sidecar::profile::run(&opts).await?;
+    let mut header_lines = header;
+    for note in &sweep.notes {
+        header_lines.push_str("\nnote: ");
+        header_lines.push_str(note);
+    }
+    let text = kvgate_sidecar::profile::to_toml(&sweep.rows, &header_lines);
+    match args.out {
+        Some(path) => {
+            std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+            tracing::info!(rows = sweep.rows.len(), out = %path.display(), "profile written");
+        }
+        None => print!("{text}"),
+    }
+    Ok(())
 }
 
 fn check(path: &std::path::Path) -> anyhow::Result<()> {

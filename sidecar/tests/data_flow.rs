@@ -54,6 +54,14 @@ const LAYERS: &[Layer] = &[
         reads: &["ground", "sources", "fleet", "publish"],
     },
     Layer {
+        // The planner's profile step before deployment: a client of one
+        // worker that writes configuration rows; it reads configuration
+        // only, and nothing of the running sidecar reads it.
+        name: "profile",
+        modules: &["profile"],
+        reads: &["ground"],
+    },
+    Layer {
         // Starts, connects and runs the rest: may import everything.
         name: "wiring",
         modules: &["lib", "sidecar", "tick", "lifecycle"],
