@@ -198,3 +198,58 @@ fn a_request_shed_during_a_scale_up_is_told_when_it_serves() {
         let _ = h.join();
     }
 }
+
+/// The power budget on the sims' thermal model: each simulated GPU draws
+/// its idle power plus a share per running sequence, served on its
+/// dcgm-exporter page; the planner plans with the measured draw.
+#[test]
+fn the_power_budget_holds_a_scale_up_the_measured_draw_cannot_afford() {
+    let _g = serial();
+    let stack = start(StackConfig {
+        workers: 2,
+        // An SLA no worker meets: unbounded, the planner would want a
+        // third worker at once.
+        model_toml: "[models.planner]\nttft_ms = 0.001\nitl_ms = 0.001\nload_interval_ms = 300\nmax_replicas = 4\npower_budget_w = 500\n"
+            .into(),
+        thermal: Some(kvgate_stack::ThermalStack {
+            gpus: 2,
+            batch_control: false,
+            toml: "interval_ms = 100\nstale_after_ms = 2000\n".into(),
+        }),
+        ..StackConfig::default()
+    });
+    for k in 0..40 {
+        let r = chat(&stack, "demo-model", &format!("watts {k}"), 1);
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let m = wait_planner(&stack, "held by its power budget", |m| {
+        m["reason"] == "power" && m["power"]["binding"] == true
+    });
+    let power = &m["power"];
+    let planned = power["planned_w"].as_f64().expect("a measured draw");
+    // Two workers of two simulated GPUs, each GPU at its idle draw
+    // (100 W) or a little more: what they draw, read from their pages. A
+    // third would take the plan past 500 W.
+    assert!(
+        (400.0..=500.0).contains(&planned),
+        "two workers' measured draw within the budget: {m}"
+    );
+    assert_eq!(power["budget_w"], 500.0);
+    assert_eq!(
+        (m["desired"].as_u64(), m["ready"].as_u64()),
+        (Some(2), Some(2)),
+        "{m}"
+    );
+    // No decision was issued: the budget held the step, nothing to carry
+    // out.
+    let (status, _) = http::get(
+        &stack.control_addr(),
+        "/v1/planner/decisions?after=0&wait_ms=500",
+    )
+    .unwrap();
+    assert_eq!(status, 204);
+    let binding = stack
+        .sidecar_metric("kvgate_planner_power_binding{model=\"demo-model\"}")
+        .unwrap_or(0.0);
+    assert_eq!(binding, 1.0);
+}

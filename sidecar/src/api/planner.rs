@@ -13,10 +13,12 @@
 
 use super::{error, json_response};
 use crate::fleet::Fleet;
-use crate::planner::{Estimate, Reason};
+use crate::planner::pool::Pending;
+use crate::planner::{Capacity, Estimate, PowerView, Reason};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use kvgate_core::Role;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -34,13 +36,18 @@ pub struct PlannerView {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ModelPlanView {
     pub model: String,
+    /// Replicas wanted, all pools together.
     pub desired: u32,
     pub ready: u32,
     pub lower_bound: u32,
     pub reason: Reason,
-    /// The decision the orchestrator has not reported done.
+    /// Planned as a prefill pool and a decode pool.
+    pub disaggregated: bool,
+    /// Each pool: one (`both`) for an aggregated model.
+    pub pools: Vec<PoolView>,
+    /// A decision the orchestrator has not reported done.
     pub pending: Option<PendingView>,
-    /// Until a pending scale-up is expected to serve.
+    /// Until the soonest pending scale-up is expected to serve.
     pub scale_up_eta_ms: Option<u64>,
     /// How long a scale-up takes, as observed (else configured).
     pub startup_ms: u64,
@@ -52,8 +59,25 @@ pub struct ModelPlanView {
     /// prompt tokens, sheds.
     pub last_interval: Option<crate::planner::Interval>,
     pub kv_hit_rate: Option<f64>,
+    /// The power budget at the last tick, where one is set.
+    pub power: Option<PowerView>,
     pub ttft_sla_ms: f64,
     pub itl_sla_ms: f64,
+}
+
+/// One pool of a planned model.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PoolView {
+    pub role: Role,
+    pub desired: u32,
+    pub ready: u32,
+    pub lower_bound: u32,
+    pub reason: Reason,
+    pub pending: Option<PendingView>,
+    pub scale_up_eta_ms: Option<u64>,
+    /// Capacity per replica at the predicted shape, from the profile and
+    /// from the live fits, and their drift.
+    pub capacity: Option<Capacity>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,40 +88,66 @@ pub struct PendingView {
     pub age_ms: u64,
 }
 
+impl PendingView {
+    fn of(p: &Pending, now: Instant) -> PendingView {
+        PendingView {
+            id: p.id,
+            from: p.from,
+            to: p.to,
+            age_ms: now.saturating_duration_since(p.since).as_millis() as u64,
+        }
+    }
+}
+
 pub(super) async fn status(State(fleet): State<Arc<Mutex<Fleet>>>) -> Response {
     let f = fleet.lock();
     let now = Instant::now();
+    let ms = |d: Duration| d.as_millis() as u64;
     let models = f
         .planning()
         .models
         .iter()
-        .map(|(name, p)| ModelPlanView {
-            model: name.clone(),
-            desired: p.desired,
-            ready: f.ready_workers(name).len() as u32,
-            lower_bound: p.floor,
-            reason: p.reason,
-            pending: p.pending.map(|x| PendingView {
-                id: x.id,
-                from: x.from,
-                to: x.to,
-                age_ms: now.saturating_duration_since(x.since).as_millis() as u64,
-            }),
-            scale_up_eta_ms: p.scale_up_eta(now).map(|d| d.as_millis() as u64),
-            startup_ms: p.startup().as_millis() as u64,
-            draining: f
-                .planning()
-                .draining
-                .iter()
-                .copied()
-                .filter(|id| f.worker(*id).is_some_and(|w| &w.spec().model_name == name))
-                .collect(),
-            estimates: f.estimates(name),
-            predicted: p.predicted,
-            last_interval: p.observed,
-            kv_hit_rate: p.observed.map(|i| i.kv_hit_rate()),
-            ttft_sla_ms: p.cfg.ttft_ms,
-            itl_sla_ms: p.cfg.itl_ms,
+        .map(|(name, p)| {
+            let ready = f.ready_counts(name);
+            ModelPlanView {
+                model: name.clone(),
+                desired: p.desired(),
+                ready: ready.iter().sum(),
+                lower_bound: p.floor(),
+                reason: p.reason(),
+                disaggregated: p.disaggregated,
+                pools: p
+                    .pools
+                    .iter()
+                    .map(|pool| PoolView {
+                        role: pool.role,
+                        desired: pool.desired,
+                        ready: ready[usize::from(pool.role.code())],
+                        lower_bound: pool.floor,
+                        reason: pool.reason,
+                        pending: pool.pending.map(|x| PendingView::of(&x, now)),
+                        scale_up_eta_ms: p.pool_eta(pool.role, now).map(ms),
+                        capacity: p.capacity.iter().find(|c| c.role == pool.role).copied(),
+                    })
+                    .collect(),
+                pending: p.pending().map(|x| PendingView::of(&x, now)),
+                scale_up_eta_ms: p.scale_up_eta(now).map(ms),
+                startup_ms: ms(p.startup()),
+                draining: f
+                    .planning()
+                    .draining
+                    .iter()
+                    .copied()
+                    .filter(|id| f.worker(*id).is_some_and(|w| &w.spec().model_name == name))
+                    .collect(),
+                estimates: f.estimates(name),
+                predicted: p.predicted,
+                last_interval: p.observed,
+                kv_hit_rate: p.observed.map(|i| i.kv_hit_rate()),
+                power: p.last.as_ref().and_then(|t| t.power),
+                ttft_sla_ms: p.cfg.ttft_ms,
+                itl_sla_ms: p.cfg.itl_ms,
+            }
         })
         .collect();
     json_response(StatusCode::OK, &PlannerView { models })

@@ -29,7 +29,9 @@ mod worker;
 
 pub use disagg::DisaggregationConfig;
 pub use ledger::{LEDGER_HOLDERS_CEILING, LedgerCaps};
-pub use planner::{PlannerConfig, PredictorKind, ProfileRow, read_trace};
+pub use planner::{
+    FleetPlanner, PlannerConfig, PoolBounds, PoolConfig, PredictorKind, ProfileRow, read_trace,
+};
 pub use sections::{
     Control, DEFAULT_VM_SILENCE, Indexer, Kv, LONGEST_LONG_POLL, ListenerLimits, Load, ReplicaSync,
     Scrape, Selection, Server, validate_peer,
@@ -80,6 +82,9 @@ pub struct Config {
     pub indexer: Indexer,
     #[serde(default)]
     pub thermal: Thermal,
+    /// `[planner]`: what the planner weighs across models.
+    #[serde(default)]
+    pub planner: FleetPlanner,
     #[serde(default)]
     pub models: Vec<ModelConfig>,
     #[serde(default)]
@@ -145,6 +150,13 @@ impl Config {
             }
         }
         self.thermal.validate()?;
+        if self
+            .planner
+            .power_budget_w
+            .is_some_and(|w| !(w.is_finite() && w > 0.0))
+        {
+            return Err("planner: power_budget_w must be above 0".into());
+        }
         // An adapter name is matched against requests' `model` after the
         // served models: one that is also a model, or listed under two
         // models, would route ambiguously.

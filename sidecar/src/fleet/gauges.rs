@@ -119,29 +119,76 @@ impl Fleet {
             let t = &p.tick;
             m.desired
                 .with_label_values(&[model])
-                .set(i64::from(t.desired));
+                .set(i64::from(t.desired()));
             m.ready.with_label_values(&[model]).set(i64::from(p.ready));
             m.lower_bound
                 .with_label_values(&[model])
-                .set(i64::from(t.lower_bound));
+                .set(i64::from(t.lower_bound()));
             let worst = |f: fn(&crate::planner::Estimate) -> Option<f64>| {
                 t.estimates.iter().filter_map(f).fold(f64::NAN, f64::max)
             };
             m.ttft.with_label_values(&[model]).set(worst(|e| e.ttft_ms));
             m.itl.with_label_values(&[model]).set(worst(|e| e.itl_ms));
+            let reason = t.reason();
             for r in crate::planner::Reason::ALL {
                 m.reason
                     .with_label_values(&[model, r.as_str()])
-                    .set(i64::from(r == t.reason));
+                    .set(i64::from(r == reason));
+            }
+            for pool in &t.pools {
+                let l = [model, pool.role.as_str()];
+                m.pool_desired
+                    .with_label_values(&l)
+                    .set(i64::from(pool.desired));
+                m.pool_ready
+                    .with_label_values(&l)
+                    .set(i64::from(pool.ready));
+                m.pool_lower_bound
+                    .with_label_values(&l)
+                    .set(i64::from(pool.lower_bound));
+                for r in crate::planner::Reason::ALL {
+                    m.pool_reason
+                        .with_label_values(&[model, pool.role.as_str(), r.as_str()])
+                        .set(i64::from(r == pool.reason));
+                }
             }
             if let Some(d) = &p.decision {
-                let dir = if d.desired > d.ready { "up" } else { "down" };
+                let dir = if !d.switch.is_empty() {
+                    "switch"
+                } else if d.desired > d.ready {
+                    "up"
+                } else {
+                    "down"
+                };
                 m.decisions.with_label_values(&[model, dir]).inc();
             }
-            if let Some([n, isl, osl]) = self.planning.models.get(model).and_then(|x| x.predicted) {
-                for (q, v) in [("requests", n), ("isl", isl), ("osl", osl)] {
-                    m.predicted.with_label_values(&[model, q]).set(v);
+            if let Some(x) = self.planning.models.get(model) {
+                if let Some([n, isl, osl]) = x.predicted {
+                    for (q, v) in [("requests", n), ("isl", isl), ("osl", osl)] {
+                        m.predicted.with_label_values(&[model, q]).set(v);
+                    }
                 }
+                for c in &x.capacity {
+                    for (source, v) in [("profile", c.profile_rps), ("learned", c.learned_rps)] {
+                        if let Some(v) = v {
+                            m.capacity
+                                .with_label_values(&[model, c.role.as_str(), source])
+                                .set(v);
+                        }
+                    }
+                }
+            }
+            if let Some(w) = &t.power {
+                m.power_budget.with_label_values(&[model]).set(w.budget_w);
+                m.planned_power
+                    .with_label_values(&[model])
+                    .set(w.planned_w.unwrap_or(f64::NAN));
+                m.power_binding
+                    .with_label_values(&[model])
+                    .set(i64::from(w.binding));
+                m.expected_attainment
+                    .with_label_values(&[model])
+                    .set(w.expected_sla_attainment.unwrap_or(f64::NAN));
             }
             let draining = self
                 .planning

@@ -219,14 +219,21 @@ impl Fleet {
         for w in &config.workers {
             f.add_worker(w.clone(), Instant::now())?;
         }
+        f.planning.fleet_power_budget_w = config.planner.power_budget_w;
+        f.planning.gpu_stale_after = config.thermal.stale_after;
         for m in &config.models {
             if let Some(p) = &m.planner {
-                let replicas = config
-                    .workers
-                    .iter()
-                    .filter(|w| w.model_name == m.name)
-                    .count() as u32;
-                let mut planner = crate::planner::ModelPlanner::new(p.clone(), replicas);
+                // A model with a disaggregation table is planned as two
+                // pools, whatever roles its workers have at start: the
+                // planner is what gives a pool its first worker.
+                let disaggregated = m.disaggregation.is_some();
+                let mut ready = [0u32; 3];
+                for w in config.workers.iter().filter(|w| w.model_name == m.name) {
+                    let pool = crate::planner::pool::of(disaggregated, w.role);
+                    ready[usize::from(pool.code())] += 1;
+                }
+                let mut planner =
+                    crate::planner::ModelPlanner::new(p.clone(), disaggregated, ready);
                 if let Some(path) = &p.warmup_trace {
                     let rows = std::fs::read_to_string(path)
                         .map_err(|e| e.to_string())

@@ -9,12 +9,15 @@
 //! asking for a new one.
 
 use super::Fleet;
-use crate::planner::{Estimate, LegEnd, ModelPlanner, Reason, Tick, WorkerLoad};
+use crate::planner::pool::PoolTick;
+use crate::planner::{
+    Estimate, LegEnd, ModelPlanner, PowerInput, PowerView, Reason, Tick, WorkerLoad,
+};
 use kvgate_core::Role;
 use kvgate_core::booking::{Key, Timing};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Routed requests remembered until their end (a gateway losing its end
 /// reports costs one observation, never memory).
@@ -22,20 +25,45 @@ const MAX_WATCHED: usize = 65_536;
 /// Decisions kept for late long polls.
 const MAX_DECISIONS: usize = 64;
 
-/// One scaling decision, as the orchestrator reads it.
+/// One scaling decision, as the orchestrator reads it. Counts are
+/// targets, not steps: a later decision supersedes an earlier one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Decision {
     pub id: u64,
     pub model: String,
-    /// Replicas the model should have.
+    /// Replicas the model should have, all pools together.
     pub desired: u32,
     /// Replicas serving when it was made.
     pub ready: u32,
+    /// A disaggregated model's prefill workers to have (the seed's
+    /// `num_prefill`); absent for a model planned as one pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_prefill: Option<u32>,
+    /// Its decode workers to have (`num_decode`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_decode: Option<u32>,
+    /// Each pool: its target, ready count, floor and reason.
+    pub pools: Vec<PoolTick>,
     /// Workers to remove once they are idle (a scale-down's choice).
     pub drain: Vec<u64>,
+    /// Workers to move to the other pool (`PATCH /workers/{id}` with
+    /// `{"role": to}`) instead of starting one and draining another.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub switch: Vec<RoleSwitch>,
     pub reason: Reason,
+    /// The power budget, where one is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power: Option<PowerView>,
     /// Unix ms.
     pub issued_at_ms: u64,
+}
+
+/// A worker to serve another pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoleSwitch {
+    pub worker_id: u64,
+    pub from: Role,
+    pub to: Role,
 }
 
 /// What the load loop saw of a routed leg when it was booked.
@@ -51,7 +79,6 @@ struct Watch {
     at: Instant,
 }
 
-#[derive(Default)]
 pub struct Planning {
     pub models: std::collections::BTreeMap<String, ModelPlanner>,
     watched: HashMap<Key, Watch>,
@@ -60,6 +87,26 @@ pub struct Planning {
     pub draining: BTreeSet<u64>,
     /// Wakes long polls when a decision is issued.
     pub issued: std::sync::Arc<tokio::sync::Notify>,
+    /// `[planner] power_budget_w`: what every planned model may draw
+    /// together.
+    pub fleet_power_budget_w: Option<f64>,
+    /// A GPU reading older than this is no measure of a worker's draw.
+    pub gpu_stale_after: Duration,
+}
+
+impl Default for Planning {
+    fn default() -> Self {
+        Planning {
+            models: Default::default(),
+            watched: HashMap::new(),
+            decisions: VecDeque::new(),
+            next_id: 0,
+            draining: BTreeSet::new(),
+            issued: Default::default(),
+            fleet_power_budget_w: None,
+            gpu_stale_after: Duration::from_secs(10),
+        }
+    }
 }
 
 impl std::fmt::Debug for Planning {
@@ -103,6 +150,10 @@ pub struct Planned {
     pub ready: u32,
     pub decision: Option<Decision>,
 }
+
+/// The model's planned workers serving now, by pool ([`Role::code`] of
+/// the pool).
+type Ready = [Vec<u64>; 3];
 
 impl Fleet {
     /// Whether any model is planned: without one, nothing observed is
@@ -203,6 +254,82 @@ impl Fleet {
             .collect()
     }
 
+    /// `model`'s serving workers by the pool they count in.
+    fn ready_by_pool(&self, model: &str, p: &ModelPlanner) -> Ready {
+        let mut out: Ready = Default::default();
+        for id in self.ready_workers(model) {
+            if let Some(w) = self.workers.get(&id) {
+                out[usize::from(p.pool_of(w.spec.role).code())].push(id);
+            }
+        }
+        out
+    }
+
+    /// Ready counts per pool, for the status view and the snapshot.
+    pub fn ready_counts(&self, model: &str) -> [u32; 3] {
+        let Some(p) = self.planning.models.get(model) else {
+            return [0; 3];
+        };
+        self.ready_by_pool(model, p).map(|v| v.len() as u32)
+    }
+
+    /// What one worker of the pool of `pool` draws, measured: the median
+    /// over its serving workers of their fresh GPUs' power together. A
+    /// worker the thermal controller has capped draws less than it would
+    /// uncapped, so the others' stand for the pool while any are uncapped.
+    fn replica_watts(&self, ids: &[u64], now: Instant) -> Option<f64> {
+        let stale = self.planning.gpu_stale_after;
+        let draws: Vec<(f64, bool)> = ids
+            .iter()
+            .filter_map(|id| {
+                let gpus = self.gpus_of(*id, now, stale);
+                let watts: Option<f64> = gpus.iter().map(|g| g.reading.power_w).sum();
+                let capped = self.workers.get(id).is_some_and(|w| w.thermal.cap() > 0);
+                watts.filter(|_| !gpus.is_empty()).map(|w| (w, capped))
+            })
+            .collect();
+        let uncapped: Vec<f64> = draws.iter().filter(|d| !d.1).map(|d| d.0).collect();
+        let mut v = if uncapped.is_empty() {
+            draws.iter().map(|d| d.0).collect()
+        } else {
+            uncapped
+        };
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    }
+
+    /// The power a model may plan to: its own budget, and what the fleet's
+    /// leaves it after the other planned models' targets.
+    fn power_for(&self, model: &str, ready: &Ready, now: Instant) -> PowerInput {
+        let Some(p) = self.planning.models.get(model) else {
+            return PowerInput::default();
+        };
+        let mut replica_w = [None; 3];
+        for role in Role::ALL {
+            replica_w[usize::from(role.code())] = self
+                .replica_watts(&ready[usize::from(role.code())], now)
+                .or(p.cfg.replica_watts);
+        }
+        let fleet_left = self.planning.fleet_power_budget_w.map(|b| {
+            let others: f64 = self
+                .planning
+                .models
+                .iter()
+                .filter(|(name, _)| name.as_str() != model)
+                .filter_map(|(_, q)| q.last.as_ref()?.power?.planned_w)
+                .sum();
+            (b - others).max(0.0)
+        });
+        let budget_w = match (p.cfg.power_budget_w, fleet_left) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        PowerInput {
+            budget_w,
+            replica_w,
+        }
+    }
+
     /// Runs the planned models' loops that are due. `loads` gives each
     /// worker's prefill tokens and decode KV tokens in flight.
     pub fn plan(
@@ -216,47 +343,38 @@ impl Fleet {
         let mut out = Vec::new();
         for model in names {
             let (load_tick, throughput_tick) = load_due(&model);
-            let ready_ids = self.ready_workers(&model);
-            let ready = ready_ids.len() as u32;
-            let worker_loads: Vec<WorkerLoad> =
-                ready_ids.iter().map(|id| loads(self, *id)).collect();
+            let Some(ready_ids) = self
+                .planning
+                .models
+                .get(&model)
+                .map(|p| self.ready_by_pool(&model, p))
+            else {
+                continue;
+            };
+            let counts = ready_ids.clone().map(|v| v.len() as u32);
+            let ready: u32 = counts.iter().sum();
+            let worker_loads: Vec<WorkerLoad> = ready_ids
+                .iter()
+                .flatten()
+                .map(|id| loads(self, *id))
+                .collect();
+            let power = self.power_for(&model, &ready_ids, now);
             let id = self.planning.next_id + 1;
             let Some(p) = self.planning.models.get_mut(&model) else {
                 continue;
             };
             if throughput_tick {
-                p.tick_throughput(ready);
+                p.tick_throughput();
             }
             if !load_tick {
                 continue;
             }
-            let tick = p.tick_load(&worker_loads, ready, now, id);
+            let tick = p.tick_load(&worker_loads, counts, now, id, power);
+            let disaggregated = p.disaggregated;
             let mut decision = None;
-            if tick.changed {
-                let mut drain = Vec::new();
-                if tick.desired < ready {
-                    drain = self.pick_drain(&ready_ids, (ready - tick.desired) as usize);
-                    self.planning.draining.extend(drain.iter().copied());
-                } else if tick.desired > ready
-                    && let Some(back) = self.undrain_one(&model)
-                {
-                    tracing::info!(
-                        model,
-                        worker = back,
-                        "scale-up takes back a draining worker"
-                    );
-                }
-                let id = self.planning.next();
-                let d = Decision {
-                    id,
-                    model: model.clone(),
-                    desired: tick.desired,
-                    ready,
-                    drain,
-                    reason: tick.reason,
-                    issued_at_ms: now_ms,
-                };
-                tracing::info!(model, id, desired = d.desired, ready, reason = d.reason.as_str(), drain = ?d.drain, "planner decision");
+            if tick.changed() {
+                let d = self.decide(&model, &tick, &ready_ids, disaggregated, now_ms);
+                tracing::info!(model, id = d.id, desired = d.desired, ready, num_prefill = ?d.num_prefill, num_decode = ?d.num_decode, reason = d.reason.as_str(), drain = ?d.drain, switch = ?d.switch, "planner decision");
                 self.planning.issue(d.clone());
                 decision = Some(d);
             }
@@ -268,6 +386,65 @@ impl Fleet {
             });
         }
         out
+    }
+
+    /// The decision a changed tick makes: per pool, the workers to drain
+    /// (or a draining one taken back), or the worker to switch.
+    fn decide(
+        &mut self,
+        model: &str,
+        tick: &Tick,
+        ready_ids: &Ready,
+        disaggregated: bool,
+        now_ms: u64,
+    ) -> Decision {
+        let mut drain = Vec::new();
+        let mut switch = Vec::new();
+        if let Some((from, to)) = tick.switch {
+            let pool = &ready_ids[usize::from(from.code())];
+            if let Some(worker_id) = self.pick_drain(pool, 1).first().copied() {
+                switch.push(RoleSwitch {
+                    worker_id,
+                    from,
+                    to,
+                });
+            }
+        }
+        for pt in tick.pools.iter().filter(|p| p.changed) {
+            if switch.iter().any(|s| s.from == pt.role || s.to == pt.role) {
+                continue;
+            }
+            if pt.desired < pt.ready {
+                let pool = &ready_ids[usize::from(pt.role.code())];
+                let d = self.pick_drain(pool, (pt.ready - pt.desired) as usize);
+                self.planning.draining.extend(d.iter().copied());
+                drain.extend(d);
+            } else if pt.desired > pt.ready
+                && let Some(back) = self.undrain_one(model, pt.role, disaggregated)
+            {
+                tracing::info!(
+                    model,
+                    worker = back,
+                    pool = pt.role.as_str(),
+                    "scale-up takes back a draining worker"
+                );
+            }
+        }
+        let pool = |r: Role| tick.pool(r).map(|p| p.desired);
+        Decision {
+            id: self.planning.next(),
+            model: model.to_string(),
+            desired: tick.desired(),
+            ready: tick.pools.iter().map(|p| p.ready).sum(),
+            num_prefill: pool(Role::Prefill),
+            num_decode: pool(Role::Decode),
+            pools: tick.pools.clone(),
+            drain,
+            switch,
+            reason: tick.reason(),
+            power: tick.power,
+            issued_at_ms: now_ms,
+        }
     }
 
     /// The `n` workers whose loss costs least: fewest KV blocks in use
@@ -285,11 +462,14 @@ impl Fleet {
         c.into_iter().take(n).map(|(id, _, _)| id).collect()
     }
 
-    fn undrain_one(&mut self, model: &str) -> Option<u64> {
+    /// A draining worker of `model` that counts in the pool of `pool`,
+    /// taken back.
+    fn undrain_one(&mut self, model: &str, pool: Role, disaggregated: bool) -> Option<u64> {
         let id = self.planning.draining.iter().copied().find(|id| {
-            self.workers
-                .get(id)
-                .is_some_and(|w| w.spec.model_name == model)
+            self.workers.get(id).is_some_and(|w| {
+                w.spec.model_name == model
+                    && crate::planner::pool::of(disaggregated, w.spec.role) == pool
+            })
         })?;
         self.planning.draining.remove(&id);
         Some(id)

@@ -5,7 +5,7 @@ use super::drain::drain_time;
 use crate::sources::bookings::Bookings;
 use kvgate_core::busy::rank_busy;
 use kvgate_core::state::splits;
-use kvgate_core::{ModelState, RankLoad, Snapshot, WorkerState};
+use kvgate_core::{ModelState, RankLoad, Role, Snapshot, WorkerState};
 use std::collections::{BTreeMap, BTreeSet};
 
 impl Fleet {
@@ -36,6 +36,7 @@ impl Fleet {
                             .copied()
                             .unwrap_or_default(),
                         disaggregation: m.disaggregation.as_ref().map(|d| d.resolve(&m.policy)),
+                        retry_after_by_pool_s: [0; 2],
                     },
                 )
             })
@@ -134,10 +135,13 @@ impl Fleet {
                 && let Some(t) = drain_s
             {
                 let secs = (t.ceil() as u32).clamp(1, max_retry_after_s.max(1));
-                model.retry_after_s = match model.retry_after_s {
-                    0 => secs,
-                    s => s.min(secs),
-                };
+                model.retry_after_s = sooner(model.retry_after_s, secs);
+                // A split model's leg waits on its own pool alone.
+                if split.contains(&model.name) {
+                    let pool = usize::from(w.spec.role != Role::Prefill);
+                    let p = &mut model.retry_after_by_pool_s[pool];
+                    *p = sooner(*p, secs);
+                }
             }
             model.workers.push(WorkerState {
                 id: w.spec.worker_id,
@@ -163,17 +167,25 @@ impl Fleet {
                 .scale_up_eta(now)
                 .map(|d| (d.as_secs_f64().ceil() as u32).clamp(1, max_retry_after_s.max(1)));
             model.plan = kvgate_core::ModelPlan {
-                desired: p.desired,
+                desired: p.desired(),
                 ready: self.ready_workers(name).len() as u32,
                 scale_up_eta_s: eta.unwrap_or(0),
             };
             // A shed request should come back when the new replica serves,
-            // if that is sooner than the busy workers drain.
+            // if that is sooner than the busy workers drain; a leg, when
+            // its own pool's does.
             if let Some(eta) = eta {
-                model.retry_after_s = match model.retry_after_s {
-                    0 => eta,
-                    s => s.min(eta),
-                };
+                model.retry_after_s = sooner(model.retry_after_s, eta);
+            }
+            if p.disaggregated {
+                for (i, role) in [Role::Prefill, Role::Decode].into_iter().enumerate() {
+                    if let Some(d) = p.pool_eta(role, now) {
+                        let eta =
+                            (d.as_secs_f64().ceil() as u32).clamp(1, max_retry_after_s.max(1));
+                        let r = &mut model.retry_after_by_pool_s[i];
+                        *r = sooner(*r, eta);
+                    }
+                }
             }
         }
         Snapshot {
@@ -182,5 +194,13 @@ impl Fleet {
             models: models.into_values().collect(),
             applied: bookings.applied(),
         }
+    }
+}
+
+/// The sooner of two Retry-After hints, 0 being none.
+fn sooner(a: u32, b: u32) -> u32 {
+    match (a, b) {
+        (0, x) | (x, 0) => x,
+        (a, b) => a.min(b),
     }
 }

@@ -550,3 +550,145 @@ fn an_older_filters_timed_end_is_a_whole_request() {
     let p = &f.planning().models["pd"];
     assert_eq!(p.ttft().role(Role::Both).samples(), 1);
 }
+
+/// Ends `n` legs on `worker` (of `role`) that met `tokens` there, their
+/// first byte at `ttft_ms` and 10 tokens `itl_ms` apart after it.
+fn teach(
+    f: &mut Fleet,
+    model: &str,
+    worker: u64,
+    role: Role,
+    tokens: f64,
+    ttft_ms: u32,
+    itl_ms: u32,
+) {
+    use kvgate_core::booking::{Key, Timing};
+    use kvgate_core::plan::Leg;
+    let leg = match role {
+        Role::Prefill => Leg::Prefill,
+        Role::Decode => Leg::Decode,
+        Role::Both => Leg::Whole,
+    };
+    for i in 0..12u64 {
+        let key = Key {
+            vm: 7,
+            seq: worker * 1000 + i,
+        };
+        let x = tokens * (1.0 + i as f64 / 10.0);
+        f.planner_booked(key, model, (worker, role), (x, x), 0);
+        f.planner_ended(
+            &key,
+            Some(Timing {
+                leg,
+                first_byte_us: ttft_ms * 1000,
+                total_us: ttft_ms * 1000 + 10 * itl_ms * 1000,
+                isl_tokens: 1000,
+                output_tokens: 11,
+                status: 200,
+                client_first_byte_us: ttft_ms * 1000,
+            }),
+        );
+    }
+}
+
+#[test]
+fn a_split_models_decision_names_each_pools_target_and_drains_from_the_right_pool() {
+    let mut f = planned_split();
+    let now = Instant::now();
+    for id in [11, 12, 13] {
+        f.record_scrape(id, Ok(vec![metrics(0.1)]), now);
+    }
+    // The prefill worker far over its TTFT SLA; the decode pool (12 and
+    // the `both` worker 13) far under its ITL SLA.
+    teach(&mut f, "pd", 11, Role::Prefill, 4000.0, 900, 0);
+    teach(&mut f, "pd", 12, Role::Decode, 4000.0, 5, 2);
+    teach(&mut f, "pd", 13, Role::Both, 4000.0, 50, 2);
+    let load = |_: &Fleet, id: u64| crate::planner::WorkerLoad {
+        worker_id: id,
+        role: match id {
+            11 => Role::Prefill,
+            12 => Role::Decode,
+            _ => Role::Both,
+        },
+        prefill_tokens: 4000.0,
+        decode_kv_tokens: 4000.0,
+    };
+    let planned = f.plan(now, 1, &|_| (true, false), &load);
+    let d = planned[0].decision.clone().expect("a decision");
+    assert_eq!((d.num_prefill, d.num_decode), (Some(2), Some(1)), "{d:?}");
+    assert_eq!(d.desired, 3);
+    assert_eq!(d.drain.len(), 1);
+    assert!(
+        [12, 13].contains(&d.drain[0]),
+        "a decode-pool worker drains: {d:?}"
+    );
+    let pools: Vec<(Role, u32)> = d.pools.iter().map(|p| (p.role, p.ready)).collect();
+    assert_eq!(pools, vec![(Role::Prefill, 1), (Role::Decode, 2)]);
+    let json = serde_json::to_value(&d).unwrap();
+    assert_eq!(json["num_prefill"], 2);
+    assert!(json.get("switch").is_none(), "no switch unless allowed");
+    let s = f.build_snapshot(
+        &Bookings::new(Duration::from_secs(300), LedgerCaps::default()),
+        30,
+    );
+    let drained = s
+        .model("pd")
+        .unwrap()
+        .workers
+        .iter()
+        .find(|w| w.id == d.drain[0]);
+    assert!(drained.is_some_and(|w| w.draining));
+}
+
+#[test]
+fn the_power_budget_is_measured_from_the_workers_gpus() {
+    use crate::sources::thermal::GpuReading;
+    let mut c = config();
+    c.models[0].planner = Some(
+        toml::from_str("ttft_ms = 200.0\nitl_ms = 20.0\npower_budget_w = 1000.0")
+            .expect("a planner section"),
+    );
+    c.workers[0].gpus = vec!["GPU-1".into()];
+    c.workers[1].gpus = vec!["GPU-2".into()];
+    let mut f = Fleet::new(&c).unwrap();
+    let now = Instant::now();
+    for id in [1, 2] {
+        f.record_scrape(id, Ok(vec![metrics(0.1)]), now);
+        teach(&mut f, "m", id, Role::Both, 4000.0, 900, 2);
+    }
+    let reading = |uuid: &str, watts| GpuReading {
+        uuid: uuid.into(),
+        index: None,
+        labels: Default::default(),
+        temp_c: 60.0,
+        power_w: Some(watts),
+        power_limit_w: Some(700.0),
+        slowdown_c: None,
+        shutdown_c: None,
+        clock_reasons: None,
+    };
+    f.record_gpus(vec![reading("GPU-1", 450.0), reading("GPU-2", 470.0)], now);
+    let load = |_: &Fleet, id: u64| crate::planner::WorkerLoad {
+        worker_id: id,
+        role: Role::Both,
+        prefill_tokens: 4000.0,
+        decode_kv_tokens: 4000.0,
+    };
+    // Both workers over the SLA want a third: 3 × 470 W (the median of
+    // two is the upper) is over 1000 W.
+    let planned = f.plan(now, 1, &|_| (true, false), &load);
+    let t = &planned[0].tick;
+    assert_eq!(
+        (t.desired(), t.reason()),
+        (2, crate::planner::Reason::Power)
+    );
+    let w = t.power.expect("a budget");
+    assert!(w.binding);
+    assert_eq!(w.planned_w, Some(940.0));
+    assert!(planned[0].decision.is_none());
+    // Without a fresh reading the draw is unknown: the budget cannot bind.
+    let later = now + Duration::from_secs(3600);
+    let planned = f.plan(later, 2, &|_| (true, false), &load);
+    let w = planned[0].tick.power.expect("a budget");
+    assert_eq!((w.binding, w.planned_w), (false, None));
+}

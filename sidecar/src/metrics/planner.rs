@@ -15,6 +15,15 @@ pub struct PlannerMetrics {
     pub predicted: GaugeVec,
     pub decisions: IntCounterVec,
     pub draining: IntGaugeVec,
+    pub pool_desired: IntGaugeVec,
+    pub pool_ready: IntGaugeVec,
+    pub pool_lower_bound: IntGaugeVec,
+    pub pool_reason: IntGaugeVec,
+    pub capacity: GaugeVec,
+    pub power_budget: GaugeVec,
+    pub planned_power: GaugeVec,
+    pub power_binding: IntGaugeVec,
+    pub expected_attainment: GaugeVec,
 }
 
 impl PlannerMetrics {
@@ -72,6 +81,60 @@ impl PlannerMetrics {
                 r,
                 "kvgate_planner_draining_workers",
                 "Workers the planner is draining for removal.",
+                &["model"],
+            )?,
+            pool_desired: gauge_vec(
+                r,
+                "kvgate_planner_pool_desired_replicas",
+                "Replicas the planner wants in one pool of the model (role both for a model planned as one pool; prefill and decode for a disaggregated one): what one autoscaler per role should run.",
+                &["model", "role"],
+            )?,
+            pool_ready: gauge_vec(
+                r,
+                "kvgate_planner_pool_ready_replicas",
+                "Replicas of the pool serving: up and not draining.",
+                &["model", "role"],
+            )?,
+            pool_lower_bound: gauge_vec(
+                r,
+                "kvgate_planner_pool_lower_bound_replicas",
+                "The throughput loop's floor under the pool.",
+                &["model", "role"],
+            )?,
+            pool_reason: gauge_vec(
+                r,
+                "kvgate_planner_pool_decision",
+                "1 for the reason of the pool's last load tick, 0 for the others.",
+                &["model", "role", "reason"],
+            )?,
+            capacity: float_gauge_vec(
+                r,
+                "kvgate_planner_capacity_rps",
+                "Requests per second one replica of the pool serves within the SLA at the predicted shape, by source (profile, learned): their gap is the live fits' drift from the profile.",
+                &["model", "role", "source"],
+            )?,
+            power_budget: float_gauge_vec(
+                r,
+                "kvgate_planner_power_budget_watts",
+                "The watts the model may plan to: its own budget, within what the fleet's leaves it.",
+                &["model"],
+            )?,
+            planned_power: float_gauge_vec(
+                r,
+                "kvgate_planner_planned_watts",
+                "What the planned replicas would draw at each pool's measured draw per replica.",
+                &["model"],
+            )?,
+            power_binding: gauge_vec(
+                r,
+                "kvgate_planner_power_binding",
+                "1 while the power budget holds a pool below what its load asks for.",
+                &["model"],
+            )?,
+            expected_attainment: float_gauge_vec(
+                r,
+                "kvgate_planner_expected_sla_attainment",
+                "With the power budget binding: the share of the predicted request rate the planned replicas serve within the SLA.",
                 &["model"],
             )?,
         })

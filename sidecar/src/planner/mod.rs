@@ -1,26 +1,33 @@
 //! The planner: how many replicas each model needs, from what the gateway
 //! sees (Dynamo's planner design, in kvgate's terms).
 //!
+//! A model is planned as one pool ([`pool`]) of all its workers, or, with
+//! a disaggregated model, as a prefill pool and a decode pool sized apart.
 //! Two loops per model, as in the seed:
 //!
 //! * **load** (fast, every `load_interval_ms`): per worker, online
 //!   regressions ([`regress`], kept per worker and per role in [`fits`])
-//!   turn the load on it now into an estimated TTFT and ITL. Scale up by
-//!   one when *every* worker's estimate is over its SLA, down by one when
-//!   every worker's is under SLA × sensitivity.
+//!   turn the load on it now into an estimated TTFT and ITL. Per pool:
+//!   scale up by one when *every* worker's estimate is over its SLA, down
+//!   by one when every worker's is under SLA × sensitivity. A prefill
+//!   pool is judged by TTFT, a decode pool by ITL, an aggregated pool by
+//!   both.
 //! * **throughput** (slow, every `throughput_interval_ms`): predictors
 //!   ([`predict`]) forecast the next interval's requests, ISL and OSL;
-//!   capacity per replica ([`capacity`]) turns them into a lower bound.
-//!   The load loop may go above it, never below.
+//!   capacity per replica of each pool ([`capacity`] from a profile, else
+//!   the fits) turns them into each pool's lower bound. The load loop may
+//!   go above it, never below.
 //!
-//! At most one step per interval, and none while the last decision is
-//! pending (the orchestrator has not reported it done, and its timeout has
-//! not passed): the seed's pending-desired guard. Everything is clamped to
-//! `[min_replicas, max_replicas]`. This module is pure: the sidecar feeds
+//! At most one step per pool and interval, and none while the pool's last
+//! decision is pending (the orchestrator has not reported it done, and its
+//! timeout has not passed): the seed's pending-desired guard, which only
+//! the throughput floor may pass. Everything is clamped to each pool's
+//! bounds and to the power budget. This module is pure: the sidecar feeds
 //! it observations and clocks, and carries out what it decides.
 
 pub mod capacity;
 pub mod fits;
+pub mod pool;
 pub mod predict;
 pub mod regress;
 
@@ -29,10 +36,10 @@ use fits::Fits;
 use kvgate_core::Role;
 use kvgate_core::booking::Timing;
 use kvgate_core::plan::Leg;
+use pool::{Pending, Pool, PoolTick, Verdict};
 use predict::Predictor;
 use regress::Line;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// Why the planner wants what it wants (an enum metric).
@@ -53,10 +60,12 @@ pub enum Reason {
     Floor,
     /// min or max replicas.
     Bound,
+    /// The power budget holds replicas down.
+    Power,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::WarmingUp,
         Reason::ScaleUp,
         Reason::ScaleDown,
@@ -64,6 +73,7 @@ impl Reason {
         Reason::Pending,
         Reason::Floor,
         Reason::Bound,
+        Reason::Power,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -75,6 +85,7 @@ impl Reason {
             Reason::Pending => "pending",
             Reason::Floor => "floor",
             Reason::Bound => "bound",
+            Reason::Power => "power",
         }
     }
 }
@@ -95,6 +106,8 @@ pub struct WorkerLoad {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Estimate {
     pub worker_id: u64,
+    /// The pool it counts in.
+    pub pool: Role,
     pub ttft_ms: Option<f64>,
     pub itl_ms: Option<f64>,
 }
@@ -165,28 +178,95 @@ impl Interval {
     }
 }
 
-/// A decision waiting for the orchestrator.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Pending {
-    pub id: u64,
-    pub from: u32,
-    pub to: u32,
-    pub since: Instant,
+/// A power budget as one tick applies it: what the model may draw, and
+/// what one replica of each pool draws (`None`: not measured, nor
+/// configured).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PowerInput {
+    pub budget_w: Option<f64>,
+    /// By [`Role::code`].
+    pub replica_w: [Option<f64>; 3],
+}
+
+/// The budget's part in a tick, for the decision and the status view.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PowerView {
+    pub budget_w: f64,
+    /// What the planned replicas would draw, at each pool's measured draw
+    /// per replica; `None` while a pool's draw is unknown.
+    pub planned_w: Option<f64>,
+    /// The budget held a pool below what its load asked for.
+    pub binding: bool,
+    /// With the budget binding: the share of the predicted request rate
+    /// the planned replicas serve within the SLA, by their capacity.
+    pub expected_sla_attainment: Option<f64>,
+}
+
+/// One pool's capacity per replica at the predicted shape: from the
+/// profile, from the live fits, and how far the fits drift from it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Capacity {
+    pub role: Role,
+    pub profile_rps: Option<f64>,
+    pub learned_rps: Option<f64>,
+    /// learned ÷ profile − 1.
+    pub drift: Option<f64>,
+}
+
+impl Capacity {
+    /// What the floor uses: the profile when there is one.
+    pub fn rps(&self) -> Option<f64> {
+        self.profile_rps.or(self.learned_rps).filter(|c| *c > 0.0)
+    }
 }
 
 /// What one tick concluded, for metrics, the status view and the plots.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tick {
-    pub desired: u32,
-    pub lower_bound: u32,
-    pub reason: Reason,
+    /// One per pool: `both` for an aggregated model, `prefill` and
+    /// `decode` for a disaggregated one.
+    pub pools: Vec<PoolTick>,
     pub estimates: Vec<Estimate>,
-    /// Whether `desired` changed: a decision to issue.
-    pub changed: bool,
+    /// A worker moves from the first pool to the second instead of the
+    /// one starting a worker and the other draining one.
+    pub switch: Option<(Role, Role)>,
+    pub power: Option<PowerView>,
+}
+
+impl Tick {
+    /// Replicas the model should have, all pools together.
+    pub fn desired(&self) -> u32 {
+        self.pools.iter().map(|p| p.desired).sum()
+    }
+
+    pub fn lower_bound(&self) -> u32 {
+        self.pools.iter().map(|p| p.lower_bound).sum()
+    }
+
+    /// Whether a decision is to be issued.
+    pub fn changed(&self) -> bool {
+        self.pools.iter().any(|p| p.changed)
+    }
+
+    /// The model's reason: a changed pool's, else the last pool's (the
+    /// decode pool's, which holds the model's streams).
+    pub fn reason(&self) -> Reason {
+        self.pools
+            .iter()
+            .find(|p| p.changed)
+            .or(self.pools.last())
+            .map_or(Reason::WarmingUp, |p| p.reason)
+    }
+
+    pub fn pool(&self, role: Role) -> Option<&PoolTick> {
+        self.pools.iter().find(|p| p.role == role)
+    }
 }
 
 pub struct ModelPlanner {
     pub cfg: PlannerConfig,
+    /// Planned as a prefill pool and a decode pool.
+    pub disaggregated: bool,
     /// TTFT against prompt tokens in flight.
     ttft: Fits,
     /// ITL against KV tokens in flight.
@@ -197,40 +277,63 @@ pub struct ModelPlanner {
     pub predicted: Option<[f64; 3]>,
     /// The last closed interval's traffic (its KV hit rate, sheds).
     pub observed: Option<Interval>,
-    pub floor: u32,
-    pub desired: u32,
-    pub pending: Option<Pending>,
-    pub reason: Reason,
-    /// Observed times from a decision to its worker being ready.
-    startups: Vec<Duration>,
+    pub pools: Vec<Pool>,
+    /// Each pool's capacity at the last prediction.
+    pub capacity: Vec<Capacity>,
     pub last: Option<Tick>,
 }
 
 impl ModelPlanner {
-    /// A planner for a model that has `ready` replicas now.
-    pub fn new(cfg: PlannerConfig, ready: u32) -> ModelPlanner {
+    /// A planner for a model with `ready` replicas serving now in each
+    /// pool (by [`Role::code`] of the pool).
+    pub fn new(cfg: PlannerConfig, disaggregated: bool, ready: [u32; 3]) -> ModelPlanner {
         let season = cfg.season_intervals;
         let kind = cfg.predictor;
-        let desired = ready.clamp(cfg.min_replicas, cfg.max_replicas);
+        let pools = pool::roles(disaggregated)
+            .iter()
+            .map(|r| Pool::new(*r, cfg.bounds(*r), ready[usize::from(r.code())]))
+            .collect();
         ModelPlanner {
             predictors: [
                 predict::build(kind, season),
                 predict::build(kind, season),
                 predict::build(kind, season),
             ],
-            floor: cfg.min_replicas,
             cfg,
+            disaggregated,
             ttft: Fits::default(),
             itl: Fits::default(),
             interval: Interval::default(),
             predicted: None,
             observed: None,
-            desired,
-            pending: None,
-            reason: Reason::WarmingUp,
-            startups: Vec::new(),
+            pools,
+            capacity: Vec::new(),
             last: None,
         }
+    }
+
+    /// The pool a worker of `role` counts in.
+    pub fn pool_of(&self, role: Role) -> Role {
+        pool::of(self.disaggregated, role)
+    }
+
+    pub fn pool(&self, role: Role) -> Option<&Pool> {
+        self.pools.iter().find(|p| p.role == role)
+    }
+
+    /// Replicas wanted, all pools together.
+    pub fn desired(&self) -> u32 {
+        self.pools.iter().map(|p| p.desired).sum()
+    }
+
+    /// The throughput loop's floor, all pools together.
+    pub fn floor(&self) -> u32 {
+        self.pools.iter().map(|p| p.floor).sum()
+    }
+
+    /// The model's reason at the last tick.
+    pub fn reason(&self) -> Reason {
+        self.last.as_ref().map_or(Reason::WarmingUp, Tick::reason)
     }
 
     /// A leg's end. What the leg computed decides what it teaches:
@@ -337,6 +440,7 @@ impl ModelPlanner {
         );
         Estimate {
             worker_id: w.worker_id,
+            pool: self.pool_of(w.role),
             ttft_ms: ttft,
             itl_ms: itl,
         }
@@ -353,135 +457,247 @@ impl ModelPlanner {
         }
     }
 
-    /// The pending decision is done, or has timed out.
-    pub fn settle_pending(&mut self, ready: u32, now: Instant) {
-        if let Some(p) = self.pending {
-            let timeout = self.cfg.pending_timeout;
-            let reached = if p.to >= p.from {
-                ready >= p.to
-            } else {
-                ready <= p.to
-            };
-            if reached {
-                if p.to > p.from {
-                    self.startups.push(now.saturating_duration_since(p.since));
-                    if self.startups.len() > 16 {
-                        self.startups.remove(0);
-                    }
-                }
-                self.pending = None;
-            } else if now.saturating_duration_since(p.since) >= timeout {
-                tracing::warn!(
-                    decision = p.id,
-                    "planner decision not done within its timeout: going on"
-                );
-                self.pending = None;
-            }
+    /// Each pool's pending decision is done, or has timed out. `ready` by
+    /// [`Role::code`] of the pool.
+    pub fn settle_pending(&mut self, ready: [u32; 3], now: Instant) {
+        let timeout = self.cfg.pending_timeout;
+        for p in &mut self.pools {
+            p.settle(ready[usize::from(p.role.code())], now, timeout);
         }
     }
 
-    /// The orchestrator reports decision `id` carried out.
+    /// The orchestrator reports decision `id` carried out: every pool it
+    /// moved may step again.
     pub fn complete(&mut self, id: u64, now: Instant) -> bool {
-        match self.pending {
-            Some(p) if p.id == id => {
-                if p.to > p.from {
-                    self.startups.push(now.saturating_duration_since(p.since));
-                }
-                self.pending = None;
-                true
-            }
-            _ => false,
+        let mut any = false;
+        for p in &mut self.pools {
+            any |= p.complete(id, now);
         }
+        any
     }
 
-    /// How long a scale-up takes: the median observed, else the
-    /// configured start-up time.
+    /// Whether a decision of the model's is waiting.
+    pub fn pending(&self) -> Option<Pending> {
+        self.pools.iter().find_map(|p| p.pending)
+    }
+
+    /// How long a scale-up takes: the median observed over the pools,
+    /// else the configured start-up time.
     pub fn startup(&self) -> Duration {
-        if self.startups.is_empty() {
-            return self.cfg.startup;
-        }
-        let mut s = self.startups.clone();
-        s.sort();
-        s[s.len() / 2]
+        self.pools
+            .iter()
+            .map(|p| p.startup(self.cfg.startup))
+            .max()
+            .unwrap_or(self.cfg.startup)
     }
 
-    /// When a pending scale-up is expected to have its worker ready.
+    /// When the pool of `role` expects its pending scale-up to serve.
+    pub fn pool_eta(&self, role: Role, now: Instant) -> Option<Duration> {
+        self.pool(role)?.scale_up_eta(now, self.cfg.startup)
+    }
+
+    /// When the soonest pending scale-up is expected to have its worker
+    /// ready.
     pub fn scale_up_eta(&self, now: Instant) -> Option<Duration> {
-        let p = self.pending?;
-        (p.to > p.from).then(|| (p.since + self.startup()).saturating_duration_since(now))
+        self.pools
+            .iter()
+            .filter_map(|p| p.scale_up_eta(now, self.cfg.startup))
+            .min()
     }
 
-    /// The load loop: one step at most. `ready` is the replicas serving
-    /// now; `id` names the decision if this tick makes one.
-    pub fn tick_load(&mut self, loads: &[WorkerLoad], ready: u32, now: Instant, id: u64) -> Tick {
+    /// Every worker of a pool against its SLA. An aggregated pool is the
+    /// seed's 2D rule: over when every TTFT or every ITL is over, under
+    /// when every TTFT and every ITL is under; a prefill pool is judged by
+    /// TTFT alone, a decode pool by ITL alone.
+    fn verdict(&self, role: Role, estimates: &[&Estimate], sensitivity: f64) -> Verdict {
+        let c = &self.cfg;
+        let ttfts: Vec<Option<f64>> = estimates.iter().map(|e| e.ttft_ms).collect();
+        let itls: Vec<Option<f64>> = estimates.iter().map(|e| e.itl_ms).collect();
+        let all = |v: &[Option<f64>], f: &dyn Fn(f64) -> bool| {
+            !v.is_empty() && v.iter().all(|x| x.is_some_and(f))
+        };
+        let (over, under, known) = match role {
+            Role::Prefill => (
+                all(&ttfts, &|t| t > c.ttft_ms),
+                all(&ttfts, &|t| t < c.ttft_ms * sensitivity),
+                ttfts.iter().all(Option::is_some),
+            ),
+            Role::Decode => (
+                all(&itls, &|t| t > c.itl_ms),
+                all(&itls, &|t| t < c.itl_ms * sensitivity),
+                itls.iter().all(Option::is_some),
+            ),
+            Role::Both => {
+                let none_or = |v: &[Option<f64>], sla: f64| {
+                    v.iter().all(|x| x.is_none_or(|t| t < sla * sensitivity))
+                };
+                (
+                    all(&ttfts, &|t| t > c.ttft_ms) || all(&itls, &|t| t > c.itl_ms),
+                    none_or(&ttfts, c.ttft_ms) && none_or(&itls, c.itl_ms),
+                    estimates
+                        .iter()
+                        .all(|e| e.ttft_ms.is_some() || e.itl_ms.is_some()),
+                )
+            }
+        };
+        if estimates.is_empty() || !known {
+            Verdict::Unknown
+        } else if over {
+            Verdict::Over
+        } else if under {
+            Verdict::Under
+        } else {
+            Verdict::Between
+        }
+    }
+
+    /// The load loop: one step per pool at most. `ready` is the replicas
+    /// serving now per pool (by [`Role::code`]); `id` names the decision
+    /// if this tick makes one; `power` is the budget the model may plan
+    /// to.
+    pub fn tick_load(
+        &mut self,
+        loads: &[WorkerLoad],
+        ready: [u32; 3],
+        now: Instant,
+        id: u64,
+        power: PowerInput,
+    ) -> Tick {
         self.settle_pending(ready, now);
+        for p in &mut self.pools {
+            p.first_sight(ready[usize::from(p.role.code())], now);
+        }
         let (avg_isl, avg_osl) = self.mean_shape();
         let estimates: Vec<Estimate> = loads
             .iter()
             .map(|w| self.estimate(w, avg_isl, avg_osl))
             .collect();
-        let c = &self.cfg;
-        let known: Vec<&Estimate> = estimates
+        let mut wants: Vec<(u32, Reason)> = self
+            .pools
             .iter()
-            .filter(|e| e.ttft_ms.is_some() || e.itl_ms.is_some())
+            .map(|p| {
+                let mine: Vec<&Estimate> = estimates.iter().filter(|e| e.pool == p.role).collect();
+                let v = self.verdict(p.role, &mine, p.bounds.sensitivity);
+                p.want(v, ready[usize::from(p.role.code())])
+            })
             .collect();
-        let over = |e: &&Estimate| {
-            e.ttft_ms.is_some_and(|t| t > c.ttft_ms) || e.itl_ms.is_some_and(|t| t > c.itl_ms)
-        };
-        let under = |e: &&Estimate| {
-            e.ttft_ms.is_none_or(|t| t < c.ttft_ms * c.sensitivity)
-                && e.itl_ms.is_none_or(|t| t < c.itl_ms * c.sensitivity)
-        };
-        let base = ready.max(1);
-        let (mut want, mut reason) = if known.is_empty() || known.len() < loads.len() {
-            (self.desired, Reason::WarmingUp)
-        } else if known.iter().all(over) {
-            (base + 1, Reason::ScaleUp)
-        } else if known.iter().all(under) {
-            (base.saturating_sub(1), Reason::ScaleDown)
-        } else {
-            (self.desired, Reason::Hold)
-        };
-        if want < self.floor {
-            want = self.floor;
-            if reason == Reason::ScaleDown || self.desired < self.floor {
-                reason = Reason::Floor;
+        let budget = self.apply_budget(&mut wants, power);
+        let grace = self.cfg.startup;
+        let mut switch = None;
+        if self.cfg.role_switch
+            && let [(a, ra), (b, rb)] = wants[..]
+            && let [pa, pb] = &self.pools[..]
+        {
+            // One pool grows by one as the other shrinks by one: a
+            // worker changes role instead of one starting and one going.
+            if ra == Reason::ScaleUp && rb == Reason::ScaleDown && a > pa.desired && b < pb.desired
+            {
+                switch = Some((pb.role, pa.role));
+            } else if rb == Reason::ScaleUp
+                && ra == Reason::ScaleDown
+                && b > pb.desired
+                && a < pa.desired
+            {
+                switch = Some((pa.role, pb.role));
             }
         }
-        let clamped = want.clamp(c.min_replicas, c.max_replicas);
-        if clamped != want {
-            want = clamped;
-            reason = Reason::Bound;
-        }
-        if self.pending.is_some() {
-            want = self.desired;
-            reason = Reason::Pending;
-        }
-        let changed = want != self.desired;
-        if changed {
-            self.pending = Some(Pending {
-                id,
-                from: ready,
-                to: want,
-                since: now,
-            });
-            self.desired = want;
-        }
-        self.reason = reason;
+        let pools = self
+            .pools
+            .iter_mut()
+            .zip(wants)
+            .map(|(p, want)| {
+                let r = ready[usize::from(p.role.code())];
+                p.set(want, r, now, id, grace)
+            })
+            .collect();
         let tick = Tick {
-            desired: self.desired,
-            lower_bound: self.floor,
-            reason,
+            pools,
             estimates,
-            changed,
+            switch,
+            power: budget,
         };
         self.last = Some(tick.clone());
         tick
     }
 
+    /// Holds the pools' wants within the power budget: growth first is
+    /// held back; if the planned replicas still draw more than the
+    /// budget (the draw per replica rose), a pool steps down by one.
+    fn apply_budget(&self, wants: &mut [(u32, Reason)], power: PowerInput) -> Option<PowerView> {
+        let budget_w = power.budget_w?;
+        let draw = |wants: &[(u32, Reason)]| -> Option<f64> {
+            self.pools
+                .iter()
+                .zip(wants)
+                .map(|(p, (n, _))| {
+                    Some(f64::from(*n) * power.replica_w[usize::from(p.role.code())]?)
+                })
+                .sum()
+        };
+        let mut binding = false;
+        // Growth is trimmed first, pool by pool, to what the budget
+        // leaves it after the other pools' plans.
+        for i in 0..wants.len() {
+            let held = self.pools[i].desired;
+            let Some(over) = draw(wants).map(|x| x - budget_w) else {
+                break;
+            };
+            if wants[i].0 > held && over > 0.0 {
+                let w = power.replica_w[usize::from(self.pools[i].role.code())].unwrap_or(f64::MAX);
+                let cut = (over / w).ceil() as u32;
+                wants[i] = (wants[i].0.saturating_sub(cut).max(held), Reason::Power);
+                binding = true;
+            }
+        }
+        // Still over (the draw per replica rose): the pool whose replica
+        // draws most steps down by one, within its bounds.
+        if draw(wants).is_some_and(|x| x > budget_w) {
+            let watts = |i: usize| power.replica_w[usize::from(self.pools[i].role.code())];
+            let heaviest = (0..wants.len())
+                .filter(|i| {
+                    let p = &self.pools[*i];
+                    wants[*i].0 > p.bounds.min_replicas && p.pending.is_none()
+                })
+                .max_by(|a, b| {
+                    watts(*a)
+                        .partial_cmp(&watts(*b))
+                        .unwrap_or(std::cmp::Ordering::Equal)
+                });
+            if let Some(i) = heaviest {
+                wants[i] = (wants[i].0 - 1, Reason::Power);
+                binding = true;
+            }
+        }
+        let expected = binding.then(|| self.expected_attainment(wants)).flatten();
+        Some(PowerView {
+            budget_w,
+            planned_w: draw(wants),
+            binding,
+            expected_sla_attainment: expected,
+        })
+    }
+
+    /// The share of the predicted request rate that `wants` replicas per
+    /// pool serve within the SLA, by each pool's capacity: the tightest
+    /// pool's.
+    fn expected_attainment(&self, wants: &[(u32, Reason)]) -> Option<f64> {
+        let rps = self.predicted?[0] / self.cfg.throughput_interval.as_secs_f64();
+        if rps <= 0.0 {
+            return Some(1.0);
+        }
+        self.pools
+            .iter()
+            .zip(wants)
+            .map(|(p, (n, _))| {
+                let cap = self.capacity.iter().find(|c| c.role == p.role)?.rps()?;
+                Some((f64::from(*n) * cap / rps).min(1.0))
+            })
+            .try_fold(1.0f64, |acc, x| x.map(|x| acc.min(x)))
+    }
+
     /// The throughput loop: closes the interval, predicts the next one and
-    /// sets the lower bound. Returns the interval that closed.
-    pub fn tick_throughput(&mut self, ready: u32) -> Interval {
+    /// sets each pool's lower bound. Returns the interval that closed.
+    pub fn tick_throughput(&mut self) -> Interval {
         let closed = std::mem::take(&mut self.interval);
         self.observed = Some(closed);
         let n = closed.requests as f64;
@@ -495,43 +711,88 @@ impl ModelPlanner {
         if let (Some(n), Some(isl), Some(osl)) = (a.predict(), b.predict(), c.predict()) {
             self.predicted = Some([n, isl, osl]);
             let rps = n / secs;
-            let per_replica = capacity::per_replica(&self.cfg.profile, isl, osl)
-                .or_else(|| self.learned_capacity(isl, osl));
-            if let Some(cap) = per_replica.filter(|c| *c > 0.0) {
-                self.floor =
-                    ((rps / cap).ceil() as u32).clamp(self.cfg.min_replicas, self.cfg.max_replicas);
+            let capacity: Vec<Capacity> = self
+                .pools
+                .iter()
+                .map(|p| {
+                    let profile = capacity::per_replica(&self.cfg.profile, p.role, isl, osl);
+                    let learned = self.learned_capacity(p.role, isl, osl);
+                    Capacity {
+                        role: p.role,
+                        profile_rps: profile,
+                        learned_rps: learned,
+                        drift: profile
+                            .zip(learned)
+                            .filter(|(p, _)| *p > 0.0)
+                            .map(|(p, l)| l / p - 1.0),
+                    }
+                })
+                .collect();
+            for (p, cap) in self.pools.iter_mut().zip(&capacity) {
+                if let Some(c) = cap.rps() {
+                    p.floor = ((rps / c).ceil() as u32)
+                        .clamp(p.bounds.min_replicas, p.bounds.max_replicas);
+                }
             }
+            self.capacity = capacity;
         }
-        let _ = ready;
         closed
     }
 
-    /// Requests per second one replica takes within the SLA, from the
-    /// fits: the prefill fit gives how many prompt tokens may be in flight
-    /// when TTFT reaches its SLA, the decode fit how many KV tokens when
-    /// ITL reaches its SLA. By Little's law a replica holding L requests
-    /// that each last T seconds serves L / T per second: prefill holds a
-    /// request for its TTFT, decode for OSL × ITL.
-    fn learned_capacity(&self, isl: f64, osl: f64) -> Option<f64> {
+    /// Requests per second one worker of the pool of `role` takes within
+    /// the SLA, from the fits pooled by role: the prefill fit gives how
+    /// many uncached prompt tokens may be in flight when TTFT reaches its
+    /// SLA, the decode fit how many KV tokens when ITL reaches its SLA. By
+    /// Little's law a worker holding L requests that each last T seconds
+    /// serves L / T per second: prefill holds a request for its TTFT,
+    /// decode for OSL × ITL. A prefill pool is bounded by the first, a
+    /// decode pool by the second, an aggregated one by both.
+    fn learned_capacity(&self, role: Role, isl: f64, osl: f64) -> Option<f64> {
         let c = &self.cfg;
-        let median = |fits: &BTreeMap<u64, Line>, sla: f64| -> Option<f64> {
-            let mut v: Vec<f64> = fits
-                .values()
-                .filter_map(|l| l.solve_for(sla))
-                .map(|k| k * KTOK)
-                .collect();
-            v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied()
+        // A decode pool's `both` workers decode too: their samples stand
+        // in until the decode workers' own are trusted.
+        let line = |fits: &Fits, own: Role| -> Option<Line> {
+            let l = fits.role(own);
+            if l.ready() || own == Role::Both {
+                Some(l.clone())
+            } else {
+                Some(fits.role(Role::Both).clone())
+            }
         };
-        let isl = isl.max(1.0);
-        let prefill = median(self.ttft.workers(), c.ttft_ms)
-            .map(|tokens| (tokens / isl) / (c.ttft_ms / 1000.0));
-        let per_request_kv = isl + osl / 2.0;
-        let decode = median(self.itl.workers(), c.itl_ms)
-            .map(|tokens| (tokens / per_request_kv.max(1.0)) / (osl.max(1.0) * c.itl_ms / 1000.0));
-        match (prefill, decode) {
-            (Some(p), Some(d)) => Some(p.min(d)),
-            (p, d) => p.or(d),
+        let hit = self.observed.map_or(0.0, |i| i.kv_hit_rate());
+        let uncached = (isl * (1.0 - hit)).max(1.0);
+        let prefill = || {
+            let l = line(
+                &self.ttft,
+                if role == Role::Both {
+                    Role::Both
+                } else {
+                    Role::Prefill
+                },
+            )?;
+            l.solve_for(c.ttft_ms)
+                .map(|k| (k * KTOK / uncached) / (c.ttft_ms / 1000.0))
+        };
+        let decode = || {
+            let l = line(
+                &self.itl,
+                if role == Role::Both {
+                    Role::Both
+                } else {
+                    Role::Decode
+                },
+            )?;
+            let per_request_kv = (isl + osl / 2.0).max(1.0);
+            l.solve_for(c.itl_ms)
+                .map(|k| (k * KTOK / per_request_kv) / (osl.max(1.0) * c.itl_ms / 1000.0))
+        };
+        match role {
+            Role::Prefill => prefill(),
+            Role::Decode => decode(),
+            Role::Both => match (prefill(), decode()) {
+                (Some(p), Some(d)) => Some(p.min(d)),
+                (p, d) => p.or(d),
+            },
         }
     }
 }
