@@ -66,6 +66,8 @@ pub use sidecar::Sidecar;
 /// and the programs that embed one (`kvgate-extproc`) log alike.
 pub fn init_logging() {
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )

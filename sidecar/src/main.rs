@@ -176,11 +176,8 @@ struct RunArgs {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    // `profile` sets up its own logging, to stderr: its rows may go to
-    // stdout.
-    if !matches!(cli.command, Some(Command::Profile(_))) {
-        kvgate_sidecar::init_logging();
-    }
+    // To stderr: `status` and `profile` print their answers to stdout.
+    kvgate_sidecar::init_logging();
     match cli.command {
         Some(Command::Profile(args)) => profile(args).await,
         Some(Command::Status { url }) => print_status(&url).await,
@@ -200,14 +197,6 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn profile(args: ProfileArgs) -> anyhow::Result<()> {
-    // The rows may go to stdout: the progress goes to stderr.
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
     let opts = kvgate_sidecar::profile::SweepOptions {
         endpoint: args.endpoint,
         model: args.model,

@@ -255,7 +255,7 @@ fn py_float(f: f64) -> String {
 }
 
 /// A small `strftime` in UTC: the directives chat templates use.
-pub(super) fn strftime(format: &str, unix_s: u64) -> String {
+pub fn strftime(format: &str, unix_s: u64) -> String {
     const MONTHS: [&str; 12] = [
         "January",
         "February",

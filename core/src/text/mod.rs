@@ -28,6 +28,9 @@ use crate::hash::CacheScope;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 pub use crate::approx::{CHUNK_BYTES, MAX_CHUNKS};
+/// A small UTC `strftime` (the directives chat templates use), also what
+/// the sidecar stamps its own output with.
+pub use jinja::strftime;
 
 /// Shards of every model's text index.
 pub const SHARDS: u32 = 4096;

@@ -273,25 +273,7 @@ fn utc_now() -> String {
 }
 
 fn utc(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let (h, m) = ((secs % 86_400) / 3600, (secs % 3600) / 60);
-    let (y, mo, d) = civil(days);
-    format!("{y:04}-{mo:02}-{d:02} {h:02}:{m:02}")
-}
-
-/// The proleptic Gregorian date `days` after 1970-01-01: counted in
-/// 400-year eras from 0000-03-01, so that the leap day ends each year.
-fn civil(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
+    kvgate_core::text::strftime("%Y-%m-%d %H:%M", secs)
 }
 
 #[cfg(test)]
