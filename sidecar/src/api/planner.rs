@@ -14,6 +14,7 @@
 use super::{error, json_response};
 use crate::fleet::Fleet;
 use crate::planner::pool::Pending;
+use crate::planner::regress::LineView;
 use crate::planner::{Capacity, Estimate, PowerView, Reason};
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -53,6 +54,9 @@ pub struct ModelPlanView {
     pub startup_ms: u64,
     pub draining: Vec<u64>,
     pub estimates: Vec<Estimate>,
+    /// The latency fits pooled per worker role: TTFT against prompt
+    /// tokens in flight, ITL against KV tokens in flight.
+    pub fits: Vec<RoleFits>,
     /// Next interval's requests, ISL and OSL.
     pub predicted: Option<[f64; 3]>,
     /// The last closed interval: requests, ISL and OSL sums, cached
@@ -63,6 +67,14 @@ pub struct ModelPlanView {
     pub power: Option<PowerView>,
     pub ttft_sla_ms: f64,
     pub itl_sla_ms: f64,
+}
+
+/// One role's pooled fits.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RoleFits {
+    pub role: Role,
+    pub ttft: Option<LineView>,
+    pub itl: Option<LineView>,
 }
 
 /// One pool of a planned model.
@@ -78,6 +90,14 @@ pub struct PoolView {
     /// Capacity per replica at the predicted shape, from the profile and
     /// from the live fits, and their drift.
     pub capacity: Option<Capacity>,
+    /// The pool's estimated TTFT and ITL with one request in flight, and
+    /// the line a scale-down needs every estimate under (SLA ×
+    /// sensitivity): an unloaded latency above it means the pool cannot
+    /// scale down by load.
+    pub unloaded_ttft_ms: Option<f64>,
+    pub unloaded_itl_ms: Option<f64>,
+    pub scale_down_below_ttft_ms: f64,
+    pub scale_down_below_itl_ms: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -128,6 +148,10 @@ pub(super) async fn status(State(fleet): State<Arc<Mutex<Fleet>>>) -> Response {
                         pending: pool.pending.map(|x| PendingView::of(&x, now)),
                         scale_up_eta_ms: p.pool_eta(pool.role, now).map(ms),
                         capacity: p.capacity.iter().find(|c| c.role == pool.role).copied(),
+                        unloaded_ttft_ms: p.unloaded(pool.role).0,
+                        unloaded_itl_ms: p.unloaded(pool.role).1,
+                        scale_down_below_ttft_ms: p.cfg.ttft_ms * pool.bounds.sensitivity,
+                        scale_down_below_itl_ms: p.cfg.itl_ms * pool.bounds.sensitivity,
                     })
                     .collect(),
                 pending: p.pending().map(|x| PendingView::of(&x, now)),
@@ -141,6 +165,15 @@ pub(super) async fn status(State(fleet): State<Arc<Mutex<Fleet>>>) -> Response {
                     .filter(|id| f.worker(*id).is_some_and(|w| &w.spec().model_name == name))
                     .collect(),
                 estimates: f.estimates(name),
+                fits: Role::ALL
+                    .iter()
+                    .map(|r| RoleFits {
+                        role: *r,
+                        ttft: p.ttft().role(*r).view(),
+                        itl: p.itl().role(*r).view(),
+                    })
+                    .filter(|f| f.ttft.is_some() || f.itl.is_some())
+                    .collect(),
                 predicted: p.predicted,
                 last_interval: p.observed,
                 kv_hit_rate: p.observed.map(|i| i.kv_hit_rate()),

@@ -577,10 +577,14 @@ impl ModelPlanner {
             .iter()
             .map(|p| {
                 let mine: Vec<&Estimate> = estimates.iter().filter(|e| e.pool == p.role).collect();
-                let v = self.verdict(p.role, &mine, p.bounds.sensitivity);
+                let mut v = self.verdict(p.role, &mine, p.bounds.sensitivity);
+                if v == Verdict::Under && !self.fewer_hold(p.role, loads, avg_isl, avg_osl) {
+                    v = Verdict::Between;
+                }
                 p.want(v, ready[usize::from(p.role.code())])
             })
             .collect();
+        self.bound_total(&mut wants);
         let budget = self.apply_budget(&mut wants, power);
         let grace = self.cfg.startup;
         let mut switch = None;
@@ -618,6 +622,55 @@ impl ModelPlanner {
         };
         self.last = Some(tick.clone());
         tick
+    }
+
+    /// A disaggregated model's pools share its `max_replicas`: the
+    /// workers it may have, all roles together. Growth past it is trimmed,
+    /// pool by pool, as the power budget trims it.
+    fn bound_total(&self, wants: &mut [(u32, Reason)]) {
+        if !self.disaggregated {
+            return;
+        }
+        for i in 0..wants.len() {
+            let total: u32 = wants.iter().map(|w| w.0).sum();
+            let held = self.pools[i].desired;
+            if total > self.cfg.max_replicas && wants[i].0 > held {
+                let over = total - self.cfg.max_replicas;
+                wants[i] = (wants[i].0.saturating_sub(over).max(held), Reason::Bound);
+            }
+        }
+    }
+
+    /// Whether the pool of `role` would still meet its SLA with one
+    /// worker fewer: each worker's estimate at its load spread over the
+    /// others (× n / (n − 1)). The seed's scale-down looks at the load
+    /// now only; a pool whose unloaded latency is near SLA × sensitivity
+    /// then steps down, finds itself over, and steps back up.
+    fn fewer_hold(&self, role: Role, loads: &[WorkerLoad], avg_isl: f64, avg_osl: f64) -> bool {
+        let mine: Vec<&WorkerLoad> = loads
+            .iter()
+            .filter(|w| self.pool_of(w.role) == role)
+            .collect();
+        let n = mine.len() as f64;
+        if n < 2.0 {
+            return true;
+        }
+        let k = n / (n - 1.0);
+        let c = &self.cfg;
+        mine.iter().all(|w| {
+            let e = self.estimate(
+                &WorkerLoad {
+                    prefill_tokens: w.prefill_tokens * k,
+                    decode_kv_tokens: w.decode_kv_tokens * k,
+                    ..**w
+                },
+                avg_isl,
+                avg_osl,
+            );
+            let ttft_ok = role == Role::Decode || e.ttft_ms.is_none_or(|t| t <= c.ttft_ms);
+            let itl_ok = role == Role::Prefill || e.itl_ms.is_none_or(|t| t <= c.itl_ms);
+            ttft_ok && itl_ok
+        })
     }
 
     /// Holds the pools' wants within the power budget: growth first is
@@ -737,6 +790,24 @@ impl ModelPlanner {
             self.capacity = capacity;
         }
         closed
+    }
+
+    /// The pool's latency with nothing in flight but one request of the
+    /// mean shape, from its role's pooled fits: (TTFT, ITL). A scale-down
+    /// needs every estimate under SLA × sensitivity, so a pool whose
+    /// unloaded latency is above that line never scales down.
+    pub fn unloaded(&self, pool: Role) -> (Option<f64>, Option<f64>) {
+        let (isl, osl) = self.mean_shape();
+        let roles: &[Role] = match pool {
+            Role::Both => &[Role::Both],
+            Role::Prefill => &[Role::Prefill],
+            Role::Decode => &[Role::Decode, Role::Both],
+        };
+        let first = |f: &Fits, x: f64| roles.iter().find_map(|r| f.role(*r).predict(x));
+        (
+            first(&self.ttft, isl / KTOK).filter(|_| pool != Role::Decode),
+            first(&self.itl, (isl + osl / 2.0) / KTOK).filter(|_| pool != Role::Prefill),
+        )
     }
 
     /// Requests per second one worker of the pool of `role` takes within

@@ -9,6 +9,18 @@
 //! engine whose speed changes (a hot GPU, a new version) and forgets old
 //! points at about `1 / (1 − λ)` samples.
 
+/// A fit's coefficients: latency (ms) = `intercept` + `slope_per_ktok` ×
+/// thousands of tokens in flight. One format for every latency fit, per
+/// worker or pooled per role.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LineView {
+    pub intercept: f64,
+    pub slope_per_ktok: f64,
+    pub samples: u64,
+    /// Enough samples to be used.
+    pub trusted: bool,
+}
+
 /// y = a + b·x, fitted online.
 #[derive(Debug, Clone)]
 pub struct Line {
@@ -90,6 +102,18 @@ impl Line {
     pub fn predict(&self, x: f64) -> Option<f64> {
         self.ready()
             .then(|| (self.theta[0] + self.theta[1] * x).max(0.0))
+    }
+
+    /// What it has learned, as the status view and other readers show
+    /// it; `None` before any sample.
+    pub fn view(&self) -> Option<LineView> {
+        let (intercept, slope) = self.coefficients();
+        (self.n > 0).then_some(LineView {
+            intercept,
+            slope_per_ktok: slope,
+            samples: self.n,
+            trusted: self.ready(),
+        })
     }
 
     /// The `x` at which the line reaches `y`: how much load a rank takes

@@ -513,8 +513,13 @@ fn a_pool_with_one_worker_in_the_band_holds_and_each_pool_has_its_own_bounds() {
     loads[1].prefill_tokens = 2000.0;
     let t = p.tick_load(&loads, [0, 2, 2], t0, 1, PowerInput::default());
     assert_eq!(pool_drc(&t, Role::Prefill), (2, Reason::Hold, false));
-    // Every decode worker under 20 × 0.9 = 18 ms: the decode pool's own
-    // sensitivity.
+    // Every decode worker under 20 × 0.9 = 18 ms (16 ms), but one worker
+    // fewer would take each to 31 ms, over the SLA: no step down that
+    // would step back up.
+    assert_eq!(pool_drc(&t, Role::Decode), (2, Reason::Hold, false));
+    // At 10 ms each (over 20 × 0.5, the model's sensitivity, under the
+    // decode pool's own 18), and 19 ms with one fewer: down.
+    let t = p.tick_load(&pools_at(6.0, 9.0), [0, 2, 2], t0, 3, PowerInput::default());
     assert_eq!(pool_drc(&t, Role::Decode), (1, Reason::ScaleDown, true));
     // The prefill pool at its own maximum.
     let t = p.tick_load(
@@ -539,6 +544,7 @@ fn each_pool_gets_its_floor_from_its_roles_profile_and_the_floor_passes_a_pendin
         itl_ms: None,
     };
     c.profile = vec![row(Role::Prefill, 0.0, 4.0), row(Role::Decode, 100.0, 1.5)];
+    c.max_replicas = 16;
     let mut p = split(c);
     let t0 = Instant::now();
     // A pending prefill step.
@@ -718,4 +724,36 @@ fn the_power_budget_holds_growth_and_says_what_it_costs() {
         t.power.map(|w| (w.binding, w.planned_w)),
         Some((false, None))
     );
+}
+
+#[test]
+fn a_disaggregated_models_pools_share_its_maximum() {
+    let mut c = cfg();
+    c.max_replicas = 4;
+    let mut p = split(c);
+    // Both pools over their SLAs: 3 + 3 wanted, 4 workers at most: no
+    // room to grow.
+    let t = p.tick_load(
+        &pools_at(12.0, 30.0),
+        [0, 2, 2],
+        Instant::now(),
+        1,
+        PowerInput::default(),
+    );
+    assert_eq!(pool_drc(&t, Role::Prefill), (2, Reason::Bound, false));
+    assert_eq!(pool_drc(&t, Role::Decode), (2, Reason::Bound, false));
+    assert_eq!(t.desired(), 4);
+    // Room for one: the prefill pool's growth is trimmed first.
+    let mut c = cfg();
+    c.max_replicas = 5;
+    let mut p = split(c);
+    let t = p.tick_load(
+        &pools_at(12.0, 30.0),
+        [0, 2, 2],
+        Instant::now(),
+        1,
+        PowerInput::default(),
+    );
+    assert_eq!(pool_drc(&t, Role::Prefill), (2, Reason::Bound, false));
+    assert_eq!(pool_drc(&t, Role::Decode), (3, Reason::ScaleUp, true));
 }
