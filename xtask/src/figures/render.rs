@@ -1013,12 +1013,16 @@ fn fleet_rows(p: &mut Pen) -> String {
             "%",
         )
     };
-    let (kalman, seasonal, constant) =
-        (mape(p, "kalman"), mape(p, "seasonal"), mape(p, "constant"));
+    let (arima, kalman, seasonal, constant) = (
+        mape(p, "arima"),
+        mape(p, "kalman"),
+        mape(p, "seasonal"),
+        mape(p, "constant"),
+    );
     let cells = [
         "planner predictors, one-step MAPE on the Mooncake trace per minute (requests / ISL / OSL)"
             .into(),
-        format!("Kalman {kalman}; seasonal {seasonal}"),
+        format!("ARIMA (the default) {arima}; Kalman {kalman}; seasonal {seasonal}"),
         format!("constant {constant}"),
     ];
     s.push_str(&row(p, PLANNER, cells));
@@ -1047,7 +1051,24 @@ fn how_to_read(p: &mut Pen) -> String {
         0,
     );
     let attained = p.pct(PLANNER, "runs/planner/sla_attainment", 1);
-    let startup = p.num(PLANNER, "startup_s", 0);
+    let downs = p.num(PLANNER, "runs/planner/scale_downs_after_peak", 0);
+    let sensitivity = p.num(PLANNER, "sensitivity", 1);
+    let before = "runs/planner_sensitivity_0.6";
+    let attained_before = p.pct(PLANNER, &format!("{before}/sla_attainment"), 1);
+    let downs_before = p.num(PLANNER, &format!("{before}/scale_downs_after_peak"), 0);
+    let line_before = p.value(PLANNER, "itl_sla_ms") * 0.6;
+    let line_before = p.put(PLANNER, "itl_sla_ms × 0.6", line_before, 1);
+    let split_attained = p.pct(PLANNER, "split/runs/planner_split/sla_attainment", 1);
+    let split_static = p.pct(PLANNER, "split/runs/static_split/sla_attainment", 1);
+    let split_saved = 1.0
+        - p.value(PLANNER, "split/runs/planner_split/replica_seconds")
+            / p.value(PLANNER, "split/runs/static_split/replica_seconds");
+    let split_saved = p.put(
+        PLANNER,
+        "1 − disaggregated planner / static split replica-seconds",
+        split_saved * 100.0,
+        0,
+    );
 
     let ideal = p.pct(QUALITY, &format!("{MOONCAKE}/ideal_hit_rate"), 1);
     let reference = p.pct(QUALITY, &format!("{MOONCAKE}/reference_hit_rate"), 1);
@@ -1134,10 +1155,15 @@ moves to the other three, which then run nearer saturation (TTFT p99 {controlled
 control against {uncontrolled} ms without at this load, where the uncontrolled worker slows \
 down but keeps its share). What control buys is GPUs kept out of the slowdown and its \
 jitter, not lower latency at a fixed load on a smaller fleet.\n\
-* Planner: it used {saved} % fewer replica-seconds than the fleet sized for the peak and \
-met the SLA for {attained} % of requests. The misses fall on the ramp, where it adds a \
-worker one step at a time, each serving {startup} s after its decision; it learns capacity \
-online, so a profile would do better.\n\
+* Planner: on the 4× ramp, with a profile measured in the same run and sensitivity \
+{sensitivity}, it used {saved} % fewer replica-seconds than the fleet sized for the peak, \
+met the SLA for {attained} % of requests and scaled down {downs} times after the peak. At \
+sensitivity 0.6, the setting before, it met it for {attained_before} % and scaled down \
+{downs_before} times: its scale-down line ({line_before} ms) lies under what a replica shows at \
+the base rate ([planner.md](../docs/planner.md#choosing-the-sensitivity)). Disaggregated, \
+as prompts grow eightfold at a steady rate, the planner sized the prefill and decode pools \
+apart with {split_saved} % fewer replica-seconds than a static split sized for the peak, \
+meeting the SLA for {split_attained} % of requests against its {split_static} %.\n\
 * Routing quality uses `kvgate-sim` with one prefill at a time per worker (an engine's \
 shared compute), so queued prefill is what a request waits behind. On the Mooncake trace \
 the ideal hit rate (infinite cache) is {ideal} %, and routing with perfect knowledge \
