@@ -885,13 +885,15 @@ fn summarize(
     }))
 }
 
+/// A series' values divided by `k`, to share a plot's axis.
+fn scaled(s: &Value, k: f64) -> Series {
+    points(s).iter().map(|(t, y)| (*t, y / k)).collect()
+}
+
 /// The report section; its plots go under `plots`.
 pub fn report(v: &Value, plots: &std::path::Path) -> Result<String> {
     std::fs::create_dir_all(plots)?;
     let p = &v["runs"]["planner"]["series"];
-    let scaled = |s: &Value, k: f64| -> Vec<(f64, f64)> {
-        points(s).iter().map(|(t, y)| (*t, y / k)).collect()
-    };
     std::fs::write(
         plots.join("planner_replicas.svg"),
         plot::lines(
@@ -1040,9 +1042,6 @@ fn split_report(v: &Value, plots: &std::path::Path) -> Result<String> {
         return Ok(String::new());
     }
     let p = &v["runs"]["planner_split"]["series"];
-    let scaled = |s: &Value, k: f64| -> Vec<(f64, f64)> {
-        points(s).iter().map(|(t, y)| (*t, y / k)).collect()
-    };
     std::fs::write(
         plots.join("planner_split_replicas.svg"),
         plot::lines(

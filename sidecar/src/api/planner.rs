@@ -139,19 +139,22 @@ pub(super) async fn status(State(fleet): State<Arc<Mutex<Fleet>>>) -> Response {
                 pools: p
                     .pools
                     .iter()
-                    .map(|pool| PoolView {
-                        role: pool.role,
-                        desired: pool.desired,
-                        ready: ready[usize::from(pool.role.code())],
-                        lower_bound: pool.floor,
-                        reason: pool.reason,
-                        pending: pool.pending.map(|x| PendingView::of(&x, now)),
-                        scale_up_eta_ms: p.pool_eta(pool.role, now).map(ms),
-                        capacity: p.capacity.iter().find(|c| c.role == pool.role).copied(),
-                        unloaded_ttft_ms: p.unloaded(pool.role).0,
-                        unloaded_itl_ms: p.unloaded(pool.role).1,
-                        scale_down_below_ttft_ms: p.cfg.ttft_ms * pool.bounds.sensitivity,
-                        scale_down_below_itl_ms: p.cfg.itl_ms * pool.bounds.sensitivity,
+                    .map(|pool| {
+                        let (unloaded_ttft_ms, unloaded_itl_ms) = p.unloaded(pool.role);
+                        PoolView {
+                            role: pool.role,
+                            desired: pool.desired,
+                            ready: ready[usize::from(pool.role.code())],
+                            lower_bound: pool.floor,
+                            reason: pool.reason,
+                            pending: pool.pending.map(|x| PendingView::of(&x, now)),
+                            scale_up_eta_ms: p.pool_eta(pool.role, now).map(ms),
+                            capacity: p.capacity.iter().find(|c| c.role == pool.role).copied(),
+                            unloaded_ttft_ms,
+                            unloaded_itl_ms,
+                            scale_down_below_ttft_ms: p.cfg.ttft_ms * pool.bounds.sensitivity,
+                            scale_down_below_itl_ms: p.cfg.itl_ms * pool.bounds.sensitivity,
+                        }
                     })
                     .collect(),
                 pending: p.pending().map(|x| PendingView::of(&x, now)),

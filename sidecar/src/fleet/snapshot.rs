@@ -163,9 +163,10 @@ impl Fleet {
             let Some(model) = models.get_mut(name.as_str()) else {
                 continue;
             };
-            let eta = p
-                .scale_up_eta(now)
-                .map(|d| (d.as_secs_f64().ceil() as u32).clamp(1, max_retry_after_s.max(1)));
+            let secs = |d: std::time::Duration| {
+                (d.as_secs_f64().ceil() as u32).clamp(1, max_retry_after_s.max(1))
+            };
+            let eta = p.scale_up_eta(now).map(secs);
             model.plan = kvgate_core::ModelPlan {
                 desired: p.desired(),
                 ready: self.ready_workers(name).len() as u32,
@@ -179,9 +180,7 @@ impl Fleet {
             }
             if p.disaggregated {
                 for (i, role) in [Role::Prefill, Role::Decode].into_iter().enumerate() {
-                    if let Some(d) = p.pool_eta(role, now) {
-                        let eta =
-                            (d.as_secs_f64().ceil() as u32).clamp(1, max_retry_after_s.max(1));
+                    if let Some(eta) = p.pool_eta(role, now).map(secs) {
                         let r = &mut model.retry_after_by_pool_s[i];
                         *r = sooner(*r, eta);
                     }

@@ -628,17 +628,46 @@ impl ModelPlanner {
     /// workers it may have, all roles together. Growth past it is trimmed,
     /// pool by pool, as the power budget trims it.
     fn bound_total(&self, wants: &mut [(u32, Reason)]) {
-        if !self.disaggregated {
-            return;
+        if self.disaggregated {
+            let max = f64::from(self.cfg.max_replicas);
+            self.trim_growth(wants, &|_| Some(1.0), max, Reason::Bound);
         }
+    }
+
+    /// What `wants` replicas per pool cost together at `cost` per replica
+    /// of each pool's role; `None` while a pool's cost is unknown.
+    fn planned(&self, wants: &[(u32, Reason)], cost: &dyn Fn(Role) -> Option<f64>) -> Option<f64> {
+        self.pools
+            .iter()
+            .zip(wants)
+            .map(|(p, (n, _))| Some(f64::from(*n) * cost(p.role)?))
+            .sum()
+    }
+
+    /// Trims growth, pool by pool, to what `limit` leaves each after the
+    /// other pools' plans; a pool never goes under what it already has.
+    /// Whether anything was trimmed.
+    fn trim_growth(
+        &self,
+        wants: &mut [(u32, Reason)],
+        cost: &dyn Fn(Role) -> Option<f64>,
+        limit: f64,
+        reason: Reason,
+    ) -> bool {
+        let mut trimmed = false;
         for i in 0..wants.len() {
-            let total: u32 = wants.iter().map(|w| w.0).sum();
             let held = self.pools[i].desired;
-            if total > self.cfg.max_replicas && wants[i].0 > held {
-                let over = total - self.cfg.max_replicas;
-                wants[i] = (wants[i].0.saturating_sub(over).max(held), Reason::Bound);
+            let Some(over) = self.planned(wants, cost).map(|x| x - limit) else {
+                break;
+            };
+            if wants[i].0 > held && over > 0.0 {
+                let each = cost(self.pools[i].role).unwrap_or(f64::MAX);
+                let cut = (over / each).ceil() as u32;
+                wants[i] = (wants[i].0.saturating_sub(cut).max(held), reason);
+                trimmed = true;
             }
         }
+        trimmed
     }
 
     /// Whether the pool of `role` would still meet its SLA with one
@@ -678,34 +707,14 @@ impl ModelPlanner {
     /// budget (the draw per replica rose), a pool steps down by one.
     fn apply_budget(&self, wants: &mut [(u32, Reason)], power: PowerInput) -> Option<PowerView> {
         let budget_w = power.budget_w?;
-        let draw = |wants: &[(u32, Reason)]| -> Option<f64> {
-            self.pools
-                .iter()
-                .zip(wants)
-                .map(|(p, (n, _))| {
-                    Some(f64::from(*n) * power.replica_w[usize::from(p.role.code())]?)
-                })
-                .sum()
-        };
-        let mut binding = false;
-        // Growth is trimmed first, pool by pool, to what the budget
-        // leaves it after the other pools' plans.
-        for i in 0..wants.len() {
-            let held = self.pools[i].desired;
-            let Some(over) = draw(wants).map(|x| x - budget_w) else {
-                break;
-            };
-            if wants[i].0 > held && over > 0.0 {
-                let w = power.replica_w[usize::from(self.pools[i].role.code())].unwrap_or(f64::MAX);
-                let cut = (over / w).ceil() as u32;
-                wants[i] = (wants[i].0.saturating_sub(cut).max(held), Reason::Power);
-                binding = true;
-            }
-        }
+        let watts = |r: Role| power.replica_w[usize::from(r.code())];
+        let draw = |wants: &[(u32, Reason)]| self.planned(wants, &watts);
+        // Growth is trimmed first, to what the budget leaves it.
+        let mut binding = self.trim_growth(wants, &watts, budget_w, Reason::Power);
         // Still over (the draw per replica rose): the pool whose replica
         // draws most steps down by one, within its bounds.
         if draw(wants).is_some_and(|x| x > budget_w) {
-            let watts = |i: usize| power.replica_w[usize::from(self.pools[i].role.code())];
+            let watts = |i: usize| watts(self.pools[i].role);
             let heaviest = (0..wants.len())
                 .filter(|i| {
                     let p = &self.pools[*i];

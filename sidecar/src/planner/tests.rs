@@ -258,6 +258,27 @@ fn configuration_is_checked() {
     let mut c = cfg();
     c.ttft_ms = f64::NAN;
     assert!(c.validate().is_err());
+    let mut c = cfg();
+    c.decode.sensitivity = Some(1.0);
+    assert!(c.validate().unwrap_err().starts_with("decode: sensitivity"));
+    let mut c = cfg();
+    c.prefill.min_replicas = Some(9);
+    assert!(
+        c.validate()
+            .unwrap_err()
+            .starts_with("prefill: min_replicas")
+    );
+    let mut c = cfg();
+    c.prefill.max_replicas = Some(0);
+    assert!(c.validate().is_err());
+    for bad in [-1.0, 0.0, f64::INFINITY] {
+        let mut c = cfg();
+        c.power_budget_w = Some(bad);
+        assert!(c.validate().unwrap_err().contains("power_budget_w"));
+        let mut c = cfg();
+        c.replica_watts = Some(bad);
+        assert!(c.validate().unwrap_err().contains("replica_watts"));
+    }
 }
 
 #[test]
