@@ -20,9 +20,12 @@
 //! A local reply's reason travels as its [`Reason`] code (tag 6); tag 4,
 //! the reason as its name, is still read so that filters of the previous
 //! release keep reporting during a rolling upgrade (sidecars first).
+//! Likewise a booking carries its tenant (tag 9), and tag 1, without one,
+//! is still read as the default tenant's.
 
 use crate::plan::Leg;
 use crate::reply::Reason;
+use crate::state::DEFAULT_TENANT;
 use crate::wire::{Reader, WireError};
 use thiserror::Error;
 
@@ -38,13 +41,16 @@ pub struct Key {
 /// One thing that happened to a request at the gateway.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    /// Routed: `prefill_tokens` and `decode_blocks` now load `slot`.
+    /// Routed: `prefill_tokens` and `decode_blocks` now load `slot`, on
+    /// behalf of `tenant` (at most [`MAX_TENANT_LEN`] bytes), whose share
+    /// of the model's booked load the sidecar tallies.
     Book {
         key: Key,
         model: String,
         slot: u16,
         prefill_tokens: u32,
         decode_blocks: u32,
+        tenant: String,
     },
     /// The first response byte: prefill is over.
     FirstByte { key: Key },
@@ -60,6 +66,9 @@ pub enum Event {
     Alive { vm: u64 },
 }
 
+/// A booking without its tenant: read as [`DEFAULT_TENANT`]'s, no longer
+/// written. Drop it once no filter of a release before
+/// [`TAG_BOOK_TENANT`] can be running.
 const TAG_BOOK: u8 = 1;
 const TAG_FIRST_BYTE: u8 = 2;
 const TAG_DONE: u8 = 3;
@@ -79,6 +88,16 @@ const TAG_ALIVE: u8 = 7;
 /// added it (upgrade sidecars first, as for [`TAG_ALIVE`]); tag 5 is
 /// still read, as a request served whole with no status.
 const TAG_DONE_LEG: u8 = 8;
+/// A booking with its request's tenant after the model. Written for every
+/// booking since the release that added it (upgrade sidecars first, as
+/// for [`TAG_ALIVE`]).
+const TAG_BOOK_TENANT: u8 = 9;
+
+/// The longest tenant a booking carries, in bytes. Sidecars keep every
+/// live booking's tenant and tally load per tenant, so a name from a
+/// request header must not cost them more than this; a longer one is
+/// refused, and the encoder cuts one to it.
+pub const MAX_TENANT_LEN: usize = 256;
 
 /// How one leg of a routed request went, as its gateway saw it. A
 /// request served whole has one leg; a disaggregated one a prefill leg
@@ -120,11 +139,17 @@ pub enum BookingError {
     /// A timed end whose leg this build does not know.
     #[error("unknown leg in the record at byte {at}")]
     UnknownLeg { at: usize },
+    #[error(
+        "booking record at byte {at}: a tenant of {len} bytes, more than the {MAX_TENANT_LEN} a booking may carry"
+    )]
+    TenantTooLong { len: usize, at: usize },
 }
 
 impl Event {
     /// Appends the record to `out`. Strings longer than 64 KiB are cut at a
-    /// character boundary (model names are far shorter).
+    /// character boundary (model names are far shorter), and a tenant
+    /// longer than [`MAX_TENANT_LEN`] at the last one within it: callers
+    /// refuse such a tenant first, or it books as a shorter one.
     pub fn encode_into(&self, out: &mut Vec<u8>) {
         match self {
             Event::Book {
@@ -133,13 +158,15 @@ impl Event {
                 slot,
                 prefill_tokens,
                 decode_blocks,
+                tenant,
             } => {
-                out.push(TAG_BOOK);
+                out.push(TAG_BOOK_TENANT);
                 put_key(out, key);
                 out.extend_from_slice(&slot.to_le_bytes());
                 out.extend_from_slice(&prefill_tokens.to_le_bytes());
                 out.extend_from_slice(&decode_blocks.to_le_bytes());
                 put_str(out, model);
+                put_str(out, cut(tenant, MAX_TENANT_LEN));
             }
             Event::FirstByte { key } => {
                 out.push(TAG_FIRST_BYTE);
@@ -195,18 +222,29 @@ pub fn decode_batch(bytes: &[u8]) -> Result<Vec<Event>, BookingError> {
         let at = r.pos();
         let tag = r.u8()?;
         let ev = match tag {
-            TAG_BOOK => {
+            TAG_BOOK | TAG_BOOK_TENANT => {
                 let key = key(&mut r)?;
                 let slot = r.u16()?;
                 let prefill_tokens = r.u32()?;
                 let decode_blocks = r.u32()?;
                 let model = r.string16()?;
+                let tenant = match tag {
+                    TAG_BOOK => DEFAULT_TENANT,
+                    _ => r.str16()?,
+                };
+                if tenant.len() > MAX_TENANT_LEN {
+                    return Err(BookingError::TenantTooLong {
+                        len: tenant.len(),
+                        at,
+                    });
+                }
                 Event::Book {
                     key,
                     model,
                     slot,
                     prefill_tokens,
                     decode_blocks,
+                    tenant: tenant.to_string(),
                 }
             }
             TAG_FIRST_BYTE => Event::FirstByte { key: key(&mut r)? },
@@ -276,12 +314,18 @@ fn put_key(out: &mut Vec<u8>, key: &Key) {
 }
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
-    let mut end = s.len().min(u16::MAX as usize);
+    let s = cut(s, u16::MAX as usize);
+    out.extend_from_slice(&(s.len() as u16).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// `s` up to the last character boundary within `max` bytes.
+fn cut(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
     while !s.is_char_boundary(end) {
         end -= 1;
     }
-    out.extend_from_slice(&(end as u16).to_le_bytes());
-    out.extend_from_slice(&s.as_bytes()[..end]);
+    &s[..end]
 }
 
 fn key(r: &mut Reader<'_>) -> Result<Key, WireError> {
@@ -309,6 +353,7 @@ mod tests {
                 slot: 7,
                 prefill_tokens: 1200,
                 decode_blocks: 80,
+                tenant: "team-a".into(),
             },
             Event::FirstByte { key: key(1) },
             Event::Rejected {
@@ -387,6 +432,77 @@ mod tests {
         assert_eq!(decode_batch(&bad), Err(BookingError::UnknownLeg { at: 0 }));
     }
 
+    /// A booking as filters of a release before tag 9 write it: no
+    /// tenant, so the default one's.
+    #[test]
+    fn a_booking_without_a_tenant_is_the_default_tenants() {
+        let mut old = vec![TAG_BOOK];
+        put_key(&mut old, &key(6));
+        old.extend_from_slice(&3u16.to_le_bytes());
+        old.extend_from_slice(&100u32.to_le_bytes());
+        old.extend_from_slice(&7u32.to_le_bytes());
+        put_str(&mut old, "m");
+        let new = Event::Book {
+            key: key(6),
+            model: "m".into(),
+            slot: 3,
+            prefill_tokens: 100,
+            decode_blocks: 7,
+            tenant: DEFAULT_TENANT.into(),
+        };
+        assert_eq!(decode_batch(&old).unwrap(), vec![new.clone()]);
+        // The same record, with the tenant after the model.
+        let mut with = new.encode();
+        assert_eq!(with[0], TAG_BOOK_TENANT);
+        with[0] = TAG_BOOK;
+        with.truncate(old.len());
+        assert_eq!(with, old);
+    }
+
+    #[test]
+    fn an_over_long_tenant_is_refused_and_never_written() {
+        let book = |tenant: String| Event::Book {
+            key: key(1),
+            model: "m".into(),
+            slot: 0,
+            prefill_tokens: 1,
+            decode_blocks: 1,
+            tenant,
+        };
+        let longest = "é".repeat(MAX_TENANT_LEN / 2);
+        let e = book(longest.clone());
+        assert_eq!(decode_batch(&e.encode()).unwrap(), vec![e]);
+        // The encoder cuts at the last character within the bound.
+        let over = format!("x{longest}");
+        assert_eq!(
+            decode_batch(&book(over).encode()).unwrap(),
+            vec![book(format!("x{}", "é".repeat(MAX_TENANT_LEN / 2 - 1)))]
+        );
+        // A hostile writer's longer one fails the batch, wherever it is.
+        let mut batch = Event::FirstByte { key: key(1) }.encode();
+        let at = batch.len();
+        batch.extend_from_slice(&book(String::new()).encode());
+        batch.truncate(batch.len() - 2);
+        put_str(&mut batch, &"t".repeat(MAX_TENANT_LEN + 1));
+        let err = decode_batch(&batch).unwrap_err();
+        assert_eq!(
+            err,
+            BookingError::TenantTooLong {
+                len: MAX_TENANT_LEN + 1,
+                at
+            }
+        );
+        assert!(err.to_string().contains("257 bytes"), "{err}");
+        // And one that claims more bytes than are present is truncated.
+        batch.truncate(batch.len() - MAX_TENANT_LEN - 3);
+        batch.extend_from_slice(&u16::MAX.to_le_bytes());
+        batch.extend_from_slice(b"tt");
+        assert!(matches!(
+            decode_batch(&batch),
+            Err(BookingError::Wire(WireError::Truncated { .. }))
+        ));
+    }
+
     #[test]
     fn bad_input_is_an_error_naming_the_byte() {
         let mut bytes = Event::Done {
@@ -400,8 +516,8 @@ mod tests {
             Err(BookingError::Wire(WireError::Truncated { offset: 9, .. }))
         ));
         assert_eq!(
-            decode_batch(&[9, 0, 0]),
-            Err(BookingError::UnknownTag { tag: 9, at: 0 })
+            decode_batch(&[10, 0, 0]),
+            Err(BookingError::UnknownTag { tag: 10, at: 0 })
         );
         let mut bad = Event::Rejected {
             model: "ab".into(),
@@ -476,8 +592,16 @@ mod tests {
         }
 
         #[test]
-        fn books_round_trip(vm: u64, seq: u64, slot: u16, p: u32, d: u32, model in "\\PC{0,40}") {
-            let e = Event::Book { key: Key { vm, seq }, model, slot, prefill_tokens: p, decode_blocks: d };
+        fn books_round_trip(
+            vm: u64,
+            seq: u64,
+            slot: u16,
+            p: u32,
+            d: u32,
+            model in "\\PC{0,40}",
+            tenant in "\\PC{0,64}",
+        ) {
+            let e = Event::Book { key: Key { vm, seq }, model, slot, prefill_tokens: p, decode_blocks: d, tenant };
             prop_assert_eq!(decode_batch(&e.encode()).unwrap(), vec![e]);
         }
     }

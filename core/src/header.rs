@@ -11,6 +11,15 @@ pub const RANK: &str = "x-data-parallel-rank";
 pub const FALLBACK: &str = "x-kvgate-fallback";
 /// The request's tenant, set by authentication in front of the router.
 pub const TENANT: &str = "x-kvgate-tenant";
+/// The request's priority class, set by Envoy from the route, a JWT claim
+/// or the tenant, never by the client (admission strips nothing itself).
+pub const CLASS: &str = "x-kvgate-class";
+/// Whose share of a contended model's load a request counts against (a
+/// tenant of a shared pool), set by Envoy from authentication.
+pub const ACCOUNT: &str = "x-kvgate-account";
+/// A client asking to be shed at once rather than held, where the
+/// operator allows it.
+pub const DO_NOT_QUEUE: &str = "x-kvgate-do-not-queue";
 /// The host a disaggregated request's prefill callout goes to: read by
 /// the prefill cluster's override-host balancer. Only the filter sets it,
 /// on a callout, which carries no client header.

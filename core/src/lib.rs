@@ -10,9 +10,12 @@
 //!   `serde` feature), with their validation;
 //! * [`plan`]: the decision for one request, from its body to a placement
 //!   or a rejection, with the cost in [`plan::select`];
-//! * [`busy`]: the shedding rules; [`hash`]: block and prefix hashes;
+//! * [`busy`]: the shedding rules; [`admit`]: holding what no worker may
+//!   take now, by class and deadline; [`hash`]: block and prefix hashes;
 //! * [`disagg`]: disaggregated prefill and decode: the legs' bodies and
 //!   when a request needs no prefill leg;
+//! * [`fit`]: a worker's latency at a load, from the fits the sidecar
+//!   publishes;
 //! * the contracts with clients and Envoy: the [`reply`]s kvgate sends
 //!   itself, and the [`header`] names;
 //! * the binary formats between the parts, all read through one
@@ -24,11 +27,13 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+pub mod admit;
 pub mod approx;
 pub mod booking;
 pub mod busy;
 pub mod disagg;
 pub mod dispatch;
+pub mod fit;
 pub mod hash;
 pub mod header;
 pub mod plan;
@@ -42,11 +47,12 @@ pub mod update;
 /// the same checks.
 pub mod wire;
 
+pub use fit::{Fit, WorkerFits};
 pub use plan::{LocalReason, Placement, Plan, Prefill, PrefillLeg, Rejection, Route};
 pub use snapshot::SnapshotError;
 pub use state::{
     Applied, DEFAULT_BOOTSTRAP_PORT, DEFAULT_TENANT, Disaggregation, InvalidValue, ModelPlan,
-    ModelState, OnPrefillFailure, Policy, Protocol, RankLoad, Role, Snapshot, Thermal,
-    ThermalState, Thresholds, ThresholdsPatch, WorkerState,
+    ModelState, OnPrefillFailure, Policy, Protocol, RankLoad, Role, Slo, Snapshot, TenantLoad,
+    Thermal, ThermalState, Thresholds, ThresholdsPatch, WorkerState,
 };
 pub use wire::WireError;

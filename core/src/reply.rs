@@ -42,11 +42,21 @@ pub enum Reason {
     /// tried on, and the model is set to fail rather than prefill on the
     /// decode worker.
     PrefillFailed = 8,
+    /// No worker is predicted to meet the request's latency targets, and
+    /// its class may not be held for one.
+    SloUnattainable = 9,
+    /// Shed for a request of a class that comes first: a full queue made
+    /// room, or the class may not be held.
+    PriorityShed = 10,
+    /// The model's queue was full of requests that come before it.
+    QueueFull = 11,
+    /// Held until its deadline, and no worker freed up.
+    DeadlinePassed = 12,
 }
 
 impl Reason {
     /// In code order, so that `ALL[r.index()] == r`.
-    pub const ALL: [Reason; 9] = [
+    pub const ALL: [Reason; 13] = [
         Reason::AllWorkersBusy,
         Reason::NoWorkers,
         Reason::UnknownModel,
@@ -56,6 +66,10 @@ impl Reason {
         Reason::Thermal,
         Reason::Internal,
         Reason::PrefillFailed,
+        Reason::SloUnattainable,
+        Reason::PriorityShed,
+        Reason::QueueFull,
+        Reason::DeadlinePassed,
     ];
 
     /// The `x-kvgate-reason` value, also the metric's name part.
@@ -70,6 +84,10 @@ impl Reason {
             Reason::Thermal => "thermal",
             Reason::Internal => "internal",
             Reason::PrefillFailed => "prefill_failed",
+            Reason::SloUnattainable => "slo_unattainable",
+            Reason::PriorityShed => "priority_shed",
+            Reason::QueueFull => "queue_full",
+            Reason::DeadlinePassed => "deadline_passed",
         }
     }
 
@@ -95,7 +113,15 @@ impl Reason {
     /// Whether the fleet had no room for the request (demand it lost, as
     /// the planner counts it), rather than the request being at fault.
     pub fn is_shed(self) -> bool {
-        matches!(self, Reason::AllWorkersBusy | Reason::Thermal)
+        matches!(
+            self,
+            Reason::AllWorkersBusy
+                | Reason::Thermal
+                | Reason::SloUnattainable
+                | Reason::PriorityShed
+                | Reason::QueueFull
+                | Reason::DeadlinePassed
+        )
     }
 }
 
@@ -117,6 +143,9 @@ impl Reply {
                 reason: Reason::Thermal,
                 ..Reply::busy(hint(retry_after_s))
             },
+            Rejection::SloUnattainable { retry_after_s } => {
+                Reply::shed(503, Reason::SloUnattainable, hint(retry_after_s))
+            }
         }
     }
 
@@ -211,6 +240,50 @@ impl Reply {
                 &format!("The prompt could not be prefilled: {cause}"),
             ),
             retry_after_s: None,
+        }
+    }
+
+    /// A request shed for want of room, answered with the model's shed
+    /// status: 503 (Dynamo's, with its exact busy body for a busy fleet),
+    /// 529 (overloaded) or 429 (too many requests), always with a
+    /// `Retry-After` and otherwise in OpenAI's error shape.
+    pub fn shed(status: u16, reason: Reason, retry_after_s: u32) -> Reply {
+        let busy = matches!(reason, Reason::AllWorkersBusy | Reason::Thermal);
+        let body = if status == 503 && busy {
+            BUSY_BODY.to_string()
+        } else {
+            let kind = match status {
+                429 => "rate_limit_exceeded",
+                529 => "overloaded_error",
+                _ => "service_unavailable",
+            };
+            let why = match reason {
+                Reason::SloUnattainable => "no worker can meet the request's latency target",
+                Reason::PriorityShed => "requests of a higher priority class come first",
+                Reason::QueueFull => "the queue of held requests is full",
+                Reason::DeadlinePassed => "no worker freed up before the request's deadline",
+                _ => "all workers are busy",
+            };
+            openai(
+                status,
+                kind,
+                &format!("Service temporarily unavailable: {why}, please retry later"),
+            )
+        };
+        Reply {
+            status,
+            reason,
+            body,
+            retry_after_s: Some(retry_after_s.max(1)),
+        }
+    }
+
+    /// This reply, if it sheds a request for want of room, with the
+    /// model's shed status instead of 503.
+    pub fn with_shed_status(self, status: u16) -> Reply {
+        match (self.reason.is_shed(), self.retry_after_s) {
+            (true, Some(s)) if status != self.status => Reply::shed(status, self.reason, s),
+            _ => self,
         }
     }
 
@@ -310,6 +383,43 @@ mod tests {
             );
             assert_eq!(v["error"]["type"], kind);
         }
+    }
+
+    #[test]
+    fn a_shed_answers_with_the_models_status_and_always_a_retry_hint() {
+        assert_eq!(Reply::shed(503, Reason::AllWorkersBusy, 2), Reply::busy(2));
+        for status in [429, 529, 503] {
+            for reason in [
+                Reason::SloUnattainable,
+                Reason::PriorityShed,
+                Reason::QueueFull,
+                Reason::DeadlinePassed,
+            ] {
+                let r = Reply::shed(status, reason, 0);
+                assert!(reason.is_shed());
+                assert_eq!((r.status, r.retry_after_s), (status, Some(1)));
+                let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+                assert_eq!(v["error"]["code"], u64::from(status));
+                assert!(
+                    r.headers()
+                        .contains(&("x-kvgate-reason", reason.as_str().to_string()))
+                );
+            }
+        }
+        let r = Reply::busy(3).with_shed_status(429);
+        assert_eq!(
+            (r.status, r.reason, r.retry_after_s),
+            (429, Reason::AllWorkersBusy, Some(3))
+        );
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&r.body).unwrap()["error"]["type"],
+            "rate_limit_exceeded"
+        );
+        assert_eq!(
+            Reply::stale().with_shed_status(429).status,
+            503,
+            "not a shed"
+        );
     }
 
     #[test]

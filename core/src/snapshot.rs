@@ -16,10 +16,11 @@
 //! against the bytes that remain before anything is allocated.
 
 use crate::disagg::Conditional;
+use crate::fit::{Fit, WorkerFits};
 use crate::state::{
     Applied, DEFAULT_BOOTSTRAP_PORT, DEFAULT_TENANT, Disaggregation, ModelPlan, ModelState,
-    OnPrefillFailure, Policy, Protocol, RankLoad, Role, Snapshot, Thermal, ThermalState,
-    Thresholds, WorkerState,
+    OnPrefillFailure, Policy, Protocol, RankLoad, Role, Slo, Snapshot, TenantLoad, Thermal,
+    ThermalState, Thresholds, WorkerState,
 };
 use crate::wire::{Reader, WireError};
 use thiserror::Error;
@@ -29,7 +30,7 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 9;
+pub const MINOR: u16 = 10;
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 
@@ -76,6 +77,22 @@ const DISAGG_LEN: usize = 1 + 1 + 1 + 8 + 8 + 8 + 8;
 const DISAGG_PRESENT: u8 = 1;
 /// A model's Retry-After per pool (minor 9): prefill, decode.
 const POOL_RETRY_LEN: usize = 2 * 4;
+/// A model's bound on requests in flight per decode worker (minor 10): 0
+/// is none.
+const DECODE_REQUESTS_LEN: usize = 8;
+/// A model's SLO (minor 10, after the request bound): TTFT, ITL (ms).
+const SLO_LEN: usize = 2 * 4;
+/// The least a model's tenants take (minor 10, after the SLO): their u16
+/// count; then per tenant its name (str16), its booked prefill tokens
+/// and decode blocks (u64 each).
+const TENANTS_LEN: usize = 2;
+const TENANT_MIN: usize = 2 + 8 + 8;
+/// A worker's latency fits (minor 10, after the bootstrap port), written
+/// whole even when it has none so its length is fixed: flags (present),
+/// then TTFT's and ITL's intercept, slope, samples and age.
+const FITS_LEN: usize = 1 + 2 * FIT_LEN;
+const FIT_LEN: usize = 4 + 4 + 4 + 4;
+const FITS_PRESENT: u8 = 1;
 const FAIL_LOCAL: u8 = 0;
 const FAIL_FAIL: u8 = 1;
 
@@ -108,6 +125,13 @@ impl Snapshot {
                         + PLAN_LEN
                         + DISAGG_LEN
                         + POOL_RETRY_LEN
+                        + DECODE_REQUESTS_LEN
+                        + SLO_LEN
+                        + TENANTS_LEN
+                        + m.tenants
+                            .iter()
+                            .map(|t| TENANT_MIN + t.tenant.len())
+                            .sum::<usize>()
                         + m.workers
                             .iter()
                             .map(|w| {
@@ -119,6 +143,7 @@ impl Snapshot {
                                     + THERMAL_LEN
                                     + ROLE_LEN
                                     + BOOTSTRAP_PORT_LEN
+                                    + FITS_LEN
                             })
                             .sum::<usize>()
                 })
@@ -194,6 +219,8 @@ impl Snapshot {
                 // Minor 8: the role.
                 out.push(w.role.code());
                 out.extend_from_slice(&w.bootstrap_port.to_le_bytes());
+                // Minor 10: the latency fits.
+                put_fits(out, w.fits.as_ref());
                 end_record(out, wrec, "worker record")?;
             }
             // Minor 1 fields follow the workers; older readers skip them.
@@ -221,6 +248,20 @@ impl Snapshot {
             // Minor 9: Retry-After per pool.
             for v in m.retry_after_by_pool_s {
                 out.extend_from_slice(&v.to_le_bytes());
+            }
+            // Minor 10: the bound on a decode worker's requests.
+            out.extend_from_slice(&t.active_decode_requests.unwrap_or(0).to_le_bytes());
+            // Minor 10, after it: the SLO.
+            out.extend_from_slice(&m.slo.ttft_ms.to_le_bytes());
+            out.extend_from_slice(&m.slo.itl_ms.to_le_bytes());
+            // Minor 10, after the SLO: each tenant's booked load.
+            let n = u16::try_from(m.tenants.len())
+                .map_err(|_| SnapshotError::TooLarge { field: "tenants" })?;
+            out.extend_from_slice(&n.to_le_bytes());
+            for t in &m.tenants {
+                put_str(out, &t.tenant, "tenant")?;
+                out.extend_from_slice(&t.prefill_tokens.to_le_bytes());
+                out.extend_from_slice(&t.decode_blocks.to_le_bytes());
             }
             end_record(out, rec, "model record")?;
         }
@@ -310,6 +351,7 @@ fn decode_model(m: &mut Reader<'_>, old: ModelState) -> Result<ModelState, Snaps
         name,
         mut workers,
         mut lora_adapters,
+        mut tenants,
         ..
     } = old;
     let name = refill(name, m.str16()?);
@@ -318,10 +360,11 @@ fn decode_model(m: &mut Reader<'_>, old: ModelState) -> Result<ModelState, Snaps
     let prefill_th = m.u64()?;
     let frac_th = m.f64()?;
     let shard_count = m.u32()?;
-    let thresholds = Thresholds {
+    let mut thresholds = Thresholds {
         active_decode_blocks: (flags & TH_DECODE != 0).then_some(decode_th),
         active_prefill_tokens: (flags & TH_PREFILL != 0).then_some(prefill_th),
         active_prefill_tokens_frac: (flags & TH_FRAC != 0).then_some(frac_th),
+        active_decode_requests: None,
     };
     let worker_count = m.u32()?;
     m.plausible(worker_count, 4 + WORKER_FIXED, "workers")?;
@@ -374,6 +417,29 @@ fn decode_model(m: &mut Reader<'_>, old: ModelState) -> Result<ModelState, Snaps
     if m.remaining() >= POOL_RETRY_LEN {
         retry_after_by_pool_s = [m.u32()?, m.u32()?];
     }
+    if m.remaining() >= DECODE_REQUESTS_LEN {
+        thresholds.active_decode_requests = Some(m.u64()?).filter(|&n| n > 0);
+    }
+    let mut slo = Slo::default();
+    if m.remaining() >= SLO_LEN {
+        slo = Slo {
+            ttft_ms: m.u32()?,
+            itl_ms: m.u32()?,
+        };
+    }
+    let count = if m.remaining() >= TENANTS_LEN {
+        m.u16()?
+    } else {
+        0
+    };
+    m.plausible(u32::from(count), TENANT_MIN, "tenants")?;
+    reuse_each(&mut tenants, usize::from(count), |old| {
+        Ok(TenantLoad {
+            tenant: refill(old.tenant, m.str16()?),
+            prefill_tokens: m.u64()?,
+            decode_blocks: m.u64()?,
+        })
+    })?;
     Ok(ModelState {
         name,
         thresholds,
@@ -387,6 +453,8 @@ fn decode_model(m: &mut Reader<'_>, old: ModelState) -> Result<ModelState, Snaps
         prompt_template,
         disaggregation,
         retry_after_by_pool_s,
+        slo,
+        tenants,
     })
 }
 
@@ -449,6 +517,11 @@ fn decode_worker(w: &mut Reader<'_>, old: WorkerState) -> Result<WorkerState, Sn
     } else {
         DEFAULT_BOOTSTRAP_PORT
     };
+    let fits = if w.remaining() >= FITS_LEN {
+        read_fits(w)?
+    } else {
+        None
+    };
     Ok(WorkerState {
         id,
         endpoint,
@@ -459,7 +532,41 @@ fn decode_worker(w: &mut Reader<'_>, old: WorkerState) -> Result<WorkerState, Sn
         draining,
         role,
         bootstrap_port,
+        fits,
     })
+}
+
+fn put_fits(out: &mut Vec<u8>, fits: Option<&WorkerFits>) {
+    let Some(f) = fits else {
+        out.extend_from_slice(&[0; FITS_LEN]);
+        return;
+    };
+    out.push(FITS_PRESENT);
+    for fit in [&f.ttft, &f.itl] {
+        out.extend_from_slice(&fit.intercept_ms.to_le_bytes());
+        out.extend_from_slice(&fit.slope_ms_per_ktok.to_le_bytes());
+        out.extend_from_slice(&fit.samples.to_le_bytes());
+        out.extend_from_slice(&fit.age_s.to_le_bytes());
+    }
+}
+
+/// A worker's fits from the wire. A fit whose coefficients are not
+/// numbers reads as one that has learned nothing: it predicts nothing,
+/// and says so wherever it is shown.
+fn read_fits(w: &mut Reader<'_>) -> Result<Option<WorkerFits>, WireError> {
+    let flags = w.u8()?;
+    let mut fit = || -> Result<Fit, WireError> {
+        let f = Fit {
+            intercept_ms: w.f32()?,
+            slope_ms_per_ktok: w.f32()?,
+            samples: w.u32()?,
+            age_s: w.u32()?,
+        };
+        Ok(if f.is_finite() { f } else { Fit::default() })
+    };
+    let ttft = fit()?;
+    let itl = fit()?;
+    Ok((flags & FITS_PRESENT != 0).then_some(WorkerFits { ttft, itl }))
 }
 
 fn put_disaggregation(out: &mut Vec<u8>, d: Option<&Disaggregation>) {
@@ -663,6 +770,7 @@ mod tests {
                         active_decode_blocks: Some(0.85),
                         active_prefill_tokens: None,
                         active_prefill_tokens_frac: Some(1.5),
+                        active_decode_requests: Some(24),
                     },
                     shard_count: 64,
                     workers: vec![WorkerState {
@@ -698,6 +806,20 @@ mod tests {
                         draining: true,
                         role: Role::Decode,
                         bootstrap_port: 9001,
+                        fits: Some(WorkerFits {
+                            ttft: Fit {
+                                intercept_ms: 35.5,
+                                slope_ms_per_ktok: 12.25,
+                                samples: 40,
+                                age_s: 3,
+                            },
+                            itl: Fit {
+                                intercept_ms: 8.0,
+                                slope_ms_per_ktok: 0.5,
+                                samples: 12,
+                                age_s: 1,
+                            },
+                        }),
                     }],
                     retry_after_s: 4,
                     lora_adapters: vec!["sql-lora".into(), "chat-lora".into()],
@@ -725,6 +847,22 @@ mod tests {
                         decode_affinity: 0.0,
                     }),
                     retry_after_by_pool_s: [9, 3],
+                    slo: Slo {
+                        ttft_ms: 500,
+                        itl_ms: 50,
+                    },
+                    tenants: vec![
+                        TenantLoad {
+                            tenant: "team-a".into(),
+                            prefill_tokens: 100,
+                            decode_blocks: 3,
+                        },
+                        TenantLoad {
+                            tenant: "batch".into(),
+                            prefill_tokens: 0,
+                            decode_blocks: 1 << 40,
+                        },
+                    ],
                 },
                 ModelState {
                     name: "empty".into(),
@@ -739,17 +877,27 @@ mod tests {
     fn minor0(s: &Snapshot) -> Vec<u8> {
         strip_model_tail(
             s,
-            8 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
+            8 + POLICY_LEN
+                + 16
+                + PLAN_LEN
+                + 8
+                + DISAGG_LEN
+                + POOL_RETRY_LEN
+                + DECODE_REQUESTS_LEN
+                + SLO_LEN
+                + TENANTS_LEN,
         )
     }
 
     /// Cuts the last `by` bytes (the minor-1 and later fields, with no
-    /// adapters) off every model record, and the applied list.
+    /// adapters and no tenants, so the same length in every model) off
+    /// every model record, and the applied list.
     fn strip_model_tail(s: &Snapshot, by: usize) -> Vec<u8> {
         let mut s = s.clone();
         s.applied.clear();
         for m in &mut s.models {
             m.lora_adapters.clear();
+            m.tenants.clear();
         }
         let mut bytes = s.encode().unwrap();
         bytes.truncate(bytes.len() - 4); // the applied count
@@ -781,7 +929,15 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            4 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
+            4 + POLICY_LEN
+                + 16
+                + PLAN_LEN
+                + 8
+                + DISAGG_LEN
+                + POOL_RETRY_LEN
+                + DECODE_REQUESTS_LEN
+                + SLO_LEN
+                + TENANTS_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
@@ -794,7 +950,15 @@ mod tests {
         assert_ne!(s.models[0].policy, Policy::default());
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
+            POLICY_LEN
+                + 16
+                + PLAN_LEN
+                + 8
+                + DISAGG_LEN
+                + POOL_RETRY_LEN
+                + DECODE_REQUESTS_LEN
+                + SLO_LEN
+                + TENANTS_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
@@ -808,7 +972,13 @@ mod tests {
         assert!(s.models[0].service_rate_per_s > 0.0);
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
+            16 + PLAN_LEN
+                + 8
+                + DISAGG_LEN
+                + POOL_RETRY_LEN
+                + DECODE_REQUESTS_LEN
+                + SLO_LEN
+                + TENANTS_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 0.0);
@@ -823,7 +993,13 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            8 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN,
+            8 + PLAN_LEN
+                + 8
+                + DISAGG_LEN
+                + POOL_RETRY_LEN
+                + DECODE_REQUESTS_LEN
+                + SLO_LEN
+                + TENANTS_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 42.5);
@@ -832,10 +1008,124 @@ mod tests {
     }
 
     #[test]
+    fn minor_nine_snapshots_have_no_slo_and_their_workers_no_fits() {
+        let s = sample();
+        assert_ne!(s.models[0].slo, Slo::default());
+        let old = Snapshot::decode(&strip_model_tail(&s, SLO_LEN + TENANTS_LEN)).unwrap();
+        assert_eq!(old.models[0].slo, Slo::default(), "no target");
+        assert_eq!(
+            old.models[0].thresholds.active_decode_requests,
+            Some(24),
+            "the request bound before it is still read"
+        );
+        let (bytes, cut) = strip_worker_tail(&s, FITS_LEN);
+        assert_eq!(cut[0], FITS_PRESENT);
+        let old = Snapshot::decode(&bytes).unwrap();
+        let w = &old.models[0].workers[0];
+        assert_eq!(w.fits, None);
+        assert_eq!(w.bootstrap_port, 9001, "the port before them is still read");
+        assert_eq!(old.models[0].slo, s.models[0].slo);
+    }
+
+    #[test]
+    fn snapshots_before_tenants_have_none() {
+        let s = sample();
+        assert_eq!(s.models[0].tenants.len(), 2);
+        assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
+        // A writer of minor 9 (or of minor 10 before tenants) ends the
+        // model record at the SLO.
+        let old = Snapshot::decode(&strip_model_tail(&s, TENANTS_LEN)).unwrap();
+        assert!(old.models.iter().all(|m| m.tenants.is_empty()));
+        assert_eq!(old.models[0].slo, s.models[0].slo, "the SLO is still read");
+        // Decoded into a snapshot that had tenants, none are left.
+        let mut into = sample();
+        into.decode_into(&strip_model_tail(&s, TENANTS_LEN))
+            .unwrap();
+        assert_eq!(into, old);
+    }
+
+    #[test]
+    fn a_tenant_count_the_record_cannot_hold_is_refused() {
+        let mut s = sample();
+        s.models.truncate(1);
+        s.applied.clear();
+        s.models[0].tenants.truncate(1);
+        let mut bytes = s.encode().unwrap();
+        // The record ends with the count, one tenant and the applied count.
+        let at = bytes.len() - 4 - (TENANT_MIN + "team-a".len()) - TENANTS_LEN;
+        assert_eq!(bytes[at..at + 2], [1, 0]);
+        for count in [2u16, u16::MAX] {
+            bytes[at..at + 2].copy_from_slice(&count.to_le_bytes());
+            assert!(matches!(
+                Snapshot::decode(&bytes),
+                Err(SnapshotError::Wire(WireError::ImplausibleCount {
+                    what: "tenants",
+                    ..
+                }))
+            ));
+        }
+    }
+
+    #[test]
+    fn fits_that_are_not_numbers_read_as_unknown() {
+        let mut s = sample();
+        let f = s.models[0].workers[0].fits.as_mut().unwrap();
+        f.ttft.intercept_ms = f32::NAN;
+        f.itl.slope_ms_per_ktok = f32::INFINITY;
+        let w = &Snapshot::decode(&s.encode().unwrap()).unwrap().models[0].workers[0];
+        assert_eq!(
+            w.fits,
+            Some(WorkerFits::default()),
+            "each reads as a fit of no samples"
+        );
+        // A worker without fits writes zeros, whatever a reader makes of
+        // the flag.
+        s.models[0].workers[0].fits = None;
+        let w = &Snapshot::decode(&s.encode().unwrap()).unwrap().models[0].workers[0];
+        assert_eq!(w.fits, None);
+        // Its other fit, a number, is kept.
+        let mut s = sample();
+        s.models[0].workers[0]
+            .fits
+            .as_mut()
+            .unwrap()
+            .itl
+            .intercept_ms = f32::NEG_INFINITY;
+        let w = &Snapshot::decode(&s.encode().unwrap()).unwrap().models[0].workers[0];
+        let f = w.fits.unwrap();
+        assert_eq!(f.ttft, sample().models[0].workers[0].fits.unwrap().ttft);
+        assert_eq!(f.itl, Fit::default());
+    }
+
+    #[test]
+    fn minor_nine_snapshots_bound_no_decode_worker_by_its_requests() {
+        let s = sample();
+        let old = Snapshot::decode(&strip_model_tail(
+            &s,
+            DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN,
+        ))
+        .unwrap();
+        assert_eq!(old.models[0].thresholds.active_decode_requests, None);
+        assert_eq!(old.models[0].slo, Slo::default());
+        assert_eq!(
+            old.models[0].thresholds.active_decode_blocks,
+            s.models[0].thresholds.active_decode_blocks
+        );
+        assert_eq!(
+            old.models[0].retry_after_by_pool_s,
+            s.models[0].retry_after_by_pool_s
+        );
+    }
+
+    #[test]
     fn minor_eight_snapshots_take_the_models_retry_after_for_every_pool() {
         let s = sample();
         assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
-        let old = Snapshot::decode(&strip_model_tail(&s, POOL_RETRY_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(
+            &s,
+            POOL_RETRY_LEN + DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN,
+        ))
+        .unwrap();
         assert_eq!(old.models[0].retry_after_by_pool_s, [0, 0]);
         assert!(old.models[0].disaggregation.is_some());
     }
@@ -843,12 +1133,20 @@ mod tests {
     #[test]
     fn minor_seven_snapshots_serve_every_model_whole() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, DISAGG_LEN + POOL_RETRY_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(
+            &s,
+            DISAGG_LEN + POOL_RETRY_LEN + DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN,
+        ))
+        .unwrap();
         assert_eq!(old.models[0].disaggregation, None);
         assert_eq!(old.models[0].prompt_template, 0xFEED);
         // And their workers, cut of their role byte, take either leg.
-        let (bytes, cut) = strip_worker_tail(&s, ROLE_LEN + BOOTSTRAP_PORT_LEN);
-        assert_eq!(cut, [Role::Decode.code(), 0x29, 0x23], "role, port 9001");
+        let (bytes, cut) = strip_worker_tail(&s, ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN);
+        assert_eq!(
+            cut[..3],
+            [Role::Decode.code(), 0x29, 0x23],
+            "role, port 9001"
+        );
         let old = Snapshot::decode(&bytes).unwrap();
         let w = &old.models[0].workers[0];
         assert_eq!(w.role, Role::Both);
@@ -861,8 +1159,8 @@ mod tests {
     fn workers_without_a_bootstrap_port_use_sglangs_default() {
         let s = sample();
         assert_eq!(s.models[0].workers[0].bootstrap_port, 9001);
-        let (bytes, cut) = strip_worker_tail(&s, BOOTSTRAP_PORT_LEN);
-        assert_eq!(cut, 9001u16.to_le_bytes());
+        let (bytes, cut) = strip_worker_tail(&s, BOOTSTRAP_PORT_LEN + FITS_LEN);
+        assert_eq!(cut[..2], 9001u16.to_le_bytes());
         let old = Snapshot::decode(&bytes).unwrap();
         let w = &old.models[0].workers[0];
         assert_eq!(w.bootstrap_port, DEFAULT_BOOTSTRAP_PORT);
@@ -889,9 +1187,23 @@ mod tests {
         assert_eq!(d.conditional.max_uncached_ratio, 0.0, "NaN: never local");
         assert_eq!(d.decode_affinity, 0.0);
         assert_eq!(d.prefill_timeout_ms, 1);
-        // The model's record ends with the disaggregation, then the
+        // The model's record ends with the disaggregation, the pools'
+        // Retry-After, the request bound, the SLO and the tenants, then the
         // applied list (a count and one entry) closes the payload.
-        let at = bytes.len() - 4 - 16 - DISAGG_LEN - POOL_RETRY_LEN;
+        let tenants: usize = s.models[0]
+            .tenants
+            .iter()
+            .map(|t| TENANT_MIN + t.tenant.len())
+            .sum();
+        let at = bytes.len()
+            - 4
+            - 16
+            - DISAGG_LEN
+            - POOL_RETRY_LEN
+            - DECODE_REQUESTS_LEN
+            - SLO_LEN
+            - TENANTS_LEN
+            - tenants;
         assert_eq!(bytes[at], DISAGG_PRESENT);
         bytes[at + 1] = 9; // a protocol of a newer writer
         assert_eq!(
@@ -924,7 +1236,11 @@ mod tests {
     #[test]
     fn minor_six_snapshots_have_no_prompt_template() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, 8 + DISAGG_LEN + POOL_RETRY_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(
+            &s,
+            8 + DISAGG_LEN + POOL_RETRY_LEN + DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN,
+        ))
+        .unwrap();
         assert_eq!(old.models[0].prompt_template, 0);
         assert_eq!(old.models[0].plan, s.models[0].plan);
         assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
@@ -951,7 +1267,8 @@ mod tests {
     #[test]
     fn workers_from_minor_five_writers_are_unmonitored() {
         let s = sample();
-        let (bytes, _) = strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN);
+        let (bytes, _) =
+            strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN);
         let old = Snapshot::decode(&bytes).unwrap();
         let w = &old.models[0].workers[0];
         assert_eq!(w.thermal, Thermal::default());
@@ -966,7 +1283,8 @@ mod tests {
         s.models[0].workers[0].thermal.heat = f64::NAN;
         let mut bytes = s.encode().unwrap();
         // The state byte of a newer writer reads as unknown, never as cool.
-        let (_, cut) = strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN);
+        let (_, cut) =
+            strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN);
         let at = bytes
             .windows(cut.len())
             .position(|w| w == cut.as_slice())
@@ -1009,7 +1327,10 @@ mod tests {
         s.models[0].workers[0].tenant.clear();
         // Cut the (empty) tenant and the thermal record off the worker
         // record, as a minor-1 writer never wrote them.
-        let (bytes, cut) = strip_worker_tail(&s, 2 + THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN);
+        let (bytes, cut) = strip_worker_tail(
+            &s,
+            2 + THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN,
+        );
         assert_eq!(&cut[..2], &[0, 0], "the empty tenant");
         let old = Snapshot::decode(&bytes).unwrap();
         assert_eq!(old.models[0].workers[0].tenant, DEFAULT_TENANT);
@@ -1110,6 +1431,17 @@ mod tests {
             })
     }
 
+    fn arb_fit() -> impl Strategy<Value = Fit> {
+        (-1e6f32..1e6, -1e6f32..1e6, any::<u32>(), any::<u32>()).prop_map(
+            |(intercept_ms, slope_ms_per_ktok, samples, age_s)| Fit {
+                intercept_ms,
+                slope_ms_per_ktok,
+                samples,
+                age_s,
+            },
+        )
+    }
+
     fn arb_snapshot() -> impl Strategy<Value = Snapshot> {
         let worker = (
             any::<u64>(),
@@ -1119,9 +1451,19 @@ mod tests {
             "[a-z0-9-]{0,12}",
             (0u8..5, 0.0f64..=1.0, any::<u32>(), any::<u32>()),
             0u8..3,
+            prop::option::of((arb_fit(), arb_fit())),
         )
             .prop_map(
-                |(id, endpoint, block_size, ranks, tenant, (state, heat, cap, in_flight), role)| {
+                |(
+                    id,
+                    endpoint,
+                    block_size,
+                    ranks,
+                    tenant,
+                    (state, heat, cap, in_flight),
+                    role,
+                    fits,
+                )| {
                     WorkerState {
                         id,
                         endpoint,
@@ -1137,6 +1479,7 @@ mod tests {
                         draining: cap % 2 == 0,
                         role: Role::from_code(role),
                         bootstrap_port: cap as u16,
+                        fits: fits.map(|(ttft, itl)| WorkerFits { ttft, itl }),
                     }
                 },
             );
@@ -1146,6 +1489,7 @@ mod tests {
             prop::option::of(0.0f64..100.0),
         )
             .prop_map(|(a, b, c)| Thresholds {
+                active_decode_requests: None,
                 active_decode_blocks: a,
                 active_prefill_tokens: b,
                 active_prefill_tokens_frac: c,
@@ -1164,6 +1508,8 @@ mod tests {
                 1u64..100_000,
                 any::<bool>(),
             )),
+            (any::<u32>(), any::<u32>()),
+            prop::collection::vec(("\\PC{0,12}", any::<u64>(), any::<u64>()), 0..4),
         )
             .prop_map(
                 |(
@@ -1174,6 +1520,8 @@ mod tests {
                     lora_adapters,
                     (credit, temperature),
                     disagg,
+                    (ttft_ms, itl_ms),
+                    tenants,
                 )| {
                     ModelState {
                         name,
@@ -1212,6 +1560,15 @@ mod tests {
                             }
                         }),
                         retry_after_by_pool_s: [shard_count % 11, shard_count % 13],
+                        slo: Slo { ttft_ms, itl_ms },
+                        tenants: tenants
+                            .into_iter()
+                            .map(|(tenant, prefill_tokens, decode_blocks)| TenantLoad {
+                                tenant,
+                                prefill_tokens,
+                                decode_blocks,
+                            })
+                            .collect(),
                     }
                 },
             );

@@ -8,6 +8,7 @@
 //! threshold keys), so its clients read kvgate's JSON unchanged.
 
 use crate::disagg::Conditional;
+use crate::fit::WorkerFits;
 #[cfg(feature = "serde")]
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -85,6 +86,42 @@ pub struct ModelState {
     /// model's.
     #[cfg_attr(feature = "serde", serde(default))]
     pub retry_after_by_pool_s: [u32; 2],
+    /// The latencies the model's requests should see (minor 10; older
+    /// snapshots: no target), checked against each worker's
+    /// [`WorkerState::fits`].
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub slo: Slo,
+    /// What each tenant has booked on the model's workers that are up, by
+    /// every gateway and the selection API alike (minor 10, after the SLO;
+    /// older snapshots: none): what tenant fairness weighs a tenant's share
+    /// by. Only tenants with load booked now, at most the 64 with the
+    /// largest share (the larger of their part of the model's prompt
+    /// tokens and of its decode blocks); the others' load is in the ranks'
+    /// and in no entry.
+    #[cfg_attr(feature = "serde", serde(default))]
+    pub tenants: Vec<TenantLoad>,
+}
+
+/// One tenant's booked load on a model: the sums, over the model's ranks,
+/// of what [`RankLoad::active_prefill_tokens`] and
+/// [`RankLoad::active_decode_blocks`] count of its requests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+pub struct TenantLoad {
+    pub tenant: String,
+    pub prefill_tokens: u64,
+    pub decode_blocks: u64,
+}
+
+/// A model's latency targets, in ms; 0: no target.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "serde", serde(default, deny_unknown_fields))]
+pub struct Slo {
+    /// Time to first token.
+    pub ttft_ms: u32,
+    /// Inter-token latency.
+    pub itl_ms: u32,
 }
 
 /// The planner's view of a model, as routing and shedding use it.
@@ -132,6 +169,15 @@ pub struct WorkerState {
     /// [`DEFAULT_BOOTSTRAP_PORT`]). Only an SGLang prefill leg reads it.
     #[cfg_attr(feature = "serde", serde(default = "default_bootstrap_port"))]
     pub bootstrap_port: u16,
+    /// Its TTFT and ITL against its load, as the sidecar fitted them
+    /// (minor 10); `None`: its model keeps no fits (it has no SLO), or
+    /// nothing was learned yet. Left out of JSON then, so a worker
+    /// without fits keeps its shape.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    pub fits: Option<WorkerFits>,
 }
 
 /// SGLang's `--disaggregation-bootstrap-port` default.
@@ -535,6 +581,10 @@ thresholds! {
     active_prefill_tokens: u64, PREFILL_TOKENS = "active_prefill_tokens_threshold";
     /// Multiple of `max_num_batched_tokens` above which a rank is busy.
     active_prefill_tokens_frac: f64, PREFILL_TOKENS_FRAC = "active_prefill_tokens_threshold_frac";
+    /// Requests in flight on one worker that decodes (a decode or `both`
+    /// worker; any worker of a model served whole) at which it takes no
+    /// more. Checked again, atomically, as each request is sent.
+    active_decode_requests: u64, DECODE_REQUESTS = "active_decode_requests_threshold";
 }
 
 /// A patch field that is present, `null` or not: absent fields stay
@@ -562,6 +612,7 @@ impl Thresholds {
         self.active_decode_blocks.is_some()
             || self.active_prefill_tokens.is_some()
             || self.active_prefill_tokens_frac.is_some()
+            || self.active_decode_requests.is_some()
     }
 
     /// Decode within [0, 1], fraction above 0.
@@ -584,7 +635,31 @@ impl Thresholds {
                 value: f,
             });
         }
+        if self.active_decode_requests == Some(0) {
+            return Err(InvalidValue {
+                field: Thresholds::DECODE_REQUESTS,
+                rule: "above 0",
+                value: 0.0,
+            });
+        }
         Ok(())
+    }
+
+    /// Every condition times `factor`: above 1 a retry's headroom over the
+    /// thresholds, under 1 what a class without the reserve may use. The
+    /// decode fraction stays at most 1 and a request bound at least 1.
+    pub fn scaled(&self, factor: f64) -> Thresholds {
+        let f = factor.max(0.0);
+        Thresholds {
+            active_decode_blocks: self.active_decode_blocks.map(|t| (t * f).min(1.0)),
+            active_prefill_tokens: self
+                .active_prefill_tokens
+                .map(|t| (t as f64 * f).min(u64::MAX as f64) as u64),
+            active_prefill_tokens_frac: self.active_prefill_tokens_frac.map(|t| t * f),
+            active_decode_requests: self
+                .active_decode_requests
+                .map(|t| ((t as f64 * f).min(u64::MAX as f64) as u64).max(1)),
+        }
     }
 
     /// `self` with every condition `over` sets replaced by it.
@@ -595,6 +670,7 @@ impl Thresholds {
             active_prefill_tokens_frac: over
                 .active_prefill_tokens_frac
                 .or(self.active_prefill_tokens_frac),
+            active_decode_requests: over.active_decode_requests.or(self.active_decode_requests),
         }
     }
 }
@@ -673,11 +749,40 @@ mod tests {
     use super::*;
 
     #[test]
+    fn scaled_thresholds_keep_decode_within_the_cache_and_a_request_bound() {
+        let t = Thresholds {
+            active_decode_blocks: Some(0.8),
+            active_prefill_tokens: Some(1000),
+            active_prefill_tokens_frac: None,
+            active_decode_requests: Some(8),
+        };
+        let w = t.scaled(1.5);
+        assert_eq!(w.active_decode_blocks, Some(1.0));
+        assert_eq!(w.active_prefill_tokens, Some(1500));
+        assert_eq!(w.active_prefill_tokens_frac, None);
+        assert_eq!(w.active_decode_requests, Some(12));
+        let n = t.scaled(0.9);
+        assert_eq!(n.active_prefill_tokens, Some(900));
+        assert_eq!(n.active_decode_requests, Some(7));
+        assert_eq!(t.scaled(0.01).active_decode_requests, Some(1));
+        assert_eq!(
+            Thresholds {
+                active_decode_requests: Some(0),
+                ..t
+            }
+            .validate()
+            .unwrap_err()
+            .field,
+            "active_decode_requests_threshold"
+        );
+    }
+
+    #[test]
     fn thresholds_validate_their_ranges() {
         let t = |d, f| Thresholds {
             active_decode_blocks: d,
-            active_prefill_tokens: None,
             active_prefill_tokens_frac: f,
+            ..Thresholds::default()
         };
         assert!(t(Some(0.0), Some(0.1)).validate().is_ok());
         assert!(t(Some(1.0), None).validate().is_ok());
@@ -695,6 +800,7 @@ mod tests {
     #[test]
     fn overrides_replace_only_what_they_set() {
         let file = Thresholds {
+            active_decode_requests: None,
             active_decode_blocks: Some(0.9),
             active_prefill_tokens: Some(100),
             active_prefill_tokens_frac: None,
@@ -706,6 +812,7 @@ mod tests {
         assert_eq!(
             file.overridden_by(&flags),
             Thresholds {
+                active_decode_requests: None,
                 active_decode_blocks: Some(0.5),
                 active_prefill_tokens: Some(100),
                 active_prefill_tokens_frac: None,
@@ -716,11 +823,13 @@ mod tests {
     #[test]
     fn a_patch_sets_unsets_and_keeps() {
         let now = Thresholds {
+            active_decode_requests: None,
             active_decode_blocks: Some(0.9),
             active_prefill_tokens: Some(100),
             active_prefill_tokens_frac: Some(2.0),
         };
         let patch = ThresholdsPatch {
+            active_decode_requests: None,
             active_decode_blocks: Some(Some(0.5)),
             active_prefill_tokens: Some(None),
             active_prefill_tokens_frac: None,
@@ -728,6 +837,7 @@ mod tests {
         assert_eq!(
             now.patched(&patch),
             Thresholds {
+                active_decode_requests: None,
                 active_decode_blocks: Some(0.5),
                 active_prefill_tokens: None,
                 active_prefill_tokens_frac: Some(2.0),
@@ -751,6 +861,7 @@ mod tests {
         assert_eq!(
             p,
             ThresholdsPatch {
+                active_decode_requests: None,
                 active_decode_blocks: Some(Some(0.5)),
                 active_prefill_tokens: Some(None),
                 active_prefill_tokens_frac: None,
@@ -803,6 +914,7 @@ mod tests {
     #[test]
     fn in_a_split_model_each_role_is_judged_by_its_legs_conditions() {
         let all = Thresholds {
+            active_decode_requests: None,
             active_decode_blocks: Some(0.9),
             active_prefill_tokens: Some(100),
             active_prefill_tokens_frac: Some(2.0),

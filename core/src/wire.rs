@@ -91,6 +91,10 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
+    pub fn f32(&mut self) -> Result<f32, WireError> {
+        Ok(f32::from_le_bytes(self.array()?))
+    }
+
     pub fn f64(&mut self) -> Result<f64, WireError> {
         Ok(f64::from_le_bytes(self.array()?))
     }

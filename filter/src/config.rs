@@ -3,6 +3,7 @@
 //! Every key is optional and unknown keys are refused, so a typo fails the
 //! plugin load with a log line instead of silently changing behaviour.
 
+use crate::admission::Admission;
 use kvgate_core::header;
 use serde::{Deserialize, Deserializer};
 use std::time::Duration;
@@ -28,7 +29,7 @@ pub enum PollerMode {
     Lease,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub sidecar_cluster: String,
@@ -57,6 +58,9 @@ pub struct Config {
     /// Response header naming the worker and DP rank that served a routed
     /// request (engines return none); empty: not sent.
     pub served_by_header: String,
+    /// Response header giving the time to first token the worker's fit
+    /// predicted (ms), where one did; empty (the default): not sent.
+    pub predicted_ttft_header: String,
     pub max_body_bytes: usize,
     /// The cluster a disaggregated request's prefill leg is sent to: the
     /// worker catalog, with the host taken from `prefill_host_header` and
@@ -76,6 +80,10 @@ pub struct Config {
     /// Times the decision's phases on one request in this many (1: every
     /// request; 0: none). The decision itself is timed on every request.
     pub phase_timing_every: u64,
+    /// Reads the answer of one routed request in this many for the cached
+    /// prompt tokens the engine reports using (`usage.prompt_tokens_details
+    /// .cached_tokens`), against those the index predicted; 0: none.
+    pub cached_tokens_every: u64,
     pub poller: PollerMode,
     /// How long a lease holder that stops renewing keeps the lease;
     /// absent: [`Config::lease_term`] derives it from `stale_after_ms`.
@@ -86,6 +94,9 @@ pub struct Config {
     /// serves requests and flushes their events), so that another root
     /// must take over.
     pub lease_drill_stop_after_ms: Option<u64>,
+    /// Holding requests no worker may take now, by class and deadline
+    /// ([`crate::admission`]); absent: shed at once, as before.
+    pub admission: Option<Admission>,
 }
 
 impl Default for Config {
@@ -103,6 +114,7 @@ impl Default for Config {
             fallback_header: header::FALLBACK.into(),
             tenant_header: header::TENANT.into(),
             served_by_header: header::SERVED_BY.into(),
+            predicted_ttft_header: String::new(),
             max_body_bytes: 1 << 20,
             prefill_cluster: "kvgate_prefill".into(),
             prefill_host_header: header::PREFILL_HOST.into(),
@@ -112,9 +124,11 @@ impl Default for Config {
             retry_headroom_pct: 50,
             max_retry_after_s: 30,
             phase_timing_every: 8,
+            cached_tokens_every: 8,
             poller: PollerMode::Singleton,
             lease: None,
             lease_drill_stop_after_ms: None,
+            admission: None,
         }
     }
 }
@@ -180,9 +194,10 @@ impl Config {
             ("fallback_header", &mut self.fallback_header),
             ("tenant_header", &mut self.tenant_header),
             ("served_by_header", &mut self.served_by_header),
+            ("predicted_ttft_header", &mut self.predicted_ttft_header),
             ("prefill_host_header", &mut self.prefill_host_header),
         ] {
-            if name == "served_by_header" && h.is_empty() {
+            if matches!(name, "served_by_header" | "predicted_ttft_header") && h.is_empty() {
                 continue;
             }
             // Envoy keeps header names lower-case.
@@ -230,6 +245,9 @@ impl Config {
                 ms(self.poll_wait)
             ));
         }
+        if let Some(a) = &mut self.admission {
+            a.validate().map_err(ConfigError::Invalid)?;
+        }
         // A lost holder is replaced within a lease and a tick, and the new
         // holder's first poll does not wait: freshness survives it.
         let lease = self.lease_term();
@@ -269,6 +287,8 @@ mod tests {
         assert_eq!(c.max_body_bytes, 10);
         let c = Config::parse(Some(br#"{"served_by_header":""}"#)).unwrap();
         assert_eq!(c.served_by_header, "", "empty turns the header off");
+        let c = Config::parse(Some(br#"{"admission":{"class_header":"X-Tier"}}"#)).unwrap();
+        assert_eq!(c.admission.unwrap().class_header, "x-tier");
         let c = Config::parse(Some(br#"{"flush_ms":0}"#)).unwrap();
         assert!(c.flush.is_zero(), "0 sends each event at once");
         let c = Config::parse(Some(br#"{"sidecar_token":"s3cret"}"#)).unwrap();
@@ -312,6 +332,7 @@ mod tests {
             br#"{"poller": "lease", "lease_ms": 150}"#,
             br#"{"poller": "lease", "lease_ms": 5000}"#,
             br#"{"flush_ms": 1000}"#,
+            br#"{"admission": {"shed_status": 500}}"#,
         ] {
             assert!(
                 Config::parse(Some(bad)).is_err(),

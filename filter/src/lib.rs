@@ -24,6 +24,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod admission;
 mod config;
 mod host;
 mod lease;
@@ -65,8 +66,13 @@ impl Context for Root {
     ) {
         match self {
             Root::Service(s) => s.on_response(token, body_size),
-            Root::Router(_, Some(standby)) => standby.on_response(token, body_size),
-            _ => {}
+            Root::Router(state, standby) => {
+                router::held::on_callout_answer(state, &host::Abi, token, body_size);
+                if let Some(standby) = standby {
+                    standby.on_response(token, body_size);
+                }
+            }
+            Root::Unconfigured => {}
         }
     }
 }
@@ -118,6 +124,15 @@ impl RootContext for Root {
                 (true, true) => Some(config.tick),
                 (true, false) => Some(config.flush.min(config.tick)),
             };
+            // Held requests are looked at on the tick.
+            let held_tick = config
+                .admission
+                .as_ref()
+                .map(|a| std::time::Duration::from_millis(a.tick_ms));
+            let tick = match (tick, held_tick) {
+                (Some(t), Some(a)) => Some(t.min(a)),
+                (t, a) => t.or(a),
+            };
             if let Some(Err(s)) = tick.map(host::set_tick_period) {
                 host::log(
                     LogLevel::Error,
@@ -147,6 +162,7 @@ impl RootContext for Root {
                     st.flush(h);
                     st.look_ahead(h);
                 }
+                router::held::on_tick(state, &host::Abi);
                 if let Some(standby) = standby {
                     standby.on_tick();
                 }

@@ -5,6 +5,7 @@
 use crate::host::{self, Host};
 use crate::reply::Reason;
 use proxy_wasm::types::MetricType;
+use std::collections::HashMap;
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
     host::define_metric(kind as u32, name)
@@ -75,6 +76,46 @@ pub struct RouterMetrics {
     /// Prefill legs whose client left before the answer: their booking
     /// is kept until the leg's deadline, when Envoy has ended the call.
     pub prefill_orphaned: Option<u32>,
+    /// Requests whose time to first token a fit predicted, and the
+    /// prediction's absolute error against what the worker took, in
+    /// percent of that.
+    pub predictions: Option<u32>,
+    pub prediction_error_pct: Option<u32>,
+    /// Sampled answers' cached prompt tokens: as the index predicted them
+    /// for the worker chosen, as the engine reported using them, and the
+    /// difference in percent of the prompt.
+    pub cached_predicted: Option<u32>,
+    pub cached_reported: Option<u32>,
+    pub cached_error_pct: Option<u32>,
+    /// Admission's metrics per model and class, defined when first used.
+    admission: HashMap<String, Option<u32>>,
+}
+
+/// What became of a request admission looked at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Held for a worker.
+    Held,
+    /// Sent to a worker after being held.
+    Sent,
+    /// Answered at its deadline.
+    Expired,
+    /// Shed: at once (a class never held, a full queue) or displaced.
+    Shed,
+    /// Shed at once because the client asked not to be held.
+    DoNotQueue,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Held => "held",
+            Outcome::Sent => "sent",
+            Outcome::Expired => "expired",
+            Outcome::Shed => "shed",
+            Outcome::DoNotQueue => "do_not_queue",
+        }
+    }
 }
 
 impl RouterMetrics {
@@ -120,7 +161,99 @@ impl RouterMetrics {
             prefill_us: define(MetricType::Histogram, "kvgate_prefill_us"),
             trailers: define(MetricType::Counter, "kvgate_requests_with_trailers_total"),
             prefill_orphaned: define(MetricType::Counter, "kvgate_prefill_orphaned_total"),
+            predictions: define(MetricType::Counter, "kvgate_ttft_predictions_total"),
+            prediction_error_pct: define(MetricType::Histogram, "kvgate_ttft_prediction_error_pct"),
+            cached_predicted: define(MetricType::Counter, "kvgate_cached_tokens_predicted_total"),
+            cached_reported: define(MetricType::Counter, "kvgate_cached_tokens_reported_total"),
+            cached_error_pct: define(MetricType::Histogram, "kvgate_cached_tokens_error_pct"),
+            admission: HashMap::new(),
         }
+    }
+
+    /// A sampled answer's cached tokens, where the engine reported them.
+    pub fn cached(&self, h: &impl Host, u: &crate::router::Usage) {
+        let Some(reported) = u.reported else {
+            return;
+        };
+        h.add(
+            self.cached_predicted,
+            i64::try_from(u.predicted).unwrap_or(i64::MAX),
+        );
+        h.add(
+            self.cached_reported,
+            i64::try_from(reported).unwrap_or(i64::MAX),
+        );
+        if let Some(pct) = u
+            .predicted
+            .abs_diff(reported)
+            .saturating_mul(100)
+            .checked_div(u.isl_tokens)
+        {
+            h.sample(self.cached_error_pct, pct);
+        }
+    }
+
+    /// A predicted time to first token against the one observed (ms).
+    pub fn predicted(&self, h: &impl Host, predicted_ms: f64, observed_ms: f64) {
+        h.count(self.predictions);
+        if observed_ms > 0.0 {
+            let pct = ((predicted_ms - observed_ms).abs() / observed_ms * 100.0).min(1e6);
+            h.sample(self.prediction_error_pct, pct.round() as u64);
+        }
+    }
+
+    /// A metric of admission's for `model` and `class`: its name carries
+    /// both as `.model.<m>.class.<c>`, which the Envoy template's
+    /// `stats_tags` turn into labels (proxy-wasm metrics have none).
+    fn admission_metric(
+        &mut self,
+        h: &impl Host,
+        kind: MetricType,
+        family: &str,
+        model: &str,
+        class: &str,
+    ) -> Option<u32> {
+        let name = format!("{family}.model.{model}.class.{class}");
+        if let Some(id) = self.admission.get(&name) {
+            return *id;
+        }
+        let id = h.define_metric(kind as u32, &name);
+        self.admission.insert(name, id);
+        id
+    }
+
+    /// Counts an admission outcome; a held request's depth moves with it.
+    pub fn admitted(&mut self, h: &impl Host, model: &str, class: &str, o: Outcome) {
+        let family = format!("kvgate_admission_{}_total", o.as_str());
+        let id = self.admission_metric(h, MetricType::Counter, &family, model, class);
+        h.count(id);
+        let depth =
+            self.admission_metric(h, MetricType::Gauge, "kvgate_admission_held", model, class);
+        match o {
+            Outcome::Held => h.add(depth, 1),
+            Outcome::Sent | Outcome::Expired => h.add(depth, -1),
+            Outcome::Shed | Outcome::DoNotQueue => {}
+        }
+    }
+
+    /// A held request left the queue without being sent or expiring
+    /// (displaced, or its client left): its depth goes.
+    pub fn unheld(&mut self, h: &impl Host, model: &str, class: &str) {
+        let depth =
+            self.admission_metric(h, MetricType::Gauge, "kvgate_admission_held", model, class);
+        h.add(depth, -1);
+    }
+
+    /// How long a request was held (ms), whatever became of it.
+    pub fn waited(&mut self, h: &impl Host, model: &str, class: &str, ms: u64) {
+        let id = self.admission_metric(
+            h,
+            MetricType::Histogram,
+            "kvgate_admission_wait_ms",
+            model,
+            class,
+        );
+        h.sample(id, ms);
     }
 
     pub fn rejected(&self, h: &impl Host, r: Reason) {

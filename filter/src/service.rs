@@ -5,8 +5,10 @@
 
 use crate::config::{Config, ms};
 use crate::host;
+use crate::manifest;
 use crate::metrics::{ServiceMetrics, inc, record};
 use crate::poller::Poller;
+use kvgate_core::admit::ledger;
 use proxy_wasm::types::LogLevel;
 use std::time::Duration;
 
@@ -310,6 +312,9 @@ impl Service {
     }
 
     fn write(&mut self, writes: Vec<(String, Vec<u8>)>) {
+        if let Some((_, snapshot)) = writes.iter().find(|(k, _)| k == manifest::SNAPSHOT_KEY) {
+            create_ledgers(snapshot);
+        }
         for (key, value) in writes {
             if let Err(status) = host::set_shared(&key, &value) {
                 host::log(
@@ -322,6 +327,33 @@ impl Service {
             self.metrics.snapshot_version,
             self.poller.manifest().snapshot_version,
         );
+    }
+}
+
+/// Creates the count of requests in flight per decode worker
+/// (`kvgate_core::admit::ledger`) of every model the snapshot bounds, if
+/// missing, before the snapshot that names the bound is published. Only
+/// this root creates them, the router VMs only rewrite them: a write to a
+/// missing key is not checked by compare-and-swap, so two VMs creating it
+/// at once could each overwrite the other's first slot.
+fn create_ledgers(snapshot: &[u8]) {
+    let Ok(snap) = kvgate_core::Snapshot::decode(snapshot) else {
+        return;
+    };
+    for m in snap
+        .models
+        .iter()
+        .filter(|m| m.thresholds.active_decode_requests.is_some())
+    {
+        let key = ledger::key(&m.name);
+        if host::get_shared_cas(&key).1.is_none()
+            && let Err(status) = host::set_shared(&key, &[])
+        {
+            host::log(
+                LogLevel::Error,
+                &format!("kvgate: creating shared data {key:?} failed: {status:?}"),
+            );
+        }
     }
 }
 

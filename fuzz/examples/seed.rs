@@ -263,6 +263,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
             ModelState {
                 name: "llama-3-8b".into(),
                 thresholds: Thresholds {
+                    active_decode_requests: None,
                     active_decode_blocks: Some(0.9),
                     active_prefill_tokens: Some(16384),
                     active_prefill_tokens_frac: None,
@@ -279,6 +280,15 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                         draining: false,
                         role: kvgate_core::Role::Prefill,
                         bootstrap_port: 8998,
+                        fits: Some(kvgate_core::WorkerFits {
+                            ttft: kvgate_core::Fit {
+                                intercept_ms: 30.0,
+                                slope_ms_per_ktok: 15.5,
+                                samples: 120,
+                                age_s: 2,
+                            },
+                            itl: kvgate_core::Fit::default(),
+                        }),
                     },
                     WorkerState {
                         id: 2,
@@ -295,6 +305,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                         draining: true,
                         role: kvgate_core::Role::Decode,
                         bootstrap_port: 0,
+                        fits: None,
                     },
                 ],
                 retry_after_s: 3,
@@ -312,10 +323,27 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 prompt_template: 0x5EED,
                 disaggregation: Some(kvgate_core::Disaggregation::default()),
                 retry_after_by_pool_s: [12, 3],
+                slo: kvgate_core::Slo {
+                    ttft_ms: 400,
+                    itl_ms: 40,
+                },
+                tenants: vec![
+                    kvgate_core::TenantLoad {
+                        tenant: "default".into(),
+                        prefill_tokens: 2400,
+                        decode_blocks: 80,
+                    },
+                    kvgate_core::TenantLoad {
+                        tenant: "team-b".into(),
+                        prefill_tokens: 1200,
+                        decode_blocks: 40,
+                    },
+                ],
             },
             ModelState {
                 name: "no-workers".into(),
                 thresholds: Thresholds {
+                    active_decode_requests: None,
                     active_decode_blocks: None,
                     active_prefill_tokens: None,
                     active_prefill_tokens_frac: Some(0.5),
@@ -330,6 +358,8 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                 prompt_template: 0,
                 disaggregation: None,
                 retry_after_by_pool_s: [0; 2],
+                slo: Default::default(),
+                tenants: Vec::new(),
             },
         ],
         applied: vec![
@@ -377,6 +407,7 @@ fn bookings() -> Vec<(&'static str, Vec<u8>)> {
             slot: 2,
             prefill_tokens: 1500,
             decode_blocks: 12,
+            tenant: "team-a".into(),
         },
         Event::FirstByte { key },
         Event::Done { key, timing: None },
@@ -409,9 +440,22 @@ fn bookings() -> Vec<(&'static str, Vec<u8>)> {
         by_name.extend_from_slice(&(s.len() as u16).to_le_bytes());
         by_name.extend_from_slice(s.as_bytes());
     }
+    // A booking as the release before tenants wrote it (tag 1, no
+    // tenant), which sidecars still read as the default tenant's.
+    let mut untenanted = vec![1u8];
+    for v in [0xabcdu64, 2] {
+        untenanted.extend_from_slice(&v.to_le_bytes());
+    }
+    untenanted.extend_from_slice(&2u16.to_le_bytes());
+    for v in [1500u32, 12] {
+        untenanted.extend_from_slice(&v.to_le_bytes());
+    }
+    untenanted.extend_from_slice(&10u16.to_le_bytes());
+    untenanted.extend_from_slice(b"llama-3-8b");
     vec![
         ("seed-every-kind", batch),
         ("seed-rejected-by-name", by_name),
+        ("seed-book-without-tenant", untenanted),
         (
             "seed-done",
             Event::Done {

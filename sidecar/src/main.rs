@@ -159,6 +159,9 @@ struct RunArgs {
     /// max_num_batched_tokens.
     #[arg(long)]
     active_prefill_tokens_threshold_frac: Option<f64>,
+    /// Takes no more requests on a decode worker with this many in flight.
+    #[arg(long)]
+    active_decode_requests_threshold: Option<u64>,
     /// Binds the replica-sync PUB socket on this port, all interfaces
     /// (overrides `replica_sync.listen`).
     #[arg(long)]
@@ -303,6 +306,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         active_decode_blocks: args.active_decode_blocks_threshold,
         active_prefill_tokens: args.active_prefill_tokens_threshold,
         active_prefill_tokens_frac: args.active_prefill_tokens_threshold_frac,
+        active_decode_requests: args.active_decode_requests_threshold,
     })?;
     if let Some(port) = args.replica_sync_port {
         config.replica_sync.listen = Some(SocketAddr::from(([0, 0, 0, 0], port)));

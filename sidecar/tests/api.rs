@@ -411,6 +411,7 @@ async fn a_gateway_booking_past_max_prompt_tokens_is_refused_and_counted() {
         slot,
         prefill_tokens,
         decode_blocks,
+        tenant: kvgate_core::DEFAULT_TENANT.into(),
     };
     let mut batch = Vec::new();
     // Over the default bound of 2^24 tokens (and 2^25 blocks), then within.
@@ -448,6 +449,7 @@ async fn bookings_load_ranks_until_released() {
         slot,
         prefill_tokens: 3000,
         decode_blocks: 200,
+        tenant: kvgate_core::DEFAULT_TENANT.into(),
     }
     .encode_into(&mut batch);
     Event::Rejected {
@@ -565,6 +567,7 @@ async fn reports_require_the_token_when_one_is_set() {
         slot,
         prefill_tokens: 1_000_000,
         decode_blocks: 1000,
+        tenant: kvgate_core::DEFAULT_TENANT.into(),
     }
     .encode();
     let mut routed = Vec::new();
@@ -744,7 +747,8 @@ async fn json_bodies_keep_their_shapes() {
         m["thresholds"],
         json!({"active_decode_blocks_threshold": 0.5,
                "active_prefill_tokens_threshold": null,
-               "active_prefill_tokens_threshold_frac": null})
+               "active_prefill_tokens_threshold_frac": null,
+               "active_decode_requests_threshold": null})
     );
     let wk = &m["workers"][0];
     assert_eq!(
@@ -954,6 +958,7 @@ async fn each_leg_is_timed_by_its_workers_role() {
             slot: slot(worker),
             prefill_tokens,
             decode_blocks: 10,
+            tenant: kvgate_core::DEFAULT_TENANT.into(),
         }
         .encode_into(&mut batch);
     }
@@ -996,4 +1001,94 @@ async fn each_leg_is_timed_by_its_workers_role() {
             .any(|l| l.starts_with("kvgate_sidecar_leg") && l.contains("role=\"both\"")),
         "no leg on a both worker: {m}"
     );
+}
+
+/// A model with `[models.slo]` and no planner learns its workers' latency
+/// from the gateways' timed ends and publishes the fits in its snapshot,
+/// with the SLO; a router predicts from them with the snapshot's ranks.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_slo_without_a_planner_publishes_fits_learned_from_timed_ends() {
+    use kvgate_core::booking::{Event, Key, Timing};
+    use kvgate_core::{RankLoad, Slo};
+    let (w, _page) = fake_worker().await;
+    let (base, sc) = sidecar_from(
+        &format!(
+            "[scrape]\ninterval_ms = 50\n[server]\npublish_interval_ms = 10\n\
+             [[models]]\nname = \"m\"\n[models.slo]\nttft_ms = 400\nitl_ms = 40\n\
+             [[workers]]\nworker_id = 1\nmodel_name = \"m\"\nendpoint = \"{w}\"\n"
+        ),
+        None,
+    )
+    .await;
+    wait_until("worker up", async || workers_up(&base).await == 1).await;
+    let slot = sc.store().snapshot().models[0].workers[0].ranks[0].slot;
+    let key = |seq| Key { vm: 3, seq };
+    // Twelve requests booked together, each meeting the ones before it:
+    // request i meets 500·i prompt tokens and 10·i blocks of 16 tokens.
+    // TTFT = 20 ms + 10 ms per thousand prompt tokens (its own 500
+    // included); ITL = 5 ms + 2 ms per thousand KV tokens.
+    let mut batch = Vec::new();
+    for i in 0..12u64 {
+        Event::Book {
+            key: key(i),
+            model: "m".into(),
+            slot,
+            prefill_tokens: 500,
+            decode_blocks: 10,
+            tenant: kvgate_core::DEFAULT_TENANT.into(),
+        }
+        .encode_into(&mut batch);
+    }
+    for i in 0..12u32 {
+        let ttft_us = 20_000 + 5_000 * (i + 1);
+        let itl_us = 5_000 + 320 * i;
+        Event::Done {
+            key: key(u64::from(i)),
+            timing: Some(Timing {
+                first_byte_us: ttft_us,
+                total_us: ttft_us + 10 * itl_us,
+                isl_tokens: 500,
+                output_tokens: 11,
+                status: 200,
+                client_first_byte_us: ttft_us,
+                ..Default::default()
+            }),
+        }
+        .encode_into(&mut batch);
+    }
+    let url = format!("{base}/v1/bookings");
+    assert_eq!(call_raw("POST", &url, &[], batch).await.0, 204);
+    wait_until("fits published", async || {
+        sc.store().snapshot().models[0].workers[0]
+            .fits
+            .is_some_and(|f| f.ttft.samples == 12)
+    })
+    .await;
+    let snap = sc.store().snapshot();
+    let m = &snap.models[0];
+    assert_eq!(
+        m.slo,
+        Slo {
+            ttft_ms: 400,
+            itl_ms: 40
+        }
+    );
+    let fits = m.workers[0].fits.unwrap();
+    assert_eq!(fits.itl.samples, 12);
+    let rank = RankLoad {
+        active_prefill_tokens: 1500,
+        active_decode_blocks: 125,
+        ..Default::default()
+    };
+    // 1500 booked + 500 its own: 20 + 10 × 2.
+    let ttft = fits.ttft_ms(&rank, 500).expect("a trusted TTFT fit");
+    assert!((ttft - 40.0).abs() < 0.5, "{ttft}");
+    // 125 blocks × 16 tokens: 5 + 2 × 2.
+    let itl = fits.itl_ms(&rank, 16).expect("a trusted ITL fit");
+    assert!((itl - 9.0).abs() < 0.1, "{itl}");
+    // The state view shows both.
+    let (_, state) = json_of("GET", &format!("{base}/v1/state"), None).await;
+    let m = &state["models"][0];
+    assert_eq!(m["slo"], json!({"ttft_ms": 400, "itl_ms": 40}));
+    assert_eq!(m["workers"][0]["fits"]["ttft"]["samples"], 12);
 }

@@ -19,6 +19,7 @@ fn admit(seq: u64) -> SyncEvent {
         Placed {
             model: "m".into(),
             tenant: kvgate_core::DEFAULT_TENANT.into(),
+            request_tenant: kvgate_core::DEFAULT_TENANT.into(),
             block_size: 16,
             worker_id: 1,
             dp_rank: 0,
@@ -115,6 +116,7 @@ async fn gateway_books(base: &str, sc: &kvgate_sidecar::Sidecar, seq: u64) {
         slot,
         prefill_tokens: 16,
         decode_blocks: 1,
+        tenant: kvgate_core::DEFAULT_TENANT.into(),
     }
     .encode_into(&mut batch);
     let url = format!("{base}/v1/bookings");

@@ -102,6 +102,7 @@ fn admit(id: &str, prefill_tokens: u64, decode_blocks: u64) -> SyncEvent {
         Placed {
             model: "m".into(),
             tenant: kvgate_core::DEFAULT_TENANT.into(),
+            request_tenant: kvgate_core::DEFAULT_TENANT.into(),
             block_size: 16,
             worker_id: 1,
             dp_rank: 0,

@@ -603,6 +603,7 @@ async fn replica_sync_shares_admissions_and_frees_between_sidecars() {
         slot: 0,
         prefill_tokens: 1000,
         decode_blocks: 7,
+        tenant: kvgate_core::DEFAULT_TENANT.into(),
     };
     assert_eq!(post_batch(&[book(5)]).await, 204);
     wait_until("B counts A's gateway booking", async || {
@@ -704,13 +705,15 @@ async fn dynamos_optional_selection_fields_are_taken() {
     )
     .await;
     assert_eq!(status, 503, "{v}");
-    // Scheduler knobs of Dynamo's are accepted (and not used).
+    // Scheduler knobs of Dynamo's are accepted: the priority fields pick
+    // the class (tier 2, a jump ahead: critical), the rest is not used.
     let (status, v) = select(json!({
         "model_name": "m", "token_ids": [1, 2], "router_config_override": {"overlap_score_weight": 2.0},
         "priority_jump": 1.5, "strict_priority": 2, "routing_constraints": {}, "expected_output_tokens": null,
     }))
     .await;
     assert_eq!(status, 200, "{v}");
+    assert_eq!(v["class"], "critical", "{v}");
     // Expected output is booked as decode load: 2 prompt blocks + 10.
     let (status, v) = json_of(
         "POST",

@@ -68,8 +68,27 @@ pub struct Shared {
     pub clock_ns: u64,
     /// `proxy_get_shared_data` calls per key.
     pub reads: HashMap<String, u64>,
+    /// `random_get` calls so far, mixed into each draw's seed.
+    draws: u64,
     /// Shared queues: id → (vm_id, name, items).
     queues: HashMap<u32, (String, String, std::collections::VecDeque<Vec<u8>>)>,
+    /// Armed by [`Shared::before_set`].
+    set_hooks: Vec<SetHook>,
+}
+
+/// Runs once, inside a VM's `proxy_set_shared_data`: see
+/// [`Shared::before_set`].
+pub struct SetHook {
+    key_prefix: String,
+    run: Box<dyn FnOnce() + Send>,
+}
+
+impl std::fmt::Debug for SetHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SetHook")
+            .field("key_prefix", &self.key_prefix)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Shared {
@@ -104,6 +123,38 @@ impl Shared {
 
     pub fn now_ms(&self) -> u64 {
         self.clock_ns / 1_000_000
+    }
+
+    /// Runs `f` once, the next time any VM calls `proxy_set_shared_data`
+    /// on a key starting with `key_prefix`: after that VM read the value
+    /// (its write comes after its read) and before the host checks the
+    /// write's compare-and-swap token. So a test interleaves threads the
+    /// way Envoy's worker threads may: `f` can run another VM (one of its
+    /// own, e.g. behind an `Arc<Mutex<Vm>>`), whose writes land between
+    /// this VM's read and its compare-and-swap. The hook is taken out of
+    /// the store, and the store's lock released, before `f` runs: `f`'s VM
+    /// locks the store in its own host calls, and does not run the hook
+    /// again. Hooks armed on the same prefix run one per write, in the
+    /// order armed.
+    pub fn before_set(&mut self, key_prefix: &str, f: impl FnOnce() + Send + 'static) {
+        self.set_hooks.push(SetHook {
+            key_prefix: key_prefix.to_string(),
+            run: Box::new(f),
+        });
+    }
+
+    /// Hooks armed and not yet run.
+    pub fn armed_hooks(&self) -> usize {
+        self.set_hooks.len()
+    }
+
+    /// Takes out the first hook armed for a write to `key`.
+    fn take_set_hook(&mut self, key: &str) -> Option<SetHook> {
+        let i = self
+            .set_hooks
+            .iter()
+            .position(|h| key.starts_with(&h.key_prefix))?;
+        Some(self.set_hooks.remove(i))
     }
 
     /// Items waiting in a queue.
@@ -828,6 +879,12 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
          -> Result<i32> {
             tally(&mut c, "proxy_set_shared_data");
             let (key, value) = (read_str(&mut c, kp, kl)?, read(&mut c, vp, vl)?);
+            // Out of the store and with its lock released: the hook's VM
+            // takes the lock in its own calls (`Shared::before_set`).
+            let hook = lock(&c.data().shared).take_set_hook(&key);
+            if let Some(h) = hook {
+                (h.run)();
+            }
             let mut s = lock(&c.data().shared);
             if cas != 0 && s.data.get(&key).map(|(_, c)| *c) != Some(cas as u32) {
                 return Ok(CAS_MISMATCH);
@@ -1273,7 +1330,14 @@ fn link(linker: &mut Linker<HostState>) -> Result<()> {
         "random_get",
         |mut c: Caller<'_, HostState>, buf: i32, len: i32| -> Result<i32> {
             tally(&mut c, "random_get");
-            let mut x = lock(&c.data().shared).clock_ns | 1;
+            // Each draw its own seed: VMs started at the same clock (an
+            // Envoy's worker threads) must not draw the same numbers, or
+            // their tags and bookings' keys would collide.
+            let mut x = {
+                let mut s = lock(&c.data().shared);
+                s.draws += 1;
+                (s.clock_ns ^ s.draws.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1
+            };
             let bytes: Vec<u8> = (0..len)
                 .map(|_| {
                     x ^= x << 13;

@@ -84,6 +84,7 @@ pub fn bench_snapshot(workers: u16, shard_count: u32) -> Snapshot {
                     draining: false,
                     role: Default::default(),
                     bootstrap_port: 0,
+                    fits: None,
                 })
                 .collect(),
             ..Default::default()

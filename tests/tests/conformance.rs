@@ -180,6 +180,7 @@ fn fleet(roles: &[Role], settings: Option<Disaggregation>, dp: bool) -> Snapshot
                 draining: false,
                 role: *role,
                 bootstrap_port: 9100 + id as u16,
+                fits: None,
             }
         })
         .collect();
@@ -341,8 +342,9 @@ fn expected(snap: &Snapshot, store: &HashMap<String, Vec<u8>>, at: At) -> Dispat
     let mut first: Option<Dispatch> = None;
     for tie_break in [0, 1, 2, 7, 1_000_001] {
         let ask = Ask {
+            slo: None,
             tie_break,
-            retry_headroom: None,
+            thresholds_scale: None,
         };
         let p = plan(snap, &req, DEFAULT_TENANT, &ask, &mut read, &[]);
         let d = dispatch(&p, door, limit);

@@ -41,6 +41,7 @@ fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
         draining: false,
         role: Default::default(),
         bootstrap_port: 0,
+        fits: None,
     }
 }
 
@@ -1515,6 +1516,9 @@ mod disagg;
 
 #[path = "filter_wasm/disagg_sglang.rs"]
 mod disagg_sglang;
+
+#[path = "filter_wasm/gates.rs"]
+mod gates;
 
 #[path = "filter_wasm/hostile.rs"]
 mod hostile;

@@ -217,6 +217,7 @@ fn bookings_and_reports_need_the_control_token() {
             slot,
             prefill_tokens: u32::MAX,
             decode_blocks: u32::MAX,
+            tenant: "default".into(),
         }
         .encode_into(&mut bookings);
     }

@@ -908,6 +908,7 @@ fn admission_flood(
                             Placed {
                                 model: "demo-model".into(),
                                 tenant: "default".into(),
+                                request_tenant: "default".into(),
                                 block_size: 16,
                                 worker_id: 1 + k % WORKERS as u64,
                                 dp_rank: 0,

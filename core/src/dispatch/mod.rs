@@ -91,6 +91,9 @@ pub struct Target {
     /// its first byte, decode blocks until its last.
     pub prefill_tokens: u64,
     pub decode_blocks: u64,
+    /// Its time to first token there, as the worker's latency fit
+    /// predicts it (whole ms); `None` without a usable fit.
+    pub ttft_ms: Option<u32>,
 }
 
 impl Target {
@@ -113,6 +116,10 @@ impl Target {
             bootstrap_port: w.bootstrap_port(),
             prefill_tokens: p.prefill_tokens,
             decode_blocks: p.decode_blocks,
+            ttft_ms: p
+                .choice
+                .ttft_ms
+                .map(|t| t.round().clamp(0.0, f64::from(u32::MAX)) as u32),
         }
     }
 

@@ -14,6 +14,7 @@ pub(crate) fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
         draining: false,
         role: Default::default(),
         bootstrap_port: 0,
+        fits: None,
     }
 }
 

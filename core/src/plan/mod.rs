@@ -66,6 +66,9 @@ pub enum Rejection {
     /// Every rank is busy or its worker at its thermal cap, and at least
     /// one worker is capped. The hint is the snapshot's, as for `AllBusy`.
     Thermal { retry_after_s: u32 },
+    /// Every rank that would take it is predicted to miss the request's
+    /// latency targets. The hint is the snapshot's, as for `AllBusy`.
+    SloUnattainable { retry_after_s: u32 },
 }
 
 /// A routed request.
@@ -173,9 +176,14 @@ impl Placement<'_> {
 pub struct Ask {
     /// Spreads ties and seeds sampling; any per-request value works.
     pub tie_break: u64,
-    /// A retry holding its ticket may go to a busy rank within this
-    /// headroom over the thresholds (see [`retry`]).
-    pub retry_headroom: Option<f64>,
+    /// The busy thresholds this request is judged by, as a multiple of
+    /// the model's: above 1 a retry holding its ticket (see [`retry`]),
+    /// under 1 a class that may not use the share reserved for critical
+    /// work (see [`crate::admit`]); `None`: the published busy flags.
+    pub thresholds_scale: Option<f64>,
+    /// The request's latency targets (its class's or its model's); `None`:
+    /// placed by cost alone.
+    pub slo: Option<crate::state::Slo>,
 }
 
 /// A request's overlap with every rank's cache, read from the index once:
@@ -278,8 +286,9 @@ impl<'a> Gathered<'a> {
             isl_tokens: req.isl_tokens,
             tie_break: ask.tie_break,
             sample: (ask.tie_break % 1_000_003) as f64 / 1_000_003.0,
-            retry_headroom: ask.retry_headroom,
+            thresholds_scale: ask.thresholds_scale,
             leg,
+            slo: ask.slo,
         };
         let cached = &self.cached;
         let (decision, runner_up) =
@@ -298,6 +307,7 @@ impl<'a> Gathered<'a> {
             Decision::Route(first) => Ok((first, runner_up)),
             Decision::AllBusy => Err(Rejection::AllBusy { retry_after_s }),
             Decision::AllHot => Err(Rejection::Thermal { retry_after_s }),
+            Decision::SloUnattainable => Err(Rejection::SloUnattainable { retry_after_s }),
             Decision::NoWorkers => Err(Rejection::NoWorkers),
         }
     }

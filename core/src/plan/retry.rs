@@ -16,7 +16,6 @@
 //! worker thread's VM sees them; this module is their pure logic and
 //! formats, the filter does the host calls.
 
-use crate::state::Thresholds;
 use crate::wire::Reader;
 
 /// The share of the model's completions that retries are paced to: the
@@ -161,21 +160,6 @@ pub fn redeem(bucket: &[Ticket], hash: u64, now_ms: u64, w: Window) -> Option<Ve
     Some(rest)
 }
 
-impl Thresholds {
-    /// These thresholds with `headroom` more room (0.5: half as much
-    /// again); the decode fraction stays at most 1.
-    pub fn widened(&self, headroom: f64) -> Thresholds {
-        let f = 1.0 + headroom.max(0.0);
-        Thresholds {
-            active_decode_blocks: self.active_decode_blocks.map(|t| (t * f).min(1.0)),
-            active_prefill_tokens: self
-                .active_prefill_tokens
-                .map(|t| (t as f64 * f).min(u64::MAX as f64) as u64),
-            active_prefill_tokens_frac: self.active_prefill_tokens_frac.map(|t| t * f),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,19 +234,6 @@ mod tests {
         assert_eq!(b.len(), 1);
         assert_eq!(decode_queue(&encode_queue(77)), 77);
         assert_eq!(decode_queue(b"xx"), 0);
-    }
-
-    #[test]
-    fn widened_thresholds_keep_decode_within_the_cache() {
-        let t = Thresholds {
-            active_decode_blocks: Some(0.8),
-            active_prefill_tokens: Some(1000),
-            active_prefill_tokens_frac: None,
-        };
-        let w = t.widened(0.5);
-        assert_eq!(w.active_decode_blocks, Some(1.0));
-        assert_eq!(w.active_prefill_tokens, Some(1500));
-        assert_eq!(w.active_prefill_tokens_frac, None);
     }
 
     proptest! {

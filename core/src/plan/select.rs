@@ -27,7 +27,7 @@
 //! first worker, while the result stays a pure function of the inputs.
 
 use crate::busy::rank_busy;
-use crate::state::{ModelState, Policy, RankLoad, Role, WorkerState};
+use crate::state::{ModelState, Policy, RankLoad, Role, Slo, WorkerState};
 
 /// What the selector needs to know about the request itself.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -39,12 +39,16 @@ pub struct RequestShape {
     /// A uniform sample in [0, 1) used only when temperature > 0, so core
     /// needs no random source of its own.
     pub sample: f64,
-    /// A retry holding its ticket (see [`super::retry`]) may use a busy
-    /// rank whose load is within the thresholds widened by this much.
-    pub retry_headroom: Option<f64>,
+    /// The busy thresholds the request is judged by, as a multiple of the
+    /// model's ([`super::Ask::thresholds_scale`]): above 1 a busy rank
+    /// within them may take it, under 1 a rank over them may not.
+    pub thresholds_scale: Option<f64>,
     /// Which part of the request is placed: the workers whose role serves
     /// it are the candidates.
     pub leg: Leg,
+    /// The request's latency targets: a rank whose worker's fits predict
+    /// a miss is no candidate; one without a usable fit is ("unknown").
+    pub slo: Option<Slo>,
 }
 
 /// What a placement is for: a whole request, or one leg of a
@@ -119,6 +123,9 @@ pub enum Decision<'a> {
     /// Every worker is busy or at its thermal cap, and at least one is
     /// capped: shed with 503, the fleet is too hot to take more.
     AllHot,
+    /// Some rank would take the request, and every such rank is predicted
+    /// to miss its latency targets.
+    SloUnattainable,
     /// The model is known but no worker is up.
     NoWorkers,
 }
@@ -129,6 +136,9 @@ pub struct Choice<'a> {
     pub rank: &'a RankLoad,
     pub logit: f64,
     pub overlap: Overlap,
+    /// The request's time to first token there, as the worker's fit
+    /// predicts it; `None` without a usable fit.
+    pub ttft_ms: Option<f64>,
 }
 
 /// Blocks a request of `isl_tokens` adds to a rank whose device already
@@ -202,15 +212,20 @@ pub fn select_with_runner_up<'a>(
 ) -> (Decision<'a>, Option<Choice<'a>>) {
     let mut any_rank = false;
     let mut capped = false;
+    let mut slo_missed = false;
     let mut runner_up: Option<Choice<'a>> = None;
     let mut best: Option<Choice<'a>> = None;
     let mut ties: u64 = 0;
     // Candidates are kept only for sampling; temperature 0 never allocates.
     let mut pool: Vec<Choice<'a>> = Vec::new();
     let sampling = policy.temperature > 0.0;
-    // Only a retry judges busy here; the published flags already follow
-    // each worker's role.
-    let split = req.retry_headroom.is_some() && model.disaggregated();
+    // Only a scaled request judges busy here; the published flags already
+    // follow each worker's role.
+    let split = req.thresholds_scale.is_some() && model.disaggregated();
+    let request_bound = model
+        .thresholds
+        .scaled(req.thresholds_scale.unwrap_or(1.0))
+        .active_decode_requests;
     for worker in model
         .workers
         .iter()
@@ -226,18 +241,24 @@ pub fn select_with_runner_up<'a>(
             capped |= !worker.ranks.is_empty();
             continue;
         }
+        if req.leg != Leg::Prefill
+            && request_bound.is_some_and(|b| u64::from(worker.thermal.in_flight) >= b)
+        {
+            any_rank |= !worker.ranks.is_empty();
+            continue;
+        }
         let heat = 1.0 + policy.thermal_weight * worker.thermal.heat.clamp(0.0, 1.0);
         for rank in &worker.ranks {
             any_rank = true;
-            if rank.busy
-                && !req.retry_headroom.is_some_and(|h| {
-                    let th = worker.role.judged_by(model.thresholds, split);
-                    rank_busy(rank, &th.widened(h), &mut false).is_none()
-                })
-            {
+            if busy_for(model, worker, rank, req.thresholds_scale, split) {
                 continue;
             }
             let ov = overlap(worker, rank);
+            let (ttft_ms, meets) = predicted(req, worker, rank, ov);
+            if !meets {
+                slo_missed = true;
+                continue;
+            }
             let logit = (policy.logit(req, worker.block_size, rank, ov)
                 + terms.iter().map(|t| t.cost(worker, rank)).sum::<f64>())
                 * heat;
@@ -246,6 +267,7 @@ pub fn select_with_runner_up<'a>(
                 rank,
                 logit,
                 overlap: ov,
+                ttft_ms,
             };
             if sampling {
                 pool.push(choice);
@@ -289,10 +311,68 @@ pub fn select_with_runner_up<'a>(
     let decision = match best {
         Some(c) => Decision::Route(c),
         None if capped => Decision::AllHot,
+        None if slo_missed => Decision::SloUnattainable,
         None if any_rank => Decision::AllBusy,
         None => Decision::NoWorkers,
     };
     (decision, runner_up)
+}
+
+/// The request's predicted time to first token on `rank` (its leg
+/// computes the prompt there), and whether the rank is predicted to meet
+/// the request's targets: TTFT for a leg that computes the prompt, ITL for
+/// one that generates the answer. A target of 0, or a prediction the fit
+/// cannot make, is no reason to refuse.
+fn predicted(
+    req: &RequestShape,
+    worker: &WorkerState,
+    rank: &RankLoad,
+    ov: Overlap,
+) -> (Option<f64>, bool) {
+    let Some(fits) = &worker.fits else {
+        return (None, true);
+    };
+    let bs = u64::from(worker.block_size.max(1));
+    let uncached = req
+        .isl_tokens
+        .saturating_sub(u64::from(ov.device).saturating_mul(bs));
+    let prompt = req.leg != Leg::Decode;
+    let ttft = fits.ttft_ms(rank, uncached).filter(|_| prompt);
+    let Some(slo) = req.slo else {
+        return (ttft, true);
+    };
+    let ttft_ok = slo.ttft_ms == 0 || ttft.is_none_or(|t| t <= f64::from(slo.ttft_ms));
+    let itl_ok = slo.itl_ms == 0
+        || req.leg == Leg::Prefill
+        || fits
+            .itl_ms(rank, worker.block_size)
+            .is_none_or(|i| i <= f64::from(slo.itl_ms));
+    (ttft, ttft_ok && itl_ok)
+}
+
+/// Whether `rank` is busy for a request judged at `scale` times the
+/// model's thresholds: the published flag, unless a retry's headroom
+/// lets it in (scale above 1) or a class without the critical reserve
+/// finds it over its share (scale under 1).
+fn busy_for(
+    model: &ModelState,
+    worker: &WorkerState,
+    rank: &RankLoad,
+    scale: Option<f64>,
+    split: bool,
+) -> bool {
+    let Some(scale) = scale else {
+        return rank.busy;
+    };
+    let over = |s: f64| {
+        let th = worker.role.judged_by(model.thresholds, split).scaled(s);
+        rank_busy(rank, &th, &mut false).is_some()
+    };
+    if scale >= 1.0 {
+        rank.busy && over(scale)
+    } else {
+        rank.busy || over(scale)
+    }
 }
 
 /// The runner-up once `old` loses first place to `new`: `old` itself,
@@ -623,8 +703,8 @@ mod tests {
             worker(2, vec![rank(0, 1200, 0, true)]),
         ]);
         m.thresholds.active_prefill_tokens = Some(1000);
-        let shape = |headroom| RequestShape {
-            retry_headroom: headroom,
+        let shape = |scale| RequestShape {
+            thresholds_scale: scale,
             ..Default::default()
         };
         let decide = |h| {
@@ -633,11 +713,138 @@ mod tests {
             })
         };
         assert_eq!(decide(None), Decision::AllBusy, "new work is shed");
-        match decide(Some(0.5)) {
+        match decide(Some(1.5)) {
             Decision::Route(c) => assert_eq!(c.worker.id, 2, "1200 is within 1500"),
             d => panic!("{d:?}"),
         }
-        assert_eq!(decide(Some(0.1)), Decision::AllBusy, "1200 is over 1100");
+        assert_eq!(decide(Some(1.1)), Decision::AllBusy, "1200 is over 1100");
+    }
+
+    /// The choice for a request of `leg` judged at `scale`, or why none.
+    fn judged(m: &ModelState, leg: Leg, scale: Option<f64>) -> Result<u64, String> {
+        let shape = RequestShape {
+            leg,
+            thresholds_scale: scale,
+            ..Default::default()
+        };
+        match select(m, DEFAULT_TENANT, &shape, &Policy::default(), |_, _| {
+            Overlap::default()
+        }) {
+            Decision::Route(c) => Ok(c.worker.id),
+            d => Err(format!("{d:?}")),
+        }
+    }
+
+    #[test]
+    fn a_class_without_the_reserve_stops_short_of_the_thresholds() {
+        // Not busy by the published flags, but 950 tokens is over 90 % of
+        // 1000: only a class that may use the reserve takes the rank.
+        let mut m = model(vec![
+            worker(1, vec![rank(0, 950, 0, false)]),
+            worker(2, vec![rank(0, 850, 0, false)]),
+        ]);
+        m.thresholds.active_prefill_tokens = Some(1000);
+        let decide = |m: &ModelState, scale| judged(m, Leg::Whole, scale);
+        assert_eq!(decide(&m, Some(0.9)), Ok(2), "850 is within 900");
+        m.workers[1].ranks[0].active_prefill_tokens = 920;
+        assert_eq!(decide(&m, Some(0.9)), Err("AllBusy".into()));
+        assert!(decide(&m, None).is_ok());
+        // A busy flag stays busy for a narrower class.
+        m.workers[1].ranks[0].busy = true;
+        m.workers[0].ranks[0].busy = true;
+        assert_eq!(decide(&m, Some(0.5)), Err("AllBusy".into()));
+    }
+
+    #[test]
+    fn ranks_predicted_to_miss_the_slo_are_no_candidates_and_unknown_ones_are() {
+        use crate::fit::{Fit, MIN_SAMPLES, WorkerFits};
+        let fit = |intercept_ms, slope_ms_per_ktok| Fit {
+            intercept_ms,
+            slope_ms_per_ktok,
+            samples: MIN_SAMPLES,
+            age_s: 1,
+        };
+        // Worker 1 is cheaper by cost (less load) but slow; worker 2 has
+        // more load and a fast engine.
+        let mut m = model(vec![
+            worker(1, vec![rank(0, 100, 0, false)]),
+            worker(2, vec![rank(0, 900, 0, false)]),
+        ]);
+        m.workers[0].fits = Some(WorkerFits {
+            ttft: fit(400.0, 100.0),
+            itl: fit(10.0, 0.0),
+        });
+        m.workers[1].fits = Some(WorkerFits {
+            ttft: fit(50.0, 100.0),
+            itl: fit(10.0, 0.0),
+        });
+        let shape = |slo| RequestShape {
+            isl_tokens: 1000,
+            slo,
+            ..Default::default()
+        };
+        let pick = |m: &ModelState, slo| match select(
+            m,
+            DEFAULT_TENANT,
+            &shape(slo),
+            &Policy::default(),
+            |_, _| Overlap::default(),
+        ) {
+            Decision::Route(c) => Ok((c.worker.id, c.ttft_ms)),
+            d => Err(format!("{d:?}")),
+        };
+        // No targets: today's cost, with the prediction kept.
+        assert_eq!(pick(&m, None), Ok((1, Some(400.0 + 100.0 * 1.1))));
+        // 510 ms on worker 1 misses 300; 50 + 100 × 1.9 = 240 meets it.
+        let slo = Slo {
+            ttft_ms: 300,
+            itl_ms: 0,
+        };
+        assert_eq!(pick(&m, Some(slo)), Ok((2, Some(240.0))));
+        // Nobody meets 100 ms.
+        let tight = Slo {
+            ttft_ms: 100,
+            itl_ms: 0,
+        };
+        assert_eq!(pick(&m, Some(tight)), Err("SloUnattainable".into()));
+        // An ITL target over what the fits predict changes nothing; under, refuses.
+        let itl = |itl_ms| Slo { ttft_ms: 0, itl_ms };
+        assert!(pick(&m, Some(itl(20))).is_ok());
+        assert_eq!(pick(&m, Some(itl(5))), Err("SloUnattainable".into()));
+        // A fit too young to trust is unknown: today's cost decides.
+        m.workers[0].fits = Some(WorkerFits {
+            ttft: Fit {
+                samples: MIN_SAMPLES - 1,
+                ..fit(400.0, 100.0)
+            },
+            itl: fit(10.0, 0.0),
+        });
+        assert_eq!(pick(&m, Some(slo)), Ok((1, None)));
+        m.workers[1].fits = None;
+        assert_eq!(
+            pick(&m, Some(tight)),
+            Ok((1, None)),
+            "nothing known, nothing refused"
+        );
+    }
+
+    #[test]
+    fn a_decode_worker_at_its_request_bound_takes_no_more() {
+        let mut m = model(vec![
+            worker(1, vec![rank(0, 0, 0, false)]),
+            worker(2, vec![rank(0, 500, 50, false)]),
+        ]);
+        m.thresholds.active_decode_requests = Some(4);
+        m.workers[0].thermal.in_flight = 4;
+        m.workers[1].thermal.in_flight = 3;
+        let decide = |m: &ModelState, leg, scale| judged(m, leg, scale);
+        assert_eq!(decide(&m, Leg::Whole, None), Ok(2), "the idle one is full");
+        // Without the reserve a class may hold 3 of 4 (at least 1).
+        assert_eq!(decide(&m, Leg::Whole, Some(0.75)), Err("AllBusy".into()));
+        m.workers[1].thermal.in_flight = 4;
+        assert_eq!(decide(&m, Leg::Decode, None), Err("AllBusy".into()));
+        // A prefill leg holds no decode slot.
+        assert!(decide(&m, Leg::Prefill, None).is_ok());
     }
 
     #[test]

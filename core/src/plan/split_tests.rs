@@ -362,8 +362,9 @@ fn a_retry_judges_each_worker_by_its_roles_conditions() {
     let body = format!(r#"{{"model":"m","prompt":{:?}}}"#, prompt());
     let req = parse(Endpoint::Completions, body.as_bytes()).unwrap();
     let ask = |h| Ask {
+        slo: None,
         tie_break: 0,
-        retry_headroom: h,
+        thresholds_scale: h,
     };
     let placed = |h| plan(&s, &req, DEFAULT_TENANT, &ask(h), &mut |_: &str| None, &[]);
     assert!(matches!(
@@ -371,7 +372,7 @@ fn a_retry_judges_each_worker_by_its_roles_conditions() {
         Plan::Reject(Rejection::AllBusy { .. })
     ));
     // 600 of 1000 blocks is within 0.5 widened by 30 %.
-    match placed(Some(0.3)) {
+    match placed(Some(1.3)) {
         Plan::Route(r) => assert_eq!(id(&r.first), 3),
         other => panic!("{other:?}"),
     }

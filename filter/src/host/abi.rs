@@ -31,6 +31,7 @@ pub const MAP_RESPONSE_HEADERS: u32 = 2;
 pub const MAP_CALL_RESPONSE_HEADERS: u32 = 6;
 
 pub const BUFFER_REQUEST_BODY: u32 = 0;
+pub const BUFFER_RESPONSE_BODY: u32 = 1;
 pub const BUFFER_CALL_RESPONSE_BODY: u32 = 4;
 pub const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
 
@@ -101,6 +102,7 @@ unsafe extern "C" {
     fn proxy_dequeue_shared_queue(queue: u32, out: *mut *mut u8, out_size: *mut usize) -> u32;
     fn proxy_enqueue_shared_queue(queue: u32, data: *const u8, size: usize) -> u32;
     fn proxy_continue_stream(stream: u32) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
     fn proxy_send_local_response(
         status: u32,
         details: *const u8,
@@ -253,6 +255,13 @@ pub fn dequeue_shared_queue(queue: u32) -> Result<Option<Vec<u8>>, Fault> {
 pub fn enqueue_shared_queue(queue: u32, data: &[u8]) -> Result<(), Fault> {
     // SAFETY: `data` is alive for the call.
     status(unsafe { proxy_enqueue_shared_queue(queue, data.as_ptr(), data.len()) })
+}
+
+/// Makes `context_id` the context later host calls act on, until the
+/// current callback returns.
+pub fn set_effective_context(context_id: u32) -> Result<(), Fault> {
+    // SAFETY: no pointers.
+    status(unsafe { proxy_set_effective_context(context_id) })
 }
 
 pub fn continue_request() -> Result<(), Fault> {

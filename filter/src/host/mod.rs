@@ -58,9 +58,25 @@ pub fn set_shared_cas(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), F
 /// `f` maps the current value to the new one (None: leave it), and the
 /// write is retried on a compare-and-swap mismatch, a few times at most.
 /// Returns whether a write went through.
-pub fn update_shared(key: &str, mut f: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>) -> bool {
+pub fn update_shared(key: &str, f: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>) -> bool {
+    update(key, false, f)
+}
+
+/// [`update_shared`] of a value that must already exist: nothing is
+/// written to a missing key. A write to a missing key is not checked by
+/// compare-and-swap (Envoy creates it, whatever the token), so two VMs
+/// creating one at once would each overwrite the other's; a value whose
+/// every write must be checked is created once, by one writer, first.
+pub fn update_existing(key: &str, f: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>) -> bool {
+    update(key, true, f)
+}
+
+fn update(key: &str, existing: bool, mut f: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>) -> bool {
     for _ in 0..4 {
         let (value, cas) = get_shared_cas(key);
+        if existing && cas.is_none() {
+            return false;
+        }
         let Some(new) = f(value.as_deref()) else {
             return false;
         };
@@ -104,6 +120,13 @@ pub fn remove_request_header(name: &str) -> Result<(), Fault> {
 
 pub fn request_body(size: usize) -> Option<Vec<u8>> {
     abi::get_buffer(abi::BUFFER_REQUEST_BODY, 0, size)
+        .ok()
+        .flatten()
+}
+
+/// The response body chunk Envoy has buffered now.
+pub fn response_body(size: usize) -> Option<Vec<u8>> {
+    abi::get_buffer(abi::BUFFER_RESPONSE_BODY, 0, size)
         .ok()
         .flatten()
 }
@@ -287,6 +310,9 @@ pub trait Host {
     /// Rewrites a shared-data value other VMs may be rewriting too (see
     /// [`update_shared`]); whether a write went through.
     fn update_shared(&self, key: &str, f: &mut Rewrite<'_>) -> bool;
+    /// The same, of a value that must already exist (see
+    /// [`update_existing`]).
+    fn update_existing(&self, key: &str, f: &mut Rewrite<'_>) -> bool;
     fn resolve_queue(&self, vm_id: &str, name: &str) -> Option<u32>;
     fn enqueue(&self, queue: u32, data: &[u8]) -> Result<(), Fault>;
 
@@ -296,6 +322,8 @@ pub trait Host {
     fn response_header(&self, name: &str) -> Option<String>;
     fn set_response_header(&self, name: &str, value: &str) -> Result<(), Fault>;
     fn request_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// The response body chunk of the current callback.
+    fn response_body(&self, size: usize) -> Option<Vec<u8>>;
     /// Replaces the buffered body; the caller sets `content-length`.
     fn set_request_body(&self, body: &[u8]) -> Result<(), Fault>;
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
@@ -315,6 +343,10 @@ pub trait Host {
 
     /// Lets the current request, paused in a request callback, go on.
     fn resume_request(&self) -> Result<(), Fault>;
+    /// Makes another request's context the one later calls act on (its
+    /// headers, body, reply), until the current callback returns: how a
+    /// root's tick, or another request, reaches a held request.
+    fn set_effective_context(&self, context_id: u32) -> Result<(), Fault>;
     fn send_response(
         &self,
         status: u16,
@@ -334,6 +366,12 @@ pub trait Host {
     fn count(&self, id: Option<u32>) {
         if let Some(id) = id {
             self.increment_metric(id, 1);
+        }
+    }
+    /// Moves a gauge that may not be defined.
+    fn add(&self, id: Option<u32>, by: i64) {
+        if let Some(id) = id {
+            self.increment_metric(id, by);
         }
     }
     /// Samples a histogram that may not be defined.
@@ -367,6 +405,9 @@ impl Host for Abi {
     fn update_shared(&self, key: &str, f: &mut Rewrite<'_>) -> bool {
         update_shared(key, f)
     }
+    fn update_existing(&self, key: &str, f: &mut Rewrite<'_>) -> bool {
+        update_existing(key, f)
+    }
     fn resolve_queue(&self, vm_id: &str, name: &str) -> Option<u32> {
         resolve_queue(vm_id, name)
     }
@@ -390,6 +431,9 @@ impl Host for Abi {
     }
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {
         request_body(size)
+    }
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        response_body(size)
     }
     fn set_request_body(&self, body: &[u8]) -> Result<(), Fault> {
         set_request_body(body)
@@ -417,6 +461,9 @@ impl Host for Abi {
     }
     fn resume_request(&self) -> Result<(), Fault> {
         resume_request()
+    }
+    fn set_effective_context(&self, context_id: u32) -> Result<(), Fault> {
+        abi::set_effective_context(context_id)
     }
     fn send_response(
         &self,

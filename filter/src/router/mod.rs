@@ -13,6 +13,8 @@
 //! The decision itself is `kvgate_core::plan`; this module is the glue:
 //! host calls in, headers, replies and bookings out.
 
+mod gates;
+pub(crate) mod held;
 mod outbox;
 mod request;
 mod retry;
@@ -29,8 +31,12 @@ use kvgate_core::booking::{Event, Key, Timing};
 use kvgate_core::plan::local::{LocalBookings, Release};
 use outbox::Outbox;
 use proxy_wasm::types::LogLevel;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Weak;
 
-pub(crate) use request::Request;
+use request::Flow;
+pub(crate) use request::{Request, Usage};
 
 /// State shared by the router root and its requests (one VM, one thread).
 pub struct RouterState {
@@ -64,6 +70,16 @@ pub struct RouterState {
     orphans: Vec<(Booking, u64)>,
     /// When this VM last told the sidecar it is alive (ms).
     alive_at_ms: u64,
+    /// Requests held for a worker ([`held`]).
+    held: held::HeldQueue,
+    /// Prefill callouts made by requests the root released: their answers
+    /// come to the root (token, the request's context, its flow).
+    forwarded: Vec<(u32, u32, Weak<RefCell<Flow>>)>,
+    /// This VM's slots on decode workers, per model ([`gates`]).
+    gated: BTreeMap<String, u32>,
+    /// Workers this VM's view counts full since a request found them so,
+    /// with the count the view had before (model, worker, in flight).
+    full: Vec<(String, u64, u32)>,
 }
 
 /// How often a ticking router VM says it is alive: the sidecar ends the
@@ -92,6 +108,10 @@ impl RouterState {
             templates: templates::Templates::default(),
             orphans: Vec::new(),
             alive_at_ms: 0,
+            held: held::HeldQueue::default(),
+            forwarded: Vec::new(),
+            gated: BTreeMap::new(),
+            full: Vec::new(),
         }
     }
 
@@ -106,6 +126,13 @@ impl RouterState {
         self.alive_at_ms = now;
         let vm = self.vm_tag;
         self.send(h, &Event::Alive { vm });
+        self.refresh_gates(h);
+    }
+
+    /// Passes the answer of callout `token` to the request in context
+    /// `id` when it comes to the root ([`held::on_callout_answer`]).
+    fn forward(&mut self, token: u32, id: u32, flow: Weak<RefCell<Flow>>) {
+        self.forwarded.push((token, id, flow));
     }
 
     /// Keeps a departed client's prefill booking until `until_us`.
@@ -170,6 +197,8 @@ impl RouterState {
             h.get_shared(manifest::SNAPSHOT_KEY)
         }) {
             Ok(true) => {
+                // A new snapshot counts the workers as they are now.
+                self.full.clear();
                 if let Some(snap) = self.view.snapshot.as_mut() {
                     self.local
                         .settle(snap, self.vm_tag, h.now_ms(), ms(self.config.stale_after));
@@ -200,12 +229,13 @@ impl RouterState {
         }
     }
 
-    /// Books a routed request's load on `slot`: to the sidecar, and into
-    /// this VM's view until a snapshot counts it.
+    /// Books a routed request's load on `slot`, under its tenant: to the
+    /// sidecar, and into this VM's view until a snapshot counts it.
     fn book(
         &mut self,
         h: &impl Host,
         model: &str,
+        tenant: &str,
         slot: u16,
         prefill: u64,
         decode: u64,
@@ -223,6 +253,7 @@ impl RouterState {
                 slot,
                 prefill_tokens: u32::try_from(prefill).unwrap_or(u32::MAX),
                 decode_blocks: u32::try_from(decode).unwrap_or(u32::MAX),
+                tenant: tenant.to_string(),
             },
         );
         if let Some(snap) = self.view.snapshot.as_mut() {

@@ -43,13 +43,15 @@ pub trait Reports: Send + Sync {
 /// Reservations: the selection API's load, in the ledger the gateways
 /// book in, and told to the replica-sync peers.
 pub trait Reservations: Send + Sync {
-    /// Books a reservation on `rank` in `ledger`, held by the caller from
-    /// the view it chose by to this booking.
+    /// Books a reservation on `rank` in `ledger` for a request of
+    /// `tenant`, held by the caller from the view it chose by to this
+    /// booking.
     fn reserve(
         &self,
         ledger: &mut Bookings,
         id: &str,
         rank: &RankId,
+        tenant: &str,
         load: Load,
     ) -> Result<(), LedgerError>;
     fn prefill_complete(&self, id: &str) -> Result<(), LedgerError>;

@@ -60,7 +60,10 @@ pub(super) async fn create(State(sc): State<Arc<Selection>>, body: Bytes) -> Res
         Ok(b) => b,
         Err((status, m)) => return error(status, m),
     };
-    match sc.reservations.reserve(&mut ledger, &id, &rank, load) {
+    match sc
+        .reservations
+        .reserve(&mut ledger, &id, &rank, &req.tenant_id, load)
+    {
         Ok(()) => json_response(
             StatusCode::OK,
             &ReservationView {

@@ -118,7 +118,10 @@ fn choose(sc: &Selection, metrics: &SelectionMetrics, body: &[u8], reserve: bool
         }
         None => None,
     };
-    if let Err(e) = sc.reservations.reserve(&mut ledger, &id, &s.rank, load) {
+    if let Err(e) = sc
+        .reservations
+        .reserve(&mut ledger, &id, &s.rank, &req.tenant_id, load)
+    {
         return ledger_refusal(e);
     }
     if let Some(split) = s.view.disaggregation.as_mut() {
@@ -126,7 +129,10 @@ fn choose(sc: &Selection, metrics: &SelectionMetrics, body: &[u8], reserve: bool
         split.decode.reservation_id = Some(id.clone());
     }
     if let Some((leg_id, rank, load)) = prefill {
-        if let Err(e) = sc.reservations.reserve(&mut ledger, &leg_id, &rank, load) {
+        if let Err(e) = sc
+            .reservations
+            .reserve(&mut ledger, &leg_id, &rank, &req.tenant_id, load)
+        {
             // Nothing of a refused call stays booked.
             drop(ledger);
             let _ = sc.reservations.free(&id);
@@ -192,18 +198,24 @@ fn refused(req: &SelectRequest, r: Refused) -> Response {
         ),
         Refused::Plan(
             rejection @ (Rejection::AllBusy { retry_after_s }
-            | Rejection::Thermal { retry_after_s }),
+            | Rejection::Thermal { retry_after_s }
+            | Rejection::SloUnattainable { retry_after_s }),
         ) => {
-            let message = match rejection {
-                Rejection::Thermal { .. } => "all workers are busy or at their thermal cap",
-                _ => "all workers are busy",
+            let (message, reason) = match rejection {
+                Rejection::Thermal { .. } => (
+                    "all workers are busy or at their thermal cap",
+                    Some(Reason::Thermal),
+                ),
+                Rejection::SloUnattainable { .. } => (
+                    "no worker is predicted to meet the request's latency targets",
+                    Some(Reason::SloUnattainable),
+                ),
+                _ => ("all workers are busy", None),
             };
             let mut r = error(status, message);
-            if let Rejection::Thermal { .. } = rejection {
-                r.headers_mut().insert(
-                    header::REASON,
-                    HeaderValue::from_static(Reason::Thermal.as_str()),
-                );
+            if let Some(reason) = reason {
+                r.headers_mut()
+                    .insert(header::REASON, HeaderValue::from_static(reason.as_str()));
             }
             if retry_after_s > 0
                 && let Ok(v) = retry_after_s.to_string().parse()
@@ -294,7 +306,20 @@ fn selection(
 ) -> Result<Selected, Refused> {
     let parsed = prompt(&req.model_name, &req.prompt, model).map_err(Refused::BadRequest)?;
     // A selection is not a routing decision: nothing to report.
-    let (plan, cached) = place_in(model, &parsed, &req.tenant_id, tie_break, shards, false);
+    let scale = kvgate_core::admit::thresholds_scale(
+        kvgate_core::admit::DEFAULT_RESERVE,
+        req.critical(),
+        None,
+    );
+    let (plan, cached) = place_in(
+        model,
+        &parsed,
+        &req.tenant_id,
+        tie_break,
+        scale,
+        shards,
+        false,
+    );
     let route = match &plan {
         Plan::Route(r) => r,
         Plan::Reject(r) => return Err(Refused::Plan(*r)),
@@ -352,6 +377,12 @@ fn selection(
         overlap: reported(&first.choice, |slot| cached.reported(slot)),
         effective_prefill_tokens: decode.prefill_tokens,
         disaggregation,
+        class: if req.critical() {
+            "critical"
+        } else {
+            "standard"
+        }
+        .to_string(),
         not_applied: req.not_applied().into_iter().map(str::to_string).collect(),
     };
     Ok(Selected {
@@ -374,6 +405,7 @@ fn place_in<'m>(
     parsed: &Parsed,
     tenant: &str,
     tie_break: u64,
+    thresholds_scale: Option<f64>,
     shards: &mut impl ShardSource,
     report: bool,
 ) -> (Plan<'m>, Cached) {
@@ -382,8 +414,9 @@ fn place_in<'m>(
         gathered = gathered.without_report();
     }
     let ask = Ask {
+        slo: None,
         tie_break,
-        retry_headroom: None,
+        thresholds_scale,
     };
     let plan = gathered.place(parsed, tenant, &ask, &[]);
     (plan, gathered.cached)

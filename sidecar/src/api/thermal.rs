@@ -203,6 +203,7 @@ impl Trial {
                 planner: None,
                 prompt: None,
                 disaggregation: None,
+                slo: None,
                 max_prompt_tokens: crate::config::DEFAULT_MAX_PROMPT_TOKENS,
             });
         if let Some((n, o)) = &self.model

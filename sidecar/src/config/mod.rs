@@ -148,6 +148,12 @@ impl Config {
                 p.validate()
                     .map_err(|e| format!("model {:?}: planner: {e}", m.name))?;
             }
+            if m.slo.is_some_and(|s| s.ttft_ms == 0 || s.itl_ms == 0) {
+                return Err(format!(
+                    "model {:?}: slo: ttft_ms and itl_ms must be above 0",
+                    m.name
+                ));
+            }
         }
         self.thermal.validate()?;
         if self

@@ -519,3 +519,43 @@ fn the_ledgers_caps_default_and_are_bounded() {
     }
     assert!(err("[load.caps]\nholder = 1").contains("holder"));
 }
+
+#[test]
+fn a_models_slo_is_its_own_else_its_planners() {
+    use kvgate_core::Slo;
+    let c = Config::parse(
+        "[[models]]\nname = \"m\"\n[models.slo]\nttft_ms = 300\nitl_ms = 25\n\
+         [[models]]\nname = \"p\"\n[models.planner]\nttft_ms = 199.2\nitl_ms = 20\n\
+         [[models]]\nname = \"n\"",
+    )
+    .unwrap();
+    let slo = |i: usize| c.models[i].slo();
+    assert_eq!(
+        slo(0),
+        Some(Slo {
+            ttft_ms: 300,
+            itl_ms: 25
+        })
+    );
+    assert_eq!(
+        slo(1),
+        Some(Slo {
+            ttft_ms: 200,
+            itl_ms: 20
+        }),
+        "the planner's SLA, never stricter"
+    );
+    assert_eq!(slo(2), None);
+    for bad in [
+        "ttft_ms = 0\nitl_ms = 20",
+        "ttft_ms = 200",
+        "ttft_ms = 200\nitl_ms = 20\nbogus = 1",
+        "ttft_ms = -1\nitl_ms = 20",
+    ] {
+        let e = err(&format!("[[models]]\nname = \"m\"\n[models.slo]\n{bad}"));
+        assert!(
+            e.contains("slo") || e.contains("bogus") || e.contains("ttft_ms"),
+            "{bad}: {e}"
+        );
+    }
+}

@@ -2,7 +2,7 @@
 //! `/workers` API write it.
 
 use super::thermal::ThermalOverride;
-use kvgate_core::{Policy, Role, Thresholds};
+use kvgate_core::{Policy, Role, Slo, Thresholds};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -39,12 +39,33 @@ pub struct ModelConfig {
     /// (the workers' `role`); absent, every request is served whole.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disaggregation: Option<super::DisaggregationConfig>,
+    /// `[models.slo]`: the latencies the model's requests should see,
+    /// published with each worker's latency fits for routers to check
+    /// against. See [`ModelConfig::slo`] for a model without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo: Option<Slo>,
     /// The longest prompt, in tokens, one request of this model may book
     /// (and the most output tokens it may expect). Anything announcing
     /// more is refused: a booking stands for at most this much load, so
     /// that no set of bookings can reach the ledger's numeric limits.
     #[serde(default = "default_max_prompt_tokens")]
     pub max_prompt_tokens: u64,
+}
+
+impl ModelConfig {
+    /// The model's SLO: `[models.slo]`, else its planner's SLA (in whole
+    /// ms, rounded up: never stricter than written); `None`: no target,
+    /// and no latency fits are kept for it.
+    pub fn slo(&self) -> Option<Slo> {
+        self.slo.or_else(|| {
+            let p = self.planner.as_ref()?;
+            let ms = |v: f64| v.ceil().clamp(1.0, f64::from(u32::MAX)) as u32;
+            Some(Slo {
+                ttft_ms: ms(p.ttft_ms),
+                itl_ms: ms(p.itl_ms),
+            })
+        })
+    }
 }
 
 /// 16 Mi tokens: past any context window served today.

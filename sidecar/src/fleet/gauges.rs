@@ -30,6 +30,15 @@ impl Fleet {
             m.retry_after
                 .with_label_values(&[model.name.as_str()])
                 .set(i64::from(model.retry_after_s));
+            if let Some(e) = self
+                .planning
+                .latency(&model.name)
+                .and_then(|l| l.ttft_error())
+            {
+                m.ttft_prediction_error
+                    .with_label_values(&[model.name.as_str()])
+                    .set(e);
+            }
             for w in &model.workers {
                 let ids = w.id.to_string();
                 if let Some((up, busy)) = by_role.get_mut(&(model.name.as_str(), w.role)) {

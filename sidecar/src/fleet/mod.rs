@@ -249,6 +249,9 @@ impl Fleet {
                 }
                 f.planning.models.insert(m.name.clone(), planner);
             }
+            if m.slo().is_some() {
+                f.planning.fit_latency(&m.name);
+            }
         }
         Ok(f)
     }

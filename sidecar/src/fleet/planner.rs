@@ -1,6 +1,8 @@
 //! The planner's state beside the fleet: each planned model's
 //! [`ModelPlanner`], what the gateway observed of each routed request, the
 //! decisions issued to the orchestrator, and the workers being drained.
+//! A model with an SLO and no planner is observed too: its latency fits
+//! are kept here, for the snapshot to publish.
 //!
 //! A scale-down drains the worker whose cache is worth least (fewest KV
 //! blocks in use, then fewest requests in flight): it takes no new
@@ -9,6 +11,7 @@
 //! asking for a new one.
 
 use super::Fleet;
+use crate::planner::fits::Latency;
 use crate::planner::pool::PoolTick;
 use crate::planner::{
     Estimate, LegEnd, ModelPlanner, PowerInput, PowerView, Reason, Tick, WorkerLoad,
@@ -16,7 +19,7 @@ use crate::planner::{
 use kvgate_core::Role;
 use kvgate_core::booking::{Key, Timing};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Routed requests remembered until their end (a gateway losing its end
@@ -80,7 +83,10 @@ struct Watch {
 }
 
 pub struct Planning {
-    pub models: std::collections::BTreeMap<String, ModelPlanner>,
+    pub models: BTreeMap<String, ModelPlanner>,
+    /// The latency fits of each model with an SLO and no planner; a
+    /// planned model's are its planner's.
+    latency: BTreeMap<String, Latency>,
     watched: HashMap<Key, Watch>,
     pub decisions: VecDeque<Decision>,
     next_id: u64,
@@ -98,6 +104,7 @@ impl Default for Planning {
     fn default() -> Self {
         Planning {
             models: Default::default(),
+            latency: BTreeMap::new(),
             watched: HashMap::new(),
             decisions: VecDeque::new(),
             next_id: 0,
@@ -113,6 +120,7 @@ impl std::fmt::Debug for Planning {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Planning")
             .field("models", &self.models.keys().collect::<Vec<_>>())
+            .field("latency", &self.latency.keys().collect::<Vec<_>>())
             .field("watched", &self.watched.len())
             .field("decisions", &self.decisions.len())
             .field("draining", &self.draining)
@@ -155,16 +163,40 @@ pub struct Planned {
 /// the pool).
 type Ready = [Vec<u64>; 3];
 
+impl Planning {
+    /// Keeps latency fits for `model`, which has an SLO and no planner.
+    pub(super) fn fit_latency(&mut self, model: &str) {
+        if !self.models.contains_key(model) {
+            self.latency.entry(model.to_string()).or_default();
+        }
+    }
+
+    /// `model`'s latency fits: its planner's, else its own; `None` for a
+    /// model that keeps none (no SLO).
+    pub fn latency(&self, model: &str) -> Option<&Latency> {
+        self.models
+            .get(model)
+            .map(ModelPlanner::latency)
+            .or_else(|| self.latency.get(model))
+    }
+}
+
 impl Fleet {
-    /// Whether any model is planned: without one, nothing observed is
-    /// kept.
+    /// Whether any model is planned.
     pub fn plans(&self) -> bool {
         !self.planning.models.is_empty()
     }
 
-    /// A routed leg, for its model's planner: the worker it was booked on
-    /// and that worker's role, and what the worker held then (prompt
-    /// tokens and KV tokens, its own `uncached` prompt tokens included).
+    /// Whether any model learns from its requests (it is planned, or has
+    /// an SLO): without one, nothing observed is kept.
+    pub fn observes(&self) -> bool {
+        self.plans() || !self.planning.latency.is_empty()
+    }
+
+    /// A routed leg, for its model's planner or latency fits: the worker
+    /// it was booked on and that worker's role, and what the worker held
+    /// then (prompt tokens, its own `uncached` ones included, and KV
+    /// tokens, its own not: `kvgate_core::fit`'s `x`s, in tokens).
     pub fn planner_booked(
         &mut self,
         key: Key,
@@ -175,7 +207,7 @@ impl Fleet {
     ) {
         let p = &mut self.planning;
         let (prefill, decode_kv) = load;
-        if !p.models.contains_key(model) {
+        if p.latency(model).is_none() {
             return;
         }
         if p.watched.len() >= MAX_WATCHED {
@@ -199,23 +231,27 @@ impl Fleet {
     }
 
     /// A routed leg's end, for its model's planner (see
-    /// [`ModelPlanner::observe_end`] for what each leg teaches). An end
-    /// without timing only stops the watch.
+    /// [`ModelPlanner::observe_end`] for what each leg teaches) or, with
+    /// none, its latency fits. An end without timing only stops the watch.
     pub fn planner_ended(&mut self, key: &Key, timing: Option<Timing>) {
-        let Some(w) = self.planning.watched.remove(key) else {
+        let p = &mut self.planning;
+        let (Some(w), Some(timing)) = (p.watched.remove(key), timing) else {
             return;
         };
-        let (Some(p), Some(timing)) = (self.planning.models.get_mut(&w.model), timing) else {
-            return;
-        };
-        p.observe_end(&LegEnd {
+        let end = LegEnd {
             worker: w.worker,
             role: w.role,
             prefill_tokens: w.prefill_tokens,
             decode_kv_tokens: w.decode_kv_tokens,
             uncached: w.uncached,
             timing,
-        });
+            at: Instant::now(),
+        };
+        if let Some(planner) = p.models.get_mut(&w.model) {
+            planner.observe_end(&end);
+        } else if let Some(fits) = p.latency.get_mut(&w.model) {
+            fits.observe(&end);
+        }
     }
 
     /// The orchestrator reports decision `id` carried out. None when no
@@ -480,6 +516,9 @@ impl Fleet {
         self.planning.draining.remove(&id);
         for p in self.planning.models.values_mut() {
             p.forget(id);
+        }
+        for l in self.planning.latency.values_mut() {
+            l.forget(id);
         }
     }
 

@@ -5,8 +5,15 @@ use super::drain::drain_time;
 use crate::sources::bookings::Bookings;
 use kvgate_core::busy::rank_busy;
 use kvgate_core::state::splits;
-use kvgate_core::{ModelState, RankLoad, Role, Snapshot, WorkerState};
-use std::collections::{BTreeMap, BTreeSet};
+use kvgate_core::{ModelState, RankLoad, Role, Snapshot, TenantLoad, WorkerState};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+/// The most tenants a model's snapshot record lists: those with the
+/// largest shares, the ones fairness holds back. The others' load stays
+/// in the ranks' sums and in no entry, and a record stays small however
+/// many tenants a model serves.
+pub const MAX_TENANTS: usize = 64;
 
 impl Fleet {
     /// Builds the snapshot: engine metrics merged with gateway bookings,
@@ -37,6 +44,8 @@ impl Fleet {
                             .unwrap_or_default(),
                         disaggregation: m.disaggregation.as_ref().map(|d| d.resolve(&m.policy)),
                         retry_after_by_pool_s: [0; 2],
+                        slo: m.slo().unwrap_or_default(),
+                        tenants: Vec::new(),
                     },
                 )
             })
@@ -57,6 +66,7 @@ impl Fleet {
             })
             .map(|m| m.name.clone())
             .collect();
+        let now = std::time::Instant::now();
         for w in self.workers.values_mut() {
             let Some(model) = models.get_mut(w.spec.model_name.as_str()) else {
                 continue;
@@ -129,9 +139,18 @@ impl Fleet {
                 let t = f64::from(thermal.in_flight - thermal.cap + 1) / completions;
                 drain_s = Some(drain_s.map_or(t, |d| d.max(t)));
             }
+            // So does a decode worker at its bound on requests.
+            let bound = th
+                .active_decode_requests
+                .filter(|_| w.spec.role != Role::Prefill);
+            let full = bound.is_some_and(|b| u64::from(w.in_flight) >= b);
+            if let Some(b) = bound.filter(|_| full && completions > 0.0) {
+                let t = (u64::from(w.in_flight) - b + 1) as f64 / completions;
+                drain_s = Some(drain_s.map_or(t, |d| d.max(t)));
+            }
             // A worker takes work again when its first rank does; the model,
             // when its first worker does.
-            if (ranks.iter().all(|r| r.busy) || thermal.at_cap())
+            if (ranks.iter().all(|r| r.busy) || thermal.at_cap() || full)
                 && let Some(t) = drain_s
             {
                 let secs = (t.ceil() as u32).clamp(1, max_retry_after_s.max(1));
@@ -156,9 +175,12 @@ impl Fleet {
                     .spec
                     .bootstrap_port
                     .unwrap_or(kvgate_core::DEFAULT_BOOTSTRAP_PORT),
+                fits: self
+                    .planning
+                    .latency(&model.name)
+                    .and_then(|l| l.published(w.spec.worker_id, w.spec.role, now)),
             });
         }
-        let now = std::time::Instant::now();
         for (name, p) in &self.planning.models {
             let Some(model) = models.get_mut(name.as_str()) else {
                 continue;
@@ -187,6 +209,9 @@ impl Fleet {
                 }
             }
         }
+        for model in models.values_mut() {
+            model.tenants = tenant_loads(model, bookings);
+        }
         Snapshot {
             version: 0,
             built_at_ms: 0,
@@ -194,6 +219,44 @@ impl Fleet {
             applied: bookings.applied(),
         }
     }
+}
+
+/// What each tenant has booked on `model`'s published ranks (this
+/// gateway's bookings, reservations and peers' admissions alike): the
+/// [`MAX_TENANTS`] with the largest dominant share (the larger of their
+/// part of the prompt tokens and of the decode blocks), by name so that
+/// an unchanged ledger encodes the same bytes.
+fn tenant_loads(model: &ModelState, bookings: &Bookings) -> Vec<TenantLoad> {
+    let mut sums: HashMap<&Arc<str>, (u64, u64)> = HashMap::new();
+    for r in model.workers.iter().flat_map(|w| &w.ranks) {
+        for (tenant, l) in bookings.slot_tenants(r.slot) {
+            let s = sums.entry(tenant).or_default();
+            s.0 = s.0.saturating_add(l.prefill_tokens);
+            s.1 = s.1.saturating_add(l.decode_blocks);
+        }
+    }
+    // A tenant whose requests hold nothing now has no share to weigh.
+    let mut sums: Vec<(&Arc<str>, (u64, u64))> = sums
+        .into_iter()
+        .filter(|(_, (p, d))| *p > 0 || *d > 0)
+        .collect();
+    if sums.len() > MAX_TENANTS {
+        let (all_p, all_d) = sums.iter().fold((0u64, 0u64), |(p, d), (_, (a, b))| {
+            (p.saturating_add(*a), d.saturating_add(*b))
+        });
+        let part = |x: u64, of: u64| if of == 0 { 0.0 } else { x as f64 / of as f64 };
+        let share = |(p, d): (u64, u64)| part(p, all_p).max(part(d, all_d));
+        sums.sort_by(|a, b| share(b.1).total_cmp(&share(a.1)).then_with(|| a.0.cmp(b.0)));
+        sums.truncate(MAX_TENANTS);
+    }
+    sums.sort_by(|a, b| a.0.cmp(b.0));
+    sums.into_iter()
+        .map(|(tenant, (prefill_tokens, decode_blocks))| TenantLoad {
+            tenant: tenant.to_string(),
+            prefill_tokens,
+            decode_blocks,
+        })
+        .collect()
 }
 
 /// The sooner of two Retry-After hints, 0 being none.

@@ -149,6 +149,7 @@ fn book(b: &mut Bookings, seq: u64, slot: u16, prefill: u32, decode: u32, at: In
         slot,
         prefill_tokens: prefill,
         decode_blocks: decode,
+        tenant: kvgate_core::DEFAULT_TENANT.into(),
     };
     b.apply(ev, at, |_, _| true);
 }
@@ -175,6 +176,53 @@ fn bookings_merge_with_engine_load() {
     );
     assert_eq!((r[0].kv_used_blocks, r[1].kv_used_blocks), (10, 10));
     assert_eq!(s.applied, vec![kvgate_core::Applied { vm: 1, seq: 2 }]);
+}
+
+#[test]
+fn a_model_lists_the_tenants_with_the_largest_shares_by_name() {
+    let mut f = Fleet::new(&config()).unwrap();
+    let now = Instant::now();
+    f.record_scrape(1, Ok(vec![metrics(0.1), metrics(0.1)]), now);
+    let slots = f.workers[&1].slots.clone();
+    let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
+    // Tenant i books i prompt tokens and no blocks, over both ranks; one
+    // books only blocks, and one's requests hold nothing now.
+    let extra = 6;
+    for i in 1..=(snapshot::MAX_TENANTS + extra) as u64 {
+        for (r, slot) in slots.iter().enumerate() {
+            let load = Load {
+                slot: *slot,
+                prefill_tokens: i,
+                decode_blocks: 0,
+            };
+            b.reserve(&format!("r{i}-{r}"), load, &format!("t{i:03}"), now)
+                .unwrap();
+        }
+    }
+    let blocks = Load {
+        slot: slots[1],
+        prefill_tokens: 0,
+        decode_blocks: 1,
+    };
+    b.reserve("blocks", blocks, "t000", now).unwrap();
+    let nothing = Load {
+        decode_blocks: 0,
+        ..blocks
+    };
+    b.reserve("nothing", nothing, "idle", now).unwrap();
+    let s = f.build_snapshot(&b, 30);
+    let t = &s.model("m").unwrap().tenants;
+    assert_eq!(t.len(), snapshot::MAX_TENANTS);
+    // t000 holds every block: the largest share there is.
+    assert_eq!((t[0].tenant.as_str(), t[0].decode_blocks), ("t000", 1));
+    let first = format!("t{:03}", extra + 2);
+    assert_eq!(
+        (t[1].tenant.as_str(), t[1].prefill_tokens),
+        (first.as_str(), 2 * (extra as u64 + 2)),
+        "the smallest shares are left out"
+    );
+    assert!(t.windows(2).all(|w| w[0].tenant < w[1].tenant));
+    assert!(s.model("idle").unwrap().tenants.is_empty());
 }
 
 /// Worker 2's rank at `usage` of 100 blocks with `running` requests,
@@ -316,7 +364,7 @@ fn in_a_split_model_each_worker_is_busy_by_its_roles_conditions() {
             prefill_tokens: 500,
             decode_blocks: 0,
         };
-        b.reserve(&format!("r{i}"), load, now).unwrap();
+        b.reserve(&format!("r{i}"), load, "default", now).unwrap();
     }
     let busy = |s: &Snapshot, id: u64| {
         let w = s.models[0].workers.iter().find(|w| w.id == id).unwrap();
@@ -346,6 +394,7 @@ fn in_a_split_model_each_worker_is_busy_by_its_roles_conditions() {
             prefill_tokens: 500,
             decode_blocks: 0,
         },
+        "default",
         now,
     )
     .unwrap();
@@ -691,4 +740,70 @@ fn the_power_budget_is_measured_from_the_workers_gpus() {
     let planned = f.plan(later, 2, &|_| (true, false), &load);
     let w = planned[0].tick.power.expect("a budget");
     assert_eq!((w.binding, w.planned_w), (false, None));
+}
+
+/// A model with `[models.slo]` and no planner keeps latency fits: the
+/// snapshot publishes each worker's own once trusted, else its role's,
+/// beside the SLO. A model with neither keeps none; a planned model's SLO
+/// is its planner's SLA.
+#[test]
+fn a_model_with_an_slo_publishes_its_workers_fits_without_a_planner() {
+    use kvgate_core::Slo;
+    let mut c = split_config();
+    c.models[0].slo = Some(Slo {
+        ttft_ms: 300,
+        itl_ms: 30,
+    });
+    let mut f = Fleet::new(&c).unwrap();
+    assert!(!f.plans() && f.observes());
+    let now = Instant::now();
+    for id in [11, 12, 13] {
+        f.record_scrape(id, Ok(vec![metrics(0.1)]), now);
+    }
+    teach(&mut f, "pd", 11, Role::Prefill, 4000.0, 900, 0);
+    teach(&mut f, "pd", 12, Role::Decode, 4000.0, 5, 2);
+    let b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
+    let s = f.build_snapshot(&b, 30);
+    let m = s.model("pd").unwrap();
+    assert_eq!(m.slo, c.models[0].slo.unwrap());
+    let fits = |s: &Snapshot, id| {
+        s.models[0]
+            .workers
+            .iter()
+            .find(|w| w.id == id)
+            .and_then(|w| w.fits)
+    };
+    let prefill = fits(&s, 11).expect("the prefill worker's fits");
+    assert_eq!(prefill.ttft.samples, 12);
+    assert!((prefill.ttft.predict(4.0).unwrap() - 900.0).abs() < 1.0);
+    assert!(prefill.ttft.age_s <= 1);
+    assert_eq!(prefill.itl.predict(4.0), None, "a prefill leg is no ITL");
+    let decode = fits(&s, 12).expect("the decode worker's fits");
+    assert!((decode.itl.predict(4.0).unwrap() - 2.0).abs() < 0.1);
+    assert_eq!(decode.ttft.samples, 0, "a decode leg is no TTFT");
+    assert_eq!(fits(&s, 13), None, "nothing learned of a `both` worker");
+    // A worker too new for its own fit is published with its role's.
+    f.patch_worker(13, &serde_json::json!({"role": "prefill"}), now)
+        .unwrap();
+    f.record_scrape(13, Ok(vec![metrics(0.1)]), now);
+    let s = f.build_snapshot(&b, 30);
+    assert_eq!(fits(&s, 13).map(|f| f.ttft.samples), Some(12));
+
+    let mut plain = Fleet::new(&config()).unwrap();
+    assert!(!plain.observes());
+    plain.record_scrape(1, Ok(vec![metrics(0.1)]), now);
+    teach(&mut plain, "m", 1, Role::Both, 4000.0, 900, 2);
+    let s = plain.build_snapshot(&b, 30);
+    let m = s.model("m").unwrap();
+    assert_eq!(m.slo, Slo::default());
+    assert_eq!(m.workers[0].fits, None, "no SLO, no fits");
+
+    let s = planned_split().build_snapshot(&b, 30);
+    assert_eq!(
+        s.models[0].slo,
+        Slo {
+            ttft_ms: 200,
+            itl_ms: 20
+        }
+    );
 }

@@ -49,7 +49,7 @@ impl SelectionMetrics {
             fields_ignored: counter(
                 r,
                 "kvgate_sidecar_selection_fields_ignored_total",
-                "Selection-API requests that set a Dynamo scheduler field kvgate accepts and does not apply, by field (router_config_override, priority_jump, strict_priority, routing_constraints).",
+                "Selection-API requests that set a Dynamo scheduler field kvgate accepts and does not apply, by field (router_config_override, routing_constraints).",
                 &["field"],
             )?,
         })

@@ -1,8 +1,8 @@
 //! The snapshot family: the workers' scrapes and health, the engine load
 //! per rank that the snapshot carries, and what is published of it.
 
-use super::{MetricsError, RANK, WORKER, counter, float_gauge, gauge, gauge_vec};
-use prometheus::{Gauge, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
+use super::{MetricsError, RANK, WORKER, counter, float_gauge, float_gauge_vec, gauge, gauge_vec};
+use prometheus::{Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
 #[derive(Clone)]
 pub struct SnapshotMetrics {
@@ -24,6 +24,7 @@ pub struct SnapshotMetrics {
     pub bytes: IntGauge,
     pub polls: IntCounterVec,
     pub age: Gauge,
+    pub ttft_prediction_error: GaugeVec,
 }
 
 /// One worker's scrape counters, labelled when its scraper is spawned.
@@ -143,6 +144,12 @@ impl SnapshotMetrics {
                 r,
                 "kvgate_sidecar_snapshot_age_seconds",
                 "Seconds since the gateway last received a snapshot or was told its snapshot is current.",
+            )?,
+            ttft_prediction_error: float_gauge_vec(
+                r,
+                "kvgate_sidecar_ttft_prediction_error_ratio",
+                "Mean absolute error of the published TTFT fits' prediction for each timed request, before the fit learned from it, as a share of the observed TTFT (recent requests weigh most), per model.",
+                &["model"],
             )?,
         })
     }

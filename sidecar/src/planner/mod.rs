@@ -32,7 +32,7 @@ pub mod predict;
 pub mod regress;
 
 use crate::config::PlannerConfig;
-use fits::Fits;
+use fits::{Fits, Latency};
 use kvgate_core::Role;
 use kvgate_core::booking::Timing;
 use kvgate_core::plan::Leg;
@@ -113,8 +113,9 @@ pub struct Estimate {
 }
 
 /// Regression inputs are in thousands of tokens: coefficients of similar
-/// size keep the least squares well conditioned.
-const KTOK: f64 = 1000.0;
+/// size keep the least squares well conditioned. The fits are published
+/// to routers, which predict in the same unit.
+const KTOK: f64 = kvgate_core::fit::KTOK;
 
 /// A leg's end, as the planner learns from it: where it was served, the
 /// load it met there, and how it went. A request served whole is one leg;
@@ -134,6 +135,8 @@ pub struct LegEnd {
     pub uncached: u64,
     /// What the gateway measured; its `leg` says what was computed.
     pub timing: Timing,
+    /// When the sidecar heard of its end: its fits' latest sample.
+    pub at: Instant,
 }
 
 /// Whether a leg's times are the engine's: a failed leg's are its
@@ -267,10 +270,8 @@ pub struct ModelPlanner {
     pub cfg: PlannerConfig,
     /// Planned as a prefill pool and a decode pool.
     pub disaggregated: bool,
-    /// TTFT against prompt tokens in flight.
-    ttft: Fits,
-    /// ITL against KV tokens in flight.
-    itl: Fits,
+    /// TTFT against prompt tokens in flight, ITL against KV tokens.
+    latency: Latency,
     interval: Interval,
     predictors: [Box<dyn Predictor + Send>; 3],
     /// The last prediction of (requests, ISL, OSL) per interval.
@@ -301,8 +302,7 @@ impl ModelPlanner {
             ],
             cfg,
             disaggregated,
-            ttft: Fits::default(),
-            itl: Fits::default(),
+            latency: Latency::default(),
             interval: Interval::default(),
             predicted: None,
             observed: None,
@@ -358,41 +358,40 @@ impl ModelPlanner {
         if end.prefilled() {
             self.observe_prompt(isl, isl.saturating_sub(end.uncached));
         }
-        // No first byte, no latency: a zero would pull the fits down.
-        if !served(t) || t.first_byte_us == 0 {
-            return;
-        }
-        if end.prefilled() {
-            let ttft_ms = f64::from(t.first_byte_us) / 1000.0;
-            self.observe_ttft(end.worker, end.role, end.prefill_tokens, ttft_ms);
-        }
-        if end.answered() && t.output_tokens >= 2 && t.total_us > t.first_byte_us {
-            let itl =
-                f64::from(t.total_us - t.first_byte_us) / 1000.0 / f64::from(t.output_tokens - 1);
-            self.observe_itl(end.worker, end.role, end.decode_kv_tokens, itl);
-        }
+        self.latency.observe(end);
     }
 
     /// A first token on `worker` (of `role`): `prefill_tokens` were in
     /// flight there (its own included) when it was routed.
     pub fn observe_ttft(&mut self, worker: u64, role: Role, prefill_tokens: f64, ttft_ms: f64) {
-        self.ttft.add(worker, role, prefill_tokens / KTOK, ttft_ms);
+        let x = prefill_tokens / KTOK;
+        self.latency
+            .ttft
+            .add(worker, role, x, ttft_ms, Instant::now());
     }
 
     /// An inter-token latency on `worker` (of `role`) with
     /// `decode_kv_tokens` there.
     pub fn observe_itl(&mut self, worker: u64, role: Role, decode_kv_tokens: f64, itl_ms: f64) {
-        self.itl.add(worker, role, decode_kv_tokens / KTOK, itl_ms);
+        let x = decode_kv_tokens / KTOK;
+        self.latency
+            .itl
+            .add(worker, role, x, itl_ms, Instant::now());
     }
 
     /// TTFT against prompt tokens in flight, per worker and per role.
     pub fn ttft(&self) -> &Fits {
-        &self.ttft
+        &self.latency.ttft
     }
 
     /// ITL against KV tokens in flight, per worker and per role.
     pub fn itl(&self) -> &Fits {
-        &self.itl
+        &self.latency.itl
+    }
+
+    /// Both fits, as the snapshot publishes them.
+    pub fn latency(&self) -> &Latency {
+        &self.latency
     }
 
     /// A routed request, for the interval's traffic shape.
@@ -414,8 +413,7 @@ impl ModelPlanner {
 
     /// A worker left the fleet: its fits go with it.
     pub fn forget(&mut self, worker: u64) {
-        self.ttft.forget(worker);
-        self.itl.forget(worker);
+        self.latency.forget(worker);
     }
 
     /// Warm start: past intervals' (requests, ISL, OSL).
@@ -430,10 +428,11 @@ impl ModelPlanner {
     fn estimate(&self, w: &WorkerLoad, avg_isl: f64, avg_osl: f64) -> Estimate {
         // A new request waits behind what is queued, plus its own prompt;
         // it decodes among what runs, plus its own context.
-        let ttft = self
-            .ttft
-            .predict(w.worker_id, w.role, (w.prefill_tokens + avg_isl) / KTOK);
-        let itl = self.itl.predict(
+        let ttft =
+            self.latency
+                .ttft
+                .predict(w.worker_id, w.role, (w.prefill_tokens + avg_isl) / KTOK);
+        let itl = self.latency.itl.predict(
             w.worker_id,
             w.role,
             (w.decode_kv_tokens + avg_isl + avg_osl / 2.0) / KTOK,
@@ -814,8 +813,8 @@ impl ModelPlanner {
         };
         let first = |f: &Fits, x: f64| roles.iter().find_map(|r| f.role(*r).predict(x));
         (
-            first(&self.ttft, isl / KTOK).filter(|_| pool != Role::Decode),
-            first(&self.itl, (isl + osl / 2.0) / KTOK).filter(|_| pool != Role::Prefill),
+            first(&self.latency.ttft, isl / KTOK).filter(|_| pool != Role::Decode),
+            first(&self.latency.itl, (isl + osl / 2.0) / KTOK).filter(|_| pool != Role::Prefill),
         )
     }
 
@@ -843,7 +842,7 @@ impl ModelPlanner {
         let uncached = (isl * (1.0 - hit)).max(1.0);
         let prefill = || {
             let l = line(
-                &self.ttft,
+                &self.latency.ttft,
                 if role == Role::Both {
                     Role::Both
                 } else {
@@ -855,7 +854,7 @@ impl ModelPlanner {
         };
         let decode = || {
             let l = line(
-                &self.itl,
+                &self.latency.itl,
                 if role == Role::Both {
                     Role::Both
                 } else {

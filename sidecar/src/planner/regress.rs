@@ -31,7 +31,7 @@ pub struct Line {
 }
 
 /// About 200 samples of memory.
-const LAMBDA: f64 = 0.995;
+pub const LAMBDA: f64 = 0.995;
 /// Samples before a fit is trusted.
 pub const MIN_SAMPLES: u64 = 10;
 

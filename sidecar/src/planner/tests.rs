@@ -334,6 +334,7 @@ fn ended(worker: u64, role: Role, leg: Leg, status: u16) -> LegEnd {
             status,
             client_first_byte_us: 60_000,
         },
+        at: Instant::now(),
     }
 }
 

@@ -6,8 +6,10 @@
 //! event     = tag u8 | holder | body
 //! holder    = 1 vm u64 seq u64            (a request an Envoy VM routed)
 //!           | 2 id str16                  (a selection API reservation)
-//! admit     = tag 1 | holder | model str16 | tenant str16 | block_size u32
-//!             | worker_id u64 | dp_rank u32 | prefill_tokens u64 | decode_blocks u64
+//! admit     = tag 1 | holder | rank | prefill_tokens u64 | decode_blocks u64
+//! admit_for = tag 4 | holder | rank | prefill_tokens u64 | decode_blocks u64
+//!             | request_tenant str16
+//! rank      = model str16 | tenant str16 | block_size u32 | worker_id u64 | dp_rank u32
 //! prefill   = tag 2 | holder              (prefill complete)
 //! free      = tag 3 | holder
 //! mac       = HMAC-SHA256(control token, everything before it), 32 bytes
@@ -19,6 +21,17 @@
 //! a receiver with a token refuses messages without a valid one, so a
 //! process that is not a peer cannot book load into the fleet.
 //!
+//! An admission's load counts towards the tenant whose request booked it
+//! (tenant fairness adds every gateway's up). The rank's `tenant` names
+//! the worker; a request is placed on its own tenant's workers, so that is
+//! the request's tenant too, and tag 1 says so. Tag 4 carries the request's
+//! tenant after the load, and is written only for one that is not the
+//! rank's (a booking from a filter of the release before tenants, which
+//! reads as the default tenant's, on another tenant's worker): peers of
+//! the release before it refuse the message for the unknown tag, so in a
+//! mixed fleet tag 1 is what they meet. A request's tenant is at most
+//! `booking::MAX_TENANT_LEN` bytes; a longer one is refused.
+//!
 //! Version 2 stamps each message, under the MAC, so that a signed message
 //! recorded off the wire cannot book its load again (`replay`): `origin`
 //! is drawn at random when the sender starts (it is the sender's epoch:
@@ -27,7 +40,7 @@
 //! had none of the three and is refused.
 
 use hmac::{Hmac, Mac};
-use kvgate_core::booking::Key;
+use kvgate_core::booking::{Key, MAX_TENANT_LEN};
 use kvgate_core::wire::{Reader, WireError};
 use sha2::Sha256;
 use std::sync::Arc;
@@ -72,7 +85,10 @@ pub enum SyncId {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placed {
     pub model: String,
+    /// The worker's tenant: part of the rank's name.
     pub tenant: String,
+    /// The tenant whose request booked the load.
+    pub request_tenant: String,
     pub block_size: u32,
     pub worker_id: u64,
     pub dp_rank: u32,
@@ -103,6 +119,10 @@ pub enum SyncError {
     Unauthenticated,
     #[error("{0} bytes after the last event")]
     Trailing(usize),
+    #[error(
+        "replica-sync admission at byte {at} for a tenant of {len} bytes, more than the {MAX_TENANT_LEN} a booking may carry"
+    )]
+    TenantTooLong { len: usize, at: usize },
 }
 
 impl SyncError {
@@ -114,7 +134,8 @@ impl SyncError {
             SyncError::Wire(_)
             | SyncError::Magic(_)
             | SyncError::Tag { .. }
-            | SyncError::Trailing(_) => "malformed",
+            | SyncError::Trailing(_)
+            | SyncError::TenantTooLong { .. } => "malformed",
         }
     }
 }
@@ -141,7 +162,8 @@ pub fn encode(stamp: &Stamp, events: &[SyncEvent], token: Option<&str>) -> Vec<u
     for e in events {
         match e {
             SyncEvent::Admit(id, p) => {
-                out.push(1);
+                let own = p.request_tenant == p.tenant;
+                out.push(if own { 1 } else { 4 });
                 put_id(&mut out, id);
                 put_str(&mut out, &p.model);
                 put_str(&mut out, &p.tenant);
@@ -150,6 +172,9 @@ pub fn encode(stamp: &Stamp, events: &[SyncEvent], token: Option<&str>) -> Vec<u
                 out.extend_from_slice(&p.dp_rank.to_le_bytes());
                 out.extend_from_slice(&p.prefill_tokens.to_le_bytes());
                 out.extend_from_slice(&p.decode_blocks.to_le_bytes());
+                if !own {
+                    put_str(&mut out, &p.request_tenant);
+                }
             }
             SyncEvent::PrefillComplete(id) => {
                 out.push(2);
@@ -185,7 +210,14 @@ pub fn encoded_len(e: &SyncEvent) -> usize {
         SyncId::Reservation(r) => 1 + s(r),
     };
     match e {
-        SyncEvent::Admit(i, p) => 1 + id(i) + s(&p.model) + s(&p.tenant) + 4 + 8 + 4 + 8 + 8,
+        SyncEvent::Admit(i, p) => {
+            let request_tenant = if p.request_tenant == p.tenant {
+                0
+            } else {
+                s(&p.request_tenant)
+            };
+            1 + id(i) + s(&p.model) + s(&p.tenant) + 4 + 8 + 4 + 8 + 8 + request_tenant
+        }
         SyncEvent::PrefillComplete(i) | SyncEvent::Free(i) => 1 + id(i),
     }
 }
@@ -257,18 +289,35 @@ pub fn decode(bytes: &[u8], token: Option<&str>) -> Result<(Stamp, Vec<SyncEvent
         let tag = r.u8()?;
         let id = id(&mut r)?;
         events.push(match tag {
-            1 => SyncEvent::Admit(
-                id,
-                Placed {
-                    model: r.string16()?,
-                    tenant: r.string16()?,
-                    block_size: r.u32()?,
-                    worker_id: r.u64()?,
-                    dp_rank: r.u32()?,
-                    prefill_tokens: r.u64()?,
-                    decode_blocks: r.u64()?,
-                },
-            ),
+            1 | 4 => {
+                let model = r.string16()?;
+                let tenant = r.string16()?;
+                let (block_size, worker_id, dp_rank) = (r.u32()?, r.u64()?, r.u32()?);
+                let (prefill_tokens, decode_blocks) = (r.u64()?, r.u64()?);
+                let request_tenant = match tag {
+                    4 => {
+                        let t = r.str16()?;
+                        if t.len() > MAX_TENANT_LEN {
+                            return Err(SyncError::TenantTooLong { len: t.len(), at });
+                        }
+                        t.to_string()
+                    }
+                    _ => tenant.clone(),
+                };
+                SyncEvent::Admit(
+                    id,
+                    Placed {
+                        model,
+                        tenant,
+                        request_tenant,
+                        block_size,
+                        worker_id,
+                        dp_rank,
+                        prefill_tokens,
+                        decode_blocks,
+                    },
+                )
+            }
             2 => SyncEvent::PrefillComplete(id),
             3 => SyncEvent::Free(id),
             tag => return Err(SyncError::Tag { tag, at }),
@@ -341,6 +390,7 @@ mod tests {
                 Placed {
                     model: "Qwen/Qwen3-0.6B".into(),
                     tenant: "default".into(),
+                    request_tenant: "default".into(),
                     block_size: 16,
                     worker_id: 3,
                     dp_rank: 1,
@@ -350,8 +400,69 @@ mod tests {
             ),
             SyncEvent::PrefillComplete(gw.clone()),
             SyncEvent::Free(gw),
+            SyncEvent::Admit(
+                res.clone(),
+                Placed {
+                    model: "m".into(),
+                    tenant: "team-a".into(),
+                    request_tenant: "default".into(),
+                    block_size: 16,
+                    worker_id: 4,
+                    dp_rank: 0,
+                    prefill_tokens: 10,
+                    decode_blocks: 2,
+                },
+            ),
             SyncEvent::Free(res),
         ]
+    }
+
+    /// An admission for the rank's own tenant is tag 1, as peers of the
+    /// release before request tenants write and read it; one for another
+    /// tenant is tag 4, with the request's tenant last.
+    #[test]
+    fn an_admission_names_its_requests_tenant_only_when_not_the_ranks() {
+        let e = events();
+        let msg = encode(&stamp(1), &e[..1], None);
+        assert_eq!(msg[HEADER], 1);
+        // As the release before wrote it: the same bytes, read as the
+        // rank's tenant's.
+        let (_, back) = decode(&msg, None).unwrap();
+        let SyncEvent::Admit(_, p) = &back[0] else {
+            panic!("{back:?}")
+        };
+        assert_eq!(
+            (p.tenant.as_str(), p.request_tenant.as_str()),
+            ("default", "default")
+        );
+        let other = encode(&stamp(1), &e[3..4], None);
+        assert_eq!(other[HEADER], 4);
+        assert_eq!(&other[other.len() - 9..], b"\x07\0default");
+        assert_eq!(decode(&other, None).unwrap().1, e[3..4]);
+    }
+
+    #[test]
+    fn an_over_long_request_tenant_is_refused() {
+        let admit = |len: usize| {
+            let mut e = events().swap_remove(3);
+            if let SyncEvent::Admit(_, p) = &mut e {
+                p.request_tenant = "t".repeat(len);
+            }
+            vec![e]
+        };
+        let longest = admit(MAX_TENANT_LEN);
+        let msg = encode(&stamp(1), &longest, None);
+        assert_eq!(decode(&msg, None).unwrap().1, longest);
+        let msg = encode(&stamp(1), &admit(MAX_TENANT_LEN + 1), None);
+        let err = decode(&msg, None).unwrap_err();
+        assert_eq!(
+            err,
+            SyncError::TenantTooLong {
+                len: MAX_TENANT_LEN + 1,
+                at: HEADER
+            }
+        );
+        assert_eq!(err.reason(), "malformed");
     }
 
     #[test]
@@ -461,6 +572,7 @@ mod tests {
             Placed {
                 model: "m".repeat(model_len),
                 tenant: "t".into(),
+                request_tenant: "t".into(),
                 block_size: 16,
                 worker_id: 1,
                 dp_rank: 0,

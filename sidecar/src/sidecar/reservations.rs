@@ -16,9 +16,10 @@ impl Reservations for Ledger {
         ledger: &mut Bookings,
         id: &str,
         rank: &RankId,
+        tenant: &str,
         load: Load,
     ) -> Result<(), LedgerError> {
-        let booked = ledger.reserve(id, load, Instant::now());
+        let booked = ledger.reserve(id, load, tenant, Instant::now());
         if let Err(LedgerError::Full(_)) = booked {
             // Logged by the ledger the first time.
             self.metrics().refused("api", LEDGER_FULL, 1);
@@ -27,7 +28,7 @@ impl Reservations for Ledger {
         self.announce(|| {
             SyncEvent::Admit(
                 SyncId::Reservation(id.into()),
-                placed(rank, load.prefill_tokens, load.decode_blocks),
+                placed(rank, tenant, load.prefill_tokens, load.decode_blocks),
             )
         });
         Ok(())

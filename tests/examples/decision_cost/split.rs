@@ -64,6 +64,7 @@ fn worker(w: u16, protocol: Protocol) -> WorkerState {
         } else {
             0
         },
+        fits: None,
     }
 }
 

@@ -72,6 +72,7 @@ fn fleet(version: u64, rng: &mut Rng, template_version: u64) -> Snapshot {
             draining: false,
             role: Default::default(),
             bootstrap_port: 0,
+            fits: None,
         })
         .collect();
     let m = |name: &str, shard_count: u32, template: u64| {

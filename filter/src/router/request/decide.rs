@@ -7,11 +7,13 @@
 //! answered.
 
 use super::super::RouterState;
+use super::super::gates::Gate;
 use super::super::retry as router_retry;
 use super::stopwatch::{Phase, Stopwatch};
+use crate::config::Config;
 use crate::host::Host;
 use crate::manifest::Manifest;
-use crate::reply::Reply;
+use crate::reply::{Reason, Reply};
 use kvgate_core::approx::Routed;
 use kvgate_core::dispatch::{self, Body, Dispatch, Door, Refusal, Split, Whole, WholeWhy};
 use kvgate_core::plan::request::Parsed;
@@ -26,6 +28,57 @@ pub(super) enum Decision {
     /// first.
     Split(Box<Split>, Facts),
     Reply(Reply),
+    /// No worker may take it now, and its class may be held: the hint a
+    /// shed would carry.
+    Full(u32),
+}
+
+/// What a request is decided from.
+#[derive(Clone, Copy)]
+pub(super) struct Inputs<'a> {
+    pub req: &'a Parsed,
+    /// From the configured tenant header.
+    pub tenant: &'a str,
+    pub body: &'a [u8],
+    /// What the request read at its headers.
+    pub manifest: &'a Manifest,
+    pub admit: &'a Admit,
+}
+
+/// What admission asks of a request's decision.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Admit {
+    /// The thresholds its class is placed against (`None`: the flags).
+    pub scale: Option<f64>,
+    /// Those of a retry holding its ticket; `None`: retries off.
+    pub retry_scale: Option<f64>,
+    /// Its class may be held rather than shed.
+    pub may_hold: bool,
+    /// The class, for its latency targets; `None`: no admission, placed
+    /// by cost alone.
+    pub class: Option<usize>,
+}
+
+impl Admit {
+    /// For a request of `class` (an index into the admission classes;
+    /// without admission, today's rules).
+    pub fn of(c: &Config, class: usize) -> Admit {
+        let headroom = (c.retry_headroom_pct > 0).then(|| f64::from(c.retry_headroom_pct) / 100.0);
+        match &c.admission {
+            None => Admit {
+                scale: None,
+                retry_scale: headroom.map(|h| 1.0 + h),
+                may_hold: false,
+                class: None,
+            },
+            Some(a) => Admit {
+                scale: a.thresholds_scale(class, None),
+                retry_scale: headroom.map(|h| a.thresholds_scale(class, Some(h)).unwrap_or(1.0)),
+                may_hold: a.classes.get(class).is_some_and(|k| k.hold_ms > 0),
+                class: Some(class),
+            },
+        }
+    }
 }
 
 /// What a routed request carries beside its dispatch: its report and
@@ -36,6 +89,9 @@ pub(super) struct Facts {
     pub report: Option<Routed>,
     pub isl_tokens: u32,
     pub output_tokens: u32,
+    /// The slot its decode worker must give it, where the model bounds a
+    /// decode worker's requests.
+    pub gate: Option<Gate>,
 }
 
 /// Brings the VM's view up to the manifest's snapshot version (the
@@ -79,20 +135,35 @@ pub(super) fn prepare(
 pub(super) fn decide(
     h: &impl Host,
     st: &mut RouterState,
-    req: &Parsed,
-    tenant: &str,
-    body: &[u8],
-    manifest: &Manifest,
+    r: &Inputs<'_>,
     clock: &mut Stopwatch,
 ) -> Decision {
+    let Inputs {
+        req,
+        tenant,
+        body,
+        manifest,
+        admit,
+    } = *r;
     st.tie_break = st.tie_break.wrapping_add(1);
     let mut ask = Ask {
         tie_break: st.tie_break,
-        retry_headroom: None,
+        thresholds_scale: admit.scale,
+        slo: None,
     };
     let Some(snap) = st.view.snapshot.as_ref() else {
         return Decision::Reply(Reply::stale());
     };
+    let shed_status = st
+        .config
+        .admission
+        .as_ref()
+        .map_or(503, |a| a.shed_status(&req.model));
+    if let (Some(a), Some(class), Some(m)) =
+        (&st.config.admission, admit.class, snap.model(&req.model))
+    {
+        ask.slo = a.slo(class, m.slo);
+    }
     let mut shards = st.shards.source(manifest, |k: &str| h.get_shared(k));
     let gathered = plan::gather(snap, req, tenant, &mut shards);
     clock.mark(h, Phase::Gathered);
@@ -102,14 +173,14 @@ pub(super) fn decide(
     };
     let mut planned = place(&ask);
     // Every worker is busy: a retry that holds its ticket may go ahead of
-    // new work; anything else is shed with a place in the queue.
+    // new work; anything else is shed with a place in the queue, or held.
     let mut ticket = None;
     if matches!(planned, Plan::Reject(Rejection::AllBusy { .. }))
-        && st.config.retry_headroom_pct > 0
+        && let Some(scale) = admit.retry_scale
     {
         let hash = retry::ticket_hash(tenant, body);
         if router_retry::redeem(h, hash, h.now_ms()) {
-            ask.retry_headroom = Some(f64::from(st.config.retry_headroom_pct) / 100.0);
+            ask.thresholds_scale = Some(scale);
             planned = place(&ask);
             if matches!(planned, Plan::Route(_)) {
                 h.count(st.metrics.retry_admitted);
@@ -124,6 +195,18 @@ pub(super) fn decide(
         isl_tokens: req.isl_tokens,
     };
     let dispatched = dispatch::dispatch(&planned, Door::CALLOUT, Some(client));
+    // A class without the critical reserve refused where one with it
+    // would have been placed: shed (or held) for priority.
+    let for_priority = admit.scale.is_some_and(|s| s < 1.0)
+        && matches!(planned, Plan::Reject(Rejection::AllBusy { .. }))
+        && matches!(
+            place(&Ask {
+                thresholds_scale: None,
+                ..ask
+            }),
+            Plan::Route(_)
+        );
+    let gate = gate_of(snap, &dispatched, admit.scale);
     // The plan is spent: its report moves on with the request.
     let facts = Facts {
         report: match planned {
@@ -134,6 +217,7 @@ pub(super) fn decide(
         output_tokens: req
             .max_tokens
             .map_or(0, |m| u32::try_from(m).unwrap_or(u32::MAX)),
+        gate,
     };
     let m = &st.metrics;
     match dispatched {
@@ -153,11 +237,51 @@ pub(super) fn decide(
             h.count(m.prefill_failed);
             Decision::Reply(reply)
         }
-        Dispatch::Refuse(Refusal::Plan(r)) => Decision::Reply(match (r, ticket) {
-            (Rejection::AllBusy { retry_after_s }, Some(hash)) => {
-                router_retry::shed(h, &st.config, snap, &req.model, hash, retry_after_s)
-            }
-            (r, _) => Reply::rejected(r, &req.model, st.config.retry_after_s),
+        Dispatch::Refuse(Refusal::Plan(
+            Rejection::AllBusy { retry_after_s }
+            | Rejection::Thermal { retry_after_s }
+            | Rejection::SloUnattainable { retry_after_s },
+        )) if admit.may_hold => Decision::Full(if retry_after_s > 0 {
+            retry_after_s
+        } else {
+            st.config.retry_after_s
         }),
+        Dispatch::Refuse(Refusal::Plan(Rejection::AllBusy { retry_after_s })) if for_priority => {
+            let hint = if retry_after_s > 0 {
+                retry_after_s
+            } else {
+                st.config.retry_after_s
+            };
+            Decision::Reply(Reply::shed(shed_status, Reason::PriorityShed, hint))
+        }
+        Dispatch::Refuse(Refusal::Plan(r)) => Decision::Reply(
+            match (r, ticket) {
+                (Rejection::AllBusy { retry_after_s }, Some(hash)) => {
+                    router_retry::shed(h, &st.config, snap, &req.model, hash, retry_after_s)
+                }
+                (r, _) => Reply::rejected(r, &req.model, st.config.retry_after_s),
+            }
+            .with_shed_status(shed_status),
+        ),
     }
+}
+
+/// The slot a dispatched request needs on its decode worker: where the
+/// model bounds a decode worker's requests, at its class's share.
+fn gate_of(snap: &kvgate_core::Snapshot, d: &Dispatch, scale: Option<f64>) -> Option<Gate> {
+    let (model, target) = match d {
+        Dispatch::Whole(w) => (&w.model, &w.target),
+        Dispatch::Split(s) => (&s.model, &s.decode),
+        Dispatch::Refuse(_) => return None,
+    };
+    let bound = snap
+        .model(model)?
+        .thresholds
+        .scaled(scale.unwrap_or(1.0))
+        .active_decode_requests?;
+    Some(Gate {
+        model: model.clone(),
+        worker: target.worker_id,
+        bound,
+    })
 }

@@ -7,25 +7,29 @@
 //!   └────► Reading ─► Replied             (400, 413, stale, shed, refused)
 //!             ├─────► Open                (failed open: scrubbed, undecided)
 //!             ├─────► Routed ─► Ended     (whole, or SGLang's two legs at once)
-//!             └─────► Prefilling ─► Routed | Prefilling (runner-up) | Replied
+//!             ├─────► Prefilling ─► Routed | Prefilling (runner-up) | Replied
+//!             └─────► Held ─► Routed | Prefilling | Replied (deadline, displaced)
 //! ```
 //!
 //! A paused request goes on when something calls [`Flow::resume`] in its
-//! context: today its prefill callout's answer. The request keeps its
-//! Envoy context id ([`Flow::context_id`]), so a root that holds requests
-//! (an admission queue in `RouterState`, keyed by that id) can reach it
-//! from its tick: `proxy_set_effective_context(id)`, then the held
-//! stage's transition and [`Flow::resume`], just as the callout does.
+//! context: its prefill callout's answer, or the root's tick for a held
+//! request (`router::held`), which makes the request's context effective
+//! first and decides it again ([`Flow::retry_held`]).
 
+use super::super::gates::Gate;
+use super::super::held::HeldRef;
 use super::super::{Booking, RouterState};
-use super::decide::{self, Decision, Facts};
+use super::decide::{self, Admit, Decision, Facts, Inputs};
 use super::legs::{Draining, Prefilling};
 use super::stopwatch::{Phase, Stopwatch};
+use super::usage::{self, Usage};
 use crate::config::{OnStale, ms};
 use crate::host::Host;
 use crate::manifest::Manifest;
-use crate::reply::Reply;
+use crate::metrics::Outcome;
+use crate::reply::{Reason, Reply};
 use kvgate_core::DEFAULT_TENANT;
+use kvgate_core::admit::{body as admit_body, queue::Pushed};
 use kvgate_core::booking::Timing;
 use kvgate_core::dispatch::{Target, Whole, WholeBody};
 use kvgate_core::header::ATTEMPT_COUNT;
@@ -34,7 +38,7 @@ use kvgate_core::plan::request::{Endpoint, parse};
 use kvgate_core::state::Protocol;
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::RefCell;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 /// Where a request is in its life, with what it holds there.
 #[derive(Debug, Default)]
@@ -48,6 +52,8 @@ pub(super) enum Stage {
     Reading(Reading),
     /// Paused on its prefill leg.
     Prefilling(Box<Prefilling>),
+    /// Paused in the VM's queue until a worker may take it.
+    Held(Box<Holding>),
     /// Sent on to its worker, and booked there until its response ends.
     Routed(Box<Routed>),
     /// Failed open: sent on undecided, its body scrubbed.
@@ -73,6 +79,42 @@ pub(super) struct Reading {
     /// No fresh state: the body is read whole only to be scrubbed of
     /// transfer fields before Envoy's own balancing sends it on.
     failed_open: bool,
+    /// The class header's value, as Envoy set it.
+    class: Option<String>,
+    /// The client asked, by header, not to be held.
+    do_not_queue: bool,
+}
+
+/// A held request: what deciding it again needs.
+#[derive(Debug)]
+pub(super) struct Holding {
+    reading: Reading,
+    body_size: usize,
+    class: usize,
+    model: String,
+    held_at_ms: u64,
+}
+
+/// How often a request is decided again when the decode worker it was
+/// given filled up meanwhile (another thread took its last slot).
+const GATE_TRIES: usize = 3;
+
+/// What deciding a request came to.
+enum Applied {
+    /// Routed, split or answered: the callback's action.
+    Done(Action),
+    /// No worker may take it now, and its class may be held: the reading
+    /// back, its model and the Retry-After hint.
+    Full(Reading, String, u32),
+}
+
+/// What a held request's try came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Retried {
+    /// Sent on (or answered): it left the queue.
+    Left,
+    /// Still no worker: it stays.
+    StillHeld,
 }
 
 /// A request sent on to a worker.
@@ -89,6 +131,8 @@ pub(super) struct Routed {
     pub served_by: Option<String>,
     /// An SGLang prefill leg sent beside it, until it answers.
     pub draining: Option<Draining>,
+    /// Sampled: its answer is read for the cached tokens the engine used.
+    pub usage: Option<Usage>,
 }
 
 /// A leg's clock, for its timed end.
@@ -104,6 +148,8 @@ pub(super) struct Clock {
     pub status: u16,
     pub isl_tokens: u32,
     pub output_tokens: u32,
+    /// Its time to first token as its worker's fit predicted it (ms).
+    pub predicted_ttft_ms: Option<u32>,
 }
 
 impl Clock {
@@ -116,6 +162,7 @@ impl Clock {
             status: 0,
             isl_tokens: facts.isl_tokens,
             output_tokens: facts.output_tokens,
+            predicted_ttft_ms: None,
         }
     }
 
@@ -142,6 +189,16 @@ pub(crate) struct Flow {
     /// Envoy's id of the request's context: where a resume from outside
     /// the request's own callbacks must be made current first.
     context_id: u32,
+    /// The flow itself, as the queue and the root's callouts reach it.
+    pub(super) me: Weak<RefCell<Flow>>,
+    /// Running from the root's tick (a held request released): callouts
+    /// made now answer to the root, which passes them on.
+    pub(super) from_root: bool,
+    /// Its slot on a decode worker with a bound on requests, until it ends.
+    gate: Option<Gate>,
+    /// Whose share of the load it counts against, as its bookings name
+    /// it: its account where admission names one, else its tenant.
+    pub(super) tenant: String,
 }
 
 impl Flow {
@@ -150,13 +207,20 @@ impl Flow {
             state,
             stage: Stage::Start,
             context_id,
+            me: Weak::new(),
+            from_root: false,
+            gate: None,
+            tenant: String::new(),
         }
     }
 
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "what a root that holds requests resumes them by")
-    )]
+    /// A flow the root can reach while it is held.
+    pub fn shared(state: Rc<RefCell<RouterState>>, context_id: u32) -> Rc<RefCell<Flow>> {
+        let f = Rc::new(RefCell::new(Flow::new(state, context_id)));
+        f.borrow_mut().me = Rc::downgrade(&f);
+        f
+    }
+
     pub fn context_id(&self) -> u32 {
         self.context_id
     }
@@ -200,12 +264,29 @@ impl Flow {
             .filter(|t| !t.is_empty())
             .unwrap_or_else(|| DEFAULT_TENANT.to_string());
         let manifest = Manifest::read(h).unwrap_or_default();
+        let (class, do_not_queue) = match &self.state.borrow().config.admission {
+            Some(a) => (
+                {
+                    self.tenant = h
+                        .request_header(&a.account_header)
+                        .filter(|t| !t.is_empty())
+                        .unwrap_or_else(|| tenant.clone());
+                    h.request_header(&a.class_header)
+                },
+                a.client_do_not_queue
+                    && h.request_header(kvgate_core::header::DO_NOT_QUEUE)
+                        .is_some_and(|v| matches!(v.as_str(), "1" | "true")),
+            ),
+            None => (None, false),
+        };
         let mut reading = Reading {
             endpoint,
             tenant,
             manifest,
             body_seen: 0,
             failed_open: false,
+            class,
+            do_not_queue,
         };
         if !manifest.is_fresh(h.now_ms(), stale_after) {
             match on_stale {
@@ -287,8 +368,76 @@ impl Flow {
         self.route(h, reading, body_size)
     }
 
-    /// Decides where the whole buffered body goes, and applies it.
+    /// Decides where the whole buffered body goes, and applies it: after
+    /// admission's fields are read from it and stripped, and its class
+    /// resolved.
     fn route(&mut self, h: &impl Host, reading: Reading, body_size: usize) -> Action {
+        if self.tenant.is_empty() {
+            self.tenant.clone_from(&reading.tenant);
+        }
+        let body = h.request_body(body_size).unwrap_or_default();
+        let (class, do_not_queue) = self.admission_fields(h, &reading, body);
+        match self.decide_and_apply(h, reading, body_size, class) {
+            Applied::Done(action) => action,
+            Applied::Full(reading, model, hint) => {
+                if do_not_queue {
+                    self.count_admission(h, &model, class, Outcome::DoNotQueue);
+                    return self.shed(h, &model, Reason::AllWorkersBusy, hint);
+                }
+                self.hold(h, reading, body_size, class, model, hint)
+            }
+        }
+    }
+
+    /// Reads and strips the body's admission fields (replacing Envoy's
+    /// buffered body when they were there), and resolves the request's
+    /// class: its header, or its body's field where the operator lets
+    /// clients name their own. Returns the class and whether the client
+    /// asked not to be held.
+    fn admission_fields(
+        &mut self,
+        h: &impl Host,
+        reading: &Reading,
+        body: Vec<u8>,
+    ) -> (usize, bool) {
+        let st = self.state.borrow();
+        let Some(a) = &st.config.admission else {
+            return (0, false);
+        };
+        let f = admit_body::take(&body, None);
+        let class = match (&reading.class, &f.class) {
+            (Some(header), _) => a.class_of(Some(header)),
+            (None, Some(own)) if a.client_class => a.class_of(Some(own)),
+            _ => a.class_of(None),
+        };
+        let do_not_queue = reading.do_not_queue || (a.client_do_not_queue && f.do_not_queue);
+        let priority = a
+            .vllm_priority
+            .then(|| a.classes.get(class).map(|c| i64::from(c.priority)))
+            .flatten();
+        let rewritten = match priority {
+            Some(p) => admit_body::take(f.rewritten.as_deref().unwrap_or(&body), Some(p)).rewritten,
+            None => f.rewritten,
+        };
+        drop(st);
+        if let Some(b) = rewritten {
+            replace_body(h, &b);
+        }
+        (class, do_not_queue)
+    }
+
+    /// Decides the request and applies the decision, unless no worker
+    /// may take it now and its class may be held (then the caller holds
+    /// it). A decode worker with a bound on requests is taken by compare
+    /// and swap first; a worker that filled up meanwhile is counted full
+    /// and the request decided again, a few times at most.
+    fn decide_and_apply(
+        &mut self,
+        h: &impl Host,
+        reading: Reading,
+        body_size: usize,
+        class: usize,
+    ) -> Applied {
         let mut clock = {
             let mut st = self.state.borrow_mut();
             st.decisions = st.decisions.wrapping_add(1);
@@ -297,25 +446,58 @@ impl Flow {
         let body = h.request_body(body_size).unwrap_or_default();
         let mut req = match parse(reading.endpoint, &body) {
             Ok(r) => r,
-            Err(e) => return self.reply_for(h, "", &Reply::bad_request(&e.0)),
+            Err(e) => return Applied::Done(self.reply_for(h, "", &Reply::bad_request(&e.0))),
         };
-        let decision = {
+        let admit = Admit::of(&self.state.borrow().config, class);
+        // Requests of its class or before are held for this model: it
+        // waits its turn, or a worker that frees up goes to whoever came
+        // last rather than to them.
+        if admit.may_hold && !self.from_root {
+            let st = self.state.borrow();
+            let priority = st
+                .config
+                .admission
+                .as_ref()
+                .and_then(|a| a.classes.get(class));
+            if let Some(c) = priority
+                && st.queued_before(&req.model, c.priority)
+            {
+                let hint = st.config.retry_after_s;
+                drop(st);
+                return Applied::Full(reading, req.model, hint);
+            }
+        }
+        let mut decision = None;
+        for _ in 0..GATE_TRIES {
             let mut st = self.state.borrow_mut();
             if decide::prepare(h, &mut st, &mut req, &body, &reading.manifest).is_none() {
                 drop(st);
-                return self.reply_for(h, &req.model, &Reply::stale());
+                return Applied::Done(self.reply_for(h, &req.model, &Reply::stale()));
             }
             clock.mark(h, Phase::Parsed);
-            decide::decide(
-                h,
-                &mut st,
-                &req,
-                &reading.tenant,
-                &body,
-                &reading.manifest,
-                &mut clock,
-            )
-        };
+            let inputs = Inputs {
+                req: &req,
+                tenant: &reading.tenant,
+                body: &body,
+                manifest: &reading.manifest,
+                admit: &admit,
+            };
+            let d = decide::decide(h, &mut st, &inputs, &mut clock);
+            let gate = match &d {
+                Decision::Whole(_, f) | Decision::Split(_, f) => f.gate.clone(),
+                _ => None,
+            };
+            match gate {
+                Some(g) if !st.acquire_gate(h, &g) => continue,
+                g => {
+                    self.gate = g;
+                    decision = Some(d);
+                    break;
+                }
+            }
+        }
+        let model = req.model.clone();
+        let decision = decision.unwrap_or(Decision::Full(0));
         let action = match decision {
             Decision::Whole(w, facts) => {
                 let scrub = w.body == WholeBody::Scrubbed;
@@ -331,10 +513,231 @@ impl Flow {
                 self.split_sglang(h, *s, &facts, &body)
             }
             Decision::Split(s, facts) => self.split(h, *s, &facts, body),
-            Decision::Reply(r) => self.reply_for(h, &req.model, &r),
+            Decision::Reply(r) => {
+                // A class never held (or a request asked not to be) is shed
+                // here: admission counts it with the rest.
+                if r.reason.is_shed() && admit.class.is_some() {
+                    self.count_admission(h, &model, class, Outcome::Shed);
+                }
+                self.reply_for(h, &model, &r)
+            }
+            Decision::Full(hint) if admit.may_hold => {
+                clock.finish(h, &self.state.borrow().metrics);
+                return Applied::Full(reading, model, hint);
+            }
+            Decision::Full(hint) => self.shed(h, &model, Reason::AllWorkersBusy, hint),
         };
         clock.finish(h, &self.state.borrow().metrics);
-        action
+        Applied::Done(action)
+    }
+
+    /// Holds a request no worker may take now, in the VM's queue: until
+    /// one frees up or its class's hold runs out. A full queue sheds the
+    /// last of the model's requests if this one comes before it, else
+    /// this one.
+    fn hold(
+        &mut self,
+        h: &impl Host,
+        reading: Reading,
+        body_size: usize,
+        class: usize,
+        model: String,
+        hint: u32,
+    ) -> Action {
+        let now = h.now_ms();
+        let pushed = {
+            let mut guard = self.state.borrow_mut();
+            let st = &mut *guard;
+            let Some(a) = &st.config.admission else {
+                drop(guard);
+                return self.shed(h, &model, Reason::AllWorkersBusy, hint);
+            };
+            let Some(c) = a.classes.get(class) else {
+                drop(guard);
+                return self.shed(h, &model, Reason::AllWorkersBusy, hint);
+            };
+            if c.hold_ms == 0 {
+                drop(guard);
+                self.count_admission(h, &model, class, Outcome::Shed);
+                return self.shed(h, &model, Reason::AllWorkersBusy, hint);
+            }
+            let (priority, deadline) = (c.priority, now.saturating_add(c.hold_ms));
+            let max = a.max_held(&model);
+            let me = HeldRef {
+                context_id: self.context_id,
+                flow: self.me.clone(),
+                tenant: self.tenant.clone(),
+            };
+            // A full queue makes room for a tenant under its share by
+            // shedding the last held request of one over it, of this class
+            // or a later one.
+            let mut unfair = None;
+            if st.held.len_of(&model) >= max && !st.over_share(&model, &self.tenant) {
+                let victim = st
+                    .held
+                    .iter()
+                    .filter(|e| e.model == model && e.priority >= priority)
+                    .filter(|e| st.over_share(&model, &e.item.tenant))
+                    .last()
+                    .map(|e| e.item.context_id);
+                unfair = victim.and_then(|id| st.held.take(|e| e.item.context_id == id));
+            }
+            match (st.held.push(&model, priority, deadline, me, max), unfair) {
+                (Pushed::Held, Some(v)) => Pushed::Displaced(v),
+                (pushed, _) => pushed,
+            }
+        };
+        match pushed {
+            Pushed::Full(_) => {
+                self.count_admission(h, &model, class, Outcome::Shed);
+                return self.shed(h, &model, Reason::QueueFull, hint);
+            }
+            Pushed::Displaced(victim) => {
+                if let Some(f) = victim.item.flow.upgrade()
+                    && h.set_effective_context(victim.item.context_id).is_ok()
+                    && let Ok(mut f) = f.try_borrow_mut()
+                {
+                    f.shed_held(h, Reason::PriorityShed);
+                }
+                let _ = h.set_effective_context(self.context_id);
+            }
+            Pushed::Held => {}
+        }
+        self.count_admission(h, &model, class, Outcome::Held);
+        self.stage = Stage::Held(Box::new(Holding {
+            reading,
+            body_size,
+            class,
+            model,
+            held_at_ms: now,
+        }));
+        Action::Pause
+    }
+
+    /// Tries a held request again, from the root's tick with its context
+    /// made effective: sent on (and resumed) if a worker may take it now.
+    pub fn retry_held(&mut self, h: &impl Host) -> Retried {
+        let Stage::Held(held) = std::mem::take(&mut self.stage) else {
+            return Retried::Left;
+        };
+        let Holding {
+            reading,
+            body_size,
+            class,
+            model,
+            held_at_ms,
+        } = *held;
+        self.from_root = true;
+        let applied = self.decide_and_apply(h, reading, body_size, class);
+        self.from_root = false;
+        match applied {
+            Applied::Full(reading, _, _) => {
+                self.stage = Stage::Held(Box::new(Holding {
+                    reading,
+                    body_size,
+                    class,
+                    model,
+                    held_at_ms,
+                }));
+                Retried::StillHeld
+            }
+            Applied::Done(_) => {
+                let id = self.context_id;
+                let left = self
+                    .state
+                    .borrow_mut()
+                    .held
+                    .take(|e| e.item.context_id == id)
+                    .is_some();
+                // Sent, or answered after all (a shed is counted where
+                // it is decided): either way its place in the depth goes.
+                if left {
+                    match self.stage {
+                        Stage::Replied => self.left_queue(h, &model, class),
+                        _ => self.count_admission(h, &model, class, Outcome::Sent),
+                    }
+                }
+                self.count_wait(h, &model, class, held_at_ms);
+                self.resume(h);
+                Retried::Left
+            }
+        }
+    }
+
+    /// A held request's deadline passed (the queue let it go).
+    pub fn expire_held(&mut self, h: &impl Host) {
+        if let Stage::Held(held) = std::mem::take(&mut self.stage) {
+            self.count_admission(h, &held.model, held.class, Outcome::Expired);
+            self.count_wait(h, &held.model, held.class, held.held_at_ms);
+            let hint = self.hint(&held.model);
+            let _ = self.shed(h, &held.model, Reason::DeadlinePassed, hint);
+        }
+    }
+
+    /// A held request shed for one that comes first (the queue let it go).
+    pub fn shed_held(&mut self, h: &impl Host, reason: Reason) {
+        if let Stage::Held(held) = std::mem::take(&mut self.stage) {
+            self.left_queue(h, &held.model, held.class);
+            self.count_admission(h, &held.model, held.class, Outcome::Shed);
+            self.count_wait(h, &held.model, held.class, held.held_at_ms);
+            let hint = self.hint(&held.model);
+            let _ = self.shed(h, &held.model, reason, hint);
+        }
+    }
+
+    /// The model's Retry-After estimate, else the configured hint.
+    fn hint(&self, model: &str) -> u32 {
+        let st = self.state.borrow();
+        st.view
+            .snapshot
+            .as_ref()
+            .and_then(|s| s.model(model))
+            .map(|m| m.retry_after_s)
+            .filter(|&s| s > 0)
+            .unwrap_or(st.config.retry_after_s)
+    }
+
+    /// Answers with the model's shed status and `reason`.
+    fn shed(&mut self, h: &impl Host, model: &str, reason: Reason, hint: u32) -> Action {
+        let status = self
+            .state
+            .borrow()
+            .config
+            .admission
+            .as_ref()
+            .map_or(503, |a| a.shed_status(model));
+        self.reply_for(h, model, &Reply::shed(status, reason, hint))
+    }
+
+    fn class_name(&self, class: usize) -> String {
+        self.state
+            .borrow()
+            .config
+            .admission
+            .as_ref()
+            .and_then(|a| a.classes.get(class))
+            .map_or_else(String::new, |c| c.name.clone())
+    }
+
+    fn count_admission(&self, h: &impl Host, model: &str, class: usize, o: Outcome) {
+        let name = self.class_name(class);
+        self.state.borrow_mut().metrics.admitted(h, model, &name, o);
+    }
+
+    fn count_wait(&self, h: &impl Host, model: &str, class: usize, since_ms: u64) {
+        let name = self.class_name(class);
+        let waited = h.now_ms().saturating_sub(since_ms);
+        self.state
+            .borrow_mut()
+            .metrics
+            .waited(h, model, &name, waited);
+    }
+
+    /// A held request left the queue other than by being sent or
+    /// expiring: its depth goes.
+    fn left_queue(&self, h: &impl Host, model: &str, class: usize) {
+        let name = self.class_name(class);
+        self.state.borrow_mut().metrics.unheld(h, model, &name);
     }
 
     /// Sets the routing headers for `w`, books it and starts its clock;
@@ -350,6 +753,7 @@ impl Flow {
             ..
         } = w;
         let c = &st.config;
+        let every = c.cached_tokens_every;
         let served_by = (!c.served_by_header.is_empty()).then(|| target.served_by());
         let mut ok = h
             .set_request_header(&c.destination_header, &destination)
@@ -371,17 +775,34 @@ impl Flow {
         let booking = st.book(
             h,
             &model,
+            &self.tenant,
             target.slot,
             target.prefill_tokens,
             target.decode_blocks,
         );
+        let mut clock = Clock::new(leg, h.now_us(), facts);
+        // A decode leg's first byte follows another worker's prefill: the
+        // prediction is the prompt's, where it is computed.
+        if leg != Leg::Decode {
+            clock.predicted_ttft_ms = target.ttft_ms;
+        }
+        let usage =
+            (leg == Leg::Whole && every > 0 && st.decisions.is_multiple_of(every)).then(|| {
+                let isl_tokens = u64::from(facts.isl_tokens);
+                Usage {
+                    predicted: isl_tokens.saturating_sub(target.prefill_tokens),
+                    isl_tokens,
+                    reported: None,
+                }
+            });
         Routed {
             model,
             booking: Some(booking),
-            clock: Clock::new(leg, h.now_us(), facts),
+            clock,
             fallback,
             served_by,
             draining: None,
+            usage,
         }
     }
 
@@ -431,6 +852,15 @@ impl Flow {
         self.resume(h);
     }
 
+    /// A callout answer the root passed on: made while the request was
+    /// released from the queue, so any try after it answers to the root
+    /// too.
+    pub fn on_forwarded_answer(&mut self, h: &impl Host, token: u32, body_size: usize) {
+        self.from_root = true;
+        self.on_callout_answer(h, token, body_size);
+        self.from_root = false;
+    }
+
     /// Lets a paused request go on to the worker its stage names: called
     /// in the request's own context (today from its callout's answer). A
     /// request still paused, or answered, is not resumed.
@@ -464,6 +894,14 @@ impl Flow {
             let st = self.state.borrow();
             let _ = h.set_response_header(&st.config.served_by_header, &value);
         }
+        if let Stage::Routed(r) = &self.stage
+            && let Some(p) = r.clock.predicted_ttft_ms
+        {
+            let st = self.state.borrow();
+            if !st.config.predicted_ttft_header.is_empty() {
+                let _ = h.set_response_header(&st.config.predicted_ttft_header, &p.to_string());
+            }
+        }
         Action::Continue
     }
 
@@ -476,6 +914,16 @@ impl Flow {
         body_size: usize,
         end_of_stream: bool,
     ) -> Action {
+        if body_size > 0
+            && let Stage::Routed(r) = &mut self.stage
+            && let Some(u) = r.usage.as_mut()
+            && let Some(n) = h
+                .response_body(body_size)
+                .as_deref()
+                .and_then(usage::cached_tokens)
+        {
+            u.reported = Some(n);
+        }
         if end_of_stream {
             self.release(h, true);
         } else if body_size > 0 {
@@ -521,9 +969,26 @@ impl Flow {
                     st.release(h, b, true, timing);
                 }
             }
+            // The client left while held: its place goes with it.
+            Stage::Held(held) => {
+                let id = self.context_id;
+                if st.held.take(|e| e.item.context_id == id).is_some() {
+                    let name = st
+                        .config
+                        .admission
+                        .as_ref()
+                        .and_then(|a| a.classes.get(held.class))
+                        .map_or_else(String::new, |c| c.name.clone());
+                    st.metrics.unheld(h, &held.model, &name);
+                }
+            }
             Stage::Start | Stage::Passing | Stage::Reading(_) | Stage::Open => {}
             Stage::Replied | Stage::Ended => {}
         }
+        if let Some(g) = self.gate.take() {
+            st.release_gate(h, &g);
+        }
+        st.forwarded.retain(|(_, id, _)| *id != self.context_id);
         self.stage = Stage::Ended;
     }
 
@@ -552,10 +1017,20 @@ impl Flow {
             if let Some(b) = r.booking.take() {
                 st.release(h, b, true, timing);
             }
+            if let Some(g) = self.gate.take() {
+                st.release_gate(h, &g);
+            }
+            if let Some(u) = r.usage.take() {
+                st.metrics.cached(h, &u);
+            }
         } else {
             st.release(h, *b, false, None);
             b.first_byte = true;
             r.clock.first_byte_us = Some(now);
+            if let Some(p) = r.clock.predicted_ttft_ms {
+                let observed_ms = now.saturating_sub(r.clock.sent_us) as f64 / 1000.0;
+                st.metrics.predicted(h, f64::from(p), observed_ms);
+            }
         }
     }
 
@@ -590,7 +1065,14 @@ impl Flow {
             r.served_by = Some(fb.served_by());
         }
         h.count(st.metrics.retried);
-        r.booking = Some(st.book(h, &r.model, fb.slot, fb.prefill_tokens, fb.decode_blocks));
+        r.booking = Some(st.book(
+            h,
+            &r.model,
+            &self.tenant,
+            fb.slot,
+            fb.prefill_tokens,
+            fb.decode_blocks,
+        ));
     }
 
     /// Counts a routed request that no worker answered (Envoy replied in

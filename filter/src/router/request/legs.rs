@@ -248,7 +248,7 @@ impl Flow {
         timeout: Duration,
     ) -> Result<(u32, Booking), Fault> {
         let mut st = self.state.borrow_mut();
-        let booking = st.book(h, model, at.slot, at.prefill_tokens, 0);
+        let booking = st.book(h, model, &self.tenant, at.slot, at.prefill_tokens, 0);
         let c = &st.config;
         let rank = at.rank.to_string();
         let mut headers = vec![
@@ -266,7 +266,15 @@ impl Flow {
             headers.push(("authorization", a.as_str()));
         }
         match h.dispatch(&c.prefill_cluster, headers, Some(body), timeout) {
-            Ok(token) => Ok((token, booking)),
+            Ok(token) => {
+                // Made from the root (a held request released on its
+                // tick): the SDK hands the answer to the root, which
+                // passes it on by this.
+                if self.from_root {
+                    st.forward(token, self.context_id(), self.me.clone());
+                }
+                Ok((token, booking))
+            }
             Err(status) => {
                 st.release(h, booking, true, None);
                 Err(status)
@@ -450,6 +458,7 @@ impl Flow {
                         decode.booking = Some(st.book(
                             h,
                             &decode.model,
+                            &self.tenant,
                             b.slot,
                             b.prefill + prefill_tokens,
                             b.decode,

@@ -24,25 +24,29 @@ mod prefill;
 mod stopwatch;
 #[cfg(test)]
 mod tests;
+mod usage;
 
 use super::RouterState;
 use crate::host::Abi;
-use flow::Flow;
+pub(crate) use flow::{Flow, Retried};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
 use std::rc::Rc;
+pub(crate) use usage::Usage;
 
 /// A request's proxy-wasm context: Envoy's callbacks, handed to its
-/// [`Flow`] with Envoy's host.
+/// [`Flow`] with Envoy's host. The flow is shared so that the root can
+/// reach a request it holds ([`super::held`]); callbacks do not nest, so
+/// a borrow that fails is a callback with nothing to do.
 pub struct Request {
-    flow: Flow,
+    flow: Rc<RefCell<Flow>>,
 }
 
 impl Request {
     pub fn new(state: Rc<RefCell<RouterState>>, context_id: u32) -> Request {
         Request {
-            flow: Flow::new(state, context_id),
+            flow: Flow::shared(state, context_id),
         }
     }
 }
@@ -55,7 +59,9 @@ impl Context for Request {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        self.flow.on_callout_answer(&Abi, token_id, body_size);
+        if let Ok(mut f) = self.flow.try_borrow_mut() {
+            f.on_callout_answer(&Abi, token_id, body_size);
+        }
     }
 }
 
@@ -63,32 +69,57 @@ impl Drop for Request {
     /// The backstop: a context Envoy deletes without a log callback still
     /// releases what it booked.
     fn drop(&mut self) {
-        self.flow.end(&Abi);
+        if let Ok(mut f) = self.flow.try_borrow_mut() {
+            f.end(&Abi);
+        }
     }
 }
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        self.flow.on_request_headers(&Abi, end_of_stream)
+        match self.flow.try_borrow_mut() {
+            Ok(mut f) => f.on_request_headers(&Abi, end_of_stream),
+            // Never undecided to a worker: callbacks do not nest, so this
+            // is not expected, and the request waits rather than pass.
+            Err(_) => Action::Pause,
+        }
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.flow.on_request_body(&Abi, body_size, end_of_stream)
+        match self.flow.try_borrow_mut() {
+            Ok(mut f) => f.on_request_body(&Abi, body_size, end_of_stream),
+            // Never undecided to a worker: callbacks do not nest, so this
+            // is not expected, and the request waits rather than pass.
+            Err(_) => Action::Pause,
+        }
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        self.flow.on_request_trailers(&Abi)
+        match self.flow.try_borrow_mut() {
+            Ok(mut f) => f.on_request_trailers(&Abi),
+            // Never undecided to a worker: callbacks do not nest, so this
+            // is not expected, and the request waits rather than pass.
+            Err(_) => Action::Pause,
+        }
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        self.flow.on_response_headers(&Abi)
+        match self.flow.try_borrow_mut() {
+            Ok(mut f) => f.on_response_headers(&Abi),
+            Err(_) => Action::Continue,
+        }
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.flow.on_response_body(&Abi, body_size, end_of_stream)
+        match self.flow.try_borrow_mut() {
+            Ok(mut f) => f.on_response_body(&Abi, body_size, end_of_stream),
+            Err(_) => Action::Continue,
+        }
     }
 
     fn on_log(&mut self) {
-        self.flow.on_log(&Abi);
+        if let Ok(mut f) = self.flow.try_borrow_mut() {
+            f.on_log(&Abi);
+        }
     }
 }

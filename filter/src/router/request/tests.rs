@@ -27,6 +27,9 @@ struct Callout {
     timeout: Duration,
 }
 
+/// Another VM's write to shared data, between a read and its write.
+type Interleaved = Box<dyn FnOnce(&mut HashMap<String, Vec<u8>>)>;
+
 /// A host whose every effect is kept for the test to read.
 #[derive(Default)]
 struct Mock {
@@ -37,6 +40,8 @@ struct Mock {
     request: RefCell<HashMap<String, String>>,
     response: RefCell<HashMap<String, String>>,
     body: RefCell<Vec<u8>>,
+    /// The response body chunk of the current callback.
+    response_chunk: RefCell<Vec<u8>>,
     properties: RefCell<HashMap<String, Vec<u8>>>,
     callouts: RefCell<Vec<Callout>>,
     /// Endpoints whose callouts Envoy refuses (not in the catalog).
@@ -44,10 +49,44 @@ struct Mock {
     answer_headers: RefCell<HashMap<String, String>>,
     answer_body: RefCell<Vec<u8>>,
     resumed: Cell<u32>,
+    /// The context host calls act on, as the last switch named it.
+    effective: Cell<u32>,
     replies: RefCell<Vec<(u16, Vec<u8>)>>,
+    /// Each reply's `x-kvgate-reason`.
+    reasons: RefCell<Vec<String>>,
+    /// Runs once between a shared-data read and its write: another VM's
+    /// write landing in between.
+    interleave: RefCell<Option<Interleaved>>,
     counters: RefCell<HashMap<u32, i64>>,
     metric_names: RefCell<Vec<String>>,
     random: Cell<u64>,
+}
+
+impl Mock {
+    /// Compare-and-swap as Envoy's: a write over a value that changed
+    /// since it was read fails, and is tried again from a new read; with
+    /// `existing`, a missing key is not written.
+    fn update(&self, key: &str, existing: bool, f: &mut crate::host::Rewrite<'_>) -> bool {
+        for _ in 0..4 {
+            let read = self.shared.borrow().get(key).cloned();
+            if existing && read.is_none() {
+                return false;
+            }
+            let Some(v) = f(read.as_deref()) else {
+                return false;
+            };
+            if let Some(other) = self.interleave.borrow_mut().take() {
+                other(&mut self.shared.borrow_mut());
+            }
+            let mut shared = self.shared.borrow_mut();
+            if shared.get(key) != read.as_ref() {
+                continue;
+            }
+            shared.insert(key.to_string(), v);
+            return true;
+        }
+        false
+    }
 }
 
 impl Host for Mock {
@@ -63,14 +102,10 @@ impl Host for Mock {
         self.shared.borrow().get(key).cloned()
     }
     fn update_shared(&self, key: &str, f: &mut crate::host::Rewrite<'_>) -> bool {
-        let current = self.shared.borrow().get(key).cloned();
-        match f(current.as_deref()) {
-            Some(v) => {
-                self.shared.borrow_mut().insert(key.to_string(), v);
-                true
-            }
-            None => false,
-        }
+        self.update(key, false, f)
+    }
+    fn update_existing(&self, key: &str, f: &mut crate::host::Rewrite<'_>) -> bool {
+        self.update(key, true, f)
     }
     fn resolve_queue(&self, _vm_id: &str, name: &str) -> Option<u32> {
         Some(if name == crate::host::BOOKINGS_QUEUE {
@@ -109,6 +144,10 @@ impl Host for Mock {
     }
     fn request_body(&self, size: usize) -> Option<Vec<u8>> {
         let b = self.body.borrow();
+        Some(b[..size.min(b.len())].to_vec())
+    }
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        let b = self.response_chunk.borrow();
         Some(b[..size.min(b.len())].to_vec())
     }
     fn set_request_body(&self, body: &[u8]) -> Result<(), Fault> {
@@ -153,12 +192,22 @@ impl Host for Mock {
         self.resumed.set(self.resumed.get() + 1);
         Ok(())
     }
+    fn set_effective_context(&self, context_id: u32) -> Result<(), Fault> {
+        self.effective.set(context_id);
+        Ok(())
+    }
     fn send_response(
         &self,
         status: u16,
-        _headers: &[(&str, &str)],
+        headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<(), Fault> {
+        if let Some((_, r)) = headers
+            .iter()
+            .find(|(k, _)| *k == kvgate_core::header::REASON)
+        {
+            self.reasons.borrow_mut().push(r.to_string());
+        }
         self.replies.borrow_mut().push((status, body.to_vec()));
         Ok(())
     }
@@ -226,6 +275,7 @@ fn worker(id: u64, role: Role, decode: u64) -> WorkerState {
         draining: false,
         role,
         bootstrap_port: 8998,
+        ..Default::default()
     }
 }
 
@@ -330,6 +380,7 @@ fn stage(f: &Flow) -> &'static str {
         Stage::Passing => "passing",
         Stage::Reading(_) => "reading",
         Stage::Prefilling(_) => "prefilling",
+        Stage::Held(_) => "held",
         Stage::Routed(_) => "routed",
         Stage::Open => "open",
         Stage::Replied => "replied",
@@ -860,4 +911,345 @@ fn the_context_id_is_kept_for_a_resume_from_outside_the_callout() {
     h.answer(Some(200), ANSWER);
     f.on_callout_answer(&h, 1, ANSWER.len());
     assert_eq!(h.resumed.get(), 1);
+}
+
+/// A router VM with admission configured (`admission` is its JSON) and
+/// `snap` published: the state and a shared flow the root can reach.
+fn admitting(snap: &Snapshot, admission: &str) -> (Mock, Rc<RefCell<RouterState>>) {
+    let h = Mock::default();
+    h.now_us.set(1_000_000_000);
+    publish(&h, snap, h.now_ms());
+    let json = format!(r#"{{"flush_ms":0,"admission":{admission}}}"#);
+    let config = Config::parse(Some(json.as_bytes())).unwrap();
+    let state = Rc::new(RefCell::new(RouterState::new(&h, config, "kvgate".into())));
+    (h, state)
+}
+
+fn busy(snap: &mut Snapshot, busy: bool) {
+    for w in &mut snap.models[0].workers {
+        w.ranks[0].busy = busy;
+    }
+}
+
+fn held(state: &Rc<RefCell<RouterState>>) -> usize {
+    state.borrow().held.len()
+}
+
+#[test]
+fn a_held_request_is_sent_when_a_worker_frees_up() {
+    let mut snap = snapshot();
+    busy(&mut snap, true);
+    let (h, state) = admitting(&snap, "{}");
+    let f = Flow::shared(state.clone(), 7);
+    assert_eq!(
+        send(&h, &mut f.borrow_mut(), &body("agg", "")),
+        Action::Pause
+    );
+    assert_eq!(stage(&f.borrow()), "held");
+    assert_eq!(held(&state), 1);
+    assert!(h.replies.borrow().is_empty(), "held, not shed");
+    // Still busy on the next tick: it stays.
+    crate::router::held::on_tick(&state, &h);
+    assert_eq!((stage(&f.borrow()), h.resumed.get()), ("held", 0));
+    // A new snapshot frees a worker: the tick sends it there.
+    busy(&mut snap, false);
+    snap.version = 2;
+    h.advance_ms(20);
+    publish(&h, &snap, h.now_ms());
+    crate::router::held::on_tick(&state, &h);
+    assert_eq!(stage(&f.borrow()), "routed");
+    assert_eq!(
+        (h.resumed.get(), h.effective.get(), held(&state)),
+        (1, 7, 0)
+    );
+    assert!(destination(&h).is_some());
+    assert_eq!(
+        h.counter("kvgate_admission_sent_total.model.agg.class.standard"),
+        1
+    );
+    respond(&h, &mut f.borrow_mut());
+    assert!(balanced(&h));
+}
+
+#[test]
+fn a_held_request_is_answered_at_its_deadline_with_the_models_status() {
+    let mut snap = snapshot();
+    busy(&mut snap, true);
+    let (h, state) = admitting(&snap, r#"{"models":{"agg":{"shed_status":429}}}"#);
+    let f = Flow::shared(state.clone(), 7);
+    send(&h, &mut f.borrow_mut(), &body("agg", ""));
+    h.advance_ms(4_999);
+    crate::router::held::on_tick(&state, &h);
+    assert_eq!(stage(&f.borrow()), "held");
+    h.advance_ms(1);
+    crate::router::held::on_tick(&state, &h);
+    assert_eq!(stage(&f.borrow()), "replied");
+    assert_eq!(h.replies.borrow()[0].0, 429);
+    assert_eq!(h.reasons.borrow()[0], "deadline_passed");
+    assert_eq!(held(&state), 0);
+    assert!(balanced(&h));
+}
+
+#[test]
+fn do_not_queue_is_shed_at_once_where_allowed_and_never_reaches_a_worker() {
+    let mut snap = snapshot();
+    busy(&mut snap, true);
+    let (h, state) = admitting(&snap, r#"{"shed_status":529}"#);
+    let mut f = Flow::new(state.clone(), 7);
+    send(&h, &mut f, &body("agg", r#","do_not_queue":true"#));
+    assert_eq!(stage(&f), "replied");
+    assert_eq!(h.replies.borrow()[0].0, 529);
+    // Forbidden: the field is stripped and counts for nothing.
+    let (h, state) = admitting(&snap, r#"{"client_do_not_queue":false}"#);
+    let f = Flow::shared(state.clone(), 7);
+    send(
+        &h,
+        &mut f.borrow_mut(),
+        &body("agg", r#","do_not_queue":true,"kvgate_class":"critical""#),
+    );
+    assert_eq!(stage(&f.borrow()), "held");
+    let sent = String::from_utf8(h.body.borrow().clone()).unwrap();
+    assert!(
+        !sent.contains("do_not_queue") && !sent.contains("kvgate_class"),
+        "{sent}"
+    );
+    // The client's class did not count: held as the default class.
+    assert_eq!(
+        h.counter("kvgate_admission_held_total.model.agg.class.standard"),
+        1
+    );
+}
+
+#[test]
+fn a_sheddable_request_is_shed_where_a_critical_one_is_admitted() {
+    let mut snap = snapshot();
+    snap.models[0].thresholds.active_prefill_tokens = Some(1000);
+    for w in &mut snap.models[0].workers {
+        w.ranks[0].active_prefill_tokens = 950;
+    }
+    let (h, state) = admitting(&snap, "{}");
+    // 950 prompt tokens in flight is over 90 % of 1000, the share a class
+    // without the reserve may use, and under all of it, critical's.
+    let mut f = Flow::new(state.clone(), 7);
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-class".into(), "sheddable".into());
+    send(&h, &mut f, &body("agg", ""));
+    assert_eq!(stage(&f), "replied");
+    assert_eq!(h.reasons.borrow()[0], "priority_shed");
+    let mut f = Flow::new(state.clone(), 8);
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-class".into(), "critical".into());
+    assert_eq!(send(&h, &mut f, &body("agg", "")), Action::Continue);
+    assert_eq!(stage(&f), "routed");
+}
+
+#[test]
+fn a_full_queue_sheds_its_last_for_a_request_that_comes_first() {
+    let mut snap = snapshot();
+    busy(&mut snap, true);
+    let (h, state) = admitting(&snap, r#"{"max_held":1}"#);
+    let standard = Flow::shared(state.clone(), 7);
+    send(&h, &mut standard.borrow_mut(), &body("agg", ""));
+    // Another standard one finds the queue full of one that comes first.
+    let mut late = Flow::new(state.clone(), 8);
+    send(&h, &mut late, &body("agg", ""));
+    assert_eq!(h.reasons.borrow()[0], "queue_full");
+    // A critical one displaces the standard one, which is answered.
+    let critical = Flow::shared(state.clone(), 9);
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-class".into(), "critical".into());
+    send(&h, &mut critical.borrow_mut(), &body("agg", ""));
+    assert_eq!(stage(&critical.borrow()), "held");
+    assert_eq!(stage(&standard.borrow()), "replied");
+    assert_eq!(h.reasons.borrow()[1], "priority_shed");
+    assert_eq!(h.effective.get(), 9, "back in the request's own context");
+    assert_eq!(held(&state), 1);
+}
+
+#[test]
+fn a_client_gone_while_held_leaves_no_entry_and_no_booking() {
+    let mut snap = snapshot();
+    busy(&mut snap, true);
+    let (h, state) = admitting(&snap, "{}");
+    let f = Flow::shared(state.clone(), 7);
+    send(&h, &mut f.borrow_mut(), &body("agg", ""));
+    assert_eq!(held(&state), 1);
+    f.borrow_mut().on_log(&h);
+    assert_eq!(held(&state), 0);
+    assert!(h.events().iter().all(|e| !matches!(e, Event::Book { .. })));
+    // Its context gone, the tick finds nothing to do.
+    crate::router::held::on_tick(&state, &h);
+    assert_eq!(h.resumed.get(), 0);
+}
+
+#[test]
+fn two_vms_never_take_a_decode_workers_last_slot_together() {
+    use kvgate_core::admit::ledger;
+    let mut snap = snapshot();
+    snap.models[0].thresholds.active_decode_requests = Some(1);
+    snap.models[0].workers.truncate(1);
+    let (h, state) = admitting(&snap, "{}");
+    // The snapshot service created the count before it published the
+    // bound; a VM never creates it.
+    h.shared.borrow_mut().insert(ledger::key("agg"), Vec::new());
+    // Between this VM's read of the counts and its write, another VM
+    // takes the worker's one slot.
+    *h.interleave.borrow_mut() = Some(Box::new(|shared: &mut HashMap<String, Vec<u8>>| {
+        let key = ledger::key("agg");
+        let now = 1_000_000;
+        let entries = ledger::decode(shared.get(&key).map_or(&[][..], |v| &v[..]));
+        let taken = ledger::acquire(entries, 0xB, 1, 1, now).unwrap();
+        shared.insert(key, ledger::encode(&taken));
+    }));
+    let f = Flow::shared(state.clone(), 7);
+    send(&h, &mut f.borrow_mut(), &body("agg", ""));
+    assert_eq!(
+        stage(&f.borrow()),
+        "held",
+        "the swap failed, the read again found it full"
+    );
+    let counts = ledger::decode(&h.get_shared(&ledger::key("agg")).unwrap());
+    assert_eq!(
+        ledger::count(&counts, 1, h.now_ms()),
+        1,
+        "one slot, one holder"
+    );
+    // The other VM's request ends: this one goes on the next tick, which
+    // reads the count again though no new snapshot says so.
+    let freed = ledger::release(counts, 0xB, 1, h.now_ms()).unwrap();
+    h.shared
+        .borrow_mut()
+        .insert(ledger::key("agg"), ledger::encode(&freed));
+    h.advance_ms(20);
+    crate::router::held::on_tick(&state, &h);
+    assert_eq!(stage(&f.borrow()), "routed");
+    respond(&h, &mut f.borrow_mut());
+    let counts = ledger::decode(&h.get_shared(&ledger::key("agg")).unwrap());
+    assert_eq!(
+        ledger::count(&counts, 1, h.now_ms()),
+        0,
+        "released at its end"
+    );
+}
+
+#[test]
+fn a_tenant_over_its_share_waits_behind_one_under_it() {
+    let mut snap = snapshot();
+    snap.models[0].workers.truncate(1);
+    snap.models[0].thresholds.active_decode_requests = Some(1);
+    snap.models[0].tenants = vec![
+        kvgate_core::TenantLoad {
+            tenant: "heavy".into(),
+            prefill_tokens: 8000,
+            decode_blocks: 80,
+        },
+        kvgate_core::TenantLoad {
+            tenant: "light".into(),
+            prefill_tokens: 100,
+            decode_blocks: 1,
+        },
+    ];
+    busy(&mut snap, true);
+    let (h, state) = admitting(&snap, "{}");
+    h.shared
+        .borrow_mut()
+        .insert(kvgate_core::admit::ledger::key("agg"), Vec::new());
+    let heavy = Flow::shared(state.clone(), 7);
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-account".into(), "heavy".into());
+    send(&h, &mut heavy.borrow_mut(), &body("agg", ""));
+    let light = Flow::shared(state.clone(), 8);
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-account".into(), "light".into());
+    send(&h, &mut light.borrow_mut(), &body("agg", ""));
+    assert_eq!(held(&state), 2);
+    // The worker frees up for one request: the tenant under its share
+    // goes first, though it came second.
+    busy(&mut snap, false);
+    snap.version = 2;
+    h.advance_ms(20);
+    publish(&h, &snap, h.now_ms());
+    crate::router::held::on_tick(&state, &h);
+    assert_eq!(stage(&light.borrow()), "routed");
+    assert_eq!(stage(&heavy.borrow()), "held");
+    // Its booking names its tenant.
+    assert!(h.events().iter().any(|e| matches!(
+        e,
+        Event::Book { tenant, .. } if tenant == "light"
+    )));
+}
+
+#[test]
+fn a_request_no_worker_can_serve_within_its_targets_is_held_or_shed() {
+    use kvgate_core::fit::{Fit, MIN_SAMPLES, WorkerFits};
+    let mut snap = snapshot();
+    let slow = Fit {
+        intercept_ms: 900.0,
+        slope_ms_per_ktok: 100.0,
+        samples: MIN_SAMPLES,
+        age_s: 1,
+    };
+    for w in &mut snap.models[0].workers {
+        w.fits = Some(WorkerFits {
+            ttft: slow,
+            itl: slow,
+        });
+    }
+    snap.models[0].slo = kvgate_core::Slo {
+        ttft_ms: 500,
+        itl_ms: 0,
+    };
+    let (h, state) = admitting(&snap, "{}");
+    let f = Flow::shared(state.clone(), 7);
+    send(&h, &mut f.borrow_mut(), &body("agg", ""));
+    assert_eq!(
+        stage(&f.borrow()),
+        "held",
+        "standard waits for a faster worker"
+    );
+    let mut shed = Flow::new(state.clone(), 8);
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-class".into(), "sheddable".into());
+    send(&h, &mut shed, &body("agg", ""));
+    assert_eq!(h.reasons.borrow()[0], "slo_unattainable");
+    // A class whose own target the fits meet is routed, with the
+    // prediction kept for its error.
+    let (h, state) = admitting(
+        &snap,
+        r#"{"classes":[{"name":"patient","priority":0,"hold_ms":100,"ttft_ms":5000}],"default_class":"patient"}"#,
+    );
+    let mut f = Flow::new(state, 9);
+    assert_eq!(send(&h, &mut f, &body("agg", "")), Action::Continue);
+    respond(&h, &mut f);
+    assert_eq!(h.counter("kvgate_ttft_predictions_total"), 1);
+}
+
+#[test]
+fn a_sampled_answer_is_read_for_the_cached_tokens_the_engine_used() {
+    let h = Mock::default();
+    h.now_us.set(1_000_000_000);
+    publish(&h, &snapshot(), h.now_ms());
+    let config = Config::parse(Some(br#"{"flush_ms":0,"cached_tokens_every":1}"#)).unwrap();
+    let state = Rc::new(RefCell::new(RouterState::new(&h, config, "kvgate".into())));
+    let mut f = Flow::new(state, 7);
+    assert_eq!(send(&h, &mut f, &body("agg", "")), Action::Continue);
+    h.response
+        .borrow_mut()
+        .insert(":status".into(), "200".into());
+    f.on_response_headers(&h);
+    // The engine says it reused 64 of the prompt's 320 tokens; the index
+    // predicted none (no worker holds any of it).
+    *h.response_chunk.borrow_mut() =
+        br#"{"usage":{"prompt_tokens":320,"prompt_tokens_details":{"cached_tokens":64}}}"#.to_vec();
+    let n = h.response_chunk.borrow().len();
+    f.on_response_body(&h, n, true);
+    f.on_log(&h);
+    assert_eq!(h.counter("kvgate_cached_tokens_predicted_total"), 0);
+    assert_eq!(h.counter("kvgate_cached_tokens_reported_total"), 64);
 }

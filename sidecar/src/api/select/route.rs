@@ -114,7 +114,7 @@ pub fn route_and_reserve(
     let placed = place(&model, req, tenant, body, tie, &mut |k: &str| log.read(k))?;
     let id = new_reservation_id();
     sc.reservations
-        .reserve(&mut ledger, &id, &placed.rank, placed.load)
+        .reserve(&mut ledger, &id, &placed.rank, tenant, placed.load)
         .map_err(|e| RouteError::Ledger(e.to_string()))?;
     drop(ledger);
     if let Some(record) = &placed.report {
@@ -138,7 +138,7 @@ pub fn place(
     tie_break: u64,
     shards: &mut impl ShardSource,
 ) -> Result<Placed, RouteError> {
-    let (plan, _) = place_in(model, req, tenant, tie_break, shards, true);
+    let (plan, _) = place_in(model, req, tenant, tie_break, None, shards, true);
     let route = match &plan {
         Plan::Route(r) => r,
         Plan::Reject(r) => return Err(RouteError::Refused(*r)),

@@ -26,6 +26,7 @@ fn snapshot() -> Snapshot {
         draining: false,
         role: Default::default(),
         bootstrap_port: 0,
+        fits: None,
     };
     Snapshot {
         version: 1,
@@ -368,13 +369,15 @@ fn scheduler_fields_not_applied_are_named() {
         .as_bytes(),
     )
     .unwrap();
-    assert_eq!(
-        knobs.not_applied(),
-        ["priority_jump", "routing_constraints"]
-    );
+    // The priority fields pick the class; the others are not applied.
+    assert_eq!(knobs.not_applied(), ["routing_constraints"]);
     let v = run(&snapshot(), &knobs).unwrap();
-    assert_eq!(v.not_applied, ["priority_jump", "routing_constraints"]);
-    // Nothing else changes: the placement is the plain one's.
+    assert_eq!(v.not_applied, ["routing_constraints"]);
+    assert_eq!(
+        (v.class.as_str(), plain["class"].as_str()),
+        ("critical", Some("standard"))
+    );
+    // Nothing else changes on an idle fleet: the placement is the plain one's.
     assert_eq!(
         (v.worker_id, v.dp_rank),
         (plain["worker_id"].as_u64().unwrap(), 1)

@@ -54,6 +54,14 @@ pub struct ModelView {
     /// its shape.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub disaggregated: bool,
+    /// The latencies its requests should see, which its workers' `fits`
+    /// are checked against; absent when it has no target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo: Option<kvgate_core::Slo>,
+    /// What each tenant has booked on it, every gateway's bookings alike
+    /// (at most 64 tenants, the largest shares); absent when nothing is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<kvgate_core::TenantLoad>,
 }
 
 /// Which prefix index a model's requests are placed with.
@@ -106,6 +114,8 @@ impl From<&ModelState> for ModelView {
             workers: m.workers.clone(),
             disaggregation: m.disaggregation,
             disaggregated: m.disaggregated(),
+            slo: (m.slo != kvgate_core::Slo::default()).then_some(m.slo),
+            tenants: m.tenants.clone(),
         }
     }
 }
@@ -250,9 +260,11 @@ pub struct SelectRequest {
         skip_serializing_if = "Option::is_none"
     )]
     pub expected_output_tokens: Option<u64>,
-    /// Dynamo's scheduler knobs, accepted so its clients work unchanged,
-    /// and not applied: kvgate's cost is the model's `[models.policy]`.
-    /// The answer names those a request set ([`SelectRequest::not_applied`]).
+    /// Dynamo's scheduler knobs, accepted so its clients work unchanged.
+    /// `priority_jump` and `strict_priority` pick the request's class
+    /// ([`SelectRequest::critical`]); the others are not applied:
+    /// kvgate's cost is the model's `[models.policy]`. The answer names
+    /// those a request set ([`SelectRequest::not_applied`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_config_override: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -268,13 +280,20 @@ pub struct SelectRequest {
 }
 
 impl SelectRequest {
-    /// The names of Dynamo's scheduler knobs this request set, none of
-    /// which kvgate applies; `null` is not set.
+    /// Whether the request's class may use the share of the busy
+    /// thresholds reserved for critical work, as its Dynamo priority
+    /// fields say (`kvgate_core::admit::dynamo_reserve`).
+    pub fn critical(&self) -> bool {
+        let tier = self.strict_priority.as_ref().and_then(|v| v.as_i64());
+        let jump = self.priority_jump.as_ref().and_then(|v| v.as_f64());
+        kvgate_core::admit::dynamo_reserve(tier, jump)
+    }
+
+    /// The names of Dynamo's scheduler knobs this request set that
+    /// kvgate does not apply; `null` is not set.
     pub fn not_applied(&self) -> Vec<&'static str> {
         [
             ("router_config_override", &self.router_config_override),
-            ("priority_jump", &self.priority_jump),
-            ("strict_priority", &self.strict_priority),
             ("routing_constraints", &self.routing_constraints),
         ]
         .into_iter()
@@ -437,9 +456,13 @@ pub struct SelectionView {
     /// sends its request to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disaggregation: Option<SplitView>,
+    /// The request's class: `critical` (Dynamo's first tier, or a jump
+    /// ahead), which may use the reserved share of the busy thresholds,
+    /// or `standard`.
+    pub class: String,
     /// The request's scheduler knobs that kvgate accepted and did not
-    /// apply (`router_config_override`, `priority_jump`,
-    /// `strict_priority`, `routing_constraints`); absent when none.
+    /// apply (`router_config_override`, `routing_constraints`); absent
+    /// when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub not_applied: Vec<String>,
 }

@@ -31,11 +31,12 @@ fn sync_event(e: &Entry, owners: &Owners) -> Option<SyncEvent> {
                 decode_blocks,
                 ..
             },
-            Effect::Booked { slot, .. },
+            Effect::Booked { slot, tenant, .. },
         ) => Some(SyncEvent::Admit(
             SyncId::Gateway(key),
             placed(
                 &owners.get(*slot)?.rank,
+                tenant,
                 u64::from(prefill_tokens),
                 u64::from(decode_blocks),
             ),
@@ -48,11 +49,18 @@ fn sync_event(e: &Entry, owners: &Owners) -> Option<SyncEvent> {
     }
 }
 
-/// An admission's placement, as peers name it.
-pub(crate) fn placed(rank: &RankId, prefill_tokens: u64, decode_blocks: u64) -> Placed {
+/// An admission's placement, as peers name it: booked on `rank` by a
+/// request of `tenant`.
+pub(crate) fn placed(
+    rank: &RankId,
+    tenant: &str,
+    prefill_tokens: u64,
+    decode_blocks: u64,
+) -> Placed {
     Placed {
         model: rank.model.clone(),
         tenant: rank.tenant.clone(),
+        request_tenant: tenant.to_string(),
         block_size: rank.block_size,
         worker_id: rank.worker_id,
         dp_rank: rank.dp_rank,

@@ -1,5 +1,6 @@
-//! A booking batch's effect on the planner: each leg booked with the load
-//! it met on its worker, each timed end, each request shed.
+//! A booking batch's effect on the planner and the latency fits: each leg
+//! booked with the load it met on its worker, each timed end, each request
+//! shed.
 
 use super::Owners;
 use super::apply::{Entry, Gist};
@@ -12,7 +13,7 @@ pub(super) fn planner(fleet: &Mutex<Fleet>, entries: &[Entry], owners: &Owners) 
         return;
     }
     let mut f = fleet.lock();
-    if !f.plans() {
+    if !f.observes() {
         return;
     }
     for e in entries {
@@ -28,7 +29,8 @@ pub(super) fn planner(fleet: &Mutex<Fleet>, entries: &[Entry], owners: &Owners) 
                 _,
             ) => {
                 // Learned against the load the leg met, whether or not the
-                // ledger had room for it.
+                // ledger had room for it: `kvgate_core::fit`'s `x`s, in
+                // tokens, which routers read off the snapshot's ranks.
                 let Some(o) = owners.get(slot) else { continue };
                 let prefill = met.prefill_tokens.saturating_add(u64::from(prefill_tokens));
                 let decode_kv = met.decode_blocks * u64::from(o.rank.block_size);

@@ -78,7 +78,7 @@ impl FromPeers {
                             decode_blocks: p.decode_blocks,
                         };
                         // Logged by the ledger the first time.
-                        if b.admit(holder(id), load, now).is_err() {
+                        if b.admit(holder(id), load, &p.request_tenant, now).is_err() {
                             full += 1;
                         }
                     }
@@ -116,5 +116,117 @@ impl FromPeers {
                 "replica-sync admissions for ranks not in this catalog: dropped"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, LedgerCaps};
+    use crate::replica::wire::Placed;
+    use crate::sources::bookings::Effect;
+    use crate::sources::metrics::promtext::RankMetrics;
+    use kvgate_core::TenantLoad;
+    use kvgate_core::booking::{Event, Key};
+    use std::time::Duration;
+
+    /// A gateway booking here and a peer's admission, of two tenants on
+    /// one model's two workers, are both in the model's tenants; released,
+    /// neither is.
+    #[test]
+    fn the_snapshot_sums_each_tenants_bookings_here_and_at_peers() {
+        let c = Config::parse(
+            r#"
+[[models]]
+name = "m"
+[[workers]]
+worker_id = 1
+model_name = "m"
+endpoint = "127.0.0.1:8001"
+[[workers]]
+worker_id = 2
+model_name = "m"
+endpoint = "127.0.0.1:8002"
+"#,
+        )
+        .unwrap();
+        let fleet = Arc::new(Mutex::new(Fleet::new(&c).unwrap()));
+        let now = Instant::now();
+        let slots: Vec<u16> = {
+            let mut f = fleet.lock();
+            for id in [1, 2] {
+                f.record_scrape(id, Ok(vec![RankMetrics::default()]), now);
+            }
+            [1, 2].map(|id| f.workers()[&id].slots()[0]).to_vec()
+        };
+        let bookings = Arc::new(Mutex::new(Bookings::new(
+            Duration::from_secs(300),
+            LedgerCaps::default(),
+        )));
+        let peers = FromPeers {
+            fleet: fleet.clone(),
+            bookings: bookings.clone(),
+            metrics: Arc::new(crate::metrics::Metrics::new().unwrap().ledger),
+        };
+        let key = Key { vm: 3, seq: 1 };
+        let booked = bookings.lock().apply(
+            Event::Book {
+                key,
+                model: "m".into(),
+                slot: slots[0],
+                prefill_tokens: 300,
+                decode_blocks: 20,
+                tenant: "team-a".into(),
+            },
+            now,
+            |_, _| true,
+        );
+        assert!(matches!(booked, Effect::Booked { .. }), "{booked:?}");
+        let admit = |tenant: &str, seq: u64| {
+            SyncEvent::Admit(
+                SyncId::Gateway(Key { vm: 9, seq }),
+                Placed {
+                    model: "m".into(),
+                    tenant: kvgate_core::DEFAULT_TENANT.into(),
+                    request_tenant: tenant.into(),
+                    block_size: 16,
+                    worker_id: 2,
+                    dp_rank: 0,
+                    prefill_tokens: 50,
+                    decode_blocks: 4,
+                },
+            )
+        };
+        peers.apply(77, vec![admit("team-b", 1), admit("team-a", 2)]);
+        let tenants = || {
+            let b = bookings.lock();
+            fleet.lock().build_snapshot(&b, 30).models[0]
+                .tenants
+                .clone()
+        };
+        let load = |tenant: &str, prefill_tokens, decode_blocks| TenantLoad {
+            tenant: tenant.into(),
+            prefill_tokens,
+            decode_blocks,
+        };
+        assert_eq!(
+            tenants(),
+            [load("team-a", 350, 24), load("team-b", 50, 4)],
+            "team-a's booking here and at the peer, on both workers"
+        );
+        // The ends: the booking here, then the peer's frees.
+        bookings
+            .lock()
+            .apply(Event::Done { key, timing: None }, now, |_, _| true);
+        assert_eq!(tenants(), [load("team-a", 50, 4), load("team-b", 50, 4)]);
+        peers.apply(
+            77,
+            (1..=2)
+                .map(|seq| SyncEvent::Free(SyncId::Gateway(Key { vm: 9, seq })))
+                .collect(),
+        );
+        assert_eq!(tenants(), []);
+        let b = bookings.lock();
+        assert!(slots.iter().all(|s| b.slot_tenants(*s).next().is_none()));
     }
 }

@@ -24,6 +24,15 @@
 //! what changed, not what is held: expiry pops only the holders due
 //! (`expiry`), and the per-rank sums and the census move with each admit,
 //! end and expiry. The tables shrink again once a surge has passed.
+//!
+//! Each holder also keeps the tenant whose request booked it, and each
+//! slot its sums per tenant beside its totals, moved by the same admits,
+//! ends and expiries: the snapshot adds them up per model (tenant
+//! fairness counts every gateway's bookings). A slot holds an entry only
+//! for a tenant with a live holder on it, so the entries are bounded by the
+//! holders the caps allow, and a tenant's name by the source that booked
+//! it (`booking::MAX_TENANT_LEN` for gateways and peers, the catalog's
+//! tenants for reservations).
 
 mod census;
 mod expiry;
@@ -51,6 +60,15 @@ pub struct SlotLoad {
     pub decode_drain_per_s: f64,
     /// Requests the rank finished per second (exponentially averaged).
     pub completions_per_s: f64,
+}
+
+/// What one tenant has booked on a slot right now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TenantBooked {
+    pub prefill_tokens: u64,
+    pub decode_blocks: u64,
+    /// Its live holders there: the entry goes with the last.
+    pub requests: u64,
 }
 
 /// Which process a holder was booked through.
@@ -108,6 +126,8 @@ impl From<&kvgate_core::dispatch::Target> for Load {
 #[derive(Debug, Clone)]
 struct Live {
     slot: u16,
+    /// Whose request booked it; shared with its slot's entry.
+    tenant: Arc<str>,
     prefill: u64,
     /// The prompt tokens booked as uncached: `prefill` as it was booked,
     /// which the first byte empties.
@@ -128,6 +148,8 @@ struct Live {
 #[derive(Debug, Default, Clone)]
 struct Slot {
     load: SlotLoad,
+    /// `load`'s booked sums split by tenant.
+    tenants: HashMap<Arc<str>, TenantBooked>,
     /// Totals released since start, sampled for the drain rate.
     freed_prefill: u64,
     freed_decode: u64,
@@ -141,6 +163,8 @@ pub enum Effect {
     Booked {
         model: String,
         slot: u16,
+        /// Whose request it is, for the peers.
+        tenant: String,
     },
     Rejected {
         model: String,
@@ -319,6 +343,7 @@ impl Bookings {
                 slot,
                 prefill_tokens,
                 decode_blocks,
+                tenant,
             } => {
                 let holder = Holder::here(Id::Gateway(key));
                 if let Err(full) = self.seen(key, now) {
@@ -332,8 +357,12 @@ impl Bookings {
                     prefill_tokens: u64::from(prefill_tokens),
                     decode_blocks: u64::from(decode_blocks),
                 };
-                match self.admit(holder, load, now) {
-                    Ok(()) => Effect::Booked { model, slot },
+                match self.admit(holder, load, &tenant, now) {
+                    Ok(()) => Effect::Booked {
+                        model,
+                        slot,
+                        tenant,
+                    },
                     Err(full) => Effect::Full(full),
                 }
             }
@@ -419,10 +448,17 @@ impl Bookings {
         Ok(())
     }
 
-    /// Books `load` for `holder`, when its origin, its kind and the ledger
-    /// have room. A holder booked again (a buggy VM reusing a key, a
-    /// peer's message seen twice) is counted once: the old entry goes.
-    pub fn admit(&mut self, holder: Holder, load: Load, now: Instant) -> Result<(), Full> {
+    /// Books `load` for `holder`, a request of `tenant`, when its origin,
+    /// its kind and the ledger have room. A holder booked again (a buggy
+    /// VM reusing a key, a peer's message seen twice) is counted once: the
+    /// old entry goes.
+    pub fn admit(
+        &mut self,
+        holder: Holder,
+        load: Load,
+        tenant: &str,
+        now: Instant,
+    ) -> Result<(), Full> {
         if !self.live.contains_key(&holder) {
             if let Err(full) = self.census.room(&holder, self.live.len(), &self.caps) {
                 return Err(self.refused(&holder, full));
@@ -431,8 +467,15 @@ impl Bookings {
         }
         let serial = self.next_serial;
         self.next_serial += 1;
+        let s = self.slots.entry(load.slot).or_default();
+        // One allocation per tenant and slot, not per booking.
+        let tenant: Arc<str> = match s.tenants.get_key_value(tenant) {
+            Some((name, _)) => name.clone(),
+            None => tenant.into(),
+        };
         let live = Live {
             slot: load.slot,
+            tenant,
             prefill: load.prefill_tokens,
             uncached: load.prefill_tokens,
             blocks: load.decode_blocks,
@@ -441,12 +484,15 @@ impl Bookings {
             at: now,
             serial,
         };
-        let s = self.slots.entry(load.slot).or_default();
         // Callers bound each booking; saturating keeps a sum that still
         // reached the top at the top, never wrapped round to idle.
         s.load.prefill_tokens = s.load.prefill_tokens.saturating_add(live.prefill);
         s.load.decode_blocks = s.load.decode_blocks.saturating_add(live.decode);
         s.load.requests = s.load.requests.saturating_add(1);
+        let t = s.tenants.entry(live.tenant.clone()).or_default();
+        t.prefill_tokens = t.prefill_tokens.saturating_add(live.prefill);
+        t.decode_blocks = t.decode_blocks.saturating_add(live.decode);
+        t.requests = t.requests.saturating_add(1);
         self.deadlines.push(Due {
             at: now,
             serial,
@@ -473,13 +519,20 @@ impl Bookings {
         full
     }
 
-    /// Books a reservation made here; its id must be new.
-    pub fn reserve(&mut self, id: &str, load: Load, now: Instant) -> Result<Holder, LedgerError> {
+    /// Books a reservation made here for a request of `tenant`; its id
+    /// must be new.
+    pub fn reserve(
+        &mut self,
+        id: &str,
+        load: Load,
+        tenant: &str,
+        now: Instant,
+    ) -> Result<Holder, LedgerError> {
         let holder = Holder::here(Id::Reservation(id.into()));
         if self.live.contains_key(&holder) {
             return Err(LedgerError::Duplicate(id.to_string()));
         }
-        self.admit(holder.clone(), load, now)
+        self.admit(holder.clone(), load, tenant, now)
             .map_err(LedgerError::Full)?;
         Ok(holder)
     }
@@ -492,10 +545,12 @@ impl Bookings {
         };
         let freed = std::mem::take(&mut l.prefill);
         l.at = now;
-        let slot = l.slot;
-        if let Some(s) = self.slots.get_mut(&slot) {
+        if let Some(s) = self.slots.get_mut(&l.slot) {
             s.load.prefill_tokens = s.load.prefill_tokens.saturating_sub(freed);
             s.freed_prefill = s.freed_prefill.saturating_add(freed);
+            if let Some(t) = s.tenants.get_mut(&l.tenant) {
+                t.prefill_tokens = t.prefill_tokens.saturating_sub(freed);
+            }
         }
         true
     }
@@ -520,9 +575,12 @@ impl Bookings {
         l.at = now;
         let old = l.decode;
         l.decode = (l.blocks as f64 * l.weight).round() as u64;
-        let (slot, new) = (l.slot, l.decode);
-        if let Some(s) = self.slots.get_mut(&slot) {
+        let new = l.decode;
+        if let Some(s) = self.slots.get_mut(&l.slot) {
             s.load.decode_blocks = s.load.decode_blocks.saturating_sub(old).saturating_add(new);
+            if let Some(t) = s.tenants.get_mut(&l.tenant) {
+                t.decode_blocks = t.decode_blocks.saturating_sub(old).saturating_add(new);
+            }
         }
         true
     }
@@ -545,6 +603,14 @@ impl Bookings {
         s.load.prefill_tokens = s.load.prefill_tokens.saturating_sub(l.prefill);
         s.load.decode_blocks = s.load.decode_blocks.saturating_sub(l.decode);
         s.load.requests = s.load.requests.saturating_sub(1);
+        if let Some(t) = s.tenants.get_mut(&l.tenant) {
+            t.prefill_tokens = t.prefill_tokens.saturating_sub(l.prefill);
+            t.decode_blocks = t.decode_blocks.saturating_sub(l.decode);
+            t.requests = t.requests.saturating_sub(1);
+            if t.requests == 0 {
+                s.tenants.remove(&l.tenant);
+            }
+        }
         if drained {
             s.freed_prefill = s.freed_prefill.saturating_add(l.prefill);
             s.freed_decode = s.freed_decode.saturating_add(l.decode);
@@ -586,10 +652,13 @@ impl Bookings {
         sweep.silenced = self.end_silent_vms(now);
         self.marks
             .retain(|_, (_, seen)| now.saturating_duration_since(*seen) <= ttl);
+        let mut moved = 0;
         for s in self.slots.values_mut() {
             sample_drain(s, now);
+            // A surge of tenants on one slot leaves its room behind.
+            moved += shrink_map(&mut s.tenants).unwrap_or(0);
         }
-        sweep.rebuilt = self.compact();
+        sweep.rebuilt = self.compact() + moved;
         sweep
     }
 
@@ -631,6 +700,15 @@ impl Bookings {
 
     pub fn slot(&self, slot: u16) -> SlotLoad {
         self.slots.get(&slot).map(|s| s.load).unwrap_or_default()
+    }
+
+    /// What each tenant with a live holder on `slot` has booked there;
+    /// their sums are the slot's (short of a sum that saturated).
+    pub fn slot_tenants(&self, slot: u16) -> impl Iterator<Item = (&Arc<str>, &TenantBooked)> {
+        self.slots
+            .get(&slot)
+            .into_iter()
+            .flat_map(|s| s.tenants.iter())
     }
 
     pub fn active(&self) -> usize {

@@ -12,8 +12,12 @@ fn book(seq: u64, slot: u16, prefill: u32, decode: u32) -> Event {
         slot,
         prefill_tokens: prefill,
         decode_blocks: decode,
+        tenant: TENANT.into(),
     }
 }
+
+/// Whose requests the tests book, unless they say.
+const TENANT: &str = kvgate_core::DEFAULT_TENANT;
 
 fn any_slot(_: &str, _: u16) -> bool {
     true
@@ -27,7 +31,8 @@ fn a_request_books_prefill_then_decode_and_releases_everything() {
         b.apply(book(1, 3, 1000, 70), t, any_slot),
         Effect::Booked {
             model: "m".into(),
-            slot: 3
+            slot: 3,
+            tenant: TENANT.into(),
         }
     );
     b.apply(book(2, 3, 500, 40), t, any_slot);
@@ -159,9 +164,9 @@ fn reservations_and_gateway_bookings_share_the_slot_totals() {
     let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
     let t = Instant::now();
     b.apply(book(1, 3, 100, 10), t, any_slot);
-    let r = b.reserve("r", load(3, 50, 4), t).unwrap();
+    let r = b.reserve("r", load(3, 50, 4), TENANT, t).unwrap();
     assert_eq!(
-        b.reserve("r", load(4, 1, 1), t),
+        b.reserve("r", load(4, 1, 1), TENANT, t),
         Err(LedgerError::Duplicate("r".into()))
     );
     assert_eq!(
@@ -188,6 +193,53 @@ fn reservations_and_gateway_bookings_share_the_slot_totals() {
     assert_eq!(b.slot(3).decode_blocks, 10);
 }
 
+/// Each tenant's sums on a slot, by name.
+fn tenants(b: &Bookings, slot: u16) -> Vec<(String, u64, u64, u64)> {
+    let mut v: Vec<_> = b
+        .slot_tenants(slot)
+        .map(|(t, l)| (t.to_string(), l.prefill_tokens, l.decode_blocks, l.requests))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn each_tenants_sums_move_with_its_holders_and_go_with_the_last() {
+    let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
+    let t = Instant::now();
+    let mut a = book(1, 3, 100, 10);
+    if let Event::Book { tenant, .. } = &mut a {
+        *tenant = "team-a".into();
+    }
+    b.apply(a, t, any_slot);
+    let r = b.reserve("r", load(3, 50, 4), "team-b", t).unwrap();
+    let peer = Holder {
+        origin: Origin::Peer(9),
+        id: Id::Gateway(key(1)),
+    };
+    b.admit(peer.clone(), load(3, 7, 1), "team-a", t).unwrap();
+    assert_eq!(
+        tenants(&b, 3),
+        [("team-a".into(), 107, 11, 2), ("team-b".into(), 50, 4, 1)]
+    );
+    // The first byte, output blocks and their weight move the tenant's
+    // sums as they move the slot's.
+    assert!(b.prefill_complete(&r, t));
+    assert!(b.output_block(&r, Some(0.5), t));
+    assert_eq!(tenants(&b, 3)[1], ("team-b".into(), 0, 3, 1));
+    // A peer's admission heard twice counts once.
+    b.admit(peer.clone(), load(3, 7, 1), "team-a", t).unwrap();
+    assert_eq!(tenants(&b, 3)[0], ("team-a".into(), 107, 11, 2));
+    b.free(&r);
+    b.free(&peer);
+    assert_eq!(tenants(&b, 3), [("team-a".into(), 100, 10, 1)]);
+    // The last one expires: nothing of the tenant is left.
+    b.sweep(t + Duration::from_secs(301));
+    assert_eq!(tenants(&b, 3), []);
+    assert_eq!(b.slot(3).requests, 0);
+    assert_eq!(tenants(&b, 4), []);
+}
+
 #[test]
 fn a_peers_holders_are_its_own_even_with_the_same_names() {
     let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
@@ -197,16 +249,16 @@ fn a_peers_holders_are_its_own_even_with_the_same_names() {
         origin: Origin::Peer(42),
         id: Id::Gateway(key(1)),
     };
-    b.admit(here.clone(), load(1, 10, 1), t).unwrap();
-    b.admit(there.clone(), load(1, 20, 2), t).unwrap();
+    b.admit(here.clone(), load(1, 10, 1), TENANT, t).unwrap();
+    b.admit(there.clone(), load(1, 20, 2), TENANT, t).unwrap();
     // A message heard twice is counted once.
-    b.admit(there.clone(), load(1, 20, 2), t).unwrap();
+    b.admit(there.clone(), load(1, 20, 2), TENANT, t).unwrap();
     assert_eq!(b.slot(1).prefill_tokens, 30);
     assert_eq!(b.census(), (1, 0, 1));
     b.free(&there);
     assert_eq!(b.slot(1).prefill_tokens, 10);
     // A lost free is repaired by the expiry.
-    b.admit(there, load(1, 20, 2), t).unwrap();
+    b.admit(there, load(1, 20, 2), TENANT, t).unwrap();
     b.sweep(t + Duration::from_secs(301));
     assert_eq!(b.slot(1), SlotLoad::default());
 }
@@ -218,8 +270,8 @@ fn slot_sums_saturate_rather_than_wrap() {
     let huge = 1u64 << 63;
     // Wrapping, these two would read as an idle slot (and in a debug
     // build, panic inside the ledger's lock).
-    let r1 = b.reserve("a", load(1, huge, huge), t).unwrap();
-    b.reserve("b", load(1, huge, huge), t).unwrap();
+    let r1 = b.reserve("a", load(1, huge, huge), TENANT, t).unwrap();
+    b.reserve("b", load(1, huge, huge), TENANT, t).unwrap();
     let l = b.slot(1);
     assert_eq!(
         (l.prefill_tokens, l.decode_blocks, l.requests),
@@ -274,19 +326,19 @@ fn a_flood_from_one_origin_is_refused_at_its_cap_and_others_still_book() {
     let mut b = Bookings::new(Duration::from_secs(300), small_caps());
     let t = Instant::now();
     let refused = (0..1000)
-        .filter(|i| b.admit(peer(1, *i), load(1, 10, 1), t).is_err())
+        .filter(|i| b.admit(peer(1, *i), load(1, 10, 1), TENANT, t).is_err())
         .count();
     assert_eq!(refused, 990);
     assert_eq!(
-        b.admit(peer(1, 5000), load(1, 10, 1), t),
+        b.admit(peer(1, 5000), load(1, 10, 1), TENANT, t),
         Err(Full::Origin(10))
     );
     assert_eq!(b.slot(1).requests, 10, "a refused holder books nothing");
     // Heard again, a holder it already has is no new one.
-    assert_eq!(b.admit(peer(1, 3), load(1, 10, 1), t), Ok(()));
+    assert_eq!(b.admit(peer(1, 3), load(1, 10, 1), TENANT, t), Ok(()));
     // Another peer, the API and the gateways keep their room.
-    assert_eq!(b.admit(peer(2, 0), load(2, 1, 1), t), Ok(()));
-    assert!(b.reserve("r", load(2, 1, 1), t).is_ok());
+    assert_eq!(b.admit(peer(2, 0), load(2, 1, 1), TENANT, t), Ok(()));
+    assert!(b.reserve("r", load(2, 1, 1), TENANT, t).is_ok());
     assert!(matches!(
         b.apply(book(1, 2, 1, 1), t, any_slot),
         Effect::Booked { .. }
@@ -294,7 +346,7 @@ fn a_flood_from_one_origin_is_refused_at_its_cap_and_others_still_book() {
     assert_eq!(b.census(), (1, 1, 11));
     // An end makes room again.
     b.free(&peer(1, 0));
-    assert_eq!(b.admit(peer(1, 5000), load(1, 10, 1), t), Ok(()));
+    assert_eq!(b.admit(peer(1, 5000), load(1, 10, 1), TENANT, t), Ok(()));
 }
 
 #[test]
@@ -303,11 +355,11 @@ fn origins_that_rename_themselves_meet_their_kinds_cap() {
     let t = Instant::now();
     // A peer announcing a new process id with every admission.
     let peers = (0..1000)
-        .filter(|o| b.admit(peer(*o, 0), load(1, 1, 1), t).is_ok())
+        .filter(|o| b.admit(peer(*o, 0), load(1, 1, 1), TENANT, t).is_ok())
         .count();
     assert_eq!(peers, 20);
     assert_eq!(
-        b.admit(peer(5000, 0), load(1, 1, 1), t),
+        b.admit(peer(5000, 0), load(1, 1, 1), TENANT, t),
         Err(Full::Peers(20))
     );
     // Gateway VMs choose their tags: new tags stop at the VMs tracked, and
@@ -318,12 +370,14 @@ fn origins_that_rename_themselves_meet_their_kinds_cap() {
         slot: 2,
         prefill_tokens: 1,
         decode_blocks: 1,
+        tenant: TENANT.into(),
     };
     assert_eq!(
         b.apply(vm_book(99, 1), t, any_slot),
         Effect::Booked {
             model: "m".into(),
-            slot: 2
+            slot: 2,
+            tenant: TENANT.into(),
         }
     );
     for vm in 100..102 {
@@ -343,11 +397,14 @@ fn origins_that_rename_themselves_meet_their_kinds_cap() {
     assert_eq!(b.applied().len(), 3, "only the VMs tracked are echoed");
     // The API still books, up to its own share.
     let api = (0..100)
-        .filter(|i| b.reserve(&format!("r{i}"), load(3, 1, 1), t).is_ok())
+        .filter(|i| {
+            b.reserve(&format!("r{i}"), load(3, 1, 1), TENANT, t)
+                .is_ok()
+        })
         .count();
     assert_eq!(api, 10);
     assert_eq!(
-        b.reserve("one-more", load(3, 1, 1), t),
+        b.reserve("one-more", load(3, 1, 1), TENANT, t),
         Err(LedgerError::Full(Full::Origin(10)))
     );
 }
@@ -361,12 +418,12 @@ fn the_total_cap_holds_when_the_kinds_would_allow_more() {
     let mut b = Bookings::new(Duration::from_secs(300), caps);
     let t = Instant::now();
     for o in 0..10 {
-        b.admit(peer(o, 0), load(1, 1, 1), t).unwrap();
+        b.admit(peer(o, 0), load(1, 1, 1), TENANT, t).unwrap();
     }
-    b.reserve("a", load(1, 1, 1), t).unwrap();
-    b.reserve("b", load(1, 1, 1), t).unwrap();
+    b.reserve("a", load(1, 1, 1), TENANT, t).unwrap();
+    b.reserve("b", load(1, 1, 1), TENANT, t).unwrap();
     assert_eq!(
-        b.reserve("c", load(1, 1, 1), t),
+        b.reserve("c", load(1, 1, 1), TENANT, t),
         Err(LedgerError::Full(Full::Total(12)))
     );
     assert_eq!(b.active(), 12);
@@ -378,10 +435,15 @@ fn the_census_follows_ends_expiry_and_dropped_slots() {
     let t = Instant::now();
     b.apply(book(1, 1, 1, 1), t, any_slot);
     b.apply(book(2, 2, 1, 1), t, any_slot);
-    b.reserve("r", load(1, 1, 1), t).unwrap();
-    b.admit(peer(4, 1), load(2, 1, 1), t).unwrap();
-    b.admit(peer(4, 2), load(1, 1, 1), t + Duration::from_secs(100))
-        .unwrap();
+    b.reserve("r", load(1, 1, 1), TENANT, t).unwrap();
+    b.admit(peer(4, 1), load(2, 1, 1), TENANT, t).unwrap();
+    b.admit(
+        peer(4, 2),
+        load(1, 1, 1),
+        TENANT,
+        t + Duration::from_secs(100),
+    )
+    .unwrap();
     assert_eq!(b.census(), (2, 1, 2));
     b.drop_slot(2);
     assert_eq!(b.census(), (1, 1, 1));
@@ -404,11 +466,12 @@ fn visited_by_one_tick(held: u64, due: u64) -> Sweep {
     let mut b = Bookings::new(Duration::from_secs(300), caps);
     let t = Instant::now();
     for seq in 0..due {
-        b.admit(peer(1, seq), load(1, 1, 1), t).unwrap();
+        b.admit(peer(1, seq), load(1, 1, 1), TENANT, t).unwrap();
     }
     let recent = t + Duration::from_secs(200);
     for seq in due..due + held {
-        b.admit(peer(2, seq), load(2, 1, 1), recent).unwrap();
+        b.admit(peer(2, seq), load(2, 1, 1), TENANT, recent)
+            .unwrap();
     }
     let sweep = b.sweep(t + Duration::from_secs(301));
     assert_eq!(b.active() as u64, held);
@@ -437,7 +500,7 @@ fn a_tick_visits_the_holders_due_not_the_holders_held() {
 fn a_holder_heard_of_again_is_due_later_and_ended_ones_are_dropped_in_bulk() {
     let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
     let t = Instant::now();
-    let r = b.reserve("r", load(1, 10, 1), t).unwrap();
+    let r = b.reserve("r", load(1, 10, 1), TENANT, t).unwrap();
     b.output_block(&r, None, t + Duration::from_secs(200));
     // Its first deadline is looked at once and pushed back.
     let s = b.sweep(t + Duration::from_secs(301));
@@ -450,10 +513,11 @@ fn a_holder_heard_of_again_is_due_later_and_ended_ones_are_dropped_in_bulk() {
     let later = t + Duration::from_secs(500);
     for i in 0..5000u64 {
         let h = peer(1, i);
-        b.admit(h.clone(), load(1, 1, 1), later).unwrap();
+        b.admit(h.clone(), load(1, 1, 1), TENANT, later).unwrap();
         b.free(&h);
     }
-    b.admit(peer(1, 9999), load(1, 1, 1), later).unwrap();
+    b.admit(peer(1, 9999), load(1, 1, 1), TENANT, later)
+        .unwrap();
     let s = b.sweep(t + Duration::from_secs(502));
     assert_eq!((s.expired, s.visited, s.rebuilt), (0, 0, 1));
     assert_eq!(b.deadlines.len(), 1);
@@ -464,11 +528,13 @@ fn the_tables_shrink_after_a_surge() {
     let mut b = Bookings::new(Duration::from_secs(300), LedgerCaps::default());
     let t = Instant::now();
     for seq in 0..20_000 {
-        b.admit(peer(seq % 8, seq), load(1, 1, 1), t).unwrap();
+        b.admit(peer(seq % 8, seq), load(1, 1, 1), TENANT, t)
+            .unwrap();
     }
     let kept = t + Duration::from_secs(100);
     for seq in 0..10 {
-        b.admit(peer(100, seq), load(1, 1, 1), kept).unwrap();
+        b.admit(peer(100, seq), load(1, 1, 1), TENANT, kept)
+            .unwrap();
     }
     let (held, deadlines) = (b.capacity(), b.deadlines.capacity());
     assert!(held >= 20_010 && deadlines >= 20_010);
@@ -499,6 +565,7 @@ fn a_vm_that_goes_silent_has_its_bookings_ended_and_one_that_never_beat_keeps_th
         slot: 3,
         prefill_tokens: 10,
         decode_blocks: 1,
+        tenant: TENANT.into(),
     };
     b.apply(old, t, any_slot);
     // Beats keep it alive past the silence.
