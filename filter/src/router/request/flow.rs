@@ -361,7 +361,15 @@ impl Flow {
         };
         if reading.failed_open {
             self.stage = Stage::Open;
-            let body = h.request_body(body_size).unwrap_or_default();
+            let mut body = h.request_body(body_size).unwrap_or_default();
+            // Undecided, it is not held, but its admission fields are
+            // the gateway's all the same.
+            if self.state.borrow().config.admission.is_some()
+                && let Some(stripped) = admit_body::take(&body, None).rewritten
+            {
+                replace_body(h, &stripped);
+                body = stripped;
+            }
             send_whole(h, &body);
             return Action::Continue;
         }
@@ -376,7 +384,10 @@ impl Flow {
             self.tenant.clone_from(&reading.tenant);
         }
         let body = h.request_body(body_size).unwrap_or_default();
-        let (class, do_not_queue) = self.admission_fields(h, &reading, body);
+        let (class, do_not_queue, rewritten) = self.admission_fields(h, &reading, body);
+        // The body Envoy holds now: without the admission fields, with
+        // vLLM's priority.
+        let body_size = rewritten.unwrap_or(body_size);
         match self.decide_and_apply(h, reading, body_size, class) {
             Applied::Done(action) => action,
             Applied::Full(reading, model, hint) => {
@@ -392,17 +403,17 @@ impl Flow {
     /// Reads and strips the body's admission fields (replacing Envoy's
     /// buffered body when they were there), and resolves the request's
     /// class: its header, or its body's field where the operator lets
-    /// clients name their own. Returns the class and whether the client
-    /// asked not to be held.
+    /// clients name their own. Returns the class, whether the client
+    /// asked not to be held, and the body's new length if it changed.
     fn admission_fields(
         &mut self,
         h: &impl Host,
         reading: &Reading,
         body: Vec<u8>,
-    ) -> (usize, bool) {
+    ) -> (usize, bool, Option<usize>) {
         let st = self.state.borrow();
         let Some(a) = &st.config.admission else {
-            return (0, false);
+            return (0, false, None);
         };
         let f = admit_body::take(&body, None);
         let class = match (&reading.class, &f.class) {
@@ -420,10 +431,11 @@ impl Flow {
             None => f.rewritten,
         };
         drop(st);
-        if let Some(b) = rewritten {
+        let len = rewritten.map(|b| {
             replace_body(h, &b);
-        }
-        (class, do_not_queue)
+            b.len()
+        });
+        (class, do_not_queue, len)
     }
 
     /// Decides the request and applies the decision, unless no worker

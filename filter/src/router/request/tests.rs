@@ -1253,3 +1253,17 @@ fn a_sampled_answer_is_read_for_the_cached_tokens_the_engine_used() {
     assert_eq!(h.counter("kvgate_cached_tokens_predicted_total"), 0);
     assert_eq!(h.counter("kvgate_cached_tokens_reported_total"), 64);
 }
+
+#[test]
+fn the_class_priority_goes_to_vllm_in_a_body_that_grew() {
+    let (h, state) = admitting(&snapshot(), r#"{"vllm_priority":true}"#);
+    let mut f = Flow::new(state, 7);
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-class".into(), "sheddable".into());
+    assert_eq!(send(&h, &mut f, &body("agg", "")), Action::Continue);
+    assert_eq!(stage(&f), "routed");
+    let sent: serde_json::Value = serde_json::from_slice(&h.body.borrow()).unwrap();
+    assert_eq!(sent["priority"], 2, "{sent}");
+    assert_eq!(sent["prompt"].as_array().map(Vec::len), Some(320), "whole");
+}
