@@ -677,3 +677,33 @@ fn admission_metrics_carry_model_and_class_labels() {
     assert_eq!(served_by(&r).0, "1");
     join_all(vec![first]);
 }
+
+#[test]
+fn a_full_queue_sheds_its_last_for_a_request_that_comes_first() {
+    let _g = serial();
+    // One Envoy thread: the queue is a thread's.
+    let stack = start(StackConfig {
+        envoy_concurrency: 1,
+        ..fleet(json!({"class_header": "x-test-class", "max_held": 1}), 1)
+    });
+    let first = hog(&stack, 1, &[]);
+    wait_in_flight(&stack, 1);
+    let standard = send(&stack, short(2), &[]);
+    wait_stat(&stack, "held", "standard", 1);
+    // Another of its class finds the queue full of one that came first.
+    let (r, _) = send(&stack, short(3), &[]).join().unwrap();
+    assert_shed(&r, 503, "queue_full");
+    // A critical one takes the last one's place; that one is answered.
+    let critical = send(&stack, short(4), &[("x-test-class", "critical")]);
+    let (r, _) = standard.join().unwrap();
+    assert_shed(&r, 503, "priority_shed");
+    wait_stat(&stack, "held", "critical", 1);
+    assert_eq!(admission_stat(&stack, "held", "standard"), 0);
+    set_bound(&stack, Value::Null);
+    let (r, _) = critical.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Envoy is still there to serve the next one.
+    let (r, _) = send(&stack, short(5), &[]).join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    join_all(vec![first]);
+}

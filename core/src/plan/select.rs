@@ -212,7 +212,10 @@ pub fn select_with_runner_up<'a>(
 ) -> (Decision<'a>, Option<Choice<'a>>) {
     let mut any_rank = false;
     let mut capped = false;
+    // Ranks that would never meet the request's targets, and ranks that
+    // might (busy, capped, loaded, or meeting them).
     let mut slo_missed = false;
+    let mut might = false;
     let mut runner_up: Option<Choice<'a>> = None;
     let mut best: Option<Choice<'a>> = None;
     let mut ties: u64 = 0;
@@ -236,27 +239,31 @@ pub fn select_with_runner_up<'a>(
             any_rank |= !worker.ranks.is_empty();
             continue;
         }
-        if worker.thermal.at_cap() {
-            any_rank |= !worker.ranks.is_empty();
-            capped |= !worker.ranks.is_empty();
-            continue;
-        }
-        if req.leg != Leg::Prefill
-            && request_bound.is_some_and(|b| u64::from(worker.thermal.in_flight) >= b)
-        {
-            any_rank |= !worker.ranks.is_empty();
-            continue;
-        }
+        let at_cap = worker.thermal.at_cap();
+        capped |= at_cap && !worker.ranks.is_empty();
+        // A decode worker at its bound on requests takes no more.
+        let full = req.leg != Leg::Prefill
+            && request_bound.is_some_and(|b| u64::from(worker.thermal.in_flight) >= b);
         let heat = 1.0 + policy.thermal_weight * worker.thermal.heat.clamp(0.0, 1.0);
         for rank in &worker.ranks {
             any_rank = true;
-            if busy_for(model, worker, rank, req.thresholds_scale, split) {
-                continue;
-            }
             let ov = overlap(worker, rank);
             let (ttft_ms, meets) = predicted(req, worker, rank, ov);
-            if !meets {
+            // A rank that would not meet the request's targets even idle
+            // is no candidate now or later.
+            if meets == Meets::Never {
                 slo_missed = true;
+                continue;
+            }
+            might = true;
+            // Busy for this request: over a threshold, at the worker's cap
+            // or bound, or too loaded to meet its targets until its queue
+            // drains.
+            if at_cap
+                || full
+                || meets == Meets::Loaded
+                || busy_for(model, worker, rank, req.thresholds_scale, split)
+            {
                 continue;
             }
             let logit = (policy.logit(req, worker.block_size, rank, ov)
@@ -311,11 +318,23 @@ pub fn select_with_runner_up<'a>(
     let decision = match best {
         Some(c) => Decision::Route(c),
         None if capped => Decision::AllHot,
-        None if slo_missed => Decision::SloUnattainable,
+        None if slo_missed && !might => Decision::SloUnattainable,
         None if any_rank => Decision::AllBusy,
         None => Decision::NoWorkers,
     };
     (decision, runner_up)
+}
+
+/// What a rank's latency fits say of a request's targets there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Meets {
+    /// Predicted to meet them, or nothing can be predicted.
+    Yes,
+    /// Not at the rank's load now, but when its queue drains: it is busy
+    /// for this request, which may wait for it.
+    Loaded,
+    /// Not even idle: waiting for it does not help.
+    Never,
 }
 
 /// The request's predicted time to first token on `rank` (its leg
@@ -328,9 +347,9 @@ fn predicted(
     worker: &WorkerState,
     rank: &RankLoad,
     ov: Overlap,
-) -> (Option<f64>, bool) {
+) -> (Option<f64>, Meets) {
     let Some(fits) = &worker.fits else {
-        return (None, true);
+        return (None, Meets::Yes);
     };
     let bs = u64::from(worker.block_size.max(1));
     let uncached = req
@@ -339,15 +358,26 @@ fn predicted(
     let prompt = req.leg != Leg::Decode;
     let ttft = fits.ttft_ms(rank, uncached).filter(|_| prompt);
     let Some(slo) = req.slo else {
-        return (ttft, true);
+        return (ttft, Meets::Yes);
     };
-    let ttft_ok = slo.ttft_ms == 0 || ttft.is_none_or(|t| t <= f64::from(slo.ttft_ms));
-    let itl_ok = slo.itl_ms == 0
-        || req.leg == Leg::Prefill
-        || fits
-            .itl_ms(rank, worker.block_size)
-            .is_none_or(|i| i <= f64::from(slo.itl_ms));
-    (ttft, ttft_ok && itl_ok)
+    let idle = RankLoad::default();
+    let meets = |r: &RankLoad, t: Option<f64>| {
+        let ttft_ok = slo.ttft_ms == 0 || t.is_none_or(|t| t <= f64::from(slo.ttft_ms));
+        let itl_ok = slo.itl_ms == 0
+            || req.leg == Leg::Prefill
+            || fits
+                .itl_ms(r, worker.block_size)
+                .is_none_or(|i| i <= f64::from(slo.itl_ms));
+        ttft_ok && itl_ok
+    };
+    let verdict = if meets(rank, ttft) {
+        Meets::Yes
+    } else if meets(&idle, fits.ttft_ms(&idle, uncached).filter(|_| prompt)) {
+        Meets::Loaded
+    } else {
+        Meets::Never
+    };
+    (ttft, verdict)
 }
 
 /// Whether `rank` is busy for a request judged at `scale` times the
@@ -807,6 +837,13 @@ mod tests {
             itl_ms: 0,
         };
         assert_eq!(pick(&m, Some(tight)), Err("SloUnattainable".into()));
+        // 200 ms: worker 2 misses at its load (240) but not idle (150), so
+        // it is busy for this request, which may wait; worker 1 never.
+        let queued = Slo {
+            ttft_ms: 200,
+            itl_ms: 0,
+        };
+        assert_eq!(pick(&m, Some(queued)), Err("AllBusy".into()));
         // An ITL target over what the fits predict changes nothing; under, refuses.
         let itl = |itl_ms| Slo { ttft_ms: 0, itl_ms };
         assert!(pick(&m, Some(itl(20))).is_ok());

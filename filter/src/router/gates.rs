@@ -75,6 +75,7 @@ impl RouterState {
 
     /// Gives a slot back.
     pub(super) fn release_gate(&mut self, h: &impl Host, g: &Gate) {
+        self.changes += 1;
         let (vm, now) = (self.vm_tag, h.now_ms());
         h.update_shared(&ledger::key(&g.model), &mut |v| {
             ledger::release(ledger::decode(v.unwrap_or_default()), vm, g.worker, now)

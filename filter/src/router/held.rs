@@ -9,6 +9,7 @@
 use super::RouterState;
 use super::request::{Flow, Retried};
 use crate::host::Host;
+use crate::reply::Reason;
 use kvgate_core::admit::queue::Queue;
 use proxy_wasm::types::LogLevel;
 use std::cell::RefCell;
@@ -23,6 +24,11 @@ pub struct HeldRef {
 }
 
 pub type HeldQueue = Queue<HeldRef>;
+
+/// How often held requests are tried again when nothing this VM sees has
+/// changed: another thread's slot given back on a decode worker with a
+/// bound shows only in the count they share.
+const RETRY_ANYWAY_MS: u64 = 100;
 
 /// A held request's turn on a tick: its class and whether its tenant is
 /// over its share, the order it is offered a worker in.
@@ -54,16 +60,28 @@ fn enter(h: &impl Host, id: u32) -> bool {
 /// first that still finds none, so none jumps ahead of one that comes
 /// first.
 pub fn on_tick(state: &Rc<RefCell<RouterState>>, h: &impl Host) {
-    let (expired, order) = {
+    let (displaced, expired, order) = {
         let Ok(mut st) = state.try_borrow_mut() else {
             return;
         };
-        if st.held.is_empty() {
+        if st.held.is_empty() && st.displaced.is_empty() {
             return;
         }
+        let displaced = std::mem::take(&mut st.displaced);
         st.look_ahead(h);
         st.unmark_full();
         let expired = st.held.expire(h.now_ms());
+        // Nothing that could free a worker happened since the last try
+        // (no new snapshot, nothing released here): no request is decided
+        // again for nothing. Another thread's release shows in the next
+        // snapshot, a slot it gave back only in the shared count: read
+        // again every `RETRY_ANYWAY_MS` all the same.
+        let now = h.now_ms();
+        let stale = now.saturating_sub(st.tried_ms) >= RETRY_ANYWAY_MS;
+        if st.changes == st.tried_at && !stale && expired.is_empty() && displaced.is_empty() {
+            return;
+        }
+        (st.tried_at, st.tried_ms) = (st.changes, now);
         // Within a class, tenants over their share of the model's booked
         // load go after those under it (a stable sort keeps the deadline
         // order within each).
@@ -78,8 +96,16 @@ pub fn on_tick(state: &Rc<RefCell<RouterState>>, h: &impl Host) {
             })
             .collect();
         order.sort_by_key(|t| t.key);
-        (expired, order)
+        (displaced, expired, order)
     };
+    for d in displaced {
+        if let Some(f) = d.flow.upgrade()
+            && enter(h, d.context_id)
+            && let Ok(mut f) = f.try_borrow_mut()
+        {
+            f.shed_held(h, Reason::PriorityShed);
+        }
+    }
     for e in expired {
         if let Some(f) = e.item.flow.upgrade()
             && enter(h, e.item.context_id)

@@ -72,6 +72,9 @@ pub struct RouterState {
     alive_at_ms: u64,
     /// Requests held for a worker ([`held`]).
     held: held::HeldQueue,
+    /// Held requests a request that comes first took the place of, to be
+    /// answered on the root's next tick.
+    displaced: Vec<held::HeldRef>,
     /// Prefill callouts made by requests the root released: their answers
     /// come to the root (token, the request's context, its flow).
     forwarded: Vec<(u32, u32, Weak<RefCell<Flow>>)>,
@@ -80,6 +83,13 @@ pub struct RouterState {
     /// Workers this VM's view counts full since a request found them so,
     /// with the count the view had before (model, worker, in flight).
     full: Vec<(String, u64, u32)>,
+    /// Counts what may let a held request go: a new snapshot, a booking
+    /// or a slot released here. Held requests are tried again only when
+    /// it moved ([`held::on_tick`]).
+    changes: u64,
+    /// `changes` when held requests were last tried, and when (ms).
+    tried_at: u64,
+    tried_ms: u64,
 }
 
 /// How often a ticking router VM says it is alive: the sidecar ends the
@@ -109,9 +119,13 @@ impl RouterState {
             orphans: Vec::new(),
             alive_at_ms: 0,
             held: held::HeldQueue::default(),
+            displaced: Vec::new(),
             forwarded: Vec::new(),
             gated: BTreeMap::new(),
             full: Vec::new(),
+            changes: 0,
+            tried_at: 0,
+            tried_ms: 0,
         }
     }
 
@@ -165,6 +179,7 @@ impl RouterState {
     /// all of it when its leg ends (`done`, with the leg's timing when it
     /// completed): exactly once each, however the leg ends.
     fn release(&mut self, h: &impl Host, b: Booking, done: bool, timing: Option<Timing>) {
+        self.changes += 1;
         let release = Release {
             seq: b.seq,
             slot: b.slot,
@@ -199,6 +214,7 @@ impl RouterState {
             Ok(true) => {
                 // A new snapshot counts the workers as they are now.
                 self.full.clear();
+                self.changes += 1;
                 if let Some(snap) = self.view.snapshot.as_mut() {
                     self.local
                         .settle(snap, self.vm_tag, h.now_ms(), ms(self.config.stale_after));

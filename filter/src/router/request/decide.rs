@@ -238,9 +238,7 @@ pub(super) fn decide(
             Decision::Reply(reply)
         }
         Dispatch::Refuse(Refusal::Plan(
-            Rejection::AllBusy { retry_after_s }
-            | Rejection::Thermal { retry_after_s }
-            | Rejection::SloUnattainable { retry_after_s },
+            Rejection::AllBusy { retry_after_s } | Rejection::Thermal { retry_after_s },
         )) if admit.may_hold => Decision::Full(if retry_after_s > 0 {
             retry_after_s
         } else {

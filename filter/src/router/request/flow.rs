@@ -462,9 +462,9 @@ impl Flow {
         };
         let admit = Admit::of(&self.state.borrow().config, class);
         // Requests of its class or before are held for this model: it
-        // waits its turn, or a worker that frees up goes to whoever came
-        // last rather than to them.
-        if admit.may_hold && !self.from_root {
+        // waits its turn (or, never held, is shed), or a worker that frees
+        // up goes to whoever came last rather than to them.
+        if !self.from_root {
             let st = self.state.borrow();
             let priority = st
                 .config
@@ -476,7 +476,11 @@ impl Flow {
             {
                 let hint = st.config.retry_after_s;
                 drop(st);
-                return Applied::Full(reading, req.model, hint);
+                if admit.may_hold {
+                    return Applied::Full(reading, req.model, hint);
+                }
+                self.count_admission(h, &req.model, class, Outcome::Shed);
+                return Applied::Done(self.shed(h, &req.model, Reason::PriorityShed, hint));
             }
         }
         let mut decision = None;
@@ -573,7 +577,18 @@ impl Flow {
                 self.count_admission(h, &model, class, Outcome::Shed);
                 return self.shed(h, &model, Reason::AllWorkersBusy, hint);
             }
-            let (priority, deadline) = (c.priority, now.saturating_add(c.hold_ms));
+            // Held past its time-to-first-token target it is a miss
+            // whatever comes: it waits no longer than that.
+            let target = st
+                .view
+                .snapshot
+                .as_ref()
+                .and_then(|s| s.model(&model))
+                .and_then(|m| a.slo(class, m.slo))
+                .map(|slo| u64::from(slo.ttft_ms))
+                .filter(|&t| t > 0);
+            let wait = target.map_or(c.hold_ms, |t| t.min(c.hold_ms));
+            let (priority, deadline) = (c.priority, now.saturating_add(wait));
             let max = a.max_held(&model);
             let me = HeldRef {
                 context_id: self.context_id,
@@ -604,15 +619,11 @@ impl Flow {
                 self.count_admission(h, &model, class, Outcome::Shed);
                 return self.shed(h, &model, Reason::QueueFull, hint);
             }
-            Pushed::Displaced(victim) => {
-                if let Some(f) = victim.item.flow.upgrade()
-                    && h.set_effective_context(victim.item.context_id).is_ok()
-                    && let Ok(mut f) = f.try_borrow_mut()
-                {
-                    f.shed_held(h, Reason::PriorityShed);
-                }
-                let _ = h.set_effective_context(self.context_id);
-            }
+            // Answered on the root's next tick, not from inside this
+            // request's callback: Envoy sends a local reply on another
+            // stream from within one stream's callback unsafely (it
+            // crashed doing so).
+            Pushed::Displaced(victim) => self.state.borrow_mut().displaced.push(victim.item),
             Pushed::Held => {}
         }
         self.count_admission(h, &model, class, Outcome::Held);
@@ -984,7 +995,11 @@ impl Flow {
             // The client left while held: its place goes with it.
             Stage::Held(held) => {
                 let id = self.context_id;
-                if st.held.take(|e| e.item.context_id == id).is_some() {
+                let displaced = st.displaced.iter().position(|d| d.context_id == id);
+                if let Some(i) = displaced {
+                    st.displaced.swap_remove(i);
+                }
+                if st.held.take(|e| e.item.context_id == id).is_some() || displaced.is_some() {
                     let name = st
                         .config
                         .admission

@@ -1063,9 +1063,14 @@ fn a_full_queue_sheds_its_last_for_a_request_that_comes_first() {
         .insert("x-kvgate-class".into(), "critical".into());
     send(&h, &mut critical.borrow_mut(), &body("agg", ""));
     assert_eq!(stage(&critical.borrow()), "held");
+    // The displaced one is answered from the root's tick, in its own
+    // context, never from inside another request's callback.
+    assert_eq!(stage(&standard.borrow()), "held");
+    assert_eq!(h.effective.get(), 0);
+    crate::router::held::on_tick(&state, &h);
     assert_eq!(stage(&standard.borrow()), "replied");
     assert_eq!(h.reasons.borrow()[1], "priority_shed");
-    assert_eq!(h.effective.get(), 9, "back in the request's own context");
+    assert_eq!(h.effective.get(), 9, "the critical one was tried after");
     assert_eq!(held(&state), 1);
 }
 
@@ -1187,41 +1192,51 @@ fn a_tenant_over_its_share_waits_behind_one_under_it() {
 #[test]
 fn a_request_no_worker_can_serve_within_its_targets_is_held_or_shed() {
     use kvgate_core::fit::{Fit, MIN_SAMPLES, WorkerFits};
-    let mut snap = snapshot();
-    let slow = Fit {
-        intercept_ms: 900.0,
+    let fit = |intercept_ms| Fit {
+        intercept_ms,
         slope_ms_per_ktok: 100.0,
         samples: MIN_SAMPLES,
         age_s: 1,
     };
-    for w in &mut snap.models[0].workers {
-        w.fits = Some(WorkerFits {
-            ttft: slow,
-            itl: slow,
-        });
-    }
-    snap.models[0].slo = kvgate_core::Slo {
-        ttft_ms: 500,
-        itl_ms: 0,
+    let with = |intercept_ms, queued| {
+        let mut snap = snapshot();
+        for w in &mut snap.models[0].workers {
+            w.fits = Some(WorkerFits {
+                ttft: fit(intercept_ms),
+                itl: fit(intercept_ms),
+            });
+            w.ranks[0].active_prefill_tokens = queued;
+        }
+        snap.models[0].slo = kvgate_core::Slo {
+            ttft_ms: 500,
+            itl_ms: 0,
+        };
+        snap
     };
-    let (h, state) = admitting(&snap, "{}");
+    // 900 ms before the first token even on an idle worker: waiting does
+    // not help, so it is shed at once, held or not.
+    let (h, state) = admitting(&with(900.0, 0), "{}");
     let f = Flow::shared(state.clone(), 7);
     send(&h, &mut f.borrow_mut(), &body("agg", ""));
-    assert_eq!(
-        stage(&f.borrow()),
-        "held",
-        "standard waits for a faster worker"
-    );
+    assert_eq!(stage(&f.borrow()), "replied");
+    assert_eq!(h.reasons.borrow()[0], "slo_unattainable");
+    // 100 ms idle, but 5000 prompt tokens queued on each worker put it at
+    // 632: it waits for a queue to drain, and a sheddable request behind
+    // it is shed for it.
+    let (h, state) = admitting(&with(100.0, 5000), "{}");
+    let f = Flow::shared(state.clone(), 7);
+    send(&h, &mut f.borrow_mut(), &body("agg", ""));
+    assert_eq!(stage(&f.borrow()), "held");
     let mut shed = Flow::new(state.clone(), 8);
     h.request
         .borrow_mut()
         .insert("x-kvgate-class".into(), "sheddable".into());
     send(&h, &mut shed, &body("agg", ""));
-    assert_eq!(h.reasons.borrow()[0], "slo_unattainable");
+    assert_eq!(h.reasons.borrow()[0], "priority_shed");
     // A class whose own target the fits meet is routed, with the
     // prediction kept for its error.
     let (h, state) = admitting(
-        &snap,
+        &with(900.0, 0),
         r#"{"classes":[{"name":"patient","priority":0,"hold_ms":100,"ttft_ms":5000}],"default_class":"patient"}"#,
     );
     let mut f = Flow::new(state, 9);
