@@ -41,6 +41,10 @@
 //!   and 1P+3D disaggregated fleets on the same four simulated GPUs (TTFT,
 //!   ITL, goodput, the conditional rule's local share, the decision's
 //!   cost), and decode affinity on and off. `--only disagg`.
+//! * `admission` ([`crate::admissionbench`]): admission's holding by class
+//!   and deadline against today's 503 with its retry queue and against
+//!   Envoy's least-request balancing, on the Mooncake trace at 1–2× the
+//!   fleet's measured capacity. `--only admission`.
 //! * `hostile` ([`crate::hostilebench`]): each hardening attack on a fresh
 //!   sidecar, its memory and `/select` latency against the same sidecar
 //!   idle. Only with `--only hostile`: it measures bounds, not speed.
@@ -97,6 +101,7 @@ pub enum Only {
     Text,
     Quality,
     Disagg,
+    Admission,
     Hostile,
 }
 
@@ -170,6 +175,7 @@ pub fn run(args: &Args) -> Result<()> {
             Only::Thermal => save("thermal", crate::thermalbench::run(quick)?, false)?,
             Only::Text => save("text", crate::textbench::run(quick, baseline)?, true)?,
             Only::Disagg => save("disagg", crate::disaggbench::run(quick)?, false)?,
+            Only::Admission => save("admission", crate::admissionbench::run(quick)?, false)?,
             Only::Hostile => save("hostile", crate::hostilebench::run(quick)?, false)?,
             Only::Dump => save(
                 "dump",
@@ -211,6 +217,7 @@ pub fn run(args: &Args) -> Result<()> {
     save("thermal", crate::thermalbench::run(quick)?, false)?;
     save("planner", crate::plannerbench::run(quick)?, false)?;
     save("disagg", crate::disaggbench::run(quick)?, false)?;
+    save("admission", crate::admissionbench::run(quick)?, false)?;
     let report = write_report(Some(header(quick, started.elapsed())))?;
     println!("\n{report}");
     Ok(())
@@ -308,6 +315,9 @@ fn sections(r: &figures::Results) -> Result<Vec<String>> {
     }
     if let Some(v) = r.get("disagg") {
         out.push(crate::disaggbench::report(v));
+    }
+    if let Some(v) = r.get("admission") {
+        out.push(crate::admissionbench::report(v));
     }
     if let Some(v) = r.get("hostile") {
         out.push(crate::hostilebench::report(v));

@@ -1,6 +1,7 @@
 //! `cargo xtask <task>`: the project's own tasks; `cargo xtask --help`
 //! lists them ([`cli`]).
 
+mod admissionbench;
 mod apibench;
 mod bench;
 mod build;
