@@ -167,27 +167,12 @@ fn set_bound(stack: &Stack, bound: Value) {
 /// One of admission's per-class metrics (`held_total`, `sent_total`...,
 /// or `held`, the gauge), as Envoy's admin page names it.
 fn admission_stat(stack: &Stack, what: &str, class: &str) -> u64 {
-    stack
-        .envoy_stat(&format!(
-            "kvgate_admission_{what}.model.{MODEL}.class.{class}"
-        ))
-        .unwrap()
+    admission_stat_at(&stack.gateways[0], what, class)
 }
 
 /// Waits until an admission metric reads `want`.
 fn wait_stat(stack: &Stack, what: &str, class: &str, want: u64) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let got = admission_stat(stack, what, class);
-        if got == want {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kvgate_admission_{what} of {class} stayed {got}, not {want}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_stat_at(&stack.gateways[0], what, class, want);
 }
 
 /// Asserts a shed reply: its status, reason, Retry-After, OpenAI's error
@@ -459,7 +444,8 @@ fn set_bound_at(g: &Gateway, bound: Value) {
     });
 }
 
-/// [`admission_stat`] at gateway `g`.
+/// [`admission_stat`] at gateway `g`: Envoy's admin page names the
+/// metric with its model and class.
 fn admission_stat_at(g: &Gateway, what: &str, class: &str) -> u64 {
     g.envoy_stat(&format!(
         "kvgate_admission_{what}.model.{MODEL}.class.{class}"
@@ -467,7 +453,7 @@ fn admission_stat_at(g: &Gateway, what: &str, class: &str) -> u64 {
     .unwrap()
 }
 
-/// [`wait_stat`] at gateway `g`.
+/// [`wait_stat`] at gateway `g`: polled for five seconds at most.
 fn wait_stat_at(g: &Gateway, what: &str, class: &str, want: u64) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

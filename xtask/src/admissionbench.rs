@@ -1149,6 +1149,18 @@ fn arm_label(arm: &str) -> &'static str {
     }
 }
 
+/// A histogram's median and 90th percentile, as "p50 / p90 unit"; `None`
+/// where it holds no sample.
+fn p50_p90(v: &Value, key: &str, unit: &str) -> Option<String> {
+    (at(v, &[key, "count"]).unwrap_or(0.0) > 0.0).then(|| {
+        format!(
+            "{} / {} {unit}",
+            f(at(v, &[key, "P50"]), 0),
+            f(at(v, &[key, "P90"]), 0)
+        )
+    })
+}
+
 pub fn report(v: &Value) -> String {
     let mut md = String::from("\n## Admission inside Envoy: holding by class and deadline\n\n");
     if let Some(why) = v["skipped"].as_str() {
@@ -1356,15 +1368,7 @@ Attainment is the share of a class's requests whose first token came within its 
             }
             for c in &cls {
                 let m = &r["admission"][c.as_str()];
-                let wait = if at(m, &["wait_ms", "count"]).unwrap_or(0.0) > 0.0 {
-                    format!(
-                        "{} / {} ms",
-                        f(at(m, &["wait_ms", "P50"]), 0),
-                        f(at(m, &["wait_ms", "P90"]), 0)
-                    )
-                } else {
-                    "—".into()
-                };
+                let wait = p50_p90(m, "wait_ms", "ms").unwrap_or_else(|| "—".into());
                 md.push_str(&format!(
                     "| {}× | {} | {c} | {} | {} | {} | {} | {wait} |\n",
                     f(l["load"].as_f64(), 1),
@@ -1392,15 +1396,8 @@ Attainment is the share of a class's requests whose first token came within its 
             } else {
                 "not measured".into()
             };
-            let own = if at(r, &["filter_prediction_error_pct", "count"]).unwrap_or(0.0) > 0.0 {
-                format!(
-                    "{} / {} %",
-                    f(at(r, &["filter_prediction_error_pct", "P50"]), 0),
-                    f(at(r, &["filter_prediction_error_pct", "P90"]), 0)
-                )
-            } else {
-                "not measured".into()
-            };
+            let own = p50_p90(r, "filter_prediction_error_pct", "%")
+                .unwrap_or_else(|| "not measured".into());
             md.push_str(&format!(
                 "| {}× | {} | {} ({}) | {} / {} / {} µs | {} | {mape} | {own} |\n",
                 f(l["load"].as_f64(), 1),
