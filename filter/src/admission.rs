@@ -244,6 +244,11 @@ impl Admission {
         (slo != Slo::default()).then_some(slo)
     }
 
+    /// The share of every threshold outside the reserve.
+    pub fn unreserved(&self) -> f64 {
+        1.0 - f64::from(self.reserve_pct) / 100.0
+    }
+
     /// The thresholds a request of class `class` is placed against, with
     /// a retry's headroom when it holds its ticket.
     pub fn thresholds_scale(&self, class: usize, retry_headroom: Option<f64>) -> Option<f64> {

@@ -39,6 +39,8 @@ pub(super) struct Inputs<'a> {
     pub req: &'a Parsed,
     /// From the configured tenant header.
     pub tenant: &'a str,
+    /// Whose share of the load it counts against (admission's account).
+    pub account: &'a str,
     pub body: &'a [u8],
     /// What the request read at its headers.
     pub manifest: &'a Manifest,
@@ -141,6 +143,7 @@ pub(super) fn decide(
     let Inputs {
         req,
         tenant,
+        account,
         body,
         manifest,
         admit,
@@ -159,11 +162,22 @@ pub(super) fn decide(
         .admission
         .as_ref()
         .map_or(503, |a| a.shed_status(&req.model));
+    let mut retry_scale = admit.retry_scale;
     if let (Some(a), Some(class), Some(m)) =
         (&st.config.admission, admit.class, snap.model(&req.model))
     {
         ask.slo = a.slo(class, m.slo);
+        // A tenant over its share of the model's booked load is kept out
+        // of the reserve band as well: near saturation the room left goes
+        // to the tenants under theirs.
+        if st.over_share(&m.name, account) {
+            let narrow = |s: Option<f64>| Some(s.unwrap_or(1.0) * a.unreserved());
+            ask.thresholds_scale = narrow(ask.thresholds_scale);
+            retry_scale = retry_scale.and_then(|r| narrow(Some(r)));
+        }
     }
+    // What its class and share leave it, before any retry's headroom.
+    let narrowed = ask.thresholds_scale;
     let mut shards = st.shards.source(manifest, |k: &str| h.get_shared(k));
     let gathered = plan::gather(snap, req, tenant, &mut shards);
     clock.mark(h, Phase::Gathered);
@@ -176,7 +190,7 @@ pub(super) fn decide(
     // new work; anything else is shed with a place in the queue, or held.
     let mut ticket = None;
     if matches!(planned, Plan::Reject(Rejection::AllBusy { .. }))
-        && let Some(scale) = admit.retry_scale
+        && let Some(scale) = retry_scale
     {
         let hash = retry::ticket_hash(tenant, body);
         if router_retry::redeem(h, hash, h.now_ms()) {
@@ -195,9 +209,10 @@ pub(super) fn decide(
         isl_tokens: req.isl_tokens,
     };
     let dispatched = dispatch::dispatch(&planned, Door::CALLOUT, Some(client));
-    // A class without the critical reserve refused where one with it
-    // would have been placed: shed (or held) for priority.
-    let for_priority = admit.scale.is_some_and(|s| s < 1.0)
+    // A class without the critical reserve (or a tenant over its share)
+    // refused where one with it would have been placed: shed (or held)
+    // for priority.
+    let for_priority = narrowed.is_some_and(|s| s < 1.0)
         && matches!(planned, Plan::Reject(Rejection::AllBusy { .. }))
         && matches!(
             place(&Ask {
@@ -206,7 +221,7 @@ pub(super) fn decide(
             }),
             Plan::Route(_)
         );
-    let gate = gate_of(snap, &dispatched, admit.scale);
+    let gate = gate_of(snap, &dispatched, narrowed);
     // The plan is spent: its report moves on with the request.
     let facts = Facts {
         report: match planned {

@@ -494,6 +494,7 @@ impl Flow {
             let inputs = Inputs {
                 req: &req,
                 tenant: &reading.tenant,
+                account: &self.tenant,
                 body: &body,
                 manifest: &reading.manifest,
                 admit: &admit,

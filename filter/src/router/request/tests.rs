@@ -1282,3 +1282,41 @@ fn the_class_priority_goes_to_vllm_in_a_body_that_grew() {
     assert_eq!(sent["priority"], 2, "{sent}");
     assert_eq!(sent["prompt"].as_array().map(Vec::len), Some(320), "whole");
 }
+
+#[test]
+fn a_tenant_over_its_share_is_kept_out_of_the_reserve_band() {
+    let mut snap = snapshot();
+    snap.models[0].thresholds.active_prefill_tokens = Some(1000);
+    for w in &mut snap.models[0].workers {
+        w.ranks[0].active_prefill_tokens = 950;
+    }
+    snap.models[0].tenants = vec![
+        kvgate_core::TenantLoad {
+            tenant: "heavy".into(),
+            prefill_tokens: 8000,
+            decode_blocks: 80,
+        },
+        kvgate_core::TenantLoad {
+            tenant: "light".into(),
+            prefill_tokens: 100,
+            decode_blocks: 1,
+        },
+    ];
+    let (h, state) = admitting(&snap, "{}");
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-class".into(), "critical".into());
+    // 950 of 1000 is in the reserve band: critical work of a tenant under
+    // its share gets in, a tenant's over it waits.
+    let mut light = Flow::new(state.clone(), 7);
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-account".into(), "light".into());
+    assert_eq!(send(&h, &mut light, &body("agg", "")), Action::Continue);
+    let heavy = Flow::shared(state.clone(), 8);
+    h.request
+        .borrow_mut()
+        .insert("x-kvgate-account".into(), "heavy".into());
+    send(&h, &mut heavy.borrow_mut(), &body("agg", ""));
+    assert_eq!(stage(&heavy.borrow()), "held");
+}
