@@ -14,6 +14,7 @@ const QUALITY: &str = "quality";
 const DISAGG: &str = "disagg";
 const THERMAL: &str = "thermal";
 const PLANNER: &str = "planner";
+const ADMISSION: &str = "admission";
 const SYNC: &str = "sync";
 const DUMP: &str = "dump";
 
@@ -361,6 +362,22 @@ it measured. All of them, with how to read them: \
         format!("round robin {rr_p90} ms, {rr_hits} %"),
     ];
     s.push_str(&row(p, QUALITY, cells));
+
+    let arm = |a: &str, what: &str| format!("loads/load=2/arms/{a}/{what}");
+    let cells = [
+        "Mooncake trace at 2× capacity, 3 priority classes: goodput within the TTFT targets, critical requests within theirs".into(),
+        format!(
+            "{} req/s, {} % holding by class and deadline",
+            p.num(ADMISSION, &arm("admission", "goodput_rps"), 1),
+            p.pct(ADMISSION, &arm("admission", "classes/critical/attainment"), 0)
+        ),
+        format!(
+            "{} req/s, {} % with today's 503 and retries",
+            p.num(ADMISSION, &arm("today", "goodput_rps"), 1),
+            p.pct(ADMISSION, &arm("today", "classes/critical/attainment"), 0)
+        ),
+    ];
+    s.push_str(&row(p, ADMISSION, cells));
 
     let (figure, split, aggregated) = disagg_cells(p, "2 prefill + 2 decode against 4 aggregated");
     s.push_str(&row(p, DISAGG, [figure, split, aggregated]));
