@@ -1320,3 +1320,33 @@ fn a_tenant_over_its_share_is_kept_out_of_the_reserve_band() {
     send(&h, &mut heavy.borrow_mut(), &body("agg", ""));
     assert_eq!(stage(&heavy.borrow()), "held");
 }
+
+#[test]
+fn a_split_request_released_from_hold_gets_its_prefill_answer_through_the_root() {
+    let mut snap = snapshot();
+    // The nixl model's decode worker (5) is busy: the request is held.
+    snap.models[1].workers[2].ranks[0].busy = true;
+    let (h, state) = admitting(&snap, "{}");
+    let f = Flow::shared(state.clone(), 7);
+    send(&h, &mut f.borrow_mut(), &body("nixl", ""));
+    assert_eq!(stage(&f.borrow()), "held");
+    // It frees up: the root's tick splits it and calls the prefill worker
+    // from the request's context, but the SDK hands the answer to the
+    // root, which passes it on.
+    snap.models[1].workers[2].ranks[0].busy = false;
+    snap.version = 2;
+    h.advance_ms(20);
+    publish(&h, &snap, h.now_ms());
+    crate::router::held::on_tick(&state, &h);
+    assert_eq!(stage(&f.borrow()), "prefilling");
+    assert_eq!(h.callouts.borrow().len(), 1);
+    h.effective.set(0);
+    h.answer(Some(200), ANSWER);
+    crate::router::held::on_callout_answer(&state, &h, 1, ANSWER.len());
+    assert_eq!(h.effective.get(), 7, "in the request's own context");
+    assert_eq!(stage(&f.borrow()), "routed");
+    assert_eq!(h.resumed.get(), 1);
+    assert!(state.borrow().forwarded.is_empty());
+    respond(&h, &mut f.borrow_mut());
+    assert!(balanced(&h));
+}
