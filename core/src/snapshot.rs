@@ -757,6 +757,10 @@ fn record<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What minor 10 appended to a model record (with no tenants):
+    /// the request bound, the SLO, the tenants' count.
+    const MINOR_10_LEN: usize = DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN;
     use proptest::prelude::*;
 
     fn sample() -> Snapshot {
@@ -877,15 +881,7 @@ mod tests {
     fn minor0(s: &Snapshot) -> Vec<u8> {
         strip_model_tail(
             s,
-            8 + POLICY_LEN
-                + 16
-                + PLAN_LEN
-                + 8
-                + DISAGG_LEN
-                + POOL_RETRY_LEN
-                + DECODE_REQUESTS_LEN
-                + SLO_LEN
-                + TENANTS_LEN,
+            8 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
         )
     }
 
@@ -929,15 +925,7 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            4 + POLICY_LEN
-                + 16
-                + PLAN_LEN
-                + 8
-                + DISAGG_LEN
-                + POOL_RETRY_LEN
-                + DECODE_REQUESTS_LEN
-                + SLO_LEN
-                + TENANTS_LEN,
+            4 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
@@ -950,15 +938,7 @@ mod tests {
         assert_ne!(s.models[0].policy, Policy::default());
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            POLICY_LEN
-                + 16
-                + PLAN_LEN
-                + 8
-                + DISAGG_LEN
-                + POOL_RETRY_LEN
-                + DECODE_REQUESTS_LEN
-                + SLO_LEN
-                + TENANTS_LEN,
+            POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
@@ -972,13 +952,7 @@ mod tests {
         assert!(s.models[0].service_rate_per_s > 0.0);
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            16 + PLAN_LEN
-                + 8
-                + DISAGG_LEN
-                + POOL_RETRY_LEN
-                + DECODE_REQUESTS_LEN
-                + SLO_LEN
-                + TENANTS_LEN,
+            16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 0.0);
@@ -993,13 +967,7 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            8 + PLAN_LEN
-                + 8
-                + DISAGG_LEN
-                + POOL_RETRY_LEN
-                + DECODE_REQUESTS_LEN
-                + SLO_LEN
-                + TENANTS_LEN,
+            8 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 42.5);
@@ -1100,11 +1068,7 @@ mod tests {
     #[test]
     fn minor_nine_snapshots_bound_no_decode_worker_by_its_requests() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(
-            &s,
-            DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN,
-        ))
-        .unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, MINOR_10_LEN)).unwrap();
         assert_eq!(old.models[0].thresholds.active_decode_requests, None);
         assert_eq!(old.models[0].slo, Slo::default());
         assert_eq!(
@@ -1121,11 +1085,7 @@ mod tests {
     fn minor_eight_snapshots_take_the_models_retry_after_for_every_pool() {
         let s = sample();
         assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
-        let old = Snapshot::decode(&strip_model_tail(
-            &s,
-            POOL_RETRY_LEN + DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN,
-        ))
-        .unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, POOL_RETRY_LEN + MINOR_10_LEN)).unwrap();
         assert_eq!(old.models[0].retry_after_by_pool_s, [0, 0]);
         assert!(old.models[0].disaggregation.is_some());
     }
@@ -1135,7 +1095,7 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            DISAGG_LEN + POOL_RETRY_LEN + DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN,
+            DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].disaggregation, None);
@@ -1195,15 +1155,7 @@ mod tests {
             .iter()
             .map(|t| TENANT_MIN + t.tenant.len())
             .sum();
-        let at = bytes.len()
-            - 4
-            - 16
-            - DISAGG_LEN
-            - POOL_RETRY_LEN
-            - DECODE_REQUESTS_LEN
-            - SLO_LEN
-            - TENANTS_LEN
-            - tenants;
+        let at = bytes.len() - 4 - 16 - DISAGG_LEN - POOL_RETRY_LEN - MINOR_10_LEN - tenants;
         assert_eq!(bytes[at], DISAGG_PRESENT);
         bytes[at + 1] = 9; // a protocol of a newer writer
         assert_eq!(
@@ -1238,7 +1190,7 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            8 + DISAGG_LEN + POOL_RETRY_LEN + DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN,
+            8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].prompt_template, 0);

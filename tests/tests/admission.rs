@@ -146,22 +146,7 @@ fn wait_in_flight(stack: &Stack, n: u64) {
 /// through Envoy's control listener, and waits until Envoy holds the
 /// snapshot that carries it.
 fn set_bound(stack: &Stack, bound: Value) {
-    let body = json!({"model": MODEL, "active_decode_requests_threshold": bound});
-    let (status, reply) = http::request(
-        &stack.control_addr(),
-        "POST",
-        "/busy_threshold",
-        &[("content-type", "application/json")],
-        Some(body.to_string().as_bytes()),
-    )
-    .unwrap();
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
-    wait_published(
-        stack,
-        "Envoy never took the new bound",
-        Duration::from_secs(5),
-        |s| s["models"][0]["thresholds"]["active_decode_requests_threshold"] == bound,
-    );
+    set_bound_at(&stack.gateways[0], bound, Duration::from_secs(5));
 }
 
 /// One of admission's per-class metrics (`held_total`, `sent_total`...,
@@ -411,37 +396,20 @@ fn a_client_that_hangs_up_while_held_leaves_nothing_behind() {
     assert_eq!(admission_stat(&stack, "held_total", "standard"), 1);
 }
 
-/// Gateway `g`'s sidecar state once it satisfies `ready` and `g`'s Envoy
-/// holds that snapshot ([`wait_published`] for any gateway).
-fn published_at(g: &Gateway, what: &str, ready: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let state = g.sidecar_state().unwrap();
-        let version = state["version"].as_u64().unwrap_or(u64::MAX);
-        if ready(&state) && g.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
-            return state;
-        }
-        assert!(Instant::now() < deadline, "{what}: {state}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// [`set_bound`] through gateway `g`'s control listener, which reaches
 /// `g`'s own sidecar: only `g`'s Envoy decides by it.
-fn set_bound_at(g: &Gateway, bound: Value) {
-    let body = json!({"model": MODEL, "active_decode_requests_threshold": bound});
-    let (status, reply) = http::request(
-        &format!("127.0.0.1:{}", g.control_port),
-        "POST",
-        "/busy_threshold",
-        &[("content-type", "application/json")],
-        Some(body.to_string().as_bytes()),
-    )
-    .unwrap();
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
-    published_at(g, "Envoy never took the new bound", |s| {
+fn set_bound_at(g: &Gateway, bound: Value, within: Duration) {
+    g.set_thresholds(&json!({"model": MODEL, "active_decode_requests_threshold": bound}))
+        .unwrap();
+    wait_published_at(g, "Envoy never took the new bound", within, |s| {
         s["models"][0]["thresholds"]["active_decode_requests_threshold"] == bound
     });
+}
+
+/// [`wait_published_at`] within ten seconds: what the two-gateway test
+/// waits for crosses replica sync.
+fn published_10s(g: &Gateway, what: &str, ready: impl Fn(&Value) -> bool) -> Value {
+    wait_published_at(g, what, Duration::from_secs(10), ready)
 }
 
 /// [`admission_stat`] at gateway `g`: Envoy's admin page names the
@@ -529,11 +497,11 @@ fn two_gateways_enforce_one_tenant_budget() {
     let mut hogs: Vec<_> = (0..3)
         .map(|i| as_account(a.envoy_addr(), "heavy", i, 500))
         .collect();
-    published_at(b, "B never saw heavy's bookings at A", |s| {
+    published_10s(b, "B never saw heavy's bookings at A", |s| {
         in_flight(s) >= 3 && tenant_load(s, "heavy").is_some_and(|(_, d)| d > 0)
     });
     hogs.push(as_account(b.envoy_addr(), "light", 10, 500));
-    published_at(b, "the worker never filled up", |s| {
+    published_10s(b, "the worker never filled up", |s| {
         in_flight(s) >= 4 && tenant_load(s, "light").is_some_and(|(_, d)| d > 0)
     });
 
@@ -550,10 +518,10 @@ fn two_gateways_enforce_one_tenant_budget() {
     // `heavy` load in B's snapshot is A's bookings, carried by replica
     // sync, and the same as A's own count. By decode blocks `heavy` holds
     // three quarters of the booked load, over its half.
-    let seen_at_a = published_at(a, "A never counted both accounts", |s| {
+    let seen_at_a = published_10s(a, "A never counted both accounts", |s| {
         tenant_load(s, "heavy").is_some() && tenant_load(s, "light").is_some()
     });
-    let seen_at_b = published_at(b, "B never counted both accounts", |s| {
+    let seen_at_b = published_10s(b, "B never counted both accounts", |s| {
         tenant_load(s, "heavy").is_some() && tenant_load(s, "light").is_some()
     });
     let (heavy_at_b, light_at_b) = (
@@ -576,7 +544,7 @@ fn two_gateways_enforce_one_tenant_budget() {
 
     // One slot frees up at B. `heavy` came first, but is over its share:
     // `light` gets the slot.
-    set_bound_at(b, json!(5));
+    set_bound_at(b, json!(5), Duration::from_secs(10));
     let deadline = Instant::now() + Duration::from_secs(5);
     while admission_stat_at(b, "sent_total", "standard") == 0 {
         assert!(Instant::now() < deadline, "nothing was sent at B");

@@ -643,19 +643,7 @@ fn summarize(
 /// Sets the model's busy threshold through Envoy's control listener
 /// (`None` unsets it).
 fn set_threshold(stack: &Stack, tokens: Option<u64>) -> Result<()> {
-    let body = json!({"model": MODEL, "active_prefill_tokens_threshold": tokens});
-    let (status, b) = http::request(
-        &stack.control_addr(),
-        "POST",
-        "/busy_threshold",
-        &[("content-type", "application/json")],
-        Some(body.to_string().as_bytes()),
-    )?;
-    anyhow::ensure!(
-        status == 200,
-        "busy_threshold: {status} {}",
-        String::from_utf8_lossy(&b)
-    );
+    stack.set_thresholds(&json!({"model": MODEL, "active_prefill_tokens_threshold": tokens}))?;
     // One poll answer later the filter has it.
     std::thread::sleep(Duration::from_millis(500));
     Ok(())

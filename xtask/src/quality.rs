@@ -157,18 +157,7 @@ fn set_shedding(stack: &Stack, on: bool) -> Result<()> {
     } else {
         json!({"model": "demo-model", "active_decode_blocks_threshold": null})
     };
-    let (status, b) = http::request(
-        &stack.control_addr(),
-        "POST",
-        "/busy_threshold",
-        &[("content-type", "application/json")],
-        Some(body.to_string().as_bytes()),
-    )?;
-    anyhow::ensure!(
-        status == 200,
-        "busy_threshold: {status} {}",
-        String::from_utf8_lossy(&b)
-    );
+    stack.set_thresholds(&body)?;
     // One poll answer later the filter has it.
     std::thread::sleep(Duration::from_millis(300));
     Ok(())

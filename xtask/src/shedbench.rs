@@ -283,18 +283,8 @@ fn overload(quick: bool) -> Result<Value> {
     wait_drained(&stack)?;
     // Shed when a rank's booked blocks pass a third of its cache (about
     // ten requests in flight on a rank that runs eight at a time).
-    let (status, body) = http::request(
-        &stack.control_addr(),
-        "POST",
-        "/busy_threshold",
-        &[("content-type", "application/json")],
-        Some(br#"{"model": "demo-model", "active_decode_blocks_threshold": 0.33}"#),
-    )?;
-    anyhow::ensure!(
-        status == 200,
-        "setting thresholds: {status} {}",
-        String::from_utf8_lossy(&body)
-    );
+    stack
+        .set_thresholds(&json!({"model": "demo-model", "active_decode_blocks_threshold": 0.33}))?;
     std::thread::sleep(Duration::from_millis(500));
     let on = rt.block_on(run_open_loop(&target, &specs, 1.0));
     wait_drained(&stack)?;

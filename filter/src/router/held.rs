@@ -54,10 +54,11 @@ fn enter(h: &impl Host, id: u32) -> bool {
     }
 }
 
-/// On the root's tick: answers the held requests whose deadline passed,
-/// then offers the rest, in order, a worker: by class, tenants under
-/// their share first, then by deadline. A model's requests stop at the
-/// first that still finds none, so none jumps ahead of one that comes
+/// On the root's tick, after its look ahead at the newest snapshot (a
+/// new one counts as a change): answers the held requests whose deadline
+/// passed, then offers the rest, in order, a worker: by class, tenants
+/// under their share first, then by deadline. A model's requests stop at
+/// the first that still finds none, so none jumps ahead of one that comes
 /// first.
 pub fn on_tick(state: &Rc<RefCell<RouterState>>, h: &impl Host) {
     let (displaced, expired, order) = {
@@ -68,7 +69,6 @@ pub fn on_tick(state: &Rc<RefCell<RouterState>>, h: &impl Host) {
             return;
         }
         let displaced = std::mem::take(&mut st.displaced);
-        st.look_ahead(h);
         st.unmark_full();
         let expired = st.held.expire(h.now_ms());
         // Nothing that could free a worker happened since the last try

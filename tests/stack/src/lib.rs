@@ -427,7 +427,12 @@ impl Stack {
     }
     /// Envoy's control listener (`/busy_threshold`, `/workers`).
     pub fn control_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.gateways[0].control_port)
+        self.gateways[0].control_addr()
+    }
+
+    /// [`Gateway::set_thresholds`] on the first gateway.
+    pub fn set_thresholds(&self, patch: &serde_json::Value) -> Result<()> {
+        self.gateways[0].set_thresholds(patch)
     }
     pub fn admin_addr(&self) -> String {
         self.gateways[0].admin_addr()
@@ -868,6 +873,31 @@ impl Stack {
 impl Gateway {
     pub fn envoy_addr(&self) -> String {
         format!("127.0.0.1:{}", self.envoy_port)
+    }
+    /// Envoy's control listener, in front of this gateway's sidecar.
+    pub fn control_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.control_port)
+    }
+
+    /// Changes a model's busy thresholds live (`POST /busy_threshold` on
+    /// the control listener, `{"model": .., <thresholds>}`); an error
+    /// unless it answers 200. The filter has them once a snapshot that
+    /// carries them reaches Envoy.
+    pub fn set_thresholds(&self, patch: &serde_json::Value) -> Result<()> {
+        let (status, body) = http::request(
+            &self.control_addr(),
+            "POST",
+            "/busy_threshold",
+            &[("content-type", "application/json")],
+            Some(patch.to_string().as_bytes()),
+        )?;
+        if status != 200 {
+            bail!(
+                "busy_threshold: {status} {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+        Ok(())
     }
     pub fn sidecar_addr(&self) -> String {
         format!("127.0.0.1:{}", self.sidecar_port)

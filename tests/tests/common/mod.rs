@@ -2,7 +2,7 @@
 // Each test binary compiles this module and uses part of it.
 #![allow(dead_code)]
 
-use kvgate_stack::{Stack, StackConfig, http};
+use kvgate_stack::{Gateway, Stack, StackConfig, http};
 use serde_json::{Value, json};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -220,12 +220,23 @@ pub fn burst(
 /// snapshot, so the next request is decided on it; `what` names the wait
 /// in the failure.
 pub fn wait_published(stack: &Stack, what: &str, within: Duration, ready: impl Fn(&Value) -> bool) {
+    wait_published_at(&stack.gateways[0], what, within, ready);
+}
+
+/// [`wait_published`] at gateway `g`, its sidecar and its Envoy; the
+/// state that satisfied `ready`.
+pub fn wait_published_at(
+    g: &Gateway,
+    what: &str,
+    within: Duration,
+    ready: impl Fn(&Value) -> bool,
+) -> Value {
     let deadline = Instant::now() + within;
     loop {
-        let state = stack.sidecar_state().unwrap();
+        let state = g.sidecar_state().unwrap();
         let version = state["version"].as_u64().unwrap_or(u64::MAX);
-        if ready(&state) && stack.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
-            return;
+        if ready(&state) && g.envoy_stat("kvgate_snapshot_version").unwrap_or(0) >= version {
+            return state;
         }
         assert!(Instant::now() < deadline, "{what}: {state}");
         std::thread::sleep(Duration::from_millis(20));

@@ -931,6 +931,23 @@ fn busy(snap: &mut Snapshot, busy: bool) {
     }
 }
 
+/// Two tenants' load on a model: `heavy` holds nearly all of it.
+fn heavy_and_light() -> Vec<kvgate_core::TenantLoad> {
+    let load = |tenant: &str, prefill_tokens, decode_blocks| kvgate_core::TenantLoad {
+        tenant: tenant.into(),
+        prefill_tokens,
+        decode_blocks,
+    };
+    vec![load("heavy", 8000, 80), load("light", 100, 1)]
+}
+
+/// The router root's tick, as far as held requests go: the look ahead at
+/// the newest snapshot, then the queue.
+fn tick(state: &Rc<RefCell<RouterState>>, h: &Mock) {
+    state.borrow_mut().look_ahead(h);
+    crate::router::held::on_tick(state, h);
+}
+
 fn held(state: &Rc<RefCell<RouterState>>) -> usize {
     state.borrow().held.len()
 }
@@ -949,14 +966,14 @@ fn a_held_request_is_sent_when_a_worker_frees_up() {
     assert_eq!(held(&state), 1);
     assert!(h.replies.borrow().is_empty(), "held, not shed");
     // Still busy on the next tick: it stays.
-    crate::router::held::on_tick(&state, &h);
+    tick(&state, &h);
     assert_eq!((stage(&f.borrow()), h.resumed.get()), ("held", 0));
     // A new snapshot frees a worker: the tick sends it there.
     busy(&mut snap, false);
     snap.version = 2;
     h.advance_ms(20);
     publish(&h, &snap, h.now_ms());
-    crate::router::held::on_tick(&state, &h);
+    tick(&state, &h);
     assert_eq!(stage(&f.borrow()), "routed");
     assert_eq!(
         (h.resumed.get(), h.effective.get(), held(&state)),
@@ -979,10 +996,10 @@ fn a_held_request_is_answered_at_its_deadline_with_the_models_status() {
     let f = Flow::shared(state.clone(), 7);
     send(&h, &mut f.borrow_mut(), &body("agg", ""));
     h.advance_ms(4_999);
-    crate::router::held::on_tick(&state, &h);
+    tick(&state, &h);
     assert_eq!(stage(&f.borrow()), "held");
     h.advance_ms(1);
-    crate::router::held::on_tick(&state, &h);
+    tick(&state, &h);
     assert_eq!(stage(&f.borrow()), "replied");
     assert_eq!(h.replies.borrow()[0].0, 429);
     assert_eq!(h.reasons.borrow()[0], "deadline_passed");
@@ -1067,7 +1084,7 @@ fn a_full_queue_sheds_its_last_for_a_request_that_comes_first() {
     // context, never from inside another request's callback.
     assert_eq!(stage(&standard.borrow()), "held");
     assert_eq!(h.effective.get(), 0);
-    crate::router::held::on_tick(&state, &h);
+    tick(&state, &h);
     assert_eq!(stage(&standard.borrow()), "replied");
     assert_eq!(h.reasons.borrow()[1], "priority_shed");
     assert_eq!(h.effective.get(), 9, "the critical one was tried after");
@@ -1086,7 +1103,7 @@ fn a_client_gone_while_held_leaves_no_entry_and_no_booking() {
     assert_eq!(held(&state), 0);
     assert!(h.events().iter().all(|e| !matches!(e, Event::Book { .. })));
     // Its context gone, the tick finds nothing to do.
-    crate::router::held::on_tick(&state, &h);
+    tick(&state, &h);
     assert_eq!(h.resumed.get(), 0);
 }
 
@@ -1129,7 +1146,7 @@ fn two_vms_never_take_a_decode_workers_last_slot_together() {
         .borrow_mut()
         .insert(ledger::key("agg"), ledger::encode(&freed));
     h.advance_ms(20);
-    crate::router::held::on_tick(&state, &h);
+    tick(&state, &h);
     assert_eq!(stage(&f.borrow()), "routed");
     respond(&h, &mut f.borrow_mut());
     let counts = ledger::decode(&h.get_shared(&ledger::key("agg")).unwrap());
@@ -1145,18 +1162,7 @@ fn a_tenant_over_its_share_waits_behind_one_under_it() {
     let mut snap = snapshot();
     snap.models[0].workers.truncate(1);
     snap.models[0].thresholds.active_decode_requests = Some(1);
-    snap.models[0].tenants = vec![
-        kvgate_core::TenantLoad {
-            tenant: "heavy".into(),
-            prefill_tokens: 8000,
-            decode_blocks: 80,
-        },
-        kvgate_core::TenantLoad {
-            tenant: "light".into(),
-            prefill_tokens: 100,
-            decode_blocks: 1,
-        },
-    ];
+    snap.models[0].tenants = heavy_and_light();
     busy(&mut snap, true);
     let (h, state) = admitting(&snap, "{}");
     h.shared
@@ -1179,7 +1185,7 @@ fn a_tenant_over_its_share_waits_behind_one_under_it() {
     snap.version = 2;
     h.advance_ms(20);
     publish(&h, &snap, h.now_ms());
-    crate::router::held::on_tick(&state, &h);
+    tick(&state, &h);
     assert_eq!(stage(&light.borrow()), "routed");
     assert_eq!(stage(&heavy.borrow()), "held");
     // Its booking names its tenant.
@@ -1290,18 +1296,7 @@ fn a_tenant_over_its_share_is_kept_out_of_the_reserve_band() {
     for w in &mut snap.models[0].workers {
         w.ranks[0].active_prefill_tokens = 950;
     }
-    snap.models[0].tenants = vec![
-        kvgate_core::TenantLoad {
-            tenant: "heavy".into(),
-            prefill_tokens: 8000,
-            decode_blocks: 80,
-        },
-        kvgate_core::TenantLoad {
-            tenant: "light".into(),
-            prefill_tokens: 100,
-            decode_blocks: 1,
-        },
-    ];
+    snap.models[0].tenants = heavy_and_light();
     let (h, state) = admitting(&snap, "{}");
     h.request
         .borrow_mut()
@@ -1337,7 +1332,7 @@ fn a_split_request_released_from_hold_gets_its_prefill_answer_through_the_root()
     snap.version = 2;
     h.advance_ms(20);
     publish(&h, &snap, h.now_ms());
-    crate::router::held::on_tick(&state, &h);
+    tick(&state, &h);
     assert_eq!(stage(&f.borrow()), "prefilling");
     assert_eq!(h.callouts.borrow().len(), 1);
     h.effective.set(0);
