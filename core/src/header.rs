@@ -29,6 +29,10 @@ pub const PREFILL_HOST: &str = "x-kvgate-prefill-host";
 pub const REQUEST_ID: &str = "x-request-id";
 /// Response header naming the worker and rank that served the request.
 pub const SERVED_BY: &str = "x-kvgate-served-by";
+/// Response header saying where a request of a model that pulls was
+/// placed: `holder`, `recompute; blocks=N` or `pull; blocks=N;
+/// transfer_ms=T` ([`crate::disagg::pull::Placed::header_value`]).
+pub const PLACEMENT: &str = "x-kvgate-placement";
 /// Why kvgate answered a request itself ([`crate::reply::Reason`]).
 pub const REASON: &str = "x-kvgate-reason";
 /// The snapshot version of a sidecar's poll answer.

@@ -53,6 +53,6 @@ pub use snapshot::SnapshotError;
 pub use state::{
     Applied, DEFAULT_BOOTSTRAP_PORT, DEFAULT_TENANT, Disaggregation, InvalidValue, ModelPlan,
     ModelState, OnPrefillFailure, Policy, Protocol, RankLoad, Role, Slo, Snapshot, TenantLoad,
-    Thermal, ThermalState, Thresholds, ThresholdsPatch, WorkerState,
+    Thermal, ThermalState, Thresholds, ThresholdsPatch, Topology, WorkerState,
 };
 pub use wire::WireError;

@@ -16,11 +16,12 @@
 //! against the bytes that remain before anything is allocated.
 
 use crate::disagg::Conditional;
+use crate::disagg::pull::{Links, Pull};
 use crate::fit::{Fit, WorkerFits};
 use crate::state::{
     Applied, DEFAULT_BOOTSTRAP_PORT, DEFAULT_TENANT, Disaggregation, ModelPlan, ModelState,
     OnPrefillFailure, Policy, Protocol, RankLoad, Role, Slo, Snapshot, TenantLoad, Thermal,
-    ThermalState, Thresholds, WorkerState,
+    ThermalState, Thresholds, Topology, WorkerState,
 };
 use crate::wire::{Reader, WireError};
 use thiserror::Error;
@@ -30,7 +31,7 @@ pub const MAGIC: [u8; 4] = *b"KVGS";
 /// Major version this build reads and writes.
 pub const MAJOR: u16 = 1;
 /// Minor version this build writes. Readers accept any minor of [`MAJOR`].
-pub const MINOR: u16 = 10;
+pub const MINOR: u16 = 11;
 /// Header: magic, major, minor, payload length, version, build time.
 pub const HEADER_LEN: usize = 4 + 2 + 2 + 4 + 8 + 8;
 
@@ -93,6 +94,15 @@ const TENANT_MIN: usize = 2 + 8 + 8;
 const FITS_LEN: usize = 1 + 2 * FIT_LEN;
 const FIT_LEN: usize = 4 + 4 + 4 + 4;
 const FITS_PRESENT: u8 = 1;
+/// A worker's topology (minor 11, after the fits): its node and rack
+/// (str16 each; empty is unknown).
+const TOPOLOGY_MIN: usize = 2 + 2;
+/// A model's pull settings (minor 11, after the tenants), written whole
+/// even when it has none so its length is fixed: flags (present), the
+/// floor in blocks (u32), KV bytes per token (u64), prefill tokens per
+/// second, then the same-node, same-rack and elsewhere links (Gbit/s).
+const PULL_LEN: usize = 1 + 4 + 8 + 8 + 3 * 8;
+const PULL_PRESENT: u8 = 1;
 const FAIL_LOCAL: u8 = 0;
 const FAIL_FAIL: u8 = 1;
 
@@ -128,6 +138,7 @@ impl Snapshot {
                         + DECODE_REQUESTS_LEN
                         + SLO_LEN
                         + TENANTS_LEN
+                        + PULL_LEN
                         + m.tenants
                             .iter()
                             .map(|t| TENANT_MIN + t.tenant.len())
@@ -144,6 +155,9 @@ impl Snapshot {
                                     + ROLE_LEN
                                     + BOOTSTRAP_PORT_LEN
                                     + FITS_LEN
+                                    + TOPOLOGY_MIN
+                                    + w.topology.node.len()
+                                    + w.topology.rack.len()
                             })
                             .sum::<usize>()
                 })
@@ -221,6 +235,9 @@ impl Snapshot {
                 out.extend_from_slice(&w.bootstrap_port.to_le_bytes());
                 // Minor 10: the latency fits.
                 put_fits(out, w.fits.as_ref());
+                // Minor 11: where it runs.
+                put_str(out, &w.topology.node, "worker node")?;
+                put_str(out, &w.topology.rack, "worker rack")?;
                 end_record(out, wrec, "worker record")?;
             }
             // Minor 1 fields follow the workers; older readers skip them.
@@ -263,6 +280,8 @@ impl Snapshot {
                 out.extend_from_slice(&t.prefill_tokens.to_le_bytes());
                 out.extend_from_slice(&t.decode_blocks.to_le_bytes());
             }
+            // Minor 11: the pull settings.
+            put_pull(out, m.disaggregation.as_ref().and_then(|d| d.pull.as_ref()));
             end_record(out, rec, "model record")?;
         }
         put_count(out, self.applied.len(), "applied bookings")?;
@@ -440,6 +459,13 @@ fn decode_model(m: &mut Reader<'_>, old: ModelState) -> Result<ModelState, Snaps
             decode_blocks: m.u64()?,
         })
     })?;
+    let mut disaggregation = disaggregation;
+    if m.remaining() >= PULL_LEN {
+        let pull = read_pull(m)?;
+        if let Some(d) = &mut disaggregation {
+            d.pull = pull;
+        }
+    }
     Ok(ModelState {
         name,
         thresholds,
@@ -464,6 +490,7 @@ fn decode_worker(w: &mut Reader<'_>, old: WorkerState) -> Result<WorkerState, Sn
         endpoint,
         mut ranks,
         tenant,
+        topology,
         ..
     } = old;
     let id = w.u64()?;
@@ -522,6 +549,18 @@ fn decode_worker(w: &mut Reader<'_>, old: WorkerState) -> Result<WorkerState, Sn
     } else {
         None
     };
+    let Topology { node, rack } = topology;
+    let topology = if w.remaining() >= TOPOLOGY_MIN {
+        Topology {
+            node: refill(node, w.str16()?),
+            rack: refill(rack, w.str16()?),
+        }
+    } else {
+        Topology {
+            node: refill(node, ""),
+            rack: refill(rack, ""),
+        }
+    };
     Ok(WorkerState {
         id,
         endpoint,
@@ -533,6 +572,7 @@ fn decode_worker(w: &mut Reader<'_>, old: WorkerState) -> Result<WorkerState, Sn
         role,
         bootstrap_port,
         fits,
+        topology,
     })
 }
 
@@ -620,7 +660,45 @@ fn read_disaggregation(m: &mut Reader<'_>) -> Result<Option<Disaggregation>, Wir
         decode_affinity: Some(affinity)
             .filter(|a| a.is_finite() && *a >= 0.0)
             .unwrap_or(0.0),
+        pull: None,
     }))
+}
+
+fn put_pull(out: &mut Vec<u8>, pull: Option<&Pull>) {
+    let Some(p) = pull else {
+        out.extend_from_slice(&[0; PULL_LEN]);
+        return;
+    };
+    out.push(PULL_PRESENT);
+    out.extend_from_slice(&p.min_blocks.to_le_bytes());
+    out.extend_from_slice(&p.kv_bytes_per_token.to_le_bytes());
+    for v in [
+        p.prefill_tokens_per_s,
+        p.link.same_node_gbps,
+        p.link.same_rack_gbps,
+        p.link.elsewhere_gbps,
+    ] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// A model's pull settings from the wire. Settings a writer could not
+/// have validated (a rate or size not above 0, not a number) leave the
+/// model without pulls: a pull priced on them could cost more than it
+/// saves.
+fn read_pull(m: &mut Reader<'_>) -> Result<Option<Pull>, WireError> {
+    let flags = m.u8()?;
+    let pull = Pull {
+        min_blocks: m.u32()?,
+        kv_bytes_per_token: m.u64()?,
+        prefill_tokens_per_s: m.f64()?,
+        link: Links {
+            same_node_gbps: m.f64()?,
+            same_rack_gbps: m.f64()?,
+            elsewhere_gbps: m.f64()?,
+        },
+    };
+    Ok((flags & PULL_PRESENT != 0 && pull.validate().is_ok()).then_some(pull))
 }
 
 /// A heat from the wire, within [0, 1]; what is not a number is as hot as
@@ -758,9 +836,12 @@ fn record<'a>(
 mod tests {
     use super::*;
 
-    /// What minor 10 appended to a model record (with no tenants):
-    /// the request bound, the SLO, the tenants' count.
-    const MINOR_10_LEN: usize = DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN;
+    /// What minor 10 and later appended to a model record (with no
+    /// tenants): the request bound, the SLO, the tenants' count, then
+    /// minor 11's pull settings.
+    const SINCE_MINOR_10_LEN: usize = DECODE_REQUESTS_LEN + SLO_LEN + TENANTS_LEN + PULL_LEN;
+    /// What minor 11 appended to the sample's worker record: its place.
+    const SAMPLE_TOPOLOGY_LEN: usize = TOPOLOGY_MIN + "gpu-node-3".len() + "rack-b".len();
     use proptest::prelude::*;
 
     fn sample() -> Snapshot {
@@ -824,6 +905,10 @@ mod tests {
                                 age_s: 1,
                             },
                         }),
+                        topology: Topology {
+                            node: "gpu-node-3".into(),
+                            rack: "rack-b".into(),
+                        },
                     }],
                     retry_after_s: 4,
                     lora_adapters: vec!["sql-lora".into(), "chat-lora".into()],
@@ -849,6 +934,16 @@ mod tests {
                         on_prefill_failure: OnPrefillFailure::Fail,
                         prefill_timeout_ms: 2500,
                         decode_affinity: 0.0,
+                        pull: Some(crate::disagg::pull::Pull {
+                            min_blocks: 6,
+                            kv_bytes_per_token: 65_536,
+                            prefill_tokens_per_s: 12_500.0,
+                            link: Links {
+                                same_node_gbps: 900.0,
+                                same_rack_gbps: 400.0,
+                                elsewhere_gbps: 50.0,
+                            },
+                        }),
                     }),
                     retry_after_by_pool_s: [9, 3],
                     slo: Slo {
@@ -881,7 +976,7 @@ mod tests {
     fn minor0(s: &Snapshot) -> Vec<u8> {
         strip_model_tail(
             s,
-            8 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
+            8 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + SINCE_MINOR_10_LEN,
         )
     }
 
@@ -925,7 +1020,7 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            4 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
+            4 + POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + SINCE_MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
@@ -938,7 +1033,7 @@ mod tests {
         assert_ne!(s.models[0].policy, Policy::default());
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
+            POLICY_LEN + 16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + SINCE_MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].retry_after_s, 4);
@@ -952,7 +1047,7 @@ mod tests {
         assert!(s.models[0].service_rate_per_s > 0.0);
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
+            16 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + SINCE_MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 0.0);
@@ -967,7 +1062,7 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            8 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
+            8 + PLAN_LEN + 8 + DISAGG_LEN + POOL_RETRY_LEN + SINCE_MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].service_rate_per_s, 42.5);
@@ -979,14 +1074,15 @@ mod tests {
     fn minor_nine_snapshots_have_no_slo_and_their_workers_no_fits() {
         let s = sample();
         assert_ne!(s.models[0].slo, Slo::default());
-        let old = Snapshot::decode(&strip_model_tail(&s, SLO_LEN + TENANTS_LEN)).unwrap();
+        let old =
+            Snapshot::decode(&strip_model_tail(&s, SLO_LEN + TENANTS_LEN + PULL_LEN)).unwrap();
         assert_eq!(old.models[0].slo, Slo::default(), "no target");
         assert_eq!(
             old.models[0].thresholds.active_decode_requests,
             Some(24),
             "the request bound before it is still read"
         );
-        let (bytes, cut) = strip_worker_tail(&s, FITS_LEN);
+        let (bytes, cut) = strip_worker_tail(&s, FITS_LEN + SAMPLE_TOPOLOGY_LEN);
         assert_eq!(cut[0], FITS_PRESENT);
         let old = Snapshot::decode(&bytes).unwrap();
         let w = &old.models[0].workers[0];
@@ -996,18 +1092,47 @@ mod tests {
     }
 
     #[test]
+    fn minor_ten_snapshots_pull_nothing_and_place_no_worker() {
+        let s = sample();
+        let pulls = |s: &Snapshot| s.models[0].disaggregation.and_then(|d| d.pull);
+        assert!(pulls(&s).is_some());
+        let old = Snapshot::decode(&strip_model_tail(&s, PULL_LEN)).unwrap();
+        assert_eq!(pulls(&old), None, "no pull settings");
+        assert_eq!(old.models[0].slo, s.models[0].slo, "minor 10 is still read");
+        let (bytes, cut) = strip_worker_tail(&s, SAMPLE_TOPOLOGY_LEN);
+        assert_eq!(&cut[2..12], b"gpu-node-3");
+        let old = Snapshot::decode(&bytes).unwrap();
+        let w = &old.models[0].workers[0];
+        assert_eq!(w.topology, Topology::default());
+        assert_eq!(w.fits, s.models[0].workers[0].fits, "the fits before it");
+        // Settings no writer could have validated leave the model without
+        // pulls rather than priced on them.
+        let mut bad = s.clone();
+        if let Some(d) = &mut bad.models[0].disaggregation {
+            d.pull = d.pull.map(|p| crate::disagg::pull::Pull {
+                prefill_tokens_per_s: f64::NAN,
+                ..p
+            });
+        }
+        assert_eq!(
+            pulls(&Snapshot::decode(&bad.encode().unwrap()).unwrap()),
+            None
+        );
+    }
+
+    #[test]
     fn snapshots_before_tenants_have_none() {
         let s = sample();
         assert_eq!(s.models[0].tenants.len(), 2);
         assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
         // A writer of minor 9 (or of minor 10 before tenants) ends the
         // model record at the SLO.
-        let old = Snapshot::decode(&strip_model_tail(&s, TENANTS_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, TENANTS_LEN + PULL_LEN)).unwrap();
         assert!(old.models.iter().all(|m| m.tenants.is_empty()));
         assert_eq!(old.models[0].slo, s.models[0].slo, "the SLO is still read");
         // Decoded into a snapshot that had tenants, none are left.
         let mut into = sample();
-        into.decode_into(&strip_model_tail(&s, TENANTS_LEN))
+        into.decode_into(&strip_model_tail(&s, TENANTS_LEN + PULL_LEN))
             .unwrap();
         assert_eq!(into, old);
     }
@@ -1019,10 +1144,12 @@ mod tests {
         s.applied.clear();
         s.models[0].tenants.truncate(1);
         let mut bytes = s.encode().unwrap();
-        // The record ends with the count, one tenant and the applied count.
-        let at = bytes.len() - 4 - (TENANT_MIN + "team-a".len()) - TENANTS_LEN;
+        // The record ends with the count, one tenant and the pull
+        // settings; the snapshot, with the applied count.
+        let at = bytes.len() - 4 - PULL_LEN - (TENANT_MIN + "team-a".len()) - TENANTS_LEN;
         assert_eq!(bytes[at..at + 2], [1, 0]);
-        for count in [2u16, u16::MAX] {
+        // Five need more than the one tenant and the pull settings left.
+        for count in [5u16, u16::MAX] {
             bytes[at..at + 2].copy_from_slice(&count.to_le_bytes());
             assert!(matches!(
                 Snapshot::decode(&bytes),
@@ -1068,7 +1195,7 @@ mod tests {
     #[test]
     fn minor_nine_snapshots_bound_no_decode_worker_by_its_requests() {
         let s = sample();
-        let old = Snapshot::decode(&strip_model_tail(&s, MINOR_10_LEN)).unwrap();
+        let old = Snapshot::decode(&strip_model_tail(&s, SINCE_MINOR_10_LEN)).unwrap();
         assert_eq!(old.models[0].thresholds.active_decode_requests, None);
         assert_eq!(old.models[0].slo, Slo::default());
         assert_eq!(
@@ -1085,7 +1212,8 @@ mod tests {
     fn minor_eight_snapshots_take_the_models_retry_after_for_every_pool() {
         let s = sample();
         assert_eq!(Snapshot::decode(&s.encode().unwrap()).unwrap(), s);
-        let old = Snapshot::decode(&strip_model_tail(&s, POOL_RETRY_LEN + MINOR_10_LEN)).unwrap();
+        let old =
+            Snapshot::decode(&strip_model_tail(&s, POOL_RETRY_LEN + SINCE_MINOR_10_LEN)).unwrap();
         assert_eq!(old.models[0].retry_after_by_pool_s, [0, 0]);
         assert!(old.models[0].disaggregation.is_some());
     }
@@ -1095,13 +1223,16 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
+            DISAGG_LEN + POOL_RETRY_LEN + SINCE_MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].disaggregation, None);
         assert_eq!(old.models[0].prompt_template, 0xFEED);
         // And their workers, cut of their role byte, take either leg.
-        let (bytes, cut) = strip_worker_tail(&s, ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN);
+        let (bytes, cut) = strip_worker_tail(
+            &s,
+            ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN + SAMPLE_TOPOLOGY_LEN,
+        );
         assert_eq!(
             cut[..3],
             [Role::Decode.code(), 0x29, 0x23],
@@ -1119,7 +1250,8 @@ mod tests {
     fn workers_without_a_bootstrap_port_use_sglangs_default() {
         let s = sample();
         assert_eq!(s.models[0].workers[0].bootstrap_port, 9001);
-        let (bytes, cut) = strip_worker_tail(&s, BOOTSTRAP_PORT_LEN + FITS_LEN);
+        let (bytes, cut) =
+            strip_worker_tail(&s, BOOTSTRAP_PORT_LEN + FITS_LEN + SAMPLE_TOPOLOGY_LEN);
         assert_eq!(cut[..2], 9001u16.to_le_bytes());
         let old = Snapshot::decode(&bytes).unwrap();
         let w = &old.models[0].workers[0];
@@ -1155,7 +1287,7 @@ mod tests {
             .iter()
             .map(|t| TENANT_MIN + t.tenant.len())
             .sum();
-        let at = bytes.len() - 4 - 16 - DISAGG_LEN - POOL_RETRY_LEN - MINOR_10_LEN - tenants;
+        let at = bytes.len() - 4 - 16 - DISAGG_LEN - POOL_RETRY_LEN - SINCE_MINOR_10_LEN - tenants;
         assert_eq!(bytes[at], DISAGG_PRESENT);
         bytes[at + 1] = 9; // a protocol of a newer writer
         assert_eq!(
@@ -1190,7 +1322,7 @@ mod tests {
         let s = sample();
         let old = Snapshot::decode(&strip_model_tail(
             &s,
-            8 + DISAGG_LEN + POOL_RETRY_LEN + MINOR_10_LEN,
+            8 + DISAGG_LEN + POOL_RETRY_LEN + SINCE_MINOR_10_LEN,
         ))
         .unwrap();
         assert_eq!(old.models[0].prompt_template, 0);
@@ -1219,8 +1351,10 @@ mod tests {
     #[test]
     fn workers_from_minor_five_writers_are_unmonitored() {
         let s = sample();
-        let (bytes, _) =
-            strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN);
+        let (bytes, _) = strip_worker_tail(
+            &s,
+            THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN + SAMPLE_TOPOLOGY_LEN,
+        );
         let old = Snapshot::decode(&bytes).unwrap();
         let w = &old.models[0].workers[0];
         assert_eq!(w.thermal, Thermal::default());
@@ -1235,8 +1369,10 @@ mod tests {
         s.models[0].workers[0].thermal.heat = f64::NAN;
         let mut bytes = s.encode().unwrap();
         // The state byte of a newer writer reads as unknown, never as cool.
-        let (_, cut) =
-            strip_worker_tail(&s, THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN);
+        let (_, cut) = strip_worker_tail(
+            &s,
+            THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN + SAMPLE_TOPOLOGY_LEN,
+        );
         let at = bytes
             .windows(cut.len())
             .position(|w| w == cut.as_slice())
@@ -1281,7 +1417,7 @@ mod tests {
         // record, as a minor-1 writer never wrote them.
         let (bytes, cut) = strip_worker_tail(
             &s,
-            2 + THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN,
+            2 + THERMAL_LEN + ROLE_LEN + BOOTSTRAP_PORT_LEN + FITS_LEN + SAMPLE_TOPOLOGY_LEN,
         );
         assert_eq!(&cut[..2], &[0, 0], "the empty tenant");
         let old = Snapshot::decode(&bytes).unwrap();
@@ -1430,6 +1566,10 @@ mod tests {
                         },
                         draining: cap % 2 == 0,
                         role: Role::from_code(role),
+                        topology: Topology {
+                            node: format!("n{}", cap % 3),
+                            rack: format!("r{}", cap % 2),
+                        },
                         bootstrap_port: cap as u16,
                         fits: fits.map(|(ttft, itl)| WorkerFits { ttft, itl }),
                     }
@@ -1509,6 +1649,10 @@ mod tests {
                                 },
                                 prefill_timeout_ms: timeout,
                                 decode_affinity: credit,
+                                pull: (tokens % 2 == 0).then(|| Pull {
+                                    min_blocks: (tokens % 64) as u32,
+                                    ..Pull::default()
+                                }),
                             }
                         }),
                         retry_after_by_pool_s: [shard_count % 11, shard_count % 13],

@@ -178,6 +178,34 @@ pub struct WorkerState {
         serde(default, skip_serializing_if = "Option::is_none")
     )]
     pub fits: Option<WorkerFits>,
+    /// Where it runs (minor 11; older snapshots: unknown): what a KV
+    /// transfer between two workers crosses ([`crate::disagg::pull`]).
+    /// Left out of JSON when unknown, so a worker without one keeps its
+    /// shape.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Topology::is_unknown")
+    )]
+    pub topology: Topology,
+}
+
+/// A worker's place in the fleet, as its operator names it: empty is
+/// unknown, and unknown is never the same place as anything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "serde", serde(default, deny_unknown_fields))]
+pub struct Topology {
+    /// The machine (a Kubernetes node): its GPUs share NVLink or PCIe.
+    pub node: String,
+    /// The rack or network block: its machines share a switch.
+    pub rack: String,
+}
+
+impl Topology {
+    /// Neither place is named.
+    pub fn is_unknown(&self) -> bool {
+        self.node.is_empty() && self.rack.is_empty()
+    }
 }
 
 /// SGLang's `--disaggregation-bootstrap-port` default.
@@ -297,6 +325,14 @@ pub struct Disaggregation {
     /// (host and disk blocks in the policy's proportion). 0 is Dynamo's
     /// decode choice, by load alone.
     pub decode_affinity: f64,
+    /// On a model of `both` workers speaking vLLM's NIXL, when a request
+    /// is prefilled on the worker holding its prefix and decoded on
+    /// another that pulls the KV (snapshot minor 11); `None`: never.
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "Option::is_none")
+    )]
+    pub pull: Option<crate::disagg::pull::Pull>,
 }
 
 /// How a disaggregated request's legs are sent (see `docs/configuration.md`).
@@ -354,6 +390,7 @@ impl Default for Disaggregation {
             on_prefill_failure: OnPrefillFailure::default(),
             prefill_timeout_ms: 30_000,
             decode_affinity: Policy::default().overlap_credit,
+            pull: None,
         }
     }
 }
@@ -383,6 +420,9 @@ impl Disaggregation {
                 rule: "finite and not negative",
                 value: self.decode_affinity,
             });
+        }
+        if let Some(p) = &self.pull {
+            p.validate()?;
         }
         Ok(())
     }
@@ -489,6 +529,19 @@ impl ModelState {
     /// whole, as before roles.
     pub fn disaggregated(&self) -> bool {
         self.disaggregation.is_some() && splits(self.workers.iter().map(|w| w.role))
+    }
+
+    /// The model's pull settings, where a request may be prefilled on the
+    /// worker holding its prefix and decoded on another that pulls the KV:
+    /// pulls are on, the legs speak vLLM's NIXL, and the model is not
+    /// split into prefill and decode pools (only `both` workers take
+    /// either leg of a pull).
+    pub fn pulls(&self) -> Option<&crate::disagg::pull::Pull> {
+        let d = self.disaggregation.as_ref()?;
+        if d.protocol != Protocol::VllmNixl || self.disaggregated() {
+            return None;
+        }
+        d.pull.as_ref()
     }
 }
 

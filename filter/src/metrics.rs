@@ -4,6 +4,7 @@
 
 use crate::host::{self, Host};
 use crate::reply::Reason;
+use kvgate_core::disagg::pull::{Kind, Placed};
 use proxy_wasm::types::MetricType;
 use std::collections::HashMap;
 
@@ -87,6 +88,12 @@ pub struct RouterMetrics {
     pub cached_predicted: Option<u32>,
     pub cached_reported: Option<u32>,
     pub cached_error_pct: Option<u32>,
+    /// Requests of models that pull, by where they were placed
+    /// ([`kvgate_core::disagg::pull::Kind`]), and the blocks pulls moved
+    /// and recomputes computed again.
+    pub placed: [Option<u32>; Kind::ALL.len()],
+    pub pull_blocks: Option<u32>,
+    pub recompute_blocks: Option<u32>,
     /// Admission's metrics per model and class, defined when first used.
     admission: HashMap<String, Option<u32>>,
 }
@@ -128,7 +135,16 @@ impl RouterMetrics {
                 &format!("kvgate_rejected_{}_total", r.as_str()),
             );
         }
+        let placed = Kind::ALL.map(|k| {
+            define(
+                MetricType::Counter,
+                &format!("kvgate_placed_{}_total", k.as_str()),
+            )
+        });
         RouterMetrics {
+            placed,
+            pull_blocks: define(MetricType::Counter, "kvgate_pull_blocks_moved_total"),
+            recompute_blocks: define(MetricType::Counter, "kvgate_recompute_blocks_total"),
             requests: define(MetricType::Counter, "kvgate_requests_total"),
             routed: define(MetricType::Counter, "kvgate_routed_total"),
             rejected,
@@ -190,6 +206,18 @@ impl RouterMetrics {
             .checked_div(u.isl_tokens)
         {
             h.sample(self.cached_error_pct, pct);
+        }
+    }
+
+    /// Where a request of a model that pulls was placed.
+    pub fn placed(&self, h: &impl Host, p: &Placed) {
+        let i = Kind::ALL.iter().position(|k| *k == p.kind).unwrap_or(0);
+        h.count(self.placed[i]);
+        let blocks = i64::try_from(p.blocks).unwrap_or(i64::MAX);
+        match p.kind {
+            Kind::Pull => h.add(self.pull_blocks, blocks),
+            Kind::Recompute => h.add(self.recompute_blocks, blocks),
+            Kind::Holder => {}
         }
     }
 

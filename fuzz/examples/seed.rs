@@ -289,6 +289,10 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                             },
                             itl: kvgate_core::Fit::default(),
                         }),
+                        topology: kvgate_core::Topology {
+                            node: "node-a".into(),
+                            rack: "rack-1".into(),
+                        },
                     },
                     WorkerState {
                         id: 2,
@@ -306,6 +310,7 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                         role: kvgate_core::Role::Decode,
                         bootstrap_port: 0,
                         fits: None,
+                        topology: Default::default(),
                     },
                 ],
                 retry_after_s: 3,
@@ -321,7 +326,10 @@ fn snapshots() -> Vec<(&'static str, Snapshot)> {
                     scale_up_eta_s: 40,
                 },
                 prompt_template: 0x5EED,
-                disaggregation: Some(kvgate_core::Disaggregation::default()),
+                disaggregation: Some(kvgate_core::Disaggregation {
+                    pull: Some(kvgate_core::disagg::pull::Pull::default()),
+                    ..kvgate_core::Disaggregation::default()
+                }),
                 retry_after_by_pool_s: [12, 3],
                 slo: kvgate_core::Slo {
                     ttft_ms: 400,

@@ -85,6 +85,7 @@ pub fn bench_snapshot(workers: u16, shard_count: u32) -> Snapshot {
                     role: Default::default(),
                     bootstrap_port: 0,
                     fits: None,
+                    topology: Default::default(),
                 })
                 .collect(),
             ..Default::default()

@@ -181,6 +181,7 @@ fn fleet(roles: &[Role], settings: Option<Disaggregation>, dp: bool) -> Snapshot
                 role: *role,
                 bootstrap_port: 9100 + id as u16,
                 fits: None,
+                topology: Default::default(),
             }
         })
         .collect();
@@ -345,6 +346,7 @@ fn expected(snap: &Snapshot, store: &HashMap<String, Vec<u8>>, at: At) -> Dispat
             slo: None,
             tie_break,
             thresholds_scale: None,
+            one_upstream: !door.prefill_leg,
         };
         let p = plan(snap, &req, DEFAULT_TENANT, &ask, &mut read, &[]);
         let d = dispatch(&p, door, limit);

@@ -42,6 +42,7 @@ fn worker(id: u64, mut ranks: Vec<RankLoad>) -> WorkerState {
         role: Default::default(),
         bootstrap_port: 0,
         fits: None,
+        topology: Default::default(),
     }
 }
 

@@ -8,9 +8,12 @@
 //! * [`sglang`]: SGLang's protocol, the one body both legs get (the
 //!   client's with the bootstrap fields) and the bootstrap room;
 //! * [`Conditional`]: when the decode worker computes the prompt itself,
-//!   with no prefill leg.
+//!   with no prefill leg;
+//! * [`pull`]: on a model of `both` workers, when the worker holding a
+//!   prompt's prefix prefills it and another pulls the KV to decode.
 
 pub mod nixl;
+pub mod pull;
 pub mod sglang;
 
 use std::borrow::Cow;

@@ -23,12 +23,16 @@
 //! * a door that cannot make the prefill leg treats the split as a leg
 //!   that failed, as the model's `on_prefill_failure` says;
 //! * a failed leg is tried once on the runner-up while a tenth of the
-//!   budget is left, then computed on the decode worker or refused.
+//!   budget is left, then computed on the decode worker or refused;
+//! * a pull (the holder prefills, another `both` worker decodes) never
+//!   loses its request: a failed prefill leg is computed on the decode
+//!   worker, whatever the model's `on_prefill_failure`.
 
 #[cfg(test)]
 mod tests;
 
 use crate::disagg;
+use crate::disagg::pull::Placed;
 use crate::plan::{LocalReason, Placement, Plan, Prefill, Rejection, Route};
 use crate::reply::Reply;
 use crate::state::{OnPrefillFailure, Protocol, Role};
@@ -178,6 +182,8 @@ pub struct Whole {
     pub body: WholeBody,
     /// On a disaggregated model, why it is not split.
     pub why: Option<WholeWhy>,
+    /// On a model that pulls, whether it is on the holder or recomputes.
+    pub pull: Option<Placed>,
 }
 
 impl Whole {
@@ -214,6 +220,9 @@ pub struct Split {
     pub on_failure: OnPrefillFailure,
     /// One budget for every try of the prefill leg.
     pub timeout_ms: u64,
+    /// A pull: the prefill leg is on the holder of the prompt's prefix,
+    /// and the decode worker pulls every block it lacks.
+    pub pull: Option<Placed>,
 }
 
 /// A second try of a prefill leg needs at least this share (one in ten)
@@ -301,29 +310,25 @@ fn dispatch_route(route: &Route<'_>, door: Door, body: Option<Body>) -> Dispatch
             fallback,
             body: WholeBody::Verbatim,
             why: None,
+            pull: None,
         });
     };
-    let leg = match route.prefill {
-        Some(Prefill::Remote(leg)) => leg,
-        Some(Prefill::Local(why)) => {
-            return whole(
-                model,
-                decode,
-                fallback,
-                settings.protocol,
-                WholeWhy::Local(why),
-            );
-        }
-        None => {
-            return whole(
-                model,
-                decode,
-                fallback,
-                settings.protocol,
-                WholeWhy::NotSplit,
-            );
+    let why = match route.prefill {
+        Some(Prefill::Remote(leg)) => Ok(leg),
+        Some(Prefill::Local(why)) => Err(WholeWhy::Local(why)),
+        None => Err(WholeWhy::NotSplit),
+    };
+    let leg = match why {
+        Ok(leg) => leg,
+        Err(why) => {
+            let mut d = whole(model, decode, fallback, settings.protocol, why);
+            if let Dispatch::Whole(w) = &mut d {
+                w.pull = route.pull;
+            }
+            return d;
         }
     };
+    let pull = route.pull.filter(|p| p.kind == disagg::pull::Kind::Pull);
     let split = Split {
         model,
         protocol: settings.protocol,
@@ -332,8 +337,13 @@ fn dispatch_route(route: &Route<'_>, door: Door, body: Option<Body>) -> Dispatch
         prefill: Target::new(&leg.first),
         runner_up: leg.runner_up.as_ref().map(Target::new),
         local_prefill_tokens: leg.local_prefill_tokens,
-        on_failure: settings.on_prefill_failure,
+        on_failure: if pull.is_some() {
+            OnPrefillFailure::Local
+        } else {
+            settings.on_prefill_failure
+        },
         timeout_ms: settings.prefill_timeout_ms,
+        pull,
     };
     if !door.prefill_leg {
         return fail_before_leg(
@@ -384,6 +394,7 @@ fn whole(
         fallback,
         body: WholeBody::Scrubbed,
         why: Some(why),
+        pull: None,
     })
 }
 
@@ -394,13 +405,18 @@ fn fail_before_leg(split: Split, why: WholeWhy, refusal: Reply) -> Dispatch {
         AfterFailure::Local { prefill_tokens } => {
             let mut target = split.decode;
             target.prefill_tokens = target.prefill_tokens.saturating_add(prefill_tokens);
-            whole(
+            let mut d = whole(
                 split.model,
                 target,
                 split.decode_fallback,
                 split.protocol,
                 why,
-            )
+            );
+            // A pull the door cannot make: its decode worker recomputes.
+            if let Dispatch::Whole(w) = &mut d {
+                w.pull = split.pull.map(Placed::recomputed);
+            }
+            d
         }
         _ => Dispatch::Refuse(Refusal::Unservable(refusal)),
     }

@@ -15,6 +15,25 @@ pub(crate) fn worker(id: u64, ranks: Vec<RankLoad>) -> WorkerState {
         role: Default::default(),
         bootstrap_port: 0,
         fits: None,
+        topology: Default::default(),
+    }
+}
+
+/// A 320-token prompt: 20 blocks of 16.
+pub(crate) fn prompt() -> Vec<u32> {
+    (0..320).collect()
+}
+
+/// A rank in `slot` with `prefill` tokens and `decode` blocks booked, of a
+/// 1000-block cache.
+pub(crate) fn rank(slot: u16, prefill: u64, decode: u64) -> RankLoad {
+    RankLoad {
+        slot,
+        active_prefill_tokens: prefill,
+        active_decode_blocks: decode,
+        kv_total_blocks: 1000,
+        max_num_batched_tokens: 8192,
+        ..Default::default()
     }
 }
 

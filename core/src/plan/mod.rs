@@ -22,6 +22,7 @@
 
 pub mod local;
 pub mod overlap;
+mod pull;
 pub mod request;
 pub mod retry;
 pub mod select;
@@ -29,9 +30,12 @@ pub mod select;
 #[cfg(test)]
 pub(crate) mod fixtures;
 #[cfg(test)]
+mod pull_tests;
+#[cfg(test)]
 mod split_tests;
 
 use crate::approx::{ChunkKind, Routed};
+use crate::disagg::pull::{Kind, Placed};
 use crate::state::{
     Disaggregation, ModelState, OnPrefillFailure, Policy, Protocol, Role, Snapshot,
 };
@@ -98,6 +102,9 @@ pub struct Route<'a> {
     /// [`disaggregation`](ModelState::disaggregation) says how to send the
     /// legs.
     pub prefill: Option<Prefill<'a>>,
+    /// On a model that pulls ([`ModelState::pulls`]), which of its three
+    /// placements this is: a pull is a remote prefill on the holder.
+    pub pull: Option<Placed>,
 }
 
 /// Where a disaggregated request's prompt is computed.
@@ -184,6 +191,9 @@ pub struct Ask {
     /// The request's latency targets (its class's or its model's); `None`:
     /// placed by cost alone.
     pub slo: Option<crate::state::Slo>,
+    /// The front door sends one upstream request and makes no prefill
+    /// leg (the ext_proc server): no pull is considered.
+    pub one_upstream: bool,
 }
 
 /// A request's overlap with every rank's cache, read from the index once:
@@ -228,7 +238,10 @@ impl<'a> Gathered<'a> {
         let split = model.disaggregation.filter(|_| model.disaggregated());
         let Some(d) = split else {
             return match self.choose(req, tenant, ask, terms, Leg::Whole, &model.policy) {
-                Ok((first, runner_up)) => Plan::Route(self.route(req, first, runner_up, None)),
+                Ok((first, runner_up)) => match model.pulls().filter(|_| !ask.one_upstream) {
+                    Some(p) => self.pulled(req, tenant, ask, terms, p, first, runner_up),
+                    None => Plan::Route(self.route(req, first, runner_up, None)),
+                },
                 Err(r) => Plan::Reject(r),
             };
         };
@@ -270,6 +283,73 @@ impl<'a> Gathered<'a> {
         Plan::Route(self.route(req, decode, decode_runner_up, Some(prefill)))
     }
 
+    /// A model that pulls: the best whole placement (`first`, today's
+    /// choice between the holder and a recompute) against the cheapest
+    /// pull, by one cost ([`crate::disagg::pull`]).
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "a placement's inputs, each named where it is used; a struct would only rename them"
+    )]
+    fn pulled(
+        &self,
+        req: &Parsed,
+        tenant: &str,
+        ask: &Ask,
+        terms: &[&dyn Term],
+        pull: &crate::disagg::pull::Pull,
+        first: Choice<'a>,
+        runner_up: Option<Choice<'a>>,
+    ) -> Plan<'a> {
+        let shape = self.shape(req, ask, Leg::Whole);
+        let found = pull::find(self, pull, tenant, &shape, ask, terms);
+        let quoted = found.best.filter(|q| {
+            crate::disagg::pull::choose(first.logit, Some(&q.quote))
+                && ask.slo.is_none_or(|slo| {
+                    slo.ttft_ms == 0
+                        || q.decoder
+                            .ttft_ms
+                            .is_none_or(|t| t <= f64::from(slo.ttft_ms))
+                })
+        });
+        let Some(q) = quoted else {
+            let recomputed = found.longest.saturating_sub(first.overlap.device);
+            let kind = if recomputed > 0 {
+                Kind::Recompute
+            } else {
+                Kind::Holder
+            };
+            let mut route = self.route(req, first, runner_up, None);
+            let blocks = u64::from(recomputed);
+            route.pull = Some(Placed {
+                kind,
+                blocks,
+                reused: blocks,
+                transfer_ms: 0.0,
+            });
+            return Plan::Route(route);
+        };
+        // Envoy retries the decode leg (its body names the holder's
+        // blocks) on another `both` worker, which pulls them as well.
+        let fallback = [Some(first), runner_up].into_iter().flatten().find(|c| {
+            !std::ptr::eq(c.worker, q.decoder.worker)
+                && !std::ptr::eq(c.worker, q.holder.worker)
+                && c.worker.role == Role::Both
+        });
+        let leg = PrefillLeg {
+            first: prefill_placement(req, q.holder),
+            runner_up: None,
+            local_prefill_tokens: placement(req, q.decoder).prefill_tokens,
+        };
+        let mut route = self.route(req, q.decoder, fallback, Some(Prefill::Remote(leg)));
+        route.pull = Some(Placed {
+            kind: Kind::Pull,
+            blocks: q.quote.moved_blocks,
+            reused: q.quote.reused_blocks,
+            transfer_ms: q.quote.transfer_ms,
+        });
+        Plan::Route(route)
+    }
+
     /// The cheapest candidate for `leg` and the cheapest on another
     /// worker, or why there is none.
     fn choose(
@@ -282,14 +362,7 @@ impl<'a> Gathered<'a> {
         policy: &Policy,
     ) -> Result<(Choice<'a>, Option<Choice<'a>>), Rejection> {
         let model = self.model;
-        let shape = RequestShape {
-            isl_tokens: req.isl_tokens,
-            tie_break: ask.tie_break,
-            sample: (ask.tie_break % 1_000_003) as f64 / 1_000_003.0,
-            thresholds_scale: ask.thresholds_scale,
-            leg,
-            slo: ask.slo,
-        };
+        let shape = self.shape(req, ask, leg);
         let cached = &self.cached;
         let (decision, runner_up) =
             select_with_runner_up(model, tenant, &shape, policy, terms, |w, r| {
@@ -309,6 +382,17 @@ impl<'a> Gathered<'a> {
             Decision::AllHot => Err(Rejection::Thermal { retry_after_s }),
             Decision::SloUnattainable => Err(Rejection::SloUnattainable { retry_after_s }),
             Decision::NoWorkers => Err(Rejection::NoWorkers),
+        }
+    }
+
+    fn shape(&self, req: &Parsed, ask: &Ask, leg: Leg) -> RequestShape {
+        RequestShape {
+            isl_tokens: req.isl_tokens,
+            tie_break: ask.tie_break,
+            sample: (ask.tie_break % 1_000_003) as f64 / 1_000_003.0,
+            thresholds_scale: ask.thresholds_scale,
+            leg,
+            slo: ask.slo,
         }
     }
 
@@ -355,6 +439,7 @@ impl<'a> Gathered<'a> {
                     hashes: hashes.clone(),
                 }),
             prefill,
+            pull: None,
         }
     }
 }

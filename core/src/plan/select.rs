@@ -152,8 +152,22 @@ pub fn new_blocks(isl_tokens: u64, block_size: u32, device_blocks: u32) -> u64 {
 }
 
 impl Policy {
-    /// The logit of placing `req` on `rank` given its overlap.
+    /// The logit of placing `req` on `rank` given its overlap: what
+    /// computing its prompt costs there, and what holding its answer does.
     pub fn logit(
+        &self,
+        req: &RequestShape,
+        block_size: u32,
+        rank: &RankLoad,
+        overlap: Overlap,
+    ) -> f64 {
+        self.prefill_cost(req, block_size, rank, overlap)
+            + self.decode_cost(req, block_size, rank, overlap)
+    }
+
+    /// The logit's prefill term: the rank's queue and the prompt's
+    /// uncached part, its cached prefix credited.
+    pub fn prefill_cost(
         &self,
         req: &RequestShape,
         block_size: u32,
@@ -174,10 +188,20 @@ impl Policy {
         let credit = self.overlap_credit * device
             + self.host_weight * host_only
             + self.disk_weight * disk_only;
-        let prefill = (raw_prefill - credit).max(0.0);
+        self.prefill_load_scale * (raw_prefill - credit).max(0.0)
+    }
+
+    /// The logit's decode terms: the rank's resident decode blocks and
+    /// running requests, and the blocks the request adds.
+    pub fn decode_cost(
+        &self,
+        req: &RequestShape,
+        block_size: u32,
+        rank: &RankLoad,
+        overlap: Overlap,
+    ) -> f64 {
         let added = new_blocks(req.isl_tokens, block_size, overlap.device) as f64;
-        self.prefill_load_scale * prefill
-            + rank.active_decode_blocks as f64
+        rank.active_decode_blocks as f64
             + added
             + self.decode_active_request_weight * f64::from(rank.running)
     }
@@ -384,7 +408,7 @@ fn predicted(
 /// model's thresholds: the published flag, unless a retry's headroom
 /// lets it in (scale above 1) or a class without the critical reserve
 /// finds it over its share (scale under 1).
-fn busy_for(
+pub(super) fn busy_for(
     model: &ModelState,
     worker: &WorkerState,
     rank: &RankLoad,

@@ -1,27 +1,11 @@
 //! Placement on a disaggregated model: two placements per request, the
 //! conditional rule between them, and shedding per leg.
 
-use super::fixtures::{held, worker};
+use super::fixtures::{held, prompt, rank, worker};
 use super::request::{Endpoint, parse};
 use super::*;
 use crate::state::{DEFAULT_TENANT, Disaggregation, RankLoad, Role, Thresholds, WorkerState};
 use std::collections::HashMap;
-
-/// 320 tokens: 20 blocks of 16.
-fn prompt() -> Vec<u32> {
-    (0..320).collect()
-}
-
-fn rank(slot: u16, prefill: u64, decode: u64) -> RankLoad {
-    RankLoad {
-        slot,
-        active_prefill_tokens: prefill,
-        active_decode_blocks: decode,
-        kv_total_blocks: 1000,
-        max_num_batched_tokens: 8192,
-        ..Default::default()
-    }
-}
 
 fn with_role(id: u64, role: Role, r: RankLoad) -> WorkerState {
     WorkerState {
@@ -365,6 +349,7 @@ fn a_retry_judges_each_worker_by_its_roles_conditions() {
         slo: None,
         tie_break: 0,
         thresholds_scale: h,
+        one_upstream: false,
     };
     let placed = |h| plan(&s, &req, DEFAULT_TENANT, &ask(h), &mut |_: &str| None, &[]);
     assert!(matches!(

@@ -7,7 +7,10 @@
 //!   routing with;
 //! * [`mooncake`]: Mooncake FAST'25 trace lines (`timestamp`,
 //!   `input_length`, `output_length`, `hash_ids`), each hash id turned into a
-//!   fixed block of 512 token ids, so equal ids give equal blocks.
+//!   fixed block of 512 token ids, so equal ids give equal blocks;
+//! * [`load_spill`]: groups of token prompts sharing a long prefix, one
+//!   group at a time arriving faster than one worker serves it, the hot
+//!   group rotating: the load a holder's cache alone cannot carry.
 
 use crate::RequestSpec;
 use bytes::Bytes;
@@ -129,6 +132,66 @@ pub fn shared_prefix(model: &str, p: SharedPrefix, seed: u64) -> Vec<RequestSpec
         .collect()
 }
 
+/// Parameters of [`load_spill`].
+#[derive(Debug, Clone, Copy)]
+pub struct LoadSpill {
+    pub groups: usize,
+    pub prefix_tokens: usize,
+    /// Each request's own tokens after its group's prefix, uniform in
+    /// `[min, max]`.
+    pub suffix_tokens: (usize, usize),
+    pub output_tokens: u32,
+    /// Mean request rate (Poisson arrivals), requests per second.
+    pub rate: f64,
+    /// Share of the arrivals that belong to the hot group; the rest are
+    /// spread evenly over every group. 0: no group is hot.
+    pub hot_share: f64,
+    /// How long a group stays hot before the next one is.
+    pub phase_s: f64,
+    /// Arrivals stop after this long.
+    pub secs: f64,
+}
+
+/// Requests of `p.groups` prefix groups; in the `k`th phase of
+/// `p.phase_s` seconds group `k mod groups` is hot. A hot request is tagged
+/// `hot`, any other `background`: the background keeps every group's
+/// prefix cached somewhere, so a burst finds a holder rather than a cold
+/// fleet.
+pub fn load_spill(model: &str, p: LoadSpill, seed: u64) -> Vec<RequestSpec> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let groups = p.groups.max(1);
+    let prefixes: Vec<Vec<u32>> = (0..groups)
+        .map(|g| block(seed ^ 0x5911 ^ ((g as u64) << 24), p.prefix_tokens))
+        .collect();
+    let (lo, hi) = (p.suffix_tokens.0, p.suffix_tokens.1.max(p.suffix_tokens.0));
+    let mut out = Vec::new();
+    let mut t = 0.0f64;
+    while t < p.secs {
+        let phase = (t / p.phase_s.max(1e-9)) as usize;
+        let hot = rng.random::<f64>() < p.hot_share;
+        let g = if hot {
+            phase % groups
+        } else {
+            rng.random_range(0..groups)
+        };
+        let mut tokens = prefixes[g].clone();
+        let suffix = rng.random_range(lo..=hi);
+        // Drawn from the stream itself: no two requests share a suffix.
+        tokens.extend((0..suffix).map(|_| rng.random_range(100..150_000u32)));
+        let n = tokens.len() as u64;
+        out.push(spec(
+            "/v1/completions",
+            json!({"model": model, "prompt": tokens, "max_tokens": p.output_tokens, "stream": true}),
+            true,
+            Duration::from_secs_f64(t),
+            if hot { "hot" } else { "background" },
+            Some(n),
+        ));
+        t += -(1.0 - rng.random::<f64>()).ln() / p.rate.max(1e-9);
+    }
+    out
+}
+
 /// Turns Mooncake trace lines into requests. `block_tokens` is 512 for the
 /// published traces; `limit` caps the number of requests.
 pub fn mooncake(
@@ -243,6 +306,63 @@ mod tests {
             .unwrap();
         assert_ne!(g1[..100], g0[0][..100]);
         assert!(specs.windows(2).all(|w| w[0].at <= w[1].at));
+    }
+
+    #[test]
+    fn load_spill_rotates_a_hot_group() {
+        let p = LoadSpill {
+            groups: 3,
+            prefix_tokens: 64,
+            suffix_tokens: (8, 16),
+            output_tokens: 4,
+            rate: 200.0,
+            hot_share: 0.8,
+            phase_s: 1.0,
+            secs: 3.0,
+        };
+        let specs = load_spill("m", p, 5);
+        assert_eq!(
+            specs.iter().map(|s| s.body.clone()).collect::<Vec<_>>(),
+            load_spill("m", p, 5)
+                .iter()
+                .map(|s| s.body.clone())
+                .collect::<Vec<_>>()
+        );
+        assert!(specs.windows(2).all(|w| w[0].at <= w[1].at));
+        assert!(specs.iter().all(|s| s.at.as_secs_f64() < 3.0));
+        let hot: Vec<&RequestSpec> = specs.iter().filter(|s| s.tag == "hot").collect();
+        let share = hot.len() as f64 / specs.len() as f64;
+        assert!((0.7..0.9).contains(&share), "hot share {share}");
+        // Each phase's hot requests share one prefix, another phase's a
+        // different one.
+        let prefix_of = |s: &RequestSpec| prompt(s)[..64].to_vec();
+        let in_phase = |k: u64| -> Vec<Vec<u32>> {
+            hot.iter()
+                .filter(|s| s.at.as_secs() == k)
+                .map(|s| prefix_of(s))
+                .collect()
+        };
+        let (a, b) = (in_phase(0), in_phase(1));
+        assert!(a.len() > 10 && b.len() > 10);
+        assert!(a.iter().all(|x| *x == a[0]) && b.iter().all(|x| *x == b[0]));
+        assert_ne!(a[0], b[0]);
+        let (x, y) = (prompt(hot[0]), prompt(hot[1]));
+        assert!((72..=80).contains(&x.len()));
+        assert_ne!(x[64..], y[64..], "suffixes are each request's own");
+        assert_eq!(
+            load_spill(
+                "m",
+                LoadSpill {
+                    hot_share: 0.0,
+                    ..p
+                },
+                5
+            )
+            .iter()
+            .filter(|s| s.tag == "hot")
+            .count(),
+            0
+        );
     }
 
     #[test]

@@ -187,8 +187,13 @@ pub struct Args {
     /// and a later pull finds them gone.
     #[arg(long, default_value_t = 30_000)]
     pub kv_lease_ms: u64,
-    /// KV transfer bandwidth in Gbit/s: a decode leg waits
-    /// blocks × `--kv-bytes-per-block` × 8 / this before its first token.
+    /// KV transfer bandwidth in Gbit/s of the link a worker's blocks are
+    /// pulled over. The link is the holder's (the prefill worker's) and is
+    /// shared: a lone pull takes blocks × `--kv-bytes-per-block` × 8 / this,
+    /// n pulls in flight at once each get 1/n of it, and a decode leg's
+    /// first token waits for its pull's bytes to be through. Divided by
+    /// `--speedup`; none with `--instant` or 0. (An SGLang decode leg still
+    /// waits the lone time, at its own worker's setting.)
     #[arg(long, default_value_t = 100.0)]
     pub kv_transfer_gbps: f64,
     /// Bytes of KV per block: the default is Llama-3-8B's (32 layers × 8
@@ -330,6 +335,8 @@ pub fn build(args: &Args) -> anyhow::Result<Arc<api::Sim>> {
             lease: std::time::Duration::from_millis(args.kv_lease_ms),
             transfer_gbps: args.kv_transfer_gbps,
             bytes_per_block: args.kv_bytes_per_block,
+            speedup: args.speedup,
+            instant: args.instant,
             publish_received: !args.no_publish_received_blocks,
             failure_policy: args.kv_load_failure_policy,
             bootstrap_timeout: std::time::Duration::from_secs_f64(

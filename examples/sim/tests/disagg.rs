@@ -436,6 +436,85 @@ async fn an_expired_lease_fails_the_decode_leg_unless_it_recomputes() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn concurrent_pulls_share_the_holders_link() {
+    // Three blocks a prompt (two full of four tokens and the tail) of
+    // 1 MB at 0.024 Gbit/s: one second alone on the holder's link.
+    let prefill = start(&[
+        "--kv-role",
+        "kv_producer",
+        "--block-size",
+        "4",
+        "--prefill-us-per-token",
+        "0",
+        "--kv-bytes-per-block",
+        "1000000",
+        "--kv-transfer-gbps",
+        "0.024",
+    ])
+    .await;
+    // The decode workers' own bandwidth is not what their pulls wait on.
+    let decodes = [
+        start(&["--kv-role", "kv_consumer", "--block-size", "4"]).await,
+        start(&["--kv-role", "kv_consumer", "--block-size", "4"]).await,
+    ];
+    let mut bodies = Vec::new();
+    for (i, from) in [0u32, 100].into_iter().enumerate() {
+        let client = client_body(false, false, from);
+        let params = prefill_leg(&prefill, &client, false, &format!("shared-{i}")).await;
+        bodies.push(decode_body(client.as_bytes(), &params).unwrap());
+    }
+    let t0 = Instant::now();
+    let legs: Vec<_> = decodes
+        .iter()
+        .zip(bodies)
+        .map(|(addr, body)| {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                let a = post(&addr, "/v1/completions", &body, &[]).await;
+                (a, t0.elapsed())
+            })
+        })
+        .collect();
+    // While both pulls are on the link the holder keeps their blocks.
+    until(&prefill, "both pulls share the link", |v| {
+        v["counters"]["link_max_concurrent"] == 2 && v["counters"]["held_blocks"] == 4
+    })
+    .await;
+    let mut last_done = Duration::ZERO;
+    for leg in legs {
+        let (a, took) = leg.await.unwrap();
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert!(
+            took >= Duration::from_millis(900),
+            "{took:?}: a pull is not free"
+        );
+        last_done = last_done.max(took);
+    }
+    // Two seconds of bytes through a one-lane link: the last pull cannot
+    // end before both have gone through, however they were interleaved.
+    assert!(
+        last_done >= Duration::from_millis(1900),
+        "{last_done:?}: the pulls did not share the holder's link"
+    );
+    let pd = disagg(&prefill).await;
+    assert_eq!(pd["counters"]["link_bytes"], 6_000_000);
+    assert_eq!(pd["counters"]["link_max_concurrent"], 2);
+    assert_eq!(
+        pd["counters"]["held_blocks"], 0,
+        "the hold ends with the pull"
+    );
+    assert_eq!(pd["counters"]["pulls_served"], 2);
+    for d in &decodes {
+        let d = disagg(d).await;
+        assert_eq!(d["counters"]["pulls"], 1);
+        assert_eq!(
+            d["counters"]["link_bytes"], 0,
+            "a puller's own link is idle"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn legs_a_role_cannot_serve_and_malformed_params_are_400s() {
     let producer = start(&["--kv-role", "kv_producer", "--instant"]).await;
     let consumer = start(&["--kv-role", "kv_consumer", "--instant"]).await;

@@ -7,7 +7,9 @@
 
 use super::Selection;
 use super::ledger_view::{fresh_model, ledger_refusal, valid_reservation_id, within_bound};
-use super::views::{self, LegView, OverlapView, Prompt, SelectRequest, SelectionView, SplitView};
+use super::views::{
+    self, LegView, OverlapView, PlacementView, Prompt, SelectRequest, SelectionView, SplitView,
+};
 use super::{error, json_response};
 use crate::fleet::RankId;
 use crate::metrics::{Metrics, SelectionMetrics};
@@ -311,23 +313,20 @@ fn selection(
         req.critical(),
         None,
     );
-    let (plan, cached) = place_in(
-        model,
-        &parsed,
-        &req.tenant_id,
+    let ask = Ask {
         tie_break,
-        scale,
-        shards,
-        false,
-    );
+        thresholds_scale: scale,
+        ..Ask::default()
+    };
+    let (plan, cached) = place_in(model, &parsed, &req.tenant_id, &ask, shards, false);
     let route = match &plan {
         Plan::Route(r) => r,
         Plan::Reject(r) => return Err(Refused::Plan(*r)),
     };
     // The client's body is its own, unseen here: no body rule applies.
-    let (decode, prefill, why) = match dispatch(&plan, Door::CLIENT_SENDS, None) {
-        Dispatch::Whole(w) => (w.target, None, w.why),
-        Dispatch::Split(s) => (s.decode, Some(s.prefill), None),
+    let (decode, prefill, why, pull) = match dispatch(&plan, Door::CLIENT_SENDS, None) {
+        Dispatch::Whole(w) => (w.target, None, w.why, w.pull),
+        Dispatch::Split(s) => (s.decode, Some(s.prefill), None, s.pull),
         Dispatch::Refuse(Refusal::Plan(r)) => return Err(Refused::Plan(r)),
         Dispatch::Refuse(Refusal::Unservable(reply)) => return Err(Refused::Unservable(reply)),
     };
@@ -377,6 +376,11 @@ fn selection(
         overlap: reported(&first.choice, |slot| cached.reported(slot)),
         effective_prefill_tokens: decode.prefill_tokens,
         disaggregation,
+        placement: pull.map(|p| PlacementView {
+            kind: p.kind.as_str().to_string(),
+            blocks: p.blocks,
+            transfer_us: (p.transfer_ms * 1e3).round().clamp(0.0, u64::MAX as f64) as u64,
+        }),
         class: if req.critical() {
             "critical"
         } else {
@@ -404,8 +408,7 @@ fn place_in<'m>(
     model: &'m ModelState,
     parsed: &Parsed,
     tenant: &str,
-    tie_break: u64,
-    thresholds_scale: Option<f64>,
+    ask: &Ask,
     shards: &mut impl ShardSource,
     report: bool,
 ) -> (Plan<'m>, Cached) {
@@ -413,12 +416,7 @@ fn place_in<'m>(
     if !report {
         gathered = gathered.without_report();
     }
-    let ask = Ask {
-        slo: None,
-        tie_break,
-        thresholds_scale,
-    };
-    let plan = gathered.place(parsed, tenant, &ask, &[]);
+    let plan = gathered.place(parsed, tenant, ask, &[]);
     (plan, gathered.cached)
 }
 

@@ -2,6 +2,7 @@
 
 use super::millis;
 use kvgate_core::disagg::Conditional;
+use kvgate_core::disagg::pull::Pull;
 use kvgate_core::{Disaggregation, OnPrefillFailure, Policy, Protocol};
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -34,6 +35,12 @@ pub struct DisaggregationConfig {
     /// it; absent, the model's `policy.overlap_credit`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_affinity: Option<f64>,
+    /// `[models.disaggregation.pull]`: on a model of `both` workers, a
+    /// request may be prefilled on the worker holding its prefix and
+    /// decoded on another that pulls the KV, when that costs less.
+    /// Absent: never. Only `vllm-nixl` pulls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull: Option<Pull>,
 }
 
 fn default_max_uncached_tokens() -> u64 {
@@ -60,6 +67,7 @@ impl DisaggregationConfig {
             on_prefill_failure: self.on_prefill_failure,
             prefill_timeout_ms: u64::try_from(self.prefill_timeout.as_millis()).unwrap_or(u64::MAX),
             decode_affinity: self.decode_affinity.unwrap_or(policy.overlap_credit),
+            pull: self.pull,
         }
     }
 }

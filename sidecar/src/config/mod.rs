@@ -143,6 +143,12 @@ impl Config {
                 d.resolve(&m.policy)
                     .validate()
                     .map_err(|e| format!("model {:?}: disaggregation: {e}", m.name))?;
+                if d.pull.is_some() && d.protocol != kvgate_core::Protocol::VllmNixl {
+                    return Err(format!(
+                        "model {:?}: disaggregation.pull needs protocol \"vllm-nixl\": only NIXL's decode worker pulls KV named in its body",
+                        m.name
+                    ));
+                }
             }
             if let Some(p) = &m.planner {
                 p.validate()

@@ -452,6 +452,159 @@ fn bad_disaggregation_settings_say_what_is_wrong() {
     assert!(e.contains("unknown variant `encode`"), "{e}");
 }
 
+/// A model of `both` workers that pulls, each key of its pull table given.
+const PULLS: &str = r#"
+[[models]]
+name = "m"
+active_decode_blocks_threshold = 0.05
+[models.disaggregation]
+protocol = "vllm-nixl"
+[models.disaggregation.pull]
+min_blocks = 8
+kv_bytes_per_token = 65536
+prefill_tokens_per_s = 20000.0
+[models.disaggregation.pull.link]
+same_node_gbps = 800.0
+same_rack_gbps = 400.0
+elsewhere_gbps = 50.0
+
+[[workers]]
+worker_id = 1
+model_name = "m"
+endpoint = "127.0.0.1:8001"
+topology = { node = "gpu-node-1", rack = "rack-a" }
+[[workers]]
+worker_id = 2
+model_name = "m"
+endpoint = "127.0.0.1:8002"
+"#;
+
+fn pull_of(c: &Config) -> Option<kvgate_core::disagg::pull::Pull> {
+    let m = &c.models[0];
+    m.disaggregation
+        .as_ref()
+        .and_then(|d| d.resolve(&m.policy).pull)
+}
+
+#[test]
+fn the_pull_table_parses_and_its_keys_default() {
+    use kvgate_core::disagg::pull::{Links, Pull};
+    let c = Config::parse(PULLS).unwrap();
+    assert_eq!(
+        pull_of(&c),
+        Some(Pull {
+            min_blocks: 8,
+            kv_bytes_per_token: 65536,
+            prefill_tokens_per_s: 20000.0,
+            link: Links {
+                same_node_gbps: 800.0,
+                same_rack_gbps: 400.0,
+                elsewhere_gbps: 50.0,
+            },
+        })
+    );
+    // The table's presence turns pulls on; each key left out is its
+    // default, the link's too.
+    let bare = "[[models]]\nname = \"m\"\n[models.disaggregation]\nprotocol = \"vllm-nixl\"\n";
+    let c = Config::parse(&format!("{bare}[models.disaggregation.pull]\n")).unwrap();
+    assert_eq!(pull_of(&c), Some(Pull::default()));
+    let c = Config::parse(&format!(
+        "{bare}[models.disaggregation.pull]\nmin_blocks = 2\n[models.disaggregation.pull.link]\nelsewhere_gbps = 25.0\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        pull_of(&c),
+        Some(Pull {
+            min_blocks: 2,
+            link: Links {
+                elsewhere_gbps: 25.0,
+                ..Links::default()
+            },
+            ..Pull::default()
+        })
+    );
+    assert_eq!(
+        pull_of(&Config::parse(bare).unwrap()),
+        None,
+        "off without the table"
+    );
+}
+
+#[test]
+fn bad_pull_settings_say_what_is_wrong() {
+    let with = |from: &str, to: &str| {
+        assert!(PULLS.contains(from), "{from}");
+        err(&PULLS.replace(from, to))
+    };
+    // SGLang's decode worker pulls nothing named in its body.
+    let e = with("protocol = \"vllm-nixl\"", "protocol = \"sglang\"");
+    assert!(
+        e.contains("model \"m\"") && e.contains("disaggregation.pull needs protocol \"vllm-nixl\""),
+        "{e}"
+    );
+    let e = with(
+        "prefill_tokens_per_s = 20000.0",
+        "prefill_tokens_per_s = 0.0",
+    );
+    assert!(
+        e.contains("pull.prefill_tokens_per_s must be finite and above 0"),
+        "{e}"
+    );
+    let e = with("kv_bytes_per_token = 65536", "kv_bytes_per_token = 0");
+    assert!(e.contains("pull.kv_bytes_per_token"), "{e}");
+    let e = with("elsewhere_gbps = 50.0", "elsewhere_gbps = nan");
+    assert!(e.contains("pull.link.elsewhere_gbps"), "{e}");
+    let e = with("min_blocks = 8", "min_block = 8");
+    assert!(e.contains("unknown field `min_block`"), "{e}");
+    let e = with("same_rack_gbps = 400.0", "same_switch_gbps = 400.0");
+    assert!(e.contains("unknown field `same_switch_gbps`"), "{e}");
+}
+
+#[test]
+fn a_workers_topology_parses_and_bad_names_are_refused() {
+    use kvgate_core::Topology;
+    let c = Config::parse(PULLS).unwrap();
+    assert_eq!(
+        c.workers[0].topology,
+        Topology {
+            node: "gpu-node-1".into(),
+            rack: "rack-a".into(),
+        }
+    );
+    assert_eq!(
+        c.workers[1].topology,
+        Topology::default(),
+        "unknown: elsewhere"
+    );
+    let c = Config::parse(&PULLS.replace(", rack = \"rack-a\"", "")).unwrap();
+    assert_eq!(
+        c.workers[0].topology.rack, "",
+        "either part may be left out"
+    );
+    let named = |node: &str| PULLS.replace("\"gpu-node-1\"", node);
+    // The longest Kubernetes node name is taken; one byte more is not.
+    let longest = "n".repeat(253);
+    let c = Config::parse(&named(&format!("{longest:?}"))).unwrap();
+    assert_eq!(c.workers[0].topology.node, longest);
+    for bad in [
+        format!("\"{}\"", "n".repeat(254)),
+        r#""gpu-node-1\n""#.to_string(),
+        r#""gpu\u0000node""#.to_string(),
+    ] {
+        let e = err(&named(&bad));
+        assert!(
+            e.contains(
+                "worker 1: topology.node must be at most 253 bytes without control characters"
+            ),
+            "{bad}: {e}"
+        );
+    }
+    let e = err(&PULLS.replace("\"rack-a\"", r#""rack\ta""#));
+    assert!(e.contains("topology.rack"), "{e}");
+    let e = err(&PULLS.replace("rack = ", "zone = "));
+    assert!(e.contains("unknown field `zone`"), "{e}");
+}
+
 #[test]
 fn max_prompt_tokens_defaults_and_is_bounded() {
     let c = Config::parse(

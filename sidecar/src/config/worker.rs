@@ -2,7 +2,7 @@
 //! `/workers` API write it.
 
 use super::thermal::ThermalOverride;
-use kvgate_core::{Policy, Role, Slo, Thresholds};
+use kvgate_core::{Policy, Role, Slo, Thresholds, Topology};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -81,6 +81,9 @@ fn default_max_prompt_tokens() -> u64 {
     DEFAULT_MAX_PROMPT_TOKENS
 }
 
+/// The longest node or rack name: a Kubernetes node name's limit.
+const MAX_PLACE_LEN: usize = 253;
+
 fn is_unset(o: &ThermalOverride) -> bool {
     *o == ThermalOverride::default()
 }
@@ -104,6 +107,11 @@ pub struct WorkerSpec {
     /// reads it.
     #[serde(default)]
     pub bootstrap_port: Option<u16>,
+    /// Where it runs (`{ node = "...", rack = "..." }`): the link a KV pull
+    /// between two workers crosses is priced by it (same node, same rack,
+    /// elsewhere). Unset: elsewhere from every worker.
+    #[serde(default, skip_serializing_if = "Topology::is_unknown")]
+    pub topology: Topology,
     /// `ip:port` (an `http://` prefix is accepted and dropped): what Envoy's
     /// ORIGINAL_DST cluster connects to.
     pub endpoint: String,
@@ -185,6 +193,13 @@ impl WorkerSpec {
         }
         if self.bootstrap_port == Some(0) {
             return Err(format!("worker {id}: bootstrap_port must be above 0"));
+        }
+        for (what, name) in [("node", &self.topology.node), ("rack", &self.topology.rack)] {
+            if name.len() > MAX_PLACE_LEN || name.chars().any(char::is_control) {
+                return Err(format!(
+                    "worker {id}: topology.{what} must be at most {MAX_PLACE_LEN} bytes without control characters"
+                ));
+            }
         }
         if self.model_name.is_empty() {
             return Err(format!("worker {id}: model_name is empty"));

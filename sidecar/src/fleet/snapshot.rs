@@ -179,6 +179,7 @@ impl Fleet {
                     .planning
                     .latency(&model.name)
                     .and_then(|l| l.published(w.spec.worker_id, w.spec.role, now)),
+                topology: w.spec.topology.clone(),
             });
         }
         for (name, p) in &self.planning.models {

@@ -65,6 +65,7 @@ fn worker(w: u16, protocol: Protocol) -> WorkerState {
             0
         },
         fits: None,
+        topology: Default::default(),
     }
 }
 

@@ -73,6 +73,7 @@ fn fleet(version: u64, rng: &mut Rng, template_version: u64) -> Snapshot {
             role: Default::default(),
             bootstrap_port: 0,
             fits: None,
+            topology: Default::default(),
         })
         .collect();
     let m = |name: &str, shard_count: u32, template: u64| {

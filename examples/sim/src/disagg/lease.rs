@@ -1,6 +1,7 @@
 //! A prefill engine's blocks held for remote decodes: each prefill leg's
-//! blocks stay pinned under its request id until the decode worker pulls
-//! them or the lease runs out, as vLLM's NixlConnector holds them for
+//! blocks stay pinned under its request id until the decode worker has
+//! pulled them (their bytes through the holder's [`super::link::Link`]) or
+//! the lease runs out, as vLLM's NixlConnector holds them for
 //! `kv_lease_duration`. Either way the hold ends and the blocks fall back
 //! to the cache's ordinary eviction.
 
@@ -134,27 +135,44 @@ impl Leases {
         }
     }
 
-    /// A pull: the asked blocks' identities, in the order asked; the lease
-    /// ends with it, as the prefill engine frees the blocks once the
-    /// decode worker has read them.
-    pub fn take(&self, request_id: &str, ids: &[u32]) -> Result<Vec<BlockIdentity>, TakeError> {
+    /// A pull: the asked blocks' identities, in the order asked. The lease
+    /// ends with it, but the blocks stay held until the [`Taken`] is
+    /// dropped: the prefill engine frees them once the decode worker has
+    /// read them, which is after the transfer, not when it is asked for.
+    pub fn take(&self, request_id: &str, ids: &[u32]) -> Result<Taken<'_>, TakeError> {
         let mut map = self.map();
         let lease = map
             .get(request_id)
             .ok_or_else(|| TakeError::Gone(request_id.to_string()))?;
-        let mut out = Vec::with_capacity(ids.len().min(lease.blocks.len()));
+        let mut blocks = Vec::with_capacity(ids.len().min(lease.blocks.len()));
         for id in ids {
             let b = lease
                 .blocks
                 .iter()
                 .find(|b| b.id == *id)
                 .ok_or_else(|| TakeError::Foreign(*id, request_id.to_string()))?;
-            out.push(*b);
+            blocks.push(*b);
         }
-        if let Some(lease) = map.remove(request_id) {
-            drop(map);
-            self.end(lease);
+        let lease = map.remove(request_id);
+        Ok(Taken {
+            blocks,
+            leases: self,
+            lease,
+        })
+    }
+}
+
+/// A pulled lease's blocks, held until this is dropped.
+pub struct Taken<'a> {
+    pub blocks: Vec<BlockIdentity>,
+    leases: &'a Leases,
+    lease: Option<Lease>,
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            self.leases.end(lease);
         }
-        Ok(out)
     }
 }

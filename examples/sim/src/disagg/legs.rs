@@ -253,7 +253,8 @@ fn check_identities(chain: &[u64], from: usize, got: &[BlockIdentity]) -> Result
 }
 
 /// vLLM's decode leg: pull the blocks this worker lacks, cache them, then
-/// decode with no prefill compute.
+/// decode with no prefill compute. The pull's answer comes once the bytes
+/// are through the holder's link, so the transfer is already paid here.
 async fn nixl_decode(
     sim: &Arc<Sim>,
     job: Job,
@@ -290,10 +291,20 @@ async fn nixl_decode(
         .await
         .map_err(|e| e.to_string())?;
         check_identities(&chain, held, &got)?;
-        Ok(got.len())
+        Ok(Loaded {
+            blocks: got.len(),
+            transfer_left: Duration::ZERO,
+        })
     }
     .await;
     received(sim, job, rank, loaded).await
+}
+
+/// The blocks a decode leg received, and how much of their transfer it has
+/// yet to wait for before its first token.
+struct Loaded {
+    blocks: usize,
+    transfer_left: Duration,
 }
 
 /// A decode leg once its load is known: decode what arrived, or fail, or
@@ -302,11 +313,14 @@ async fn received(
     sim: &Arc<Sim>,
     job: Job,
     rank: Arc<Rank>,
-    loaded: Result<usize, String>,
+    loaded: Result<Loaded, String>,
 ) -> (Response, Outcome) {
     let d = &sim.disagg;
     match loaded {
-        Ok(blocks) => {
+        Ok(Loaded {
+            blocks,
+            transfer_left,
+        }) => {
             d.counters.pulls.fetch_add(1, Ordering::Relaxed);
             d.counters
                 .blocks_pulled
@@ -325,8 +339,7 @@ async fn received(
                     return (bad(e.to_string()), Outcome::failed(e.to_string()));
                 }
             };
-            let transfer = d.transfer_time(blocks, sim.time.speedup, sim.time.instant);
-            let resp = respond(sim.clone(), job, admitted, Start::Transfer(transfer)).await;
+            let resp = respond(sim.clone(), job, admitted, Start::Transfer(transfer_left)).await;
             (
                 resp,
                 Outcome {
@@ -436,7 +449,12 @@ async fn sglang_decode(
             "the prefill sent {} blocks but this prompt has {expected}",
             got.len()
         )),
-        Ok(got) => check_identities(&chain, 0, &got).map(|()| got.len()),
+        // The prefill hands the blocks over without a link of its own to
+        // share, so the decode side charges their transfer as before.
+        Ok(got) => check_identities(&chain, 0, &got).map(|()| Loaded {
+            blocks: got.len(),
+            transfer_left: d.transfer_time(got.len()),
+        }),
         Err(why) => {
             if why.contains("timeout") {
                 d.counters
@@ -478,6 +496,8 @@ pub async fn introspect(State(sim): State<Arc<Sim>>) -> Response {
             "bootstrap_timeouts": n(&c.bootstrap_timeouts),
             "rejected": n(&c.rejected),
             "held_blocks": d.held_blocks(),
+            "link_bytes": d.link.bytes(),
+            "link_max_concurrent": d.link.max_concurrent(),
         },
         "recent": d.record.json(),
     });

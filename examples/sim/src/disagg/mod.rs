@@ -6,13 +6,16 @@
 //! side channel ([`nixl`], [`side_channel`], [`lease`]); and SGLang's
 //! bootstrap, where both legs get the same body at once and meet in a
 //! bootstrap room ([`bootstrap`]). Both move block identities only and
-//! charge the KV transfer as time. [`record`] keeps what the legs saw for
-//! tests.
+//! charge the KV transfer as time. A NIXL pull's time is spent on the
+//! holder's [`link`], the prefill worker's one `--kv-transfer-gbps` link
+//! that concurrent pulls from it share; an SGLang decode leg still charges
+//! its transfer alone. [`record`] keeps what the legs saw for tests.
 
 pub mod bootstrap;
 pub mod frame;
 pub mod lease;
 pub mod legs;
+pub mod link;
 mod listen;
 pub mod nixl;
 pub mod record;
@@ -77,15 +80,23 @@ pub struct Config {
     pub protocol: PdProtocol,
     /// How long a prefill's blocks are held for a pull (wall time).
     pub lease: Duration,
+    /// This worker's link bandwidth when its blocks are pulled, shared by
+    /// the pulls in flight.
     pub transfer_gbps: f64,
     pub bytes_per_block: u64,
+    /// The time model's: transfers are simulated durations like any other.
+    pub speedup: f64,
+    pub instant: bool,
     pub publish_received: bool,
     pub failure_policy: LoadFailurePolicy,
     /// SGLang's bootstrap and waiting timeouts (wall time).
     pub bootstrap_timeout: Duration,
     /// The host a prefill answer names for its side channel.
     pub advertise_host: String,
-    /// How long a decode leg waits for a side-channel answer.
+    /// How long a decode leg waits for a side-channel answer. The answer
+    /// comes once the bytes are through the holder's link, so this covers
+    /// the wait behind other pulls too; the blocks stay held until then,
+    /// which bounds that backlog by the holder's cache.
     pub pull_timeout: Duration,
     /// Prefill legs get their headers and then no body, ever.
     pub stall_after_headers: bool,
@@ -148,6 +159,9 @@ pub struct Disagg {
     /// Per rank, when this worker serves NIXL prefill legs.
     pub side_channels: Vec<SideChannel>,
     pub rooms: Arc<bootstrap::Rooms>,
+    /// The link pulls from this worker go through, one for all its ranks
+    /// as their side channels share the worker's network.
+    pub link: Arc<link::Link>,
     pub bootstrap_port: Option<u16>,
     bootstrap_listener: Mutex<Option<std::net::TcpListener>>,
     /// This process's engine id, under which its requests are named too.
@@ -208,12 +222,18 @@ impl Disagg {
             } else {
                 (None, None)
             };
+        let link = Arc::new(link::Link::new(
+            config.transfer_gbps,
+            config.speedup,
+            config.instant,
+        ));
         Ok(Disagg {
             config,
             counters,
             record: record::Recorder::default(),
             side_channels,
             rooms: Arc::default(),
+            link,
             bootstrap_port,
             bootstrap_listener: Mutex::new(bootstrap_listener),
             engine_id: engine_id.to_string(),
@@ -232,6 +252,8 @@ impl Disagg {
                     sc.engine_id.clone(),
                     sc.leases.clone(),
                     self.counters.clone(),
+                    self.link.clone(),
+                    self.config.bytes_per_block,
                 ));
             }
         }
@@ -280,15 +302,17 @@ impl Disagg {
         }
     }
 
-    /// The KV transfer time of `blocks` blocks, divided like every
-    /// simulated duration.
-    pub fn transfer_time(&self, blocks: usize, speedup: f64, instant: bool) -> Duration {
+    /// The KV transfer time of `blocks` blocks over an idle link, divided
+    /// like every simulated duration: what an SGLang decode leg waits,
+    /// since nothing is shared on that path.
+    pub fn transfer_time(&self, blocks: usize) -> Duration {
         let gbps = self.config.transfer_gbps;
-        if instant || blocks == 0 || gbps.is_nan() || gbps <= 0.0 {
+        if self.config.instant || blocks == 0 || gbps.is_nan() || gbps <= 0.0 {
             return Duration::ZERO;
         }
         let bits = blocks as f64 * self.config.bytes_per_block as f64 * 8.0;
-        Duration::from_secs_f64(bits / (gbps * 1e9) / speedup.max(1e-9))
+        Duration::try_from_secs_f64(bits / (gbps * 1e9) / self.config.speedup.max(1e-9))
+            .unwrap_or(Duration::MAX)
     }
 
     /// An id for a request that came without `X-Request-Id`, unique to
@@ -349,6 +373,8 @@ mod tests {
                 lease: Duration::from_secs(30),
                 transfer_gbps: 100.0,
                 bytes_per_block: 1 << 21,
+                speedup: 1.0,
+                instant: false,
                 publish_received: true,
                 failure_policy: LoadFailurePolicy::Fail,
                 bootstrap_timeout: Duration::from_secs(300),
@@ -360,6 +386,7 @@ mod tests {
             record: record::Recorder::default(),
             side_channels: Vec::new(),
             rooms: Arc::default(),
+            link: Arc::new(link::Link::new(100.0, 1.0, false)),
             bootstrap_port: None,
             bootstrap_listener: Mutex::new(None),
             engine_id: "e".into(),
@@ -407,11 +434,13 @@ mod tests {
 
     #[test]
     fn transfer_time_follows_bandwidth() {
-        let d = disagg(None, PdProtocol::Nixl);
+        let mut d = disagg(None, PdProtocol::Nixl);
         // 100 blocks of 2 MiB at 100 Gbit/s.
-        let t = d.transfer_time(100, 1.0, false);
+        let t = d.transfer_time(100);
         assert!((t.as_secs_f64() - 100.0 * 2097152.0 * 8.0 / 100e9).abs() < 1e-9);
-        assert_eq!(d.transfer_time(100, 1.0, true), Duration::ZERO);
-        assert_eq!(d.transfer_time(100, 2.0, false), t / 2);
+        d.config.speedup = 2.0;
+        assert_eq!(d.transfer_time(100), t / 2);
+        d.config.instant = true;
+        assert_eq!(d.transfer_time(100), Duration::ZERO);
     }
 }

@@ -2,12 +2,15 @@
 //! listen on a TCP port (the answer's `remote_port`); a decode worker
 //! connects, names the engine, the request and the blocks it lacks, and
 //! gets their identities back, or a "gone" when the lease has ended. The
-//! KV bytes themselves are not sent: the decode side charges their
-//! transfer time instead.
+//! KV bytes themselves are not sent: the answer waits until they would be
+//! through this worker's [`Link`], which the holder owns and every pull
+//! from it shares, so the decode side's wait for the answer is the
+//! transfer.
 
 use super::Counters;
 use super::frame::{self, BlockIdentity, Message};
 use super::lease::{Leases, TakeError};
+use super::link::Link;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -25,21 +28,41 @@ pub async fn serve(
     engine_id: String,
     leases: Arc<Leases>,
     counters: Arc<Counters>,
+    link: Arc<Link>,
+    bytes_per_block: u64,
 ) {
     let engine_id: Arc<str> = engine_id.into();
     super::listen::serve_bounded(listener, MAX_CONNECTIONS, "side channel", move |stream| {
-        let (engine_id, leases, counters) = (engine_id.clone(), leases.clone(), counters.clone());
-        async move { connection(stream, &engine_id, &leases, &counters).await }
+        let (engine_id, leases, counters, link) = (
+            engine_id.clone(),
+            leases.clone(),
+            counters.clone(),
+            link.clone(),
+        );
+        async move {
+            let holder = Holder {
+                engine_id: &engine_id,
+                leases: &leases,
+                counters: &counters,
+                link: &link,
+                bytes_per_block,
+            };
+            connection(stream, holder).await
+        }
     })
     .await;
 }
 
-async fn connection(
-    mut stream: TcpStream,
-    engine_id: &str,
-    leases: &Leases,
-    counters: &Counters,
-) -> Result<(), frame::FrameError> {
+/// What a connection serves pulls from.
+struct Holder<'a> {
+    engine_id: &'a str,
+    leases: &'a Leases,
+    counters: &'a Counters,
+    link: &'a Link,
+    bytes_per_block: u64,
+}
+
+async fn connection(mut stream: TcpStream, h: Holder<'_>) -> Result<(), frame::FrameError> {
     loop {
         let msg = match tokio::time::timeout(IDLE, frame::read(&mut stream)).await {
             Ok(Ok(Some(m))) => m,
@@ -56,17 +79,19 @@ async fn connection(
                 engine_id: asked,
                 request_id,
                 block_ids,
-            } if asked == engine_id => match leases.take(&request_id, &block_ids) {
-                Ok(blocks) => {
-                    counters.pulls_served.fetch_add(1, Ordering::Relaxed);
-                    Message::Blocks(blocks)
+            } if asked == h.engine_id => match h.leases.take(&request_id, &block_ids) {
+                Ok(mut taken) => {
+                    let bytes = (taken.blocks.len() as u64).saturating_mul(h.bytes_per_block);
+                    h.link.carry(bytes).await;
+                    h.counters.pulls_served.fetch_add(1, Ordering::Relaxed);
+                    Message::Blocks(std::mem::take(&mut taken.blocks))
                 }
                 Err(e @ TakeError::Gone(_)) => Message::Gone(e.to_string()),
                 Err(e @ TakeError::Foreign(..)) => Message::Refused(e.to_string()),
             },
             Message::Pull {
                 engine_id: asked, ..
-            } => Message::Refused(format!("this is engine {engine_id}, not {asked}")),
+            } => Message::Refused(format!("this is engine {}, not {asked}", h.engine_id)),
             other => Message::Refused(format!("a side channel serves pulls, not {other:?}")),
         };
         frame::write(&mut stream, &answer).await?;

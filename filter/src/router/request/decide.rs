@@ -23,7 +23,7 @@ use kvgate_core::text::skeleton::Path;
 /// What the router does with a request.
 #[derive(Debug)]
 pub(super) enum Decision {
-    Whole(Whole, Facts),
+    Whole(Box<Whole>, Facts),
     /// A disaggregated request whose prompt is prefilled on another worker
     /// first.
     Split(Box<Split>, Facts),
@@ -153,6 +153,7 @@ pub(super) fn decide(
         tie_break: st.tie_break,
         thresholds_scale: admit.scale,
         slo: None,
+        one_upstream: false,
     };
     let Some(snap) = st.view.snapshot.as_ref() else {
         return Decision::Reply(Reply::stale());
@@ -242,9 +243,14 @@ pub(super) fn decide(
                 Some(WholeWhy::NoRoom) => h.count(m.prefill_failed),
                 _ => {}
             }
-            Decision::Whole(w, facts)
+            if let Some(p) = &w.pull {
+                m.placed(h, p);
+            }
+            Decision::Whole(Box::new(w), facts)
         }
         Dispatch::Split(s) => {
+            // A pull is counted when its prefill leg answers: as a pull,
+            // or as the recompute it became.
             h.count(m.prefill_remote);
             Decision::Split(Box::new(s), facts)
         }

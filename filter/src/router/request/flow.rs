@@ -129,6 +129,8 @@ pub(super) struct Routed {
     pub fallback: Option<Target>,
     /// What the served-by response header says: engines name no worker.
     pub served_by: Option<String>,
+    /// What the placement header says, on a model that pulls.
+    pub placement: Option<String>,
     /// An SGLang prefill leg sent beside it, until it answers.
     pub draining: Option<Draining>,
     /// Sampled: its answer is read for the cached tokens the engine used.
@@ -518,7 +520,7 @@ impl Flow {
         let action = match decision {
             Decision::Whole(w, facts) => {
                 let scrub = w.body == WholeBody::Scrubbed;
-                let routed = self.route_to(h, w, &facts, Leg::Whole);
+                let routed = self.route_to(h, *w, &facts, Leg::Whole);
                 self.stage = Stage::Routed(Box::new(routed));
                 if scrub {
                     self.mint_request_id(h);
@@ -774,6 +776,7 @@ impl Flow {
             model,
             target,
             fallback,
+            pull,
             ..
         } = w;
         let c = &st.config;
@@ -805,11 +808,11 @@ impl Flow {
             target.decode_blocks,
         );
         let mut clock = Clock::new(leg, h.now_us(), facts);
-        // A decode leg's first byte follows another worker's prefill: the
-        // prediction is the prompt's, where it is computed.
-        if leg != Leg::Decode {
-            clock.predicted_ttft_ms = target.ttft_ms;
-        }
+        // A decode leg's first byte follows another worker's prefill: it
+        // carries a prediction only for a pull, whose target predicts the
+        // holder's prefill and the transfer, from now (before the prefill
+        // leg is sent).
+        clock.predicted_ttft_ms = target.ttft_ms;
         let usage =
             (leg == Leg::Whole && every > 0 && st.decisions.is_multiple_of(every)).then(|| {
                 let isl_tokens = u64::from(facts.isl_tokens);
@@ -825,6 +828,7 @@ impl Flow {
             clock,
             fallback,
             served_by,
+            placement: pull.map(|p| p.header_value()),
             draining: None,
             usage,
         }
@@ -917,6 +921,11 @@ impl Flow {
         {
             let st = self.state.borrow();
             let _ = h.set_response_header(&st.config.served_by_header, &value);
+        }
+        if let Stage::Routed(r) = &mut self.stage
+            && let Some(value) = r.placement.take()
+        {
+            let _ = h.set_response_header(kvgate_core::header::PLACEMENT, &value);
         }
         if let Stage::Routed(r) = &self.stage
             && let Some(p) = r.clock.predicted_ttft_ms
@@ -1056,7 +1065,15 @@ impl Flow {
             b.first_byte = true;
             r.clock.first_byte_us = Some(now);
             if let Some(p) = r.clock.predicted_ttft_ms {
-                let observed_ms = now.saturating_sub(r.clock.sent_us) as f64 / 1000.0;
+                // A decode leg carries a prediction only as a pull's, of
+                // the holder's prefill and the transfer: from its decision,
+                // not from its own dispatch after the prefill answered.
+                let from = if r.clock.leg == Leg::Decode {
+                    r.clock.decided_us
+                } else {
+                    r.clock.sent_us
+                };
+                let observed_ms = now.saturating_sub(from) as f64 / 1000.0;
                 st.metrics.predicted(h, f64::from(p), observed_ms);
             }
         }

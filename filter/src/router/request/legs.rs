@@ -124,6 +124,7 @@ impl Flow {
             fallback: s.decode_fallback.clone(),
             body: WholeBody::Scrubbed,
             why: None,
+            pull: s.pull,
         };
         self.route_to(h, decode, facts, Leg::Decode)
     }
@@ -389,6 +390,9 @@ impl Flow {
                     return self.give_up(h, plan, Reply::too_large(limit));
                 }
                 replace_body(h, &body);
+                if let Some(pull) = &plan.split.pull {
+                    self.state.borrow().metrics.placed(h, pull);
+                }
                 // The decode worker's own clock starts now: its time to
                 // first token is not the prefill leg's nor the transfer's
                 // wait before it.
@@ -467,6 +471,13 @@ impl Flow {
                 }
                 // The decode worker now serves the request whole, from now.
                 decode.clock.leg = Leg::Whole;
+                // A pull's decode worker computes what it was to pull; the
+                // pull's prediction no longer says anything.
+                if let Some(pull) = plan.split.pull.map(|p| p.recomputed()) {
+                    self.state.borrow().metrics.placed(h, &pull);
+                    decode.placement = Some(pull.header_value());
+                    decode.clock.predicted_ttft_ms = None;
+                }
                 decode.clock.sent_us = h.now_us();
                 send_whole(h, &client);
                 self.stage = Stage::Routed(Box::new(decode));

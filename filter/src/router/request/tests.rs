@@ -9,9 +9,11 @@ use crate::host::{Fault, Host};
 use crate::manifest::{self, Manifest};
 use crate::router::RouterState;
 use kvgate_core::booking::{Event, decode_batch};
+use kvgate_core::disagg::pull::Pull;
 use kvgate_core::plan::Leg;
 use kvgate_core::state::{
-    Disaggregation, ModelState, OnPrefillFailure, Protocol, RankLoad, Role, Snapshot, WorkerState,
+    Disaggregation, ModelState, OnPrefillFailure, Protocol, RankLoad, Role, Snapshot, Thresholds,
+    WorkerState,
 };
 use proxy_wasm::types::{Action, LogLevel};
 use std::cell::{Cell, RefCell};
@@ -368,6 +370,33 @@ fn send(h: &Mock, f: &mut Flow, body: &str) -> Action {
     f.on_request_body(h, body.len(), true)
 }
 
+/// Index shards of `model` in which `slot` holds the first `blocks`
+/// blocks of [`body`]'s prompt on its device.
+fn index(h: &Mock, model: &str, slot: u16, blocks: usize) {
+    use kvgate_core::shard::{Holder, TIER_DEVICE, encode, shard_of};
+    let tokens: Vec<u32> = (0..320).collect();
+    let hashes = kvgate_core::hash::scoped_sequence_hashes(
+        &tokens,
+        16,
+        kvgate_core::hash::CacheScope::default(),
+    );
+    let mut per_shard: HashMap<u32, Vec<(u64, Vec<Holder>)>> = HashMap::new();
+    for hsh in hashes.into_iter().take(blocks) {
+        let holder = Holder {
+            slot,
+            tiers: TIER_DEVICE,
+        };
+        per_shard
+            .entry(shard_of(hsh, 8))
+            .or_default()
+            .push((hsh, vec![holder]));
+    }
+    let mut shared = h.shared.borrow_mut();
+    for (s, mut e) in per_shard {
+        shared.insert(kvgate_core::update::shard_key(model, s), encode(&mut e));
+    }
+}
+
 const ANSWER: &str = r#"{"id":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2],"remote_host":"10.0.0.3","remote_port":5600}}"#;
 
 fn destination(h: &Mock) -> Option<String> {
@@ -536,19 +565,7 @@ fn a_nixl_split_books_both_legs_and_the_decode_clock_starts_at_its_dispatch() {
     assert!(!String::from_utf8_lossy(&call.body).contains("evil"));
     assert_eq!(call.timeout, Duration::from_secs(30));
     // Both legs are booked: the prompt where it is computed.
-    let books: Vec<(u16, u32, u32)> = h
-        .events()
-        .into_iter()
-        .filter_map(|e| match e {
-            Event::Book {
-                slot,
-                prefill_tokens,
-                decode_blocks,
-                ..
-            } => Some((slot, prefill_tokens, decode_blocks)),
-            _ => None,
-        })
-        .collect();
+    let books = books(&h);
     assert_eq!(books, vec![(5, 0, 20), (3, 320, 0)]);
 
     h.advance_ms(40);
@@ -786,31 +803,7 @@ fn the_conditional_rule_computes_a_mostly_cached_prompt_on_the_decode_worker() {
     let snap = snapshot();
     let (h, mut f) = setup(&snap);
     // The decode worker holds 18 of the prompt's 20 blocks.
-    let tokens: Vec<u32> = (0..320).collect();
-    let hashes = kvgate_core::hash::scoped_sequence_hashes(
-        &tokens,
-        16,
-        kvgate_core::hash::CacheScope::default(),
-    );
-    let mut per_shard: HashMap<u32, Vec<(u64, Vec<kvgate_core::shard::Holder>)>> = HashMap::new();
-    for hsh in hashes.into_iter().take(18) {
-        per_shard
-            .entry(kvgate_core::shard::shard_of(hsh, 8))
-            .or_default()
-            .push((
-                hsh,
-                vec![kvgate_core::shard::Holder {
-                    slot: 5,
-                    tiers: kvgate_core::shard::TIER_DEVICE,
-                }],
-            ));
-    }
-    for (s, mut e) in per_shard {
-        h.shared.borrow_mut().insert(
-            kvgate_core::update::shard_key("nixl", s),
-            kvgate_core::shard::encode(&mut e),
-        );
-    }
+    index(&h, "nixl", 5, 18);
     let b = body("nixl", r#","kv_transfer_params":{"remote_host":"evil"}"#);
     assert_eq!(send(&h, &mut f, &b), Action::Continue);
     assert_eq!(stage(&f), "routed");
@@ -820,6 +813,175 @@ fn the_conditional_rule_computes_a_mostly_cached_prompt_on_the_decode_worker() {
     assert!(!String::from_utf8_lossy(&h.body.borrow()).contains("evil"));
     assert!(h.header(kvgate_core::header::REQUEST_ID).is_some());
     assert_eq!(h.counter("kvgate_prefill_local_total"), 1);
+}
+
+/// `pull`: three `both` workers (12, 13, 14) of a model that pulls, a
+/// rank busy past 40 % of its cache in decode blocks. With `loaded`,
+/// worker 12 has 500 decode blocks resident and is busy. The model fails
+/// a split's failed leg, which a pull must not do.
+fn pulling(loaded: bool) -> Snapshot {
+    let mut holder = worker(12, Role::Both, 0);
+    if loaded {
+        let r = &mut holder.ranks[0];
+        (r.active_decode_blocks, r.kv_used_blocks, r.busy) = (500, 500, true);
+    }
+    Snapshot {
+        version: 1,
+        built_at_ms: 1,
+        models: vec![ModelState {
+            name: "pull".into(),
+            shard_count: 8,
+            thresholds: Thresholds {
+                active_decode_blocks: Some(0.4),
+                ..Default::default()
+            },
+            workers: vec![holder, worker(13, Role::Both, 0), worker(14, Role::Both, 0)],
+            disaggregation: Some(Disaggregation {
+                protocol: Protocol::VllmNixl,
+                on_prefill_failure: OnPrefillFailure::Fail,
+                pull: Some(Pull::default()),
+                ..Disaggregation::default()
+            }),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// Each booking made: slot, prompt tokens, decode blocks.
+fn books(h: &Mock) -> Vec<(u16, u32, u32)> {
+    h.events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Book {
+                slot,
+                prefill_tokens,
+                decode_blocks,
+                ..
+            } => Some((slot, prefill_tokens, decode_blocks)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn placement(h: &Mock) -> Option<String> {
+    h.response
+        .borrow()
+        .get(kvgate_core::header::PLACEMENT)
+        .cloned()
+}
+
+#[test]
+fn a_holder_busy_with_decode_prefills_the_tail_and_an_idle_worker_pulls() {
+    let (h, mut f) = setup(&pulling(true));
+    // Worker 12 holds 18 of the prompt's 20 blocks.
+    index(&h, "pull", 12, 18);
+    assert_eq!(send(&h, &mut f, &body("pull", "")), Action::Pause);
+    assert_eq!(stage(&f), "prefilling");
+    let call = h.callouts.borrow()[0].clone();
+    assert_eq!(
+        call.headers[":authority"], "10.0.0.12:8000",
+        "the prefill leg goes to the holder"
+    );
+    let leg = String::from_utf8(call.body).unwrap();
+    assert!(leg.contains(r#""do_remote_decode":true"#), "{leg}");
+    // The decode worker and its fallback are the idle ones: the holder is
+    // busy for a whole request.
+    let decode = destination(&h).unwrap();
+    assert!(!decode.contains("10.0.0.12"), "{decode}");
+    let decoder: u16 = decode
+        .split(',')
+        .next()
+        .and_then(|e| e.strip_prefix("10.0.0."))
+        .and_then(|e| e.strip_suffix(":8000"))
+        .and_then(|id| id.parse().ok())
+        .unwrap();
+    // The holder books the tail it computes (2 blocks); the decode worker
+    // the whole prompt it pulls, and no prompt.
+    assert_eq!(books(&h), vec![(decoder, 0, 20), (12, 32, 0)]);
+    assert_eq!(h.counter("kvgate_prefill_remote_total"), 1);
+    assert_eq!(
+        h.counter("kvgate_placed_pull_total"),
+        0,
+        "a pull counts once its prefill leg answered"
+    );
+
+    h.answer(Some(200), ANSWER);
+    f.on_callout_answer(&h, 1, ANSWER.len());
+    assert_eq!(h.counter("kvgate_placed_pull_total"), 1);
+    assert_eq!(h.counter("kvgate_pull_blocks_moved_total"), 20);
+    assert_eq!(h.counter("kvgate_placed_holder_total"), 0);
+    assert_eq!(stage(&f), "routed");
+    assert_eq!(h.resumed.get(), 1);
+    let sent = String::from_utf8(h.body.borrow().clone()).unwrap();
+    assert!(sent.contains(r#""do_remote_prefill":true"#), "{sent}");
+    respond(&h, &mut f);
+    // 20 blocks of 16 tokens at 128 KiB a token over 100 Gbit/s: 3.36 ms.
+    assert_eq!(
+        placement(&h).as_deref(),
+        Some("pull; blocks=20; transfer_ms=3.4")
+    );
+    assert!(balanced(&h));
+}
+
+#[test]
+fn a_pull_whose_prefill_leg_fails_is_recomputed_on_its_decode_worker() {
+    let (h, mut f) = setup(&pulling(true));
+    index(&h, "pull", 12, 18);
+    send(&h, &mut f, &body("pull", ""));
+    h.answer(Some(503), "");
+    f.on_callout_answer(&h, 1, 0);
+    assert_eq!(
+        h.callouts.borrow().len(),
+        1,
+        "no other worker holds the prefix"
+    );
+    // Served, though the model fails a split whose leg failed.
+    assert_eq!(stage(&f), "routed");
+    assert_eq!(h.resumed.get(), 1);
+    assert!(h.replies.borrow().is_empty());
+    let last = books(&h).pop().unwrap();
+    assert_eq!(
+        (last.1, last.2),
+        (320, 20),
+        "the decode worker books the prompt it now computes"
+    );
+    assert_eq!(h.counter("kvgate_prefill_failed_total"), 1);
+    let sent = String::from_utf8(h.body.borrow().clone()).unwrap();
+    assert!(!sent.contains("kv_transfer_params"), "{sent}");
+    respond(&h, &mut f);
+    // It computes again the 18 cached blocks the holder had; counted as a
+    // recompute, never as a pull.
+    assert_eq!(placement(&h).as_deref(), Some("recompute; blocks=18"));
+    assert_eq!(h.counter("kvgate_placed_pull_total"), 0);
+    assert_eq!(h.counter("kvgate_pull_blocks_moved_total"), 0);
+    assert_eq!(h.counter("kvgate_placed_recompute_total"), 1);
+    assert_eq!(h.counter("kvgate_recompute_blocks_total"), 18);
+    assert!(balanced(&h));
+}
+
+#[test]
+fn an_idle_holder_keeps_its_request_whole() {
+    let (h, mut f) = setup(&pulling(false));
+    index(&h, "pull", 12, 18);
+    assert_eq!(send(&h, &mut f, &body("pull", "")), Action::Continue);
+    assert_eq!(stage(&f), "routed");
+    assert!(h.callouts.borrow().is_empty(), "no prefill leg");
+    let to = destination(&h).unwrap();
+    assert!(to.starts_with("10.0.0.12:8000"), "{to}");
+    respond(&h, &mut f);
+    assert_eq!(placement(&h).as_deref(), Some("holder"));
+    assert_eq!(h.counter("kvgate_placed_holder_total"), 1);
+    assert_eq!(h.counter("kvgate_placed_pull_total"), 0);
+    assert_eq!(h.counter("kvgate_prefill_remote_total"), 0);
+    assert!(balanced(&h));
+
+    // A model that does not pull says nothing of placement.
+    let (h, mut f) = setup(&snapshot());
+    send(&h, &mut f, &body("agg", ""));
+    respond(&h, &mut f);
+    assert_eq!(placement(&h), None);
+    assert_eq!(h.counter("kvgate_placed_holder_total"), 0);
 }
 
 #[test]

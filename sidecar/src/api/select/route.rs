@@ -33,7 +33,7 @@ use kvgate_core::approx;
 use kvgate_core::disagg::whole_body;
 use kvgate_core::dispatch::{Dispatch, Door, Refusal, WholeBody, dispatch};
 use kvgate_core::plan::request::Parsed;
-use kvgate_core::plan::{Plan, Rejection, ShardSource};
+use kvgate_core::plan::{Ask, Plan, Rejection, ShardSource};
 use kvgate_core::reply::Reply;
 use std::borrow::Cow;
 use std::sync::atomic::Ordering;
@@ -138,7 +138,13 @@ pub fn place(
     tie_break: u64,
     shards: &mut impl ShardSource,
 ) -> Result<Placed, RouteError> {
-    let (plan, _) = place_in(model, req, tenant, tie_break, None, shards, true);
+    // This door sends one upstream request: it makes no pull.
+    let ask = Ask {
+        tie_break,
+        one_upstream: true,
+        ..Ask::default()
+    };
+    let (plan, _) = place_in(model, req, tenant, &ask, shards, true);
     let route = match &plan {
         Plan::Route(r) => r,
         Plan::Reject(r) => return Err(RouteError::Refused(*r)),

@@ -27,6 +27,7 @@ fn snapshot() -> Snapshot {
         role: Default::default(),
         bootstrap_port: 0,
         fits: None,
+        topology: Default::default(),
     };
     Snapshot {
         version: 1,
@@ -382,4 +383,120 @@ fn scheduler_fields_not_applied_are_named() {
         (v.worker_id, v.dp_rank),
         (plain["worker_id"].as_u64().unwrap(), 1)
     );
+}
+
+/// Index shards of model `m` in which `slot` holds the first `blocks`
+/// blocks of [`tokens`] on its device.
+fn held_by(slot: u16, blocks: usize) -> HashMap<String, Vec<u8>> {
+    let seq = sequence_hashes(&block_hashes(&tokens(), 16, XXH3_SEED));
+    let mut per_shard: HashMap<u32, Vec<(u64, Vec<Holder>)>> = HashMap::new();
+    for h in seq.into_iter().take(blocks) {
+        let holder = Holder {
+            slot,
+            tiers: TIER_DEVICE,
+        };
+        per_shard
+            .entry(shard_of(h, SHARDS))
+            .or_default()
+            .push((h, vec![holder]));
+    }
+    per_shard
+        .into_iter()
+        .map(|(s, mut e)| (shard_key("m", s), encode(&mut e)))
+        .collect()
+}
+
+/// Three `both` workers (1, 2, 3 on slots 0, 1, 2) of a model that pulls,
+/// busy past 40 % of a cache in decode blocks; with `loaded`, worker 1
+/// has 500 of its 1000 blocks in decode and is busy.
+fn pulling(loaded: bool) -> Snapshot {
+    use kvgate_core::disagg::pull::Pull;
+    use kvgate_core::{Disaggregation, Protocol, Role, Thresholds};
+    let mut s = snapshot();
+    let template = s.models[0].workers[0].clone();
+    let m = &mut s.models[0];
+    m.workers = (1..=3u64)
+        .map(|id| WorkerState {
+            id,
+            endpoint: format!("10.0.0.{id}:8000"),
+            role: Role::Both,
+            ranks: vec![RankLoad {
+                slot: id as u16 - 1,
+                kv_total_blocks: 1000,
+                ..Default::default()
+            }],
+            ..template.clone()
+        })
+        .collect();
+    if loaded {
+        let r = &mut m.workers[0].ranks[0];
+        (r.active_decode_blocks, r.kv_used_blocks, r.busy) = (500, 500, true);
+    }
+    m.thresholds = Thresholds {
+        active_decode_blocks: Some(0.4),
+        ..Default::default()
+    };
+    m.disaggregation = Some(Disaggregation {
+        protocol: Protocol::VllmNixl,
+        pull: Some(Pull::default()),
+        ..Disaggregation::default()
+    });
+    s
+}
+
+fn run_held(snap: &Snapshot, store: &HashMap<String, Vec<u8>>) -> SelectionView {
+    let model = snap.model("m").unwrap();
+    selection(model, &by_tokens(), 0, &mut |k: &str| store.get(k).cloned())
+        .unwrap()
+        .view
+}
+
+#[test]
+fn a_holder_busy_with_decode_is_named_for_the_prefill_leg_of_a_pull() {
+    use super::views::{LegView, PlacementView};
+    // Worker 1 holds 8 of the prompt's 10 blocks.
+    let store = held_by(0, 8);
+    let v = run_held(&pulling(true), &store);
+    // 10 blocks of 16 tokens at 128 KiB a token over 100 Gbit/s.
+    assert_eq!(
+        v.placement,
+        Some(PlacementView {
+            kind: "pull".into(),
+            blocks: 10,
+            transfer_us: 1678,
+        })
+    );
+    let d = v.disaggregation.clone().expect("a pull names both legs");
+    assert_eq!(
+        d.prefill,
+        Some(LegView {
+            worker_id: 1,
+            dp_rank: 0,
+            endpoint: "10.0.0.1:8000".into(),
+            effective_prefill_tokens: 32,
+            decode_blocks: 0,
+            reservation_id: None,
+        }),
+        "the holder computes the uncached tail and keeps nothing"
+    );
+    assert!(!d.local_prefill);
+    assert_ne!(d.decode.worker_id, 1);
+    assert_eq!(
+        (d.decode.effective_prefill_tokens, d.decode.decode_blocks),
+        (0, 10),
+        "the decode worker pulls the whole prompt"
+    );
+    // The client sends its request to the decode worker.
+    assert_eq!(
+        (v.worker_id, v.effective_prefill_tokens),
+        (d.decode.worker_id, 0)
+    );
+    let json = serde_json::to_value(&v).unwrap();
+    assert_eq!(json["placement"]["kind"], "pull", "{json}");
+
+    // Idle, the holder keeps the request whole: one worker, no legs.
+    let v = run_held(&pulling(false), &store);
+    assert_eq!((v.worker_id, v.effective_prefill_tokens), (1, 32));
+    assert_eq!(v.placement.map(|p| p.kind), Some("holder".to_string()));
+    assert_eq!(v.disaggregation, None);
 }

@@ -456,6 +456,11 @@ pub struct SelectionView {
     /// sends its request to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disaggregation: Option<SplitView>,
+    /// On a model that pulls, which of its three placements this is; a
+    /// pull names both legs in `disaggregation` (the prefill leg on the
+    /// holder). Absent on other models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementView>,
     /// The request's class: `critical` (Dynamo's first tier, or a jump
     /// ahead), which may use the reserved share of the busy thresholds,
     /// or `standard`.
@@ -465,6 +470,18 @@ pub struct SelectionView {
     /// when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub not_applied: Vec<String>,
+}
+
+/// Where a request of a model that pulls goes, as
+/// `kvgate_core::disagg::pull::Placed` says.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementView {
+    /// `holder`, `recompute` or `pull`.
+    pub kind: String,
+    /// A pull's blocks moved; a recompute's cached blocks computed again.
+    pub blocks: u64,
+    /// A pull's transfer time alone on its link, in microseconds.
+    pub transfer_us: u64,
 }
 
 /// The two legs of a disaggregated selection.
