@@ -42,6 +42,7 @@
 use crate::build;
 use crate::quality::{cap_outputs, mooncake_text, reset};
 use crate::stats::{histogram_buckets, percentiles_between};
+use crate::stats::{num_or_dash as f, pct_or_dash as pct};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use kvgate_load::summary::percentile;
@@ -749,27 +750,12 @@ fn capacity(
     let t = Instant::now();
     let a = rt.block_on(closed_loop(&stack.envoy_addr(), reqs, concurrency));
     let wall = t.elapsed().as_secs_f64();
-    let mut ends: Vec<u64> = a
+    let ends: Vec<u64> = a
         .iter()
-        .filter(|a| a.status == 200)
-        .map(|a| a.start_us + a.latency_us)
+        .filter(|o| o.status == 200)
+        .map(|o| o.start_us + o.latency_us)
         .collect();
-    ends.sort_unstable();
-    let (k1, k2) = (
-        concurrency.min(ends.len()),
-        ends.len().saturating_sub(concurrency),
-    );
-    anyhow::ensure!(
-        k2 > k1 + 10,
-        "capacity: only {} of {} requests completed",
-        ends.len(),
-        a.len()
-    );
-    let rps = (k2 - k1) as f64 / ((ends[k2 - 1] - ends[k1 - 1]) as f64 / 1e6).max(1e-6);
-    Ok(json!({
-        "requests": a.len(), "ok": ends.len(), "concurrency": concurrency,
-        "seconds": wall, "rps": rps,
-    }))
+    crate::stats::steady_capacity(ends, a.len(), concurrency, wall)
 }
 
 /// `None` while Envoy answers; else what its log says of its end.
@@ -1110,21 +1096,6 @@ fn at(v: &Value, path: &[&str]) -> Option<f64> {
         cur = &cur[*p];
     }
     cur.as_f64()
-}
-
-/// `x` to `d` places, or a dash.
-fn f(x: Option<f64>, d: usize) -> String {
-    match x {
-        Some(x) if x.is_finite() => crate::figures::fixed(x, d),
-        _ => "—".into(),
-    }
-}
-
-fn pct(x: Option<f64>, d: usize) -> String {
-    match x {
-        Some(x) if x.is_finite() => format!("{} %", crate::figures::fixed(100.0 * x, d)),
-        _ => "—".into(),
-    }
 }
 
 fn arm_label(arm: &str) -> &'static str {

@@ -45,6 +45,11 @@
 //!   and deadline against today's 503 with its retry queue and against
 //!   Envoy's least-request balancing, on the Mooncake trace at 1–2× the
 //!   fleet's measured capacity. `--only admission`.
+//! * `pull` ([`crate::pullbench`]): kvgate pulling a prompt's KV from its
+//!   loaded holder against today's kvgate (holder or recompute) and
+//!   against Envoy's least-request balancing, on the same four simulated
+//!   GPUs, on shared-prefix, Mooncake and load-spill workloads at
+//!   multiples of each one's measured capacity. `--only pull`.
 //! * `hostile` ([`crate::hostilebench`]): each hardening attack on a fresh
 //!   sidecar, its memory and `/select` latency against the same sidecar
 //!   idle. Only with `--only hostile`: it measures bounds, not speed.
@@ -102,6 +107,7 @@ pub enum Only {
     Quality,
     Disagg,
     Admission,
+    Pull,
     Hostile,
 }
 
@@ -176,6 +182,7 @@ pub fn run(args: &Args) -> Result<()> {
             Only::Text => save("text", crate::textbench::run(quick, baseline)?, true)?,
             Only::Disagg => save("disagg", crate::disaggbench::run(quick)?, false)?,
             Only::Admission => save("admission", crate::admissionbench::run(quick)?, false)?,
+            Only::Pull => save("pull", crate::pullbench::run(quick)?, false)?,
             Only::Hostile => save("hostile", crate::hostilebench::run(quick)?, false)?,
             Only::Dump => save(
                 "dump",
@@ -218,6 +225,7 @@ pub fn run(args: &Args) -> Result<()> {
     save("planner", crate::plannerbench::run(quick)?, false)?;
     save("disagg", crate::disaggbench::run(quick)?, false)?;
     save("admission", crate::admissionbench::run(quick)?, false)?;
+    save("pull", crate::pullbench::run(quick)?, false)?;
     let report = write_report(Some(header(quick, started.elapsed())))?;
     println!("\n{report}");
     Ok(())
@@ -318,6 +326,9 @@ fn sections(r: &figures::Results) -> Result<Vec<String>> {
     }
     if let Some(v) = r.get("admission") {
         out.push(crate::admissionbench::report(v));
+    }
+    if let Some(v) = r.get("pull") {
+        out.push(crate::pullbench::report(v));
     }
     if let Some(v) = r.get("hostile") {
         out.push(crate::hostilebench::report(v));

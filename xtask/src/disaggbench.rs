@@ -490,18 +490,7 @@ fn workload_table(v: &Value, workload: &str) -> String {
 
 pub fn report(v: &Value) -> String {
     let f = |p: &[&str]| num(v, p);
-    let sim: Vec<String> = v["sim"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|p| {
-            format!(
-                "`{} {}`",
-                p[0].as_str().unwrap_or(""),
-                p[1].as_str().unwrap_or("")
-            )
-        })
-        .collect();
+    let sim = crate::stats::flags(&v["sim"]);
     let i = |run: &str, p: &[&str]| num(&v["interference"][run], p);
     let a = |run: &str, p: &[&str]| num(&v["decode_affinity"][run], p);
     let aff_row = |run: &str, label: &str| {

@@ -19,6 +19,7 @@ mod kvbench;
 mod kvfleet;
 mod plannerbench;
 mod plot;
+mod pullbench;
 mod quality;
 mod replay;
 mod setup;

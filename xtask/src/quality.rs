@@ -136,9 +136,23 @@ pub(crate) fn reset(stack: &Stack) -> Result<()> {
         anyhow::ensure!(Instant::now() < deadline, "the fleet never went idle");
         std::thread::sleep(Duration::from_millis(200));
     }
+    // A worker still holding blocks for a pull refuses the reset until
+    // its lease ends.
     for w in &stack.workers {
-        http::request(&w.endpoint(), "POST", "/reset_prefix_cache", &[], None)
-            .with_context(|| format!("resetting worker {}", w.id))?;
+        loop {
+            let (status, _) =
+                http::request(&w.endpoint(), "POST", "/reset_prefix_cache", &[], None)
+                    .with_context(|| format!("resetting worker {}", w.id))?;
+            if status == 200 {
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "worker {} kept refusing to reset its prefix cache ({status})",
+                w.id
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
     }
     while stack
         .sidecar_metric("kvgate_sidecar_kv_indexed_blocks{model=\"demo-model\"}")
@@ -175,13 +189,7 @@ pub(crate) fn summarize(
     let e2e = admitted_latency_us(outcomes);
     let shed = outcomes.iter().filter(|o| o.status == 503).count();
     let failed = outcomes.len() - ok.len() - shed;
-    let first = outcomes.iter().map(|o| o.start_us).min().unwrap_or(0);
-    let last = outcomes
-        .iter()
-        .map(|o| o.start_us + o.latency_us)
-        .max()
-        .unwrap_or(0);
-    let span_s = (last.saturating_sub(first)) as f64 / 1e6;
+    let span_s = crate::stats::span_s(outcomes);
     let delta = |k: &str| counter(after, k).saturating_sub(counter(before, k));
     let (queries, hits) = (delta("prefix_cache_queries"), delta("prefix_cache_hits"));
     let mut per_worker: BTreeMap<String, u64> = BTreeMap::new();

@@ -123,6 +123,76 @@ pub fn percentiles_between(
     Value::Object(out)
 }
 
+/// A closed loop's capacity: its completion rate between the first and
+/// the last `concurrency` completions (the ramp-up and the drain left
+/// out), from the end times of the requests that succeeded, with the
+/// counts the results keep beside it.
+pub fn steady_capacity(
+    mut ends_us: Vec<u64>,
+    requests: usize,
+    concurrency: usize,
+    wall_s: f64,
+) -> Result<Value> {
+    ends_us.sort_unstable();
+    let (k1, k2) = (
+        concurrency.min(ends_us.len()),
+        ends_us.len().saturating_sub(concurrency),
+    );
+    anyhow::ensure!(
+        k2 > k1 + 10,
+        "capacity: only {} of {requests} requests completed",
+        ends_us.len()
+    );
+    let rps = (k2 - k1) as f64 / ((ends_us[k2 - 1] - ends_us[k1 - 1]) as f64 / 1e6).max(1e-6);
+    Ok(json!({
+        "requests": requests, "ok": ends_us.len(), "concurrency": concurrency,
+        "seconds": wall_s, "rps": rps,
+    }))
+}
+
+/// A results file's flag list (`[[flag, value], ...]`) as the report
+/// quotes it, each `` `flag value` ``.
+pub fn flags(list: &Value) -> Vec<String> {
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            format!(
+                "`{} {}`",
+                p[0].as_str().unwrap_or(""),
+                p[1].as_str().unwrap_or("")
+            )
+        })
+        .collect()
+}
+
+/// `x` to `d` places, or a dash where there is no number.
+pub fn num_or_dash(x: Option<f64>, d: usize) -> String {
+    match x {
+        Some(x) if x.is_finite() => crate::figures::fixed(x, d),
+        _ => "—".into(),
+    }
+}
+
+/// A share `x` in percent to `d` places, or a dash.
+pub fn pct_or_dash(x: Option<f64>, d: usize) -> String {
+    match x {
+        Some(x) if x.is_finite() => format!("{} %", crate::figures::fixed(100.0 * x, d)),
+        _ => "—".into(),
+    }
+}
+
+/// From a run's first send to its last answer, in seconds.
+pub fn span_s(outcomes: &[Outcome]) -> f64 {
+    let first = outcomes.iter().map(|o| o.start_us).min().unwrap_or(0);
+    let last = outcomes
+        .iter()
+        .map(|o| o.start_us + o.latency_us)
+        .max()
+        .unwrap_or(0);
+    last.saturating_sub(first) as f64 / 1e6
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

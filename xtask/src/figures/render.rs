@@ -15,6 +15,7 @@ const DISAGG: &str = "disagg";
 const THERMAL: &str = "thermal";
 const PLANNER: &str = "planner";
 const ADMISSION: &str = "admission";
+const PULL: &str = "pull";
 const SYNC: &str = "sync";
 const DUMP: &str = "dump";
 
@@ -378,6 +379,27 @@ it measured. All of them, with how to read them: \
         ),
     ];
     s.push_str(&row(p, ADMISSION, cells));
+
+    let spill =
+        |a: &str, what: &str| format!("workloads/name=load_spill/rates/load=0.5/arms/{a}/{what}");
+    let cells = [
+        format!(
+            "load spill (a hot prefix group rotating) on {} simulated GPUs at half their capacity: TTFT p90, prompt tokens no worker computed",
+            p.num(PULL, "workers", 0)
+        ),
+        format!(
+            "{} ms, {} % moving the KV to idle workers",
+            p.num(PULL, &spill("pulls", "ttft_ms/p90"), 0),
+            p.pct(PULL, &spill("pulls", "hit_rate"), 1)
+        ),
+        format!(
+            "{} ms, {} % today; least request {} ms",
+            p.num(PULL, &spill("today", "ttft_ms/p90"), 0),
+            p.pct(PULL, &spill("today", "hit_rate"), 1),
+            p.num(PULL, &spill("least_request", "ttft_ms/p90"), 0)
+        ),
+    ];
+    s.push_str(&row(p, PULL, cells));
 
     let (figure, split, aggregated) = disagg_cells(p, "2 prefill + 2 decode against 4 aggregated");
     s.push_str(&row(p, DISAGG, [figure, split, aggregated]));
