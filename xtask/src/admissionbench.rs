@@ -41,8 +41,8 @@
 
 use crate::build;
 use crate::quality::{cap_outputs, mooncake_text, reset};
+use crate::stats::{at, num_or_dash as f, pct_or_dash as pct};
 use crate::stats::{histogram_buckets, percentiles_between};
-use crate::stats::{num_or_dash as f, pct_or_dash as pct};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use kvgate_load::summary::percentile;
@@ -1087,15 +1087,6 @@ pub fn run(quick: bool) -> Result<Value> {
         "arms": ARMS,
         "wall_s": started.elapsed().as_secs_f64(),
     }))
-}
-
-/// A number at `path` of `v`, if there is one.
-fn at(v: &Value, path: &[&str]) -> Option<f64> {
-    let mut cur = v;
-    for p in path {
-        cur = &cur[*p];
-    }
-    cur.as_f64()
 }
 
 fn arm_label(arm: &str) -> &'static str {

@@ -702,11 +702,7 @@ fn machine() -> String {
 
 /// A number at `path` in `v`, NaN when absent.
 fn num(v: &Value, path: &[&str]) -> f64 {
-    let mut cur = v;
-    for p in path {
-        cur = &cur[*p];
-    }
-    cur.as_f64().unwrap_or(f64::NAN)
+    crate::stats::at(v, path).unwrap_or(f64::NAN)
 }
 
 /// The report's first lines: what kind of run, on what, when, how long.

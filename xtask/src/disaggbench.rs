@@ -424,10 +424,7 @@ pub fn run(quick: bool) -> Result<Value> {
 
 /// A number at `path`, NaN when absent.
 fn num(v: &Value, path: &[&str]) -> f64 {
-    path.iter()
-        .fold(v, |cur, p| &cur[*p])
-        .as_f64()
-        .unwrap_or(f64::NAN)
+    crate::stats::at(v, path).unwrap_or(f64::NAN)
 }
 
 /// `x` over the aggregated fleet's `base`, as `×r`.

@@ -28,7 +28,7 @@
 use crate::build;
 use crate::quality::{cap_outputs, counter, mooncake_text, reset, sims};
 use crate::stats::{admitted_ttft_us, histogram_buckets, ms, percentiles_between};
-use crate::stats::{num_or_dash as f, pct_or_dash as pct};
+use crate::stats::{at, num_or_dash as f, pct_or_dash as pct};
 use anyhow::{Context, Result};
 use kvgate_load::workload::{LoadSpill, SharedPrefix, load_spill, mooncake, shared_prefix};
 use kvgate_load::{Outcome, RequestSpec, Target, run_closed_loop, run_open_loop};
@@ -668,11 +668,6 @@ pub fn run(quick: bool) -> Result<Value> {
         "workloads": out,
         "wall_s": started.elapsed().as_secs_f64(),
     }))
-}
-
-/// A number at `path` of `v`, if there is one.
-fn at(v: &Value, path: &[&str]) -> Option<f64> {
-    path.iter().fold(v, |cur, p| &cur[*p]).as_f64()
 }
 
 fn times(x: Option<f64>) -> String {

@@ -193,6 +193,11 @@ pub fn span_s(outcomes: &[Outcome]) -> f64 {
     last.saturating_sub(first) as f64 / 1e6
 }
 
+/// The number at `path` of a results value, if there is one.
+pub fn at(v: &Value, path: &[&str]) -> Option<f64> {
+    path.iter().fold(v, |cur, p| &cur[*p]).as_f64()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
